@@ -1,0 +1,62 @@
+"""The model catalog: ids, aliases, prices (µUSD per 1M tokens), output bounds."""
+
+from __future__ import annotations
+
+import json
+import math
+import tomllib
+from pathlib import Path
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+BUNDLED_MODEL_ID = "smollm2-135m"
+DEFAULT_MAX_OUTPUT_TOKENS = 4096
+
+
+class CatalogModel(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    id: str = Field(min_length=1, max_length=256)
+    aliases: list[str] = Field(default_factory=list)
+    input_price: int = Field(ge=0, description="µUSD per 1M prompt tokens")
+    output_price: int = Field(ge=0, description="µUSD per 1M completion tokens")
+    max_output_tokens: int = Field(default=DEFAULT_MAX_OUTPUT_TOKENS, ge=1)
+    weight_hash: str | None = None
+
+    def cost(self, prompt_tokens: int, completion_tokens: int) -> int:
+        """Raw cost in µUSD, before any minimum charge (CONTRACT §0)."""
+        return (math.ceil(prompt_tokens * self.input_price / 1_000_000)
+                + math.ceil(completion_tokens * self.output_price / 1_000_000))
+
+
+class Catalog(BaseModel):
+    models: list[CatalogModel]
+
+    @field_validator("models")
+    @classmethod
+    def _unique_names(cls, models: list[CatalogModel]) -> list[CatalogModel]:
+        seen: set[str] = set()
+        for model in models:
+            for name in (model.id, *model.aliases):
+                if name in seen:
+                    raise ValueError(f"model name {name!r} appears twice in the catalog")
+                seen.add(name)
+        return models
+
+    def resolve(self, name: str) -> CatalogModel | None:
+        """The catalog entry for an id or alias, or None."""
+        for model in self.models:
+            if name == model.id or name in model.aliases:
+                return model
+        return None
+
+    @classmethod
+    def default(cls) -> "Catalog":
+        return cls(models=[CatalogModel(id=BUNDLED_MODEL_ID, input_price=50_000, output_price=200_000,
+                                        max_output_tokens=2048)])
+
+    @classmethod
+    def load(cls, path: Path) -> "Catalog":
+        text = path.read_text()
+        data = tomllib.loads(text) if path.suffix == ".toml" else json.loads(text)
+        return cls.model_validate(data)

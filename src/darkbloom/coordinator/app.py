@@ -1,0 +1,56 @@
+"""ASGI app factory: routes, middleware, lifespan (start and stop of everything)."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from typing import AsyncIterator
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse
+
+from darkbloom.coordinator import sessions
+from darkbloom.coordinator.body_limit import BodyLimitMiddleware
+from darkbloom.coordinator.completions import ClientDisconnected
+from darkbloom.coordinator.config import CoordinatorSettings
+from darkbloom.coordinator.errors import install_handlers
+from darkbloom.coordinator.registry import Registry
+from darkbloom.coordinator.routes import account, admin, device, health, inference, keys, provider_ws
+from darkbloom.coordinator.services import Services
+from darkbloom.store import create_engine, migrate
+
+log = logging.getLogger("darkbloom.coordinator")
+
+
+def create_app(settings: CoordinatorSettings) -> FastAPI:
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        engine = create_engine(settings.database_url)
+        await migrate(engine)
+        services = Services(settings=settings, engine=engine, registry=Registry())
+        app.state.services = services
+        evictor = asyncio.create_task(sessions.evict_silent(services))
+        log.info("coordinator ready on %s (database %s)", settings.base_url, engine.url.render_as_string())
+        try:
+            yield
+        finally:
+            evictor.cancel()
+            for session in services.registry.all():
+                await sessions.close_session(services, session)
+                session.close(1001)
+            await engine.dispose()
+
+    app = FastAPI(title="Darkbloom coordinator", version="0.1.0", lifespan=lifespan,
+                  docs_url=None, redoc_url=None)
+    app.add_middleware(BodyLimitMiddleware, max_bytes=settings.max_body_bytes)
+    install_handlers(app)
+    app.add_exception_handler(ClientDisconnected, _client_gone)
+    for module in (health, inference, account, keys, device, admin, provider_ws):
+        app.include_router(module.router)
+    return app
+
+
+async def _client_gone(_request: Request, _exc: Exception) -> JSONResponse:
+    return JSONResponse({"error": {"message": "client disconnected", "type": "client_disconnected",
+                                   "code": "client_disconnected", "param": None}}, status_code=499)

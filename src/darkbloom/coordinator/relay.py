@@ -1,0 +1,255 @@
+"""Dispatch a sealed request to a provider session and relay its sealed chunks back.
+
+A ``PendingRequest`` is the coordinator's side of one attempt on one session: the provider
+socket reader pushes events into it, the HTTP side pulls them out. Nothing is sent to the
+client before the first content chunk, so a failure before it is still a plain HTTP error.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+from dataclasses import dataclass
+from typing import Any, AsyncIterator, Union
+
+from darkbloom.coordinator.chat_request import ChatRequest
+from darkbloom.coordinator.errors import ApiError, error_body
+from darkbloom.coordinator.registry import ProviderSession
+from darkbloom.crypto import DecryptionError, ReplyKey
+from darkbloom.protocol import Cancel, Envelope, InferenceRequest, Usage, dump
+
+log = logging.getLogger("darkbloom.relay")
+
+
+@dataclass(frozen=True)
+class Chunk:
+    data: dict[str, Any]
+
+
+@dataclass(frozen=True)
+class Completed:
+    usage: Usage
+
+
+@dataclass(frozen=True)
+class Failed:
+    status: int
+    message: str
+    reason: str  # provider_error | provider_unavailable | provider_timeout | untrusted_chunk
+
+
+Event = Union[Chunk, Completed, Failed]
+
+
+class ProviderFailure(Exception):
+    """An attempt failed before anything reached the client."""
+
+    def __init__(self, failure: Failed) -> None:
+        super().__init__(failure.message)
+        self.failure = failure
+
+    def as_api_error(self) -> ApiError:
+        failure = self.failure
+        if 400 <= failure.status < 500 and failure.status != 429 and failure.reason == "provider_error":
+            return ApiError(failure.status, "invalid_request_error", failure.message)
+        if failure.reason == "provider_timeout":
+            return ApiError(504, "provider_timeout", failure.message)
+        return ApiError(502, failure.reason, failure.message)
+
+
+class PendingRequest:
+    def __init__(self, request_id: str, session: ProviderSession) -> None:
+        self.request_id = request_id
+        self.session = session
+        self.reply_key = ReplyKey()
+        self.events: asyncio.Queue[Event] = asyncio.Queue()
+        self.finished = False
+        self.usage: Usage | None = None
+
+    # called by the provider socket reader
+
+    def on_chunk(self, envelope: Envelope) -> bool:
+        """Open a sealed chunk; False when it does not open (the caller distrusts the provider)."""
+        try:
+            data = json.loads(self.reply_key.open(envelope))
+            if not isinstance(data, dict):
+                raise ValueError("chunk is not a JSON object")
+        except (DecryptionError, ValueError) as exc:
+            log.warning("request %s: chunk from %s does not open: %s", self.request_id, self.session.id, exc)
+            self._finish(Failed(502, "The provider sent a response chunk that failed decryption.",
+                                "untrusted_chunk"))
+            return False
+        self.events.put_nowait(Chunk(data))
+        return True
+
+    def on_complete(self, usage: Usage) -> None:
+        self.usage = usage
+        self._finish(Completed(usage))
+
+    def on_error(self, status: int, message: str) -> None:
+        self._finish(Failed(status, message or "The provider failed to serve the request.", "provider_error"))
+
+    def on_provider_gone(self) -> None:
+        self._finish(Failed(502, "The provider disconnected before finishing the request.",
+                            "provider_unavailable"))
+
+    def _finish(self, event: Event) -> None:
+        if not self.finished:
+            self.finished = True
+            self.events.put_nowait(event)
+
+
+def dispatch(session: ProviderSession, chat: ChatRequest, provider_model_id: str,
+             request_id: str) -> PendingRequest:
+    pending = PendingRequest(request_id, session)
+    session.pending[request_id] = pending
+    session.active += 1
+    envelope = pending.reply_key.seal_request(chat.for_provider(provider_model_id), session.public_key)
+    session.send(dump(InferenceRequest(request_id=request_id, encrypted_body=envelope)))
+    return pending
+
+
+def release(pending: PendingRequest) -> None:
+    """Free the session's slot; tell the provider to stop if it has not finished."""
+    session = pending.session
+    if session.pending.pop(pending.request_id, None) is not None:
+        session.active -= 1
+        if not pending.finished:
+            pending.finished = True
+            session.send(dump(Cancel(request_id=pending.request_id)))
+
+
+def has_content(chunk: dict[str, Any]) -> bool:
+    for choice in chunk.get("choices") or ():
+        delta = choice.get("delta") or {}
+        if delta.get("content") or delta.get("tool_calls") or delta.get("refusal") or delta.get("function_call"):
+            return True
+    return False
+
+
+async def first_content(pending: PendingRequest, timeout: float) -> tuple[list[dict[str, Any]], bool]:
+    """Wait until the first content chunk (or completion). Returns (chunks so far, completed)."""
+    buffered: list[dict[str, Any]] = []
+    deadline = time.monotonic() + timeout
+    while True:
+        remaining = deadline - time.monotonic()
+        try:
+            event = await asyncio.wait_for(pending.events.get(), timeout=max(remaining, 0))
+        except TimeoutError:
+            raise ProviderFailure(Failed(504, f"The provider produced no output within {timeout:g} s.",
+                                         "provider_timeout")) from None
+        if isinstance(event, Failed):
+            raise ProviderFailure(event)
+        if isinstance(event, Completed):
+            return buffered, True
+        buffered.append(event.data)
+        if has_content(event.data):
+            return buffered, False
+
+
+class ChunkShaper:
+    """Rewrites provider chunks into the caller's view: our completion id, the model they asked for."""
+
+    def __init__(self, request_id: str, model: str) -> None:
+        self.request_id = request_id
+        self.model = model
+        self.created = int(time.time())
+
+    def chunk(self, data: dict[str, Any]) -> dict[str, Any]:
+        data["id"] = self.request_id
+        data["model"] = self.model
+        data["object"] = "chat.completion.chunk"
+        data.setdefault("created", self.created)
+        return data
+
+    def usage_chunk(self, usage: Usage) -> dict[str, Any]:
+        return {"id": self.request_id, "object": "chat.completion.chunk", "created": self.created,
+                "model": self.model, "choices": [], "usage": usage_dict(usage)}
+
+
+def usage_dict(usage: Usage) -> dict[str, int]:
+    return {"prompt_tokens": usage.prompt_tokens, "completion_tokens": usage.completion_tokens,
+            "total_tokens": usage.prompt_tokens + usage.completion_tokens}
+
+
+def sse(data: dict[str, Any]) -> bytes:
+    return b"data: " + json.dumps(data, separators=(",", ":")).encode() + b"\n\n"
+
+
+SSE_DONE = b"data: [DONE]\n\n"
+
+
+async def sse_events(pending: PendingRequest, head: list[dict[str, Any]], completed: bool,
+                     shaper: ChunkShaper) -> AsyncIterator[bytes]:
+    """The SSE body after commit: buffered head, the rest, a usage chunk and one [DONE]."""
+    for data in head:
+        yield sse(shaper.chunk(data))
+    while not completed:
+        event = await pending.events.get()
+        if isinstance(event, Chunk):
+            yield sse(shaper.chunk(event.data))
+        elif isinstance(event, Failed):
+            log.warning("request %s failed after commit: %s", pending.request_id, event.reason)
+            yield sse(error_body("provider_error", event.message, code=event.reason))
+            return
+        else:
+            completed = True
+    assert pending.usage is not None
+    yield sse(shaper.usage_chunk(pending.usage))
+    yield SSE_DONE
+
+
+async def collect(pending: PendingRequest, head: list[dict[str, Any]], completed: bool,
+                  shaper: ChunkShaper) -> dict[str, Any]:
+    """Assemble a non-streaming chat.completion from the chunks."""
+    message = _MessageBuilder()
+    for data in head:
+        message.add(data)
+    while not completed:
+        event = await pending.events.get()
+        if isinstance(event, Chunk):
+            message.add(event.data)
+        elif isinstance(event, Failed):
+            raise ProviderFailure(event)
+        else:
+            completed = True
+    assert pending.usage is not None
+    return {"id": shaper.request_id, "object": "chat.completion", "created": shaper.created,
+            "model": shaper.model, "choices": [message.choice()], "usage": usage_dict(pending.usage)}
+
+
+class _MessageBuilder:
+    def __init__(self) -> None:
+        self.content: list[str] = []
+        self.tool_calls: dict[int, dict[str, Any]] = {}
+        self.finish_reason: str | None = None
+
+    def add(self, chunk: dict[str, Any]) -> None:
+        for choice in chunk.get("choices") or ():
+            delta = choice.get("delta") or {}
+            if delta.get("content"):
+                self.content.append(delta["content"])
+            for call in delta.get("tool_calls") or ():
+                self._merge_tool_call(call)
+            if choice.get("finish_reason"):
+                self.finish_reason = choice["finish_reason"]
+
+    def _merge_tool_call(self, call: dict[str, Any]) -> None:
+        merged = self.tool_calls.setdefault(call.get("index", len(self.tool_calls)),
+                                            {"id": None, "type": "function",
+                                             "function": {"name": "", "arguments": ""}})
+        if call.get("id"):
+            merged["id"] = call["id"]
+        function = call.get("function") or {}
+        merged["function"]["name"] += function.get("name") or ""
+        merged["function"]["arguments"] += function.get("arguments") or ""
+
+    def choice(self) -> dict[str, Any]:
+        message: dict[str, Any] = {"role": "assistant", "content": "".join(self.content)}
+        if self.tool_calls:
+            message["tool_calls"] = [self.tool_calls[i] for i in sorted(self.tool_calls)]
+            message["content"] = message["content"] or None
+        return {"index": 0, "message": message, "finish_reason": self.finish_reason or "stop",
+                "logprobs": None}

@@ -1,0 +1,65 @@
+"""Sign-up, log-in, balance and the caller's linked machines."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from fastapi import APIRouter, Depends, Request
+from fastapi.responses import JSONResponse
+
+from darkbloom.coordinator import accounts as account_core
+from darkbloom.coordinator.auth import Caller, bearer_token, require_caller
+from darkbloom.coordinator.json_body import json_object
+from darkbloom.coordinator.machines import linked_machines, unlink_machine
+from darkbloom.coordinator.services import Services, get_services
+from darkbloom.crypto import token_hash
+from darkbloom.store import accounts
+
+router = APIRouter()
+
+
+@router.post("/v1/auth/signup", status_code=201)
+async def signup(request: Request, services: Services = Depends(get_services)) -> dict[str, str]:
+    body = await json_object(request)
+    account_id, token = await account_core.signup(services, body.get("email"), body.get("password"))
+    return {"account_id": account_id, "token": token}
+
+
+@router.post("/v1/auth/login")
+async def login(request: Request, services: Services = Depends(get_services)) -> dict[str, str]:
+    body = await json_object(request)
+    account_id, token = await account_core.login(services, body.get("email"), body.get("password"))
+    return {"account_id": account_id, "token": token}
+
+
+@router.post("/v1/auth/logout")
+async def logout(request: Request, caller: Caller = Depends(require_caller),
+                 services: Services = Depends(get_services)) -> dict[str, str]:
+    token = bearer_token(request)
+    if caller.kind == "session" and token:
+        async with services.engine.begin() as conn:
+            await accounts.delete_session(conn, token_hash(token))
+    return {"status": "logged_out"}
+
+
+@router.get("/v1/payments/balance")
+async def balance(caller: Caller = Depends(require_caller),
+                  services: Services = Depends(get_services)) -> dict[str, int]:
+    async with services.engine.connect() as conn:
+        row = await accounts.get(conn, caller.account_id)
+    assert row is not None
+    return {"balance_micro_usd": int(row["balance_micro_usd"]),
+            "withdrawable_micro_usd": int(row["withdrawable_micro_usd"])}
+
+
+@router.get("/v1/me/providers")
+async def my_providers(caller: Caller = Depends(require_caller),
+                       services: Services = Depends(get_services)) -> dict[str, Any]:
+    return {"object": "list", "data": await linked_machines(services, caller.account_id), "next_cursor": None}
+
+
+@router.delete("/v1/me/providers/{machine_id}")
+async def unlink(machine_id: str, caller: Caller = Depends(require_caller),
+                 services: Services = Depends(get_services)) -> JSONResponse:
+    await unlink_machine(services, caller.account_id, machine_id)
+    return JSONResponse({"id": machine_id, "deleted": True})

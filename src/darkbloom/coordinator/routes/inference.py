@@ -1,0 +1,33 @@
+"""OpenAI-compatible inference routes: chat completions and the model list."""
+
+from __future__ import annotations
+
+from fastapi import APIRouter, Depends, Request
+from fastapi.responses import JSONResponse, StreamingResponse
+
+from darkbloom.coordinator.auth import Caller, require_caller
+from darkbloom.coordinator.chat_request import parse_chat_request
+from darkbloom.coordinator.completions import chat_completion
+from darkbloom.coordinator.model_list import list_models, model_entry
+from darkbloom.coordinator.services import Services, get_services
+
+router = APIRouter()
+
+
+@router.post("/v1/chat/completions", response_model=None)
+async def chat_completions(request: Request, caller: Caller = Depends(require_caller),
+                           services: Services = Depends(get_services)) -> StreamingResponse | JSONResponse:
+    chat = parse_chat_request(await request.body())
+    return await chat_completion(services, caller, chat, request)
+
+
+@router.get("/v1/models")
+async def models(caller: Caller = Depends(require_caller),
+                 services: Services = Depends(get_services)) -> dict[str, object]:
+    return {"object": "list", "data": list_models(services, caller)}
+
+
+@router.get("/v1/models/{model_id:path}")
+async def model(model_id: str, caller: Caller = Depends(require_caller),
+                services: Services = Depends(get_services)) -> dict[str, object]:
+    return model_entry(services, caller, model_id)

@@ -1,0 +1,228 @@
+"""Every WebSocket message between provider node and coordinator (CONTRACT §5).
+
+Both sides import this module and nothing else of each other. Frames are JSON text
+with a ``type`` discriminator; ``parse_provider_frame`` / ``parse_coordinator_frame``
+turn raw text into one of the models below or raise ``FrameError``.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Annotated, Any, Literal, Union
+
+from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError
+
+MAX_FRAME_BYTES = 8 * 1024 * 1024
+PROVIDER_WS_PATH = "/ws/provider"
+PROTOCOL_VERSION = "1"
+
+
+class _Frame(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+
+class Envelope(BaseModel):
+    """NaCl box output: base64 ephemeral X25519 public key + base64(nonce ‖ box)."""
+
+    ephemeral_public_key: str
+    ciphertext: str
+
+
+class ModelInfo(BaseModel):
+    model_config = ConfigDict(extra="ignore", protected_namespaces=())
+
+    id: str
+    size_bytes: int = 0
+    weight_hash: str = ""
+    quantization: str = ""
+    is_vision: bool = False
+    context_length: int = 0
+
+
+class Hardware(BaseModel):
+    cpu_count: int = 0
+    memory_gb: float = 0.0
+    gpu: str | None = None
+
+
+class Usage(BaseModel):
+    prompt_tokens: int = Field(ge=0)
+    completion_tokens: int = Field(ge=0)
+
+
+# provider → coordinator
+
+
+class Register(_Frame):
+    type: Literal["register"] = "register"
+    auth_token: str | None = None
+    models: list[ModelInfo]
+    backend: str = ""
+    version: str = ""
+    runtime_hash: str = ""
+    public_key: str
+    identity_key: str = ""
+    attestation: str = ""
+    certificate: str | None = None
+    encrypted_response_chunks: bool = True
+    private_only: bool = False
+    max_concurrency: int = Field(default=1, ge=1, le=1024)
+    hardware: Hardware = Field(default_factory=Hardware)
+    decode_tps: float = 0.0
+    name: str = ""
+
+
+class Heartbeat(_Frame):
+    type: Literal["heartbeat"] = "heartbeat"
+    status: str = "idle"
+    active_requests: int = 0
+    models: list[str] = Field(default_factory=list)
+
+
+class InferenceAccepted(_Frame):
+    type: Literal["inference_accepted"] = "inference_accepted"
+    request_id: str
+
+
+class InferenceResponseChunk(_Frame):
+    type: Literal["inference_response_chunk"] = "inference_response_chunk"
+    request_id: str
+    encrypted_data: Envelope
+
+
+class InferenceComplete(_Frame):
+    type: Literal["inference_complete"] = "inference_complete"
+    request_id: str
+    usage: Usage
+
+
+class InferenceError(_Frame):
+    type: Literal["inference_error"] = "inference_error"
+    request_id: str
+    status_code: int = 500
+    message: str = "provider error"
+
+
+class AttestationResponse(_Frame):
+    type: Literal["attestation_response"] = "attestation_response"
+    nonce: str
+    signature: str
+    runtime_hash: str = ""
+
+
+ProviderFrame = Annotated[
+    Union[
+        Register,
+        Heartbeat,
+        InferenceAccepted,
+        InferenceResponseChunk,
+        InferenceComplete,
+        InferenceError,
+        AttestationResponse,
+    ],
+    Field(discriminator="type"),
+]
+
+# coordinator → provider
+
+
+class Registered(_Frame):
+    type: Literal["registered"] = "registered"
+    provider_id: str
+    account_id: str | None = None
+    machine_id: str | None = None
+    trust_level: str = "none"
+
+
+class InferenceRequest(_Frame):
+    type: Literal["inference_request"] = "inference_request"
+    request_id: str
+    encrypted_body: Envelope
+
+
+class Cancel(_Frame):
+    type: Literal["cancel"] = "cancel"
+    request_id: str
+
+
+class AttestationChallenge(_Frame):
+    type: Literal["attestation_challenge"] = "attestation_challenge"
+    nonce: str
+    timestamp: int
+
+
+class TrustStatus(_Frame):
+    type: Literal["trust_status"] = "trust_status"
+    trust_level: str
+    reason: str = ""
+    certificate: str | None = None
+
+
+class ErrorFrame(_Frame):
+    type: Literal["error"] = "error"
+    code: str
+    message: str
+
+
+CoordinatorFrame = Annotated[
+    Union[Registered, InferenceRequest, Cancel, AttestationChallenge, TrustStatus, ErrorFrame],
+    Field(discriminator="type"),
+]
+
+_provider_adapter: TypeAdapter[Any] = TypeAdapter(ProviderFrame)
+_coordinator_adapter: TypeAdapter[Any] = TypeAdapter(CoordinatorFrame)
+
+PROVIDER_TYPES = frozenset(
+    ("register", "heartbeat", "inference_accepted", "inference_response_chunk",
+     "inference_complete", "inference_error", "attestation_response")
+)
+
+
+class FrameError(ValueError):
+    """A frame that cannot be accepted; ``code`` goes into the error frame sent back."""
+
+    def __init__(self, code: str, message: str) -> None:
+        super().__init__(message)
+        self.code = code
+        self.message = message
+
+
+def _decode(raw: str | bytes, known_types: frozenset[str] | None) -> dict[str, Any]:
+    if len(raw) > MAX_FRAME_BYTES:
+        raise FrameError("frame_too_large", f"frame exceeds {MAX_FRAME_BYTES} bytes")
+    try:
+        data = json.loads(raw)
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise FrameError("malformed_frame", f"frame is not valid JSON: {exc}") from None
+    if not isinstance(data, dict) or not isinstance(data.get("type"), str):
+        raise FrameError("malformed_frame", "frame must be a JSON object with a string 'type'")
+    if known_types is not None and data["type"] not in known_types:
+        raise FrameError("unknown_type", f"unknown frame type {data['type']!r}")
+    return data
+
+
+def parse_provider_frame(raw: str | bytes) -> Any:
+    data = _decode(raw, PROVIDER_TYPES)
+    try:
+        return _provider_adapter.validate_python(data)
+    except ValidationError as exc:
+        raise FrameError("malformed_frame", _short(exc)) from None
+
+
+def parse_coordinator_frame(raw: str | bytes) -> Any:
+    data = _decode(raw, None)
+    try:
+        return _coordinator_adapter.validate_python(data)
+    except ValidationError as exc:
+        raise FrameError("unknown_type" if "union_tag_invalid" in str(exc) else "malformed_frame",
+                         _short(exc)) from None
+
+
+def dump(frame: BaseModel) -> str:
+    return frame.model_dump_json(exclude_none=False)
+
+
+def _short(exc: ValidationError) -> str:
+    first = exc.errors()[0]
+    where = ".".join(str(p) for p in first.get("loc", ()))
+    return f"invalid frame: {where}: {first.get('msg', 'invalid')}"

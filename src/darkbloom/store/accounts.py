@@ -1,0 +1,72 @@
+"""Accounts, console sessions and admin credits."""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from sqlalchemy import insert, select, update
+from sqlalchemy.ext.asyncio import AsyncConnection
+
+from darkbloom.crypto import new_id
+from darkbloom.store.db import insert_ignore
+from darkbloom.store.schema import accounts, admin_credits, console_sessions
+
+SESSION_TTL_SECONDS = 30 * 24 * 3600
+
+
+class EmailTaken(Exception):
+    pass
+
+
+async def create_account(conn: AsyncConnection, email: str | None, password_hash: str | None,
+                         balance: int = 0) -> str:
+    account_id = new_id("acct_")
+    inserted = await insert_ignore(conn, accounts, id=account_id, email=email, password_hash=password_hash,
+                                   balance_micro_usd=balance, withdrawable_micro_usd=0,
+                                   created_at=int(time.time()))
+    if not inserted:
+        raise EmailTaken(email)
+    return account_id
+
+
+async def get_by_email(conn: AsyncConnection, email: str) -> dict[str, Any] | None:
+    row = (await conn.execute(select(accounts).where(accounts.c.email == email))).mappings().first()
+    return dict(row) if row else None
+
+
+async def get(conn: AsyncConnection, account_id: str) -> dict[str, Any] | None:
+    row = (await conn.execute(select(accounts).where(accounts.c.id == account_id))).mappings().first()
+    return dict(row) if row else None
+
+
+async def create_session(conn: AsyncConnection, account_id: str, token_hash: str) -> None:
+    now = int(time.time())
+    await conn.execute(insert(console_sessions).values(
+        token_hash=token_hash, account_id=account_id, created_at=now, expires_at=now + SESSION_TTL_SECONDS))
+
+
+async def account_for_session(conn: AsyncConnection, token_hash: str) -> str | None:
+    row = (await conn.execute(
+        select(console_sessions.c.account_id)
+        .where(console_sessions.c.token_hash == token_hash, console_sessions.c.expires_at > int(time.time()))
+    )).first()
+    return row[0] if row else None
+
+
+async def delete_session(conn: AsyncConnection, token_hash: str) -> None:
+    await conn.execute(console_sessions.delete().where(console_sessions.c.token_hash == token_hash))
+
+
+async def credit(conn: AsyncConnection, account_id: str, amount: int, reference: str) -> int | None:
+    """Add ``amount`` µUSD once per ``reference``; returns the new balance, or None if no account.
+
+    A reference seen before changes nothing and returns the current balance."""
+    if await get(conn, account_id) is None:
+        return None
+    if await insert_ignore(conn, admin_credits, reference=reference, account_id=account_id,
+                           amount_micro_usd=amount, created_at=int(time.time())):
+        await conn.execute(update(accounts).where(accounts.c.id == account_id)
+                           .values(balance_micro_usd=accounts.c.balance_micro_usd + amount))
+    row = await get(conn, account_id)
+    return int(row["balance_micro_usd"]) if row else None
