@@ -1,0 +1,24 @@
+"""Inference backends: in-process llama.cpp or any OpenAI-compatible server."""
+
+from __future__ import annotations
+
+import os
+
+from darkbloom.provider.backends.base import Backend, BackendError
+from darkbloom.provider.config import ProviderConfig, resolve_model_path
+
+__all__ = ["Backend", "BackendError", "create_backend"]
+
+
+def create_backend(config: ProviderConfig) -> Backend:
+    if config.backend == "openai":
+        from darkbloom.provider.backends.openai_upstream import OpenAIUpstreamBackend
+
+        # An upstream that needs a key (a hosted vLLM, say) gets it from the environment, never a file.
+        return OpenAIUpstreamBackend(config.upstream_url, config.model_ids,
+                                     api_key=os.environ.get("DARKBLOOM_UPSTREAM_API_KEY") or None)
+    from darkbloom.provider.backends.llama_cpp import LlamaCppBackend
+
+    return LlamaCppBackend({spec.id: resolve_model_path(spec) for spec in config.models},
+                           max_concurrency=config.max_concurrency, n_ctx=config.context_length,
+                           n_threads=config.threads)

@@ -1,0 +1,314 @@
+"""A provider node: dial the coordinator, register, answer challenges, heartbeat, serve sealed requests.
+
+One connection at a time; every frame leaves through a single writer task so concurrent requests
+never interleave writes. Logs carry request ids and token counts, never prompt or completion text.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import importlib.metadata
+import json
+import logging
+import os
+import random
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, AsyncIterator
+
+from pydantic import BaseModel
+from websockets.asyncio.client import ClientConnection, connect
+from websockets.exceptions import ConnectionClosed, WebSocketException
+
+from darkbloom import crypto, paths, protocol
+from darkbloom.protocol import ModelInfo
+from darkbloom.provider.backends import Backend, BackendError, create_backend
+from darkbloom.provider.backends.base import is_usage_chunk
+from darkbloom.provider.config import ProviderConfig, ws_url
+from darkbloom.provider.models import describe_models
+from darkbloom.provider.state import NodeState, write_state
+from darkbloom.runtime import runtime_hash
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(eq=False)
+class _Job:
+    request_id: str
+    task: asyncio.Task[None] | None = field(default=None, repr=False)
+    cancelled: bool = False  # once set, nothing more is sent for this request
+
+
+class ProviderNode:
+    reconnect_base = 1.0
+    reconnect_max = 30.0
+
+    def __init__(self, config: ProviderConfig, home: Path, backend: Backend | None = None) -> None:
+        self.config = config
+        self.home = home
+        self.backend: Backend = backend if backend is not None else create_backend(config)
+        self.runtime_hash = runtime_hash()
+        self.identity: crypto.NodeIdentity | None = None
+        self.models: list[ModelInfo] = []
+        self.state = NodeState(coordinator_url=config.coordinator_url, models=config.model_ids,
+                               private_only=config.private_only)
+        self._jobs: dict[str, _Job] = {}
+        self._outbox: asyncio.Queue[tuple[_Job | None, str]] | None = None
+        self._registered = False
+
+    async def run(self, stop: asyncio.Event) -> None:
+        """Serve until `stop` is set, reconnecting with jittered exponential backoff."""
+        self.identity = crypto.NodeIdentity.load_or_create(paths.identity_path(self.home))
+        described = await asyncio.to_thread(describe_models, self.config, self.home)
+        self.models = [info for info, _ in described]
+        self._set_state(connected=False)
+        await self.backend.start()
+        delay = self.reconnect_base
+        try:
+            while not stop.is_set():
+                registered = await self._connect_once(stop)
+                if stop.is_set():
+                    break
+                delay = self.reconnect_base if registered else min(delay * 2, self.reconnect_max)
+                wait = random.uniform(delay / 2, delay)
+                log.info("reconnecting to the coordinator in %.1f s", wait)
+                try:
+                    await asyncio.wait_for(stop.wait(), wait)
+                except asyncio.TimeoutError:
+                    pass
+        finally:
+            await self._cancel_jobs()
+            await self.backend.close()
+            self._set_state(connected=False, provider_id=None)
+            log.info("node stopped")
+
+    async def _connect_once(self, stop: asyncio.Event) -> bool:
+        """One connection, raced against `stop`; True when the coordinator registered us."""
+        self._registered = False
+        session = asyncio.create_task(self._session(), name="provider-session")
+        stopper = asyncio.create_task(stop.wait())
+        try:
+            await asyncio.wait({session, stopper}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            stopper.cancel()
+            session.cancel()
+            await asyncio.gather(session, stopper, return_exceptions=True)
+            await self._cancel_jobs()
+            self._set_state(connected=False, provider_id=None)
+        if not session.cancelled() and (exc := session.exception()) is not None:
+            if isinstance(exc, (OSError, asyncio.TimeoutError, WebSocketException)):
+                log.warning("coordinator connection failed: %s", exc)
+            else:
+                log.error("provider session crashed", exc_info=exc)
+        return self._registered
+
+    async def _session(self) -> None:
+        url = ws_url(self.config)
+        async with connect(url, max_size=protocol.MAX_FRAME_BYTES, compression=None, open_timeout=15,
+                           close_timeout=5, user_agent_header=f"darkbloom-provider/{_version()}") as ws:
+            log.info("connected to %s", url)
+            self._outbox = asyncio.Queue()
+            await ws.send(protocol.dump(self._register_frame()))
+            self._set_state(connected=True)
+            tasks = [asyncio.create_task(self._writer(ws, self._outbox)), asyncio.create_task(self._heartbeats()),
+                     asyncio.create_task(self._reader(ws))]
+            try:
+                done, _ = await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
+            finally:
+                self._outbox = None
+                for task in tasks:
+                    task.cancel()
+                await asyncio.gather(*tasks, return_exceptions=True)
+            for task in done:
+                if not task.cancelled() and (exc := task.exception()) is not None:
+                    if not isinstance(exc, ConnectionClosed):
+                        raise exc
+                    log.info("coordinator closed the connection (%s)", exc)
+
+    def _register_frame(self) -> protocol.Register:
+        assert self.identity is not None
+        return protocol.Register(
+            auth_token=self._auth_token(), models=self.models, backend=self.config.backend,
+            version=_version(), runtime_hash=self.runtime_hash, public_key=self.identity.public_key_b64,
+            identity_key=self.identity.identity_key_b64, attestation=self.identity.attestation(self.runtime_hash),
+            encrypted_response_chunks=True, private_only=self.config.private_only,
+            max_concurrency=self.config.max_concurrency, hardware=_hardware(), name=self.config.name)
+
+    def _auth_token(self) -> str | None:
+        try:
+            token = paths.auth_token_path(self.home).read_text().strip()
+        except OSError:
+            return None
+        return token or None
+
+    # frames
+
+    async def _writer(self, ws: ClientConnection, outbox: asyncio.Queue[tuple[_Job | None, str]]) -> None:
+        while True:
+            job, text = await outbox.get()
+            if job is None or not job.cancelled:
+                await ws.send(text)
+
+    def _send(self, frame: BaseModel, job: _Job | None = None) -> None:
+        if self._outbox is not None and (job is None or not job.cancelled):
+            self._outbox.put_nowait((job, protocol.dump(frame)))
+
+    async def _heartbeats(self) -> None:
+        while True:
+            await asyncio.sleep(self.config.heartbeat_interval_secs)
+            active = len(self._jobs)
+            status = "idle" if active == 0 else "busy" if active >= self.config.max_concurrency else "serving"
+            self._send(protocol.Heartbeat(status=status, active_requests=active, models=self.config.model_ids))
+
+    async def _reader(self, ws: ClientConnection) -> None:
+        async for raw in ws:
+            try:
+                frame = protocol.parse_coordinator_frame(raw)
+            except protocol.FrameError as exc:
+                log.warning("ignoring a frame from the coordinator: %s", exc.message)
+                continue
+            self._handle(frame)
+
+    def _handle(self, frame: Any) -> None:
+        if isinstance(frame, protocol.InferenceRequest):
+            self._accept(frame)
+        elif isinstance(frame, protocol.Cancel):
+            job = self._jobs.get(frame.request_id)
+            if job is not None and job.task is not None:
+                log.info("request %s cancelled by the coordinator", frame.request_id)
+                job.cancelled = True
+                job.task.cancel()
+        elif isinstance(frame, protocol.AttestationChallenge):
+            self._answer_challenge(frame)
+        elif isinstance(frame, protocol.Registered):
+            self._registered = True
+            log.info("registered as %s (account %s, trust %s)", frame.provider_id, frame.account_id or "none",
+                     frame.trust_level)
+            self._set_state(provider_id=frame.provider_id, account_id=frame.account_id,
+                            trust_level=frame.trust_level)
+        elif isinstance(frame, protocol.TrustStatus):
+            log.info("trust level now %s%s", frame.trust_level, f" ({frame.reason})" if frame.reason else "")
+            self._set_state(trust_level=frame.trust_level)
+        elif isinstance(frame, protocol.ErrorFrame):
+            log.warning("coordinator error %s: %s", frame.code, frame.message)
+
+    def _answer_challenge(self, frame: protocol.AttestationChallenge) -> None:
+        assert self.identity is not None
+        try:
+            message = crypto.challenge_message(frame.nonce, frame.timestamp, self.runtime_hash)
+        except ValueError:
+            log.warning("ignoring an attestation challenge with an invalid nonce")
+            return
+        self._send(protocol.AttestationResponse(nonce=frame.nonce, signature=self.identity.sign(message),
+                                                runtime_hash=self.runtime_hash))
+
+    # requests
+
+    def _accept(self, frame: protocol.InferenceRequest) -> None:
+        request_id = frame.request_id
+        if request_id in self._jobs:
+            log.warning("request %s is already running; duplicate ignored", request_id)
+            return
+        if len(self._jobs) >= self.config.max_concurrency:
+            log.info("request %s refused: at max_concurrency %d", request_id, self.config.max_concurrency)
+            self._send(protocol.InferenceError(
+                request_id=request_id, status_code=429,
+                message=f"this node is busy (max_concurrency {self.config.max_concurrency}); retry elsewhere"))
+            return
+        job = _Job(request_id)
+        self._jobs[request_id] = job
+        job.task = asyncio.create_task(self._serve(job, frame), name=f"request-{request_id}")
+
+    async def _serve(self, job: _Job, frame: protocol.InferenceRequest) -> None:
+        request_id = job.request_id
+        try:
+            body, sealer = self._open_request(frame)
+            model_id = body.get("model")
+            if model_id not in self.config.model_ids:
+                raise BackendError(404, f"model {model_id!r} is not served by this node")
+            self._send(protocol.InferenceAccepted(request_id=request_id), job)
+            log.info("request %s accepted for %s", request_id, model_id)
+            usage = await self._relay(job, sealer, self.backend.stream_chat(model_id, body))
+            self._send(protocol.InferenceComplete(request_id=request_id, usage=usage), job)
+            log.info("request %s complete: %d prompt + %d completion tokens", request_id,
+                     usage.prompt_tokens, usage.completion_tokens)
+        except BackendError as exc:
+            log.warning("request %s failed with status %d", request_id, exc.status_code)
+            self._send(protocol.InferenceError(request_id=request_id, status_code=exc.status_code,
+                                               message=exc.message), job)
+        except asyncio.CancelledError:
+            job.cancelled = True
+            log.info("request %s stopped", request_id)
+            raise
+        except Exception:
+            log.exception("request %s failed", request_id)
+            self._send(protocol.InferenceError(request_id=request_id, status_code=500,
+                                               message="the provider failed while serving this request"), job)
+        finally:
+            self._jobs.pop(request_id, None)
+
+    def _open_request(self, frame: protocol.InferenceRequest) -> tuple[dict[str, Any], crypto.Sealer]:
+        """The plaintext OpenAI body, and a sealer to the request's ephemeral key for every reply chunk."""
+        assert self.identity is not None
+        try:
+            plaintext = crypto.open_envelope(frame.encrypted_body, self.identity.encryption_key)
+            sealer = crypto.Sealer(crypto.public_key_from_b64(frame.encrypted_body.ephemeral_public_key))
+        except crypto.DecryptionError:
+            raise BackendError(400, "the request body does not open with this node's key") from None
+        try:
+            body = json.loads(plaintext)
+        except ValueError:
+            body = None
+        if not isinstance(body, dict):
+            raise BackendError(400, "the request body must be a JSON object")
+        return body, sealer
+
+    async def _relay(self, job: _Job, sealer: crypto.Sealer,
+                     stream: AsyncIterator[dict[str, Any]]) -> protocol.Usage:
+        """Seal and send every content chunk; return the usage from the final chunk."""
+        usage: dict[str, Any] | None = None
+        try:
+            async for chunk in stream:
+                if is_usage_chunk(chunk):
+                    usage = chunk["usage"]
+                    continue
+                sealed = sealer.seal(json.dumps(chunk, separators=(",", ":")).encode())
+                self._send(protocol.InferenceResponseChunk(request_id=job.request_id, encrypted_data=sealed), job)
+        finally:
+            aclose = getattr(stream, "aclose", None)
+            if aclose is not None:
+                await aclose()  # stops generation when we leave early (cancel, error)
+        if usage is None:
+            raise BackendError(502, "the backend finished without reporting token usage")
+        return protocol.Usage(prompt_tokens=int(usage.get("prompt_tokens", 0)),
+                              completion_tokens=int(usage.get("completion_tokens", 0)))
+
+    async def _cancel_jobs(self) -> None:
+        jobs = [job for job in self._jobs.values() if job.task is not None]
+        for job in jobs:
+            job.cancelled = True
+            job.task.cancel()  # type: ignore[union-attr]
+        await asyncio.gather(*(job.task for job in jobs if job.task is not None), return_exceptions=True)
+
+    def _set_state(self, **changes: Any) -> None:
+        for key, value in changes.items():
+            setattr(self.state, key, value)
+        try:
+            write_state(self.home, self.state)
+        except OSError as exc:
+            log.warning("cannot write %s: %s", paths.node_state_path(self.home), exc)
+
+
+def _version() -> str:
+    try:
+        return importlib.metadata.version("darkbloom")
+    except importlib.metadata.PackageNotFoundError:
+        return "0.0.0"
+
+
+def _hardware() -> protocol.Hardware:
+    try:
+        memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30
+    except (ValueError, OSError, AttributeError):
+        memory = 0.0
+    return protocol.Hardware(cpu_count=os.cpu_count() or 0, memory_gb=round(memory, 1))

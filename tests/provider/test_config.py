@@ -1,0 +1,115 @@
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from darkbloom.provider.config import ConfigError, ModelSpec, ProviderConfig, default_toml, load_config, ws_url
+
+
+def write_toml(home: Path, text: str) -> None:
+    (home / "provider.toml").write_text(text)
+
+
+def test_defaults_without_a_file(home: Path) -> None:
+    config = load_config(home, {})
+    assert config.coordinator_url == "http://127.0.0.1:8080"
+    assert config.backend == "llama-cpp"
+    assert config.max_concurrency == 2
+    assert config.heartbeat_interval_secs == 5
+    assert config.models == [ModelSpec("smollm2-135m", "")]
+    assert (config.local_endpoint, config.local_port, config.local_bind) == (False, 8000, "127.0.0.1")
+    assert config.private_only is False
+    assert config.name
+
+
+def test_toml_is_read(home: Path, gguf: Path) -> None:
+    write_toml(home, f"""
+[coordinator]
+url = "https://coord.example:9443/"
+private_only = true
+heartbeat_interval_secs = 2
+[backend]
+kind = "llama-cpp"
+max_concurrency = 3
+[[models]]
+id = "mine"
+path = "{gguf}"
+[[models]]
+id = "smollm2-135m"
+path = ""
+[local]
+port = 9000
+bind = "0.0.0.0"
+[node]
+name = "studio"
+""")
+    config = load_config(home, {})
+    assert config.coordinator_url == "https://coord.example:9443"
+    assert config.private_only is True
+    assert config.heartbeat_interval_secs == 2.0
+    assert config.max_concurrency == 3
+    assert config.models == [ModelSpec("mine", str(gguf)), ModelSpec("smollm2-135m", "")]
+    assert (config.local_port, config.local_bind, config.name) == (9000, "0.0.0.0", "studio")
+
+
+def test_overrides_win_over_the_file(home: Path, gguf: Path) -> None:
+    write_toml(home, '[coordinator]\nurl = "http://a:1"\nprivate_only = true\n[backend]\nmax_concurrency = 4\n')
+    config = load_config(home, {"coordinator_url": "http://b:2", "private_only": False, "max_concurrency": 1,
+                                "models": ["smollm2-135m", f"other={gguf}"], "local_endpoint": True,
+                                "local_port": 8123, "local_bind": "0.0.0.0"})
+    assert config.coordinator_url == "http://b:2"
+    assert config.private_only is False
+    assert config.max_concurrency == 1
+    assert config.models == [ModelSpec("smollm2-135m", ""), ModelSpec("other", str(gguf))]
+    assert (config.local_endpoint, config.local_port, config.local_bind) == (True, 8123, "0.0.0.0")
+
+
+def test_openai_backend_takes_model_names_without_files(home: Path) -> None:
+    config = load_config(home, {"backend": "openai", "upstream_url": "http://127.0.0.1:11434/v1/",
+                                "models": ["llama3.2:1b"]})
+    assert config.upstream_url == "http://127.0.0.1:11434/v1"
+    assert config.model_ids == ["llama3.2:1b"]
+
+
+@pytest.mark.parametrize("overrides, toml, needle", [
+    ({"backend": "vllm"}, "", "unknown backend 'vllm'"),
+    ({"backend": "openai"}, "", "--upstream-url"),
+    ({"backend": "openai", "upstream_url": "ftp://x"}, "", "must look like http://host:port"),
+    ({"max_concurrency": 0}, "", "max_concurrency must be at least 1"),
+    ({"models": ["mine=/nonexistent/model.gguf"]}, "", "not found: /nonexistent/model.gguf"),
+    ({"models": ["mine"]}, "", "--model mine=/path/to/model.gguf"),
+    ({"models": ["=x.gguf"]}, "", "has no model id"),
+    ({"models": ["smollm2-135m", "smollm2-135m"]}, "", "configured twice"),
+    ({"coordinator_url": "localhost:8080"}, "", "must look like http://host:port"),
+    ({"local_port": 70000}, "", "not a valid TCP port"),
+    ({}, "[coordinator\nurl=", "not valid TOML"),
+    ({}, "[backend]\nmax_concurrency = true\n", "max_concurrency must be of type int"),
+    ({}, "[coordinator]\nprivate_only = \"yes\"\n", "private_only must be of type bool"),
+    ({}, "models = 3\n", "[[models]] tables"),
+    ({"surprise": 1}, "", "unknown setting 'surprise'"),
+])
+def test_invalid_settings_raise_a_sentence(home: Path, overrides: dict[str, object], toml: str,
+                                           needle: str) -> None:
+    if toml:
+        write_toml(home, toml)
+    with pytest.raises(ConfigError) as info:
+        load_config(home, overrides)
+    assert needle in str(info.value)
+
+
+@pytest.mark.parametrize("url, expected", [
+    ("http://127.0.0.1:8080", "ws://127.0.0.1:8080/ws/provider"),
+    ("https://darkbloom.example", "wss://darkbloom.example/ws/provider"),
+    ("https://darkbloom.example/prefix/", "wss://darkbloom.example/prefix/ws/provider"),
+    ("ws://h:1/ws/provider", "ws://h:1/ws/provider"),
+])
+def test_ws_url(url: str, expected: str) -> None:
+    assert ws_url(ProviderConfig(coordinator_url=url)) == expected
+
+
+def test_default_toml_round_trips(home: Path) -> None:
+    write_toml(home, default_toml('http://h:9/"odd"'))
+    config = load_config(home, {})
+    assert config.coordinator_url == 'http://h:9/"odd"'
+    assert config.model_ids == ["smollm2-135m"]

@@ -1,0 +1,137 @@
+"""The in-process llama.cpp backend on the bundled SmolLM2 GGUF (real model, small max_tokens)."""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+from typing import Any, AsyncIterator
+
+import pytest
+
+from darkbloom.provider.backends.base import BackendError
+from darkbloom.provider.backends.llama_cpp import LlamaCppBackend
+
+LONG_STORY = [{"role": "user", "content": "Write a very long story about a dragon and a lighthouse."}]
+
+
+@pytest.fixture
+async def backend(gguf: Path) -> AsyncIterator[LlamaCppBackend]:
+    instance = LlamaCppBackend({"smollm2-135m": gguf}, max_concurrency=2, n_ctx=1024)
+    await instance.start()
+    try:
+        yield instance
+    finally:
+        await instance.close()
+
+
+async def collect(backend: LlamaCppBackend, body: dict[str, Any]) -> list[dict[str, Any]]:
+    return [chunk async for chunk in backend.stream_chat("smollm2-135m", body)]
+
+
+async def wait_for_records(backend: LlamaCppBackend, count: int) -> None:
+    while len(backend.recent) < count:  # bounded by the test timeout, not asserted on
+        await asyncio.sleep(0.01)
+
+
+async def test_streamed_answer_ends_with_real_usage(backend: LlamaCppBackend) -> None:
+    chunks = await collect(backend, {"messages": [{"role": "user", "content": "Say hello."}], "max_tokens": 8,
+                                     "temperature": 0})
+    *content, final = chunks
+    assert all(c["object"] == "chat.completion.chunk" and c["model"] == "smollm2-135m" for c in chunks)
+    assert len({c["id"] for c in chunks}) == 1
+    assert content[0]["choices"][0]["delta"] == {"role": "assistant"}
+    text = "".join(c["choices"][0]["delta"].get("content", "") for c in content)
+    assert text.strip()
+    assert content[-1]["choices"][0]["finish_reason"] in ("stop", "length")
+    assert final["choices"] == []
+    usage = final["usage"]
+    assert usage["prompt_tokens"] > 5 and 0 < usage["completion_tokens"] <= 8
+    assert usage["total_tokens"] == usage["prompt_tokens"] + usage["completion_tokens"]
+
+
+async def test_usage_matches_the_library_non_streaming_count(backend: LlamaCppBackend, gguf: Path) -> None:
+    """Our streamed counts equal what llama-cpp-python reports for the same non-streamed request."""
+    body = {"messages": [{"role": "user", "content": "Name a colour."}], "max_tokens": 12, "temperature": 0}
+    streamed = (await collect(backend, body))[-1]["usage"]
+    pool = backend._pools["smollm2-135m"]
+    llama = await pool.acquire()
+    try:
+        reference = await asyncio.to_thread(llama.create_chat_completion, **body)
+    finally:
+        pool.release(llama)
+    assert streamed == reference["usage"]
+
+
+async def test_length_limit_counts_every_token(backend: LlamaCppBackend) -> None:
+    chunks = await collect(backend, {"messages": LONG_STORY, "max_completion_tokens": 6, "temperature": 0})
+    assert chunks[-2]["choices"][0]["finish_reason"] == "length"
+    assert chunks[-1]["usage"]["completion_tokens"] == 6
+
+
+async def test_two_concurrent_requests_use_two_instances(backend: LlamaCppBackend) -> None:
+    bodies = [{"messages": [{"role": "user", "content": f"Tell me about the number {n}."}], "max_tokens": 16}
+              for n in (7, 42)]
+    results = await asyncio.gather(*(collect(backend, body) for body in bodies))
+    for chunks in results:
+        assert chunks[-1]["usage"]["completion_tokens"] > 0
+    assert len(backend.recent) == 2
+    assert backend.recent[0].instance != backend.recent[1].instance
+    assert len(backend._pools["smollm2-135m"].instances) == 2
+
+
+async def test_closing_the_stream_stops_generation(backend: LlamaCppBackend) -> None:
+    stream = backend.stream_chat("smollm2-135m", {"messages": LONG_STORY, "max_tokens": 400, "temperature": 0})
+    first = await stream.__anext__()
+    assert first["choices"][0]["delta"] == {"role": "assistant"}
+    await stream.aclose()
+    await wait_for_records(backend, 1)
+    [record] = backend.recent
+    assert record.cancelled
+    assert record.completion_tokens < 400  # this prompt runs to the 400-token limit when not cancelled
+    # The instance is back in the pool: the next request is served.
+    chunks = await collect(backend, {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 3})
+    assert chunks[-1]["usage"]["completion_tokens"] > 0
+
+
+async def test_cancelling_the_consumer_task_stops_generation(backend: LlamaCppBackend) -> None:
+    started = asyncio.Event()
+
+    async def consume() -> None:
+        async for _ in backend.stream_chat("smollm2-135m", {"messages": LONG_STORY, "max_tokens": 400,
+                                                            "temperature": 0}):
+            started.set()
+
+    task = asyncio.create_task(consume())
+    await started.wait()
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    await wait_for_records(backend, 1)
+    assert backend.recent[0].cancelled and backend.recent[0].completion_tokens < 400
+
+
+@pytest.mark.parametrize("body, status, needle", [
+    ({"messages": []}, 400, "messages"),
+    ({"messages": [{"role": "user", "content": "x"}], "temperature": "hot"}, 400, "temperature"),
+    ({"messages": [{"role": "user", "content": "x"}], "max_tokens": 0}, 400, "max_tokens"),
+    ({"messages": [{"role": "user", "content": "x"}], "n": 2}, 400, "n must be 1"),
+    ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]}, 400,
+     "only text parts"),
+    ({"messages": [{"role": "user", "content": "word " * 1500}], "max_tokens": 4}, 400, "context window"),
+])
+async def test_bad_requests_are_400(backend: LlamaCppBackend, body: dict[str, Any], status: int,
+                                    needle: str) -> None:
+    with pytest.raises(BackendError) as info:
+        await collect(backend, body)
+    assert info.value.status_code == status
+    assert needle in info.value.message
+
+
+async def test_unknown_model_is_404_and_unknown_params_are_ignored(backend: LlamaCppBackend) -> None:
+    with pytest.raises(BackendError) as info:
+        [c async for c in backend.stream_chat("nope", {"messages": [{"role": "user", "content": "x"}]})]
+    assert info.value.status_code == 404
+    chunks = await collect(backend, {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2,
+                                     "user": "u1", "metadata": {"a": 1},
+                                     "stream_options": {"include_usage": True}})
+    assert chunks[-1]["usage"]["completion_tokens"] > 0

@@ -1,0 +1,65 @@
+"""Background start / stop / status with a real `python -m darkbloom serve` process."""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+
+import pytest
+
+from darkbloom import paths, protocol
+from darkbloom.provider.config import load_config
+from darkbloom.provider.runner import StartError, node_status, start_background, stop_background
+from tests.provider.fake_coordinator import FakeCoordinator
+
+
+def test_status_of_a_node_that_never_ran(home: Path) -> None:
+    status = node_status(home)
+    assert set(status) == {"coordinator", "account", "connection", "provider_id", "models", "trust_level",
+                           "private_only", "direct_mode_url"}
+    assert status["connection"] == "not running"
+    assert status["coordinator"] == "http://127.0.0.1:8080"
+    assert status["models"] == "smollm2-135m"
+    assert "darkbloom login" in str(status["account"])
+    paths.auth_token_path(home).write_text("dkp-x")
+    assert "linked" in str(node_status(home)["account"])
+
+
+def test_start_local_is_not_built_yet(home: Path) -> None:
+    with pytest.raises(StartError, match="direct mode"):
+        start_background(load_config(home, {}), home, local_only=True)
+    assert not paths.pid_path(home).exists()
+
+
+def test_stop_without_a_node(home: Path) -> None:
+    assert stop_background(home) is False
+    paths.pid_path(home).write_text("999999999\n")  # stale pid file
+    assert stop_background(home) is False
+    assert not paths.pid_path(home).exists()
+
+
+async def test_background_node_starts_connects_and_stops(home: Path) -> None:
+    async with FakeCoordinator() as fake:
+        config = load_config(home, {"coordinator_url": fake.url, "max_concurrency": 1, "private_only": True})
+        pid = await asyncio.to_thread(start_background, config, home, False)
+        try:
+            assert paths.pid_path(home).read_text().strip() == str(pid)
+            conn = await fake.accept(timeout=120)
+            register = await conn.recv()
+            assert isinstance(register, protocol.Register)
+            assert (register.max_concurrency, register.private_only) == (1, True)
+            await conn.send(protocol.Registered(provider_id="prov_bg", account_id="acct_bg", trust_level="none"))
+            while node_status(home)["provider_id"] != "prov_bg":  # bounded by the test timeout
+                await asyncio.sleep(0.05)
+            status = node_status(home)
+            assert (status["connection"], status["account"], status["coordinator"], status["private_only"]) == \
+                ("connected", "acct_bg", fake.url, True)
+            with pytest.raises(StartError, match=f"already running \\(pid {pid}\\)"):
+                start_background(config, home, local_only=False)
+        finally:
+            stopped = await asyncio.to_thread(stop_background, home)
+        assert stopped is True
+        assert not paths.pid_path(home).exists()
+        assert node_status(home)["connection"] == "not running"
+        assert "node stopped" in (home / "node.log").read_text()  # a clean exit on SIGTERM
+        assert stop_background(home) is False
