@@ -6,6 +6,7 @@ import asyncio
 import base64
 import json
 import os
+import socket
 import stat
 import time
 from pathlib import Path
@@ -17,6 +18,7 @@ from darkbloom import crypto, paths, protocol
 from darkbloom.provider.backends import create_backend
 from darkbloom.provider.backends.llama_cpp import LlamaCppBackend
 from darkbloom.provider.config import load_config
+from darkbloom.provider import node as node_module
 from darkbloom.provider.node import ProviderNode
 from darkbloom.runtime import runtime_hash
 from tests.provider.fake_coordinator import Conn, FakeCoordinator
@@ -250,3 +252,41 @@ async def test_stop_mid_request_ends_cleanly(harness: Harness) -> None:
     await asyncio.wait_for(harness.task, 30)
     assert harness.state()["connected"] is False
     assert harness.backend.recent and harness.backend.recent[-1].cancelled
+
+
+async def test_backoff_doubles_to_30_s_and_resets_after_registration(home: Path,
+                                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    ceilings: list[float] = []
+
+    def no_wait(low: float, high: float) -> float:
+        assert low == high / 2  # jitter within [delay/2, delay]
+        ceilings.append(high)
+        return 0.0
+
+    monkeypatch.setattr(node_module.random, "uniform", no_wait)
+    with socket.socket() as sock:  # a port where nothing listens
+        sock.bind(("127.0.0.1", 0))
+        closed_url = f"http://127.0.0.1:{sock.getsockname()[1]}"
+    config = load_config(home, {"coordinator_url": closed_url})
+    node = ProviderNode(config, home)
+    stop = asyncio.Event()
+    task = asyncio.create_task(node.run(stop))
+    try:
+        while len(ceilings) < 7:
+            await asyncio.sleep(0.01)
+        assert ceilings[:7] == [1, 2, 4, 8, 16, 30, 30]
+        async with FakeCoordinator() as fake:
+            config.coordinator_url = fake.url  # the next attempt reaches a coordinator
+            conn = await fake.accept()
+            await conn.recv_type(protocol.Register)
+            await conn.send(protocol.Registered(provider_id="prov_1"))
+            while json.loads(paths.node_state_path(home).read_text()).get("provider_id") != "prov_1":
+                await asyncio.sleep(0.01)
+            attempts = len(ceilings)
+            await conn.ws.close()
+            while len(ceilings) == attempts:
+                await asyncio.sleep(0.01)
+            assert ceilings[attempts] == 1  # reset by the successful registration
+    finally:
+        stop.set()
+        await asyncio.wait_for(task, 30)

@@ -58,7 +58,8 @@ def upstream(gguf: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[s
         process.wait(timeout=30)
 
 
-async def stream(backend: OpenAIUpstreamBackend, body: dict[str, Any], model: str = "smollm2-135m") -> list[dict[str, Any]]:
+async def stream(backend: OpenAIUpstreamBackend, body: dict[str, Any],
+                 model: str = "smollm2-135m") -> list[dict[str, Any]]:
     return [chunk async for chunk in backend.stream_chat(model, body)]
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import time
 import webbrowser
 from dataclasses import dataclass
@@ -47,10 +48,8 @@ def device_login(coordinator_url: str, home: Path, *, open_browser: bool, api_ke
             _approve(client, user_code, api_key)
             out.print("Approved with DARKBLOOM_API_KEY.")
         elif open_browser:
-            try:
+            with contextlib.suppress(webbrowser.Error):
                 webbrowser.open(verification_uri)
-            except webbrowser.Error:
-                pass
         out.print("Waiting for approval…")
         deadline = time.monotonic() + expires_in
         while True:

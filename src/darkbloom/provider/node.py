@@ -7,6 +7,7 @@ never interleave writes. Logs carry request ids and token counts, never prompt o
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import importlib.metadata
 import json
 import logging
@@ -69,13 +70,13 @@ class ProviderNode:
                 registered = await self._connect_once(stop)
                 if stop.is_set():
                     break
-                delay = self.reconnect_base if registered else min(delay * 2, self.reconnect_max)
+                if registered:
+                    delay = self.reconnect_base
                 wait = random.uniform(delay / 2, delay)
                 log.info("reconnecting to the coordinator in %.1f s", wait)
-                try:
+                with contextlib.suppress(asyncio.TimeoutError):
                     await asyncio.wait_for(stop.wait(), wait)
-                except asyncio.TimeoutError:
-                    pass
+                delay = min(delay * 2, self.reconnect_max)
         finally:
             await self._cancel_jobs()
             await self.backend.close()

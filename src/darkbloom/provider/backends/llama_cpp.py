@@ -15,6 +15,7 @@ the cancel flag between tokens, so a cancelled request stops within one token.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import os
 import threading
@@ -177,10 +178,8 @@ class LlamaCppBackend:
         queue: asyncio.Queue[tuple[str, Any]] = asyncio.Queue()
 
         def to_loop(callback: Callable[[Any], None], item: Any) -> None:
-            try:
+            with contextlib.suppress(RuntimeError):  # the loop is gone (shutdown): nobody is listening
                 loop.call_soon_threadsafe(callback, item)
-            except RuntimeError:  # the loop is gone (shutdown); nobody is listening any more
-                pass
 
         llama = await pool.acquire()
         stats = GenerationStats(model_id=model_id, instance=id(llama))
@@ -191,7 +190,7 @@ class LlamaCppBackend:
         self._active.add(stats)
         try:
             executor.submit(self._generate, llama, stats, kwargs,
-                            lambda item: to_loop(queue.put_nowait, item), lambda l: to_loop(pool.release, l))
+                            lambda item: to_loop(queue.put_nowait, item), lambda used: to_loop(pool.release, used))
         except RuntimeError:
             self._active.discard(stats)
             pool.release(llama)
