@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import math
 import tomllib
 from pathlib import Path
 
@@ -25,8 +24,13 @@ class CatalogModel(BaseModel):
 
     def cost(self, prompt_tokens: int, completion_tokens: int) -> int:
         """Raw cost in µUSD, before any minimum charge (CONTRACT §0)."""
-        return (math.ceil(prompt_tokens * self.input_price / 1_000_000)
-                + math.ceil(completion_tokens * self.output_price / 1_000_000))
+        return _ceil_per_million(prompt_tokens * self.input_price) + _ceil_per_million(
+            completion_tokens * self.output_price)
+
+
+def _ceil_per_million(micro_usd_per_million: int) -> int:
+    """ceil(x / 1e6) in integer arithmetic: money is never a float."""
+    return -(-micro_usd_per_million // 1_000_000)
 
 
 class Catalog(BaseModel):

@@ -42,7 +42,12 @@ def public_key_from_b64(text: str) -> PublicKey:
         raise DecryptionError(f"invalid public key: {exc}") from None
     if len(raw) != 32:
         raise DecryptionError("public key must be 32 bytes")
-    return PublicKey(raw)
+    key = PublicKey(raw)
+    try:
+        Box(PrivateKey.generate(), key)  # libsodium refuses low-order points (all-zero shared secret)
+    except CryptoError:
+        raise DecryptionError("public key is a low-order point") from None
+    return key
 
 
 class Sealer:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from decimal import Decimal, InvalidOperation
 from typing import Any
 
@@ -9,6 +10,8 @@ from darkbloom.coordinator.errors import invalid_request
 
 LIMIT_RESETS = ("none", "daily", "weekly", "monthly")
 _RATE_FIELDS = ("rpm_limit", "itpm_limit", "otpm_limit")
+_MAX_RATE = 2**31 - 1        # INTEGER column
+_MAX_MICRO_USD = 2**63 - 1   # BIGINT column
 
 
 def key_fields(body: dict[str, Any], *, creating: bool) -> dict[str, Any]:
@@ -32,8 +35,10 @@ def key_fields(body: dict[str, Any], *, creating: bool) -> dict[str, Any]:
     for field in _RATE_FIELDS:
         if field in body:
             value = body[field]
-            if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
-                raise invalid_request(f"'{field}' must be a positive integer or null.", param=field)
+            if value is not None and (not isinstance(value, int) or isinstance(value, bool)
+                                      or not 1 <= value <= _MAX_RATE):
+                raise invalid_request(f"'{field}' must be a positive integer (at most {_MAX_RATE}) or null.",
+                                      param=field)
             fields[field] = value
     if "allowed_models" in body:
         models = body["allowed_models"]
@@ -47,7 +52,8 @@ def key_fields(body: dict[str, Any], *, creating: bool) -> dict[str, Any]:
 def _micro_usd(value: Any) -> int | None:
     if value is None:
         return None
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or (
+            isinstance(value, float) and not math.isfinite(value)):
         raise invalid_request("'limit_usd' must be a number of US dollars or null.", param="limit_usd")
     try:
         micro = Decimal(str(value)) * 1_000_000
@@ -55,6 +61,8 @@ def _micro_usd(value: Any) -> int | None:
         raise invalid_request("'limit_usd' must be a number of US dollars or null.", param="limit_usd") from None
     if micro < 0 or micro != micro.to_integral_value():
         raise invalid_request("'limit_usd' must be ≥ 0 with at most 6 decimal places.", param="limit_usd")
+    if micro > _MAX_MICRO_USD:
+        raise invalid_request("'limit_usd' is too large.", param="limit_usd")
     return int(micro)
 
 

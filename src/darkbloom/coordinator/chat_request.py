@@ -27,7 +27,7 @@ class ChatRequest:
 def parse_chat_request(raw: bytes) -> ChatRequest:
     try:
         body = json.loads(raw)
-    except (ValueError, UnicodeDecodeError):
+    except (ValueError, UnicodeDecodeError, RecursionError):
         raise invalid_request("The request body is not valid JSON.") from None
     if not isinstance(body, dict):
         raise invalid_request("The request body must be a JSON object.")

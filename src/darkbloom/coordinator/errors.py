@@ -7,6 +7,7 @@ from typing import Any
 from fastapi import Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
+from sqlalchemy.exc import DBAPIError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 
@@ -77,7 +78,19 @@ async def _validation_handler(_request: Request, exc: Exception) -> JSONResponse
     return JSONResponse(error_body("invalid_request_error", message, param=param), status_code=400)
 
 
+_PG_CHARACTER_NOT_IN_REPERTOIRE = "22021"  # e.g. a NUL character, which Postgres text cannot hold
+NUL_MESSAGE = "Text in the request must not contain NUL (\\u0000) characters."
+
+
+async def _database_error_handler(_request: Request, exc: Exception) -> JSONResponse:
+    assert isinstance(exc, DBAPIError)
+    if getattr(exc.orig, "sqlstate", None) == _PG_CHARACTER_NOT_IN_REPERTOIRE:
+        return invalid_request(NUL_MESSAGE).response()
+    raise exc
+
+
 def install_handlers(app: Any) -> None:
     app.add_exception_handler(ApiError, _api_error_handler)
     app.add_exception_handler(StarletteHTTPException, _http_exception_handler)
     app.add_exception_handler(RequestValidationError, _validation_handler)
+    app.add_exception_handler(DBAPIError, _database_error_handler)

@@ -21,7 +21,7 @@ router = APIRouter(prefix="/v1/admin", dependencies=[Depends(require_admin)])
 async def credit(request: Request, services: Services = Depends(get_services)) -> dict[str, Any]:
     body = await json_object(request)
     amount, reference = body.get("amount_micro_usd"), body.get("reference")
-    if not isinstance(amount, int) or isinstance(amount, bool) or amount <= 0:
+    if not isinstance(amount, int) or isinstance(amount, bool) or not 0 < amount < 2**63:
         raise invalid_request("'amount_micro_usd' must be a positive integer (µUSD).", param="amount_micro_usd")
     if not isinstance(reference, str) or not reference.strip() or len(reference) > 200:
         raise invalid_request("'reference' must be a non-empty string (it makes the credit idempotent).",

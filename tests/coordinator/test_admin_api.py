@@ -1,0 +1,95 @@
+"""Admin credits (CONTRACT §3.3): by account id or email, idempotent on reference."""
+
+from __future__ import annotations
+
+import uuid
+
+import pytest
+
+from tests.coordinator.conftest import Account, Api, assert_error, bearer
+
+
+def _balance(api: Api, token: str) -> int:
+    return int(api.get("/v1/payments/balance", headers=bearer(token)).json()["balance_micro_usd"])
+
+
+def test_credit_by_account_id(api: Api) -> None:
+    account = api.signup()
+    resp = api.credit(account, 1_500_000)
+    assert resp.status_code == 200, resp.text
+    assert resp.json() == {"account_id": account.account_id, "balance_micro_usd": 1_500_000}
+    assert _balance(api, account.token) == 1_500_000
+
+
+def test_credit_by_email(api: Api) -> None:
+    account = api.signup()
+    resp = api.post("/v1/admin/credit", headers=api.coordinator.admin(),
+                    json={"email": f" {account.email.upper()} ", "amount_micro_usd": 42, "reference": uuid.uuid4().hex})
+    assert resp.status_code == 200, resp.text
+    assert resp.json() == {"account_id": account.account_id, "balance_micro_usd": 42}
+    assert _balance(api, account.token) == 42
+
+
+def test_credit_is_idempotent_on_reference(api: Api) -> None:
+    account = api.signup()
+    reference = "grant-" + uuid.uuid4().hex
+    first = api.credit(account, 700, reference)
+    again = api.credit(account, 700, reference)
+    assert first.status_code == again.status_code == 200
+    assert first.json()["balance_micro_usd"] == again.json()["balance_micro_usd"] == 700
+    assert api.credit(account, 300).json()["balance_micro_usd"] == 1000
+    assert _balance(api, account.token) == 1000
+
+
+@pytest.mark.parametrize("token", [None, "wrong-token", "test-admin-token-but-longer"])
+def test_wrong_admin_token_is_401(api: Api, shared_account: Account, token: str | None) -> None:
+    account = shared_account  # never credited: every test on it must fail
+    headers = bearer(token) if token else {}
+    resp = api.post("/v1/admin/credit", headers=headers,
+                    json={"account_id": account.account_id, "amount_micro_usd": 5, "reference": uuid.uuid4().hex})
+    assert_error(resp, 401, "invalid_api_key")
+    assert _balance(api, account.token) == 0
+
+
+def test_a_user_token_is_not_an_admin_token(api: Api, shared_account: Account) -> None:
+    account = shared_account  # never credited: every test on it must fail
+    resp = api.post("/v1/admin/credit", headers=account.auth,
+                    json={"account_id": account.account_id, "amount_micro_usd": 5, "reference": uuid.uuid4().hex})
+    assert_error(resp, 401, "invalid_api_key")
+    assert _balance(api, account.token) == 0
+
+
+def test_credit_for_an_unknown_account_is_404(api: Api) -> None:
+    admin = api.coordinator.admin()
+    for target in ({"account_id": "acct_nobody"}, {"email": "nobody-here@example.com"}, {}):
+        resp = api.post("/v1/admin/credit", headers=admin,
+                        json={**target, "amount_micro_usd": 5, "reference": uuid.uuid4().hex})
+        assert_error(resp, 404, "account_not_found")
+
+
+@pytest.mark.parametrize("body, param", [
+    ({"amount_micro_usd": 0}, "amount_micro_usd"),
+    ({"amount_micro_usd": -5}, "amount_micro_usd"),
+    ({"amount_micro_usd": 1.5}, "amount_micro_usd"),
+    ({"amount_micro_usd": "100"}, "amount_micro_usd"),
+    ({"amount_micro_usd": True}, "amount_micro_usd"),
+    ({"amount_micro_usd": 2**63}, "amount_micro_usd"),  # does not fit a BIGINT
+    ({"amount_micro_usd": 5, "reference": ""}, "reference"),
+    ({"amount_micro_usd": 5, "reference": None}, "reference"),
+])
+def test_bad_credit_is_400(api: Api, shared_account: Account, body: dict, param: str) -> None:
+    account = shared_account  # never credited: every test on it must fail
+    payload = {"account_id": account.account_id, "reference": uuid.uuid4().hex, **body}
+    error = assert_error(api.post("/v1/admin/credit", headers=api.coordinator.admin(), json=payload),
+                         400, "invalid_request_error")
+    assert error["param"] == param
+    assert _balance(api, account.token) == 0
+
+
+def test_admin_reads_the_catalog(api: Api) -> None:
+    resp = api.get("/v1/admin/catalog", headers=api.coordinator.admin())
+    assert resp.status_code == 200
+    models = {m["id"]: m for m in resp.json()["models"]}
+    assert models["smollm2-135m"]["input_price"] == 50_000
+    assert models["smollm2-135m"]["output_price"] == 200_000
+    assert_error(api.get("/v1/admin/catalog"), 401, "invalid_api_key")

@@ -1,0 +1,176 @@
+"""WebSocket frames (CONTRACT §5): every type parses, bad frames raise FrameError with a code."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from darkbloom.protocol import (
+    MAX_FRAME_BYTES,
+    AttestationChallenge,
+    AttestationResponse,
+    Cancel,
+    Envelope,
+    ErrorFrame,
+    FrameError,
+    Heartbeat,
+    InferenceAccepted,
+    InferenceComplete,
+    InferenceError,
+    InferenceRequest,
+    InferenceResponseChunk,
+    ModelInfo,
+    Register,
+    Registered,
+    TrustStatus,
+    dump,
+    parse_coordinator_frame,
+    parse_provider_frame,
+)
+
+ENVELOPE = {"ephemeral_public_key": "AAAA", "ciphertext": "BBBB"}
+
+REGISTER = {
+    "type": "register", "auth_token": "dkp-x",
+    "models": [{"id": "smollm2-135m", "size_bytes": 100, "weight_hash": "sha256:w", "quantization": "Q8_0",
+                "is_vision": False, "context_length": 2048}],
+    "backend": "llama-cpp", "version": "0.1.0", "runtime_hash": "sha256:r", "public_key": "pk",
+    "identity_key": "ik", "attestation": "att", "encrypted_response_chunks": True, "private_only": True,
+    "max_concurrency": 3, "hardware": {"cpu_count": 8, "memory_gb": 16.0, "gpu": None}, "decode_tps": 42.5,
+}
+
+PROVIDER_FRAMES = [
+    (REGISTER, Register),
+    ({"type": "heartbeat", "status": "busy", "active_requests": 2, "models": ["a"]}, Heartbeat),
+    ({"type": "inference_accepted", "request_id": "r1"}, InferenceAccepted),
+    ({"type": "inference_response_chunk", "request_id": "r1", "encrypted_data": ENVELOPE}, InferenceResponseChunk),
+    ({"type": "inference_complete", "request_id": "r1",
+      "usage": {"prompt_tokens": 3, "completion_tokens": 4}}, InferenceComplete),
+    ({"type": "inference_error", "request_id": "r1", "status_code": 503, "message": "oom"}, InferenceError),
+    ({"type": "attestation_response", "nonce": "n", "signature": "s", "runtime_hash": "h"}, AttestationResponse),
+]
+
+COORDINATOR_FRAMES = [
+    ({"type": "registered", "provider_id": "prov_1", "account_id": "acct_1", "trust_level": "self_signed"},
+     Registered),
+    ({"type": "inference_request", "request_id": "r1", "encrypted_body": ENVELOPE}, InferenceRequest),
+    ({"type": "cancel", "request_id": "r1"}, Cancel),
+    ({"type": "attestation_challenge", "nonce": "n", "timestamp": 1_800_000_000}, AttestationChallenge),
+    ({"type": "trust_status", "trust_level": "none", "reason": "stale"}, TrustStatus),
+    ({"type": "error", "code": "unknown_type", "message": "?"}, ErrorFrame),
+]
+
+
+@pytest.mark.parametrize("data, cls", PROVIDER_FRAMES, ids=[f[0]["type"] for f in PROVIDER_FRAMES])
+def test_each_provider_frame_parses(data: dict, cls: type) -> None:
+    frame = parse_provider_frame(json.dumps(data))
+    assert type(frame) is cls
+    for key, value in data.items():
+        got = getattr(frame, key)
+        if hasattr(got, "model_dump"):
+            got = got.model_dump()
+        elif isinstance(got, list):
+            got = [g.model_dump() if hasattr(g, "model_dump") else g for g in got]
+        assert got == value, key
+    assert parse_provider_frame(dump(frame)) == frame  # dump → parse roundtrip
+    assert parse_provider_frame(json.dumps(data).encode()) == frame  # bytes too
+
+
+@pytest.mark.parametrize("data, cls", COORDINATOR_FRAMES, ids=[f[0]["type"] for f in COORDINATOR_FRAMES])
+def test_each_coordinator_frame_parses(data: dict, cls: type) -> None:
+    frame = parse_coordinator_frame(json.dumps(data))
+    assert type(frame) is cls
+    for key, value in data.items():
+        got = getattr(frame, key)
+        assert (got.model_dump() if hasattr(got, "model_dump") else got) == value, key
+    assert parse_coordinator_frame(dump(frame)) == frame
+
+
+def test_register_defaults_and_extra_fields() -> None:
+    frame = parse_provider_frame(json.dumps({"type": "register", "models": [{"id": "m"}], "public_key": "pk",
+                                             "future_field": {"x": 1}}))
+    assert isinstance(frame, Register)
+    assert frame.auth_token is None and frame.private_only is False and frame.max_concurrency == 1
+    assert frame.encrypted_response_chunks is True
+    assert frame.models == [ModelInfo(id="m")]
+    assert not hasattr(frame, "future_field")
+
+
+def test_frames_built_in_code_carry_their_type() -> None:
+    frame = InferenceRequest(request_id="r", encrypted_body=Envelope(**ENVELOPE))
+    assert json.loads(dump(frame))["type"] == "inference_request"
+    assert json.loads(dump(Registered(provider_id="prov_1")))["account_id"] is None
+
+
+@pytest.mark.parametrize("parse", [parse_provider_frame, parse_coordinator_frame])
+@pytest.mark.parametrize("type_", ["bogus", "REGISTER", ""])
+def test_unknown_type(parse, type_: str) -> None:  # type: ignore[no-untyped-def]
+    with pytest.raises(FrameError) as caught:
+        parse(json.dumps({"type": type_}))
+    assert caught.value.code == "unknown_type"
+
+
+@pytest.mark.parametrize("data", [d for d, _ in COORDINATOR_FRAMES])
+def test_coordinator_frames_are_unknown_to_the_provider_parser(data: dict) -> None:
+    with pytest.raises(FrameError) as caught:
+        parse_provider_frame(json.dumps(data))
+    assert caught.value.code == "unknown_type"
+
+
+@pytest.mark.parametrize("data", [d for d, _ in PROVIDER_FRAMES])
+def test_provider_frames_are_unknown_to_the_coordinator_parser(data: dict) -> None:
+    with pytest.raises(FrameError) as caught:
+        parse_coordinator_frame(json.dumps(data))
+    assert caught.value.code == "unknown_type"
+
+
+@pytest.mark.parametrize("parse", [parse_provider_frame, parse_coordinator_frame])
+def test_oversized_frame(parse) -> None:  # type: ignore[no-untyped-def]
+    raw = json.dumps({"type": "heartbeat", "status": "x" * MAX_FRAME_BYTES})
+    assert len(raw) > MAX_FRAME_BYTES
+    with pytest.raises(FrameError) as caught:
+        parse(raw)
+    assert caught.value.code == "frame_too_large"
+    with pytest.raises(FrameError) as caught:
+        parse(raw.encode())
+    assert caught.value.code == "frame_too_large"
+
+
+def test_frame_at_the_limit_is_not_too_large() -> None:
+    prefix = '{"type":"heartbeat","status":"'
+    raw = prefix + "x" * (MAX_FRAME_BYTES - len(prefix) - 2) + '"}'
+    assert len(raw) == MAX_FRAME_BYTES
+    assert isinstance(parse_provider_frame(raw), Heartbeat)
+
+
+@pytest.mark.parametrize("parse", [parse_provider_frame, parse_coordinator_frame])
+@pytest.mark.parametrize("raw", ["{not json", "", "[1, 2]", '"heartbeat"', "null", '{"no_type": 1}',
+                                 '{"type": 5}', b"\xff\xfe"])
+def test_malformed_frame(parse, raw: str | bytes) -> None:  # type: ignore[no-untyped-def]
+    with pytest.raises(FrameError) as caught:
+        parse(raw)
+    assert caught.value.code == "malformed_frame"
+
+
+@pytest.mark.parametrize("data", [
+    {"type": "register", "public_key": "pk"},                                   # models missing
+    {"type": "register", "models": [{"id": "m"}]},                              # public_key missing
+    {"type": "register", "models": [{"id": "m"}], "public_key": "pk", "max_concurrency": 0},
+    {"type": "inference_accepted"},
+    {"type": "inference_response_chunk", "request_id": "r", "encrypted_data": {"ciphertext": "x"}},
+    {"type": "inference_complete", "request_id": "r", "usage": {"prompt_tokens": -1, "completion_tokens": 0}},
+    {"type": "inference_complete", "request_id": "r"},
+    {"type": "attestation_response", "nonce": "n"},
+])
+def test_known_type_with_bad_fields_is_malformed(data: dict) -> None:
+    with pytest.raises(FrameError) as caught:
+        parse_provider_frame(json.dumps(data))
+    assert caught.value.code == "malformed_frame"
+    assert caught.value.message
+
+
+def test_coordinator_frame_with_bad_fields_is_malformed() -> None:
+    with pytest.raises(FrameError) as caught:
+        parse_coordinator_frame(json.dumps({"type": "attestation_challenge", "nonce": "n"}))
+    assert caught.value.code == "malformed_frame"
