@@ -47,6 +47,12 @@ def coordinator(
         envvar=_env("queue_depth"), help="Waiting requests per model (queue not active yet).")] = 32,
     catalog: Annotated[Optional[Path], typer.Option(
         envvar=_env("catalog"), help="Model catalog file (JSON or TOML).", exists=True, dir_okay=False)] = None,
+    heartbeat_timeout: Annotated[float, typer.Option(
+        envvar=_env("heartbeat_timeout"), help="Evict a provider silent this many seconds.")] = 30,
+    first_content_timeout: Annotated[float, typer.Option(
+        envvar=_env("first_content_timeout"), help="Seconds a provider may take to its first content.")] = 30,
+    device_code_ttl: Annotated[int, typer.Option(
+        envvar=_env("device_code_ttl"), help="Lifetime of a device login code in seconds.")] = 900,
 ) -> None:
     """Run the coordinator."""
     from darkbloom.coordinator.config import CoordinatorSettings, default_database_url
@@ -57,7 +63,8 @@ def coordinator(
             host=host, port=port, database_url=database_url or default_database_url(), redis_url=redis_url,
             admin_token=admin_token, min_trust=min_trust, platform_fee_bps=platform_fee_bps,
             queue_max_wait=queue_max_wait, queue_depth=queue_depth,
-            catalog=CoordinatorSettings.load_catalog(catalog))
+            catalog=CoordinatorSettings.load_catalog(catalog), heartbeat_timeout=heartbeat_timeout,
+            first_content_timeout=first_content_timeout, device_code_ttl=device_code_ttl)
     except ValueError as exc:
         err_console.print(f"[red]error:[/red] {exc}")
         raise typer.Exit(2) from None

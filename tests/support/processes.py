@@ -1,0 +1,119 @@
+"""Real coordinator and provider processes for tests: free ports, temporary DARKBLOOM_HOMEs."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+ADMIN_TOKEN = "test-admin-token"
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def _env(home: Path, extra: dict[str, str] | None = None) -> dict[str, str]:
+    env = dict(os.environ)
+    env.update({"DARKBLOOM_HOME": str(home), "PYTHONUNBUFFERED": "1"})
+    env.pop("DARKBLOOM_API_KEY", None)
+    env.update(extra or {})
+    return env
+
+
+def darkbloom_cmd(*args: str) -> list[str]:
+    return [sys.executable, "-m", "darkbloom.cli", *args]
+
+
+@dataclass
+class Process:
+    proc: subprocess.Popen[bytes]
+    log_path: Path
+
+    def stop(self, sig: int = signal.SIGTERM, timeout: float = 15) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(sig)
+            try:
+                self.proc.wait(timeout=timeout)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+
+    def kill(self) -> None:
+        self.stop(signal.SIGKILL)
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace") if self.log_path.exists() else ""
+
+
+def spawn(args: list[str], home: Path, log_name: str, env: dict[str, str] | None = None) -> Process:
+    home.mkdir(parents=True, exist_ok=True)
+    log_path = home / log_name
+    handle = open(log_path, "wb")
+    proc = subprocess.Popen(args, env=_env(home, env), stdout=handle, stderr=subprocess.STDOUT)
+    return Process(proc, log_path)
+
+
+@dataclass
+class Coordinator:
+    process: Process
+    base_url: str
+    home: Path
+    database_url: str
+    admin_token: str = ADMIN_TOKEN
+    extra_args: list[str] = field(default_factory=list)
+
+    @property
+    def api_url(self) -> str:
+        return self.base_url + "/v1"
+
+    def admin(self) -> dict[str, str]:
+        return {"Authorization": f"Bearer {self.admin_token}"}
+
+    def stop(self) -> None:
+        self.process.stop()
+
+
+def start_coordinator(home: Path, database_url: str, *extra_args: str, port: int | None = None,
+                      env: dict[str, str] | None = None) -> Coordinator:
+    port = port or free_port()
+    args = darkbloom_cmd("coordinator", "--port", str(port), "--database-url", database_url,
+                         "--admin-token", ADMIN_TOKEN, *extra_args)
+    process = spawn(args, home, f"coordinator-{port}.log", env)
+    base_url = f"http://127.0.0.1:{port}"
+    wait_http(base_url + "/health", process)
+    return Coordinator(process, base_url, home, database_url, extra_args=list(extra_args))
+
+
+def wait_http(url: str, process: Process, timeout: float = 60) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if process.proc.poll() is not None:
+            raise RuntimeError(f"process exited early:\n{process.log()}")
+        try:
+            if httpx.get(url, timeout=1).status_code < 500:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.1)
+    raise RuntimeError(f"{url} not up after {timeout} s:\n{process.log()}")
+
+
+def wait_until(predicate: Any, timeout: float = 60, interval: float = 0.1, what: str = "condition") -> Any:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(interval)
+    raise AssertionError(f"timed out waiting for {what}")
