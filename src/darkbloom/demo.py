@@ -46,7 +46,7 @@ class DemoCredentials:
 
 def run_demo(home: Path, port: int, out: Console) -> None:
     configure_logging()
-    for noisy in ("uvicorn.error", "alembic", "darkbloom"):
+    for noisy in ("uvicorn", "uvicorn.error", "alembic", "darkbloom", "httpx"):
         logging.getLogger(noisy).setLevel(logging.WARNING)
     asyncio.run(_demo(home, port, out))
 
@@ -60,7 +60,7 @@ async def _demo(home: Path, port: int, out: Console) -> None:
     settings = CoordinatorSettings(port=port, database_url=f"sqlite+aiosqlite:///{home / 'coordinator.db'}",
                                    admin_token=admin_token, min_trust="none")
     base_url = settings.base_url
-    server = build_server(settings, _EmbeddedServer)
+    server = build_server(settings, _EmbeddedServer, log_level="warning")
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
@@ -171,10 +171,10 @@ def _print_banner(out: Console, base_url: str, creds: DemoCredentials) -> None:
     out.print(f"\n[bold]Darkbloom demo is running[/bold]\n")
     out.print(f"base URL     {base_url}/v1")
     out.print(f"API key      {creds.api_key}")
-    out.print(f"console      {base_url}/console/  (log in as {DEMO_EMAIL} / {creds.password})")
+    out.print(f"account      {DEMO_EMAIL} / {creds.password}", soft_wrap=True)
     out.print(f"model        {BUNDLED_MODEL_ID} on a node linked to the demo account\n")
     out.print("[bold]curl[/bold]")
     out.print(curl, soft_wrap=True, highlight=False, markup=False)
     out.print("\n[bold]Python (openai SDK)[/bold]")
-    out.print(snippet, highlight=False, markup=False)
+    out.print(snippet, soft_wrap=True, highlight=False, markup=False)
     out.print("\nCtrl-C stops everything.")
