@@ -33,14 +33,14 @@ def coordinator(
         help="SQLAlchemy URL; default sqlite+aiosqlite:///$DARKBLOOM_HOME/coordinator.db; "
              "postgresql+asyncpg://… selects Postgres.")] = None,
     redis_url: Annotated[Optional[str], typer.Option(
-        envvar=_env("redis_url"), help="Redis for shared rate limits across replicas (not used yet).")] = None,
+        envvar=_env("redis_url"), help="Redis for rate limits shared across replicas (default: in memory).")] = None,
     admin_token: Annotated[Optional[str], typer.Option(
         envvar=_env("admin_token"), help="Bearer token for /v1/admin/*; admin API disabled when unset.")] = None,
     min_trust: Annotated[str, typer.Option(
         envvar=_env("min_trust"),
         help="Trust floor for public routing: none|self_signed|hardware (not enforced yet).")] = "hardware",
     platform_fee_bps: Annotated[int, typer.Option(
-        envvar=_env("platform_fee_bps"), help="Platform fee in basis points (billing not active yet).")] = 500,
+        envvar=_env("platform_fee_bps"), help="Platform fee in basis points of each paid request's cost.")] = 500,
     queue_max_wait: Annotated[float, typer.Option(
         envvar=_env("queue_max_wait"), help="Seconds a request may wait for a busy model (queue not active yet).")] = 120,
     queue_depth: Annotated[int, typer.Option(
@@ -53,6 +53,19 @@ def coordinator(
         envvar=_env("first_content_timeout"), help="Seconds a provider may take to its first content.")] = 30,
     device_code_ttl: Annotated[int, typer.Option(
         envvar=_env("device_code_ttl"), help="Lifetime of a device login code in seconds.")] = 900,
+    cancel_grace: Annotated[float, typer.Option(
+        envvar=_env("cancel_grace"), help="Seconds to wait for a cancelled provider's usage report.")] = 5,
+    instance_stale_after: Annotated[float, typer.Option(
+        envvar=_env("instance_stale_after"),
+        help="A coordinator instance silent this long is dead; its open reservations are refunded.")] = 30,
+    min_charge: Annotated[int, typer.Option(
+        envvar=_env("min_charge"), help="Minimum charge of a paid request, µUSD.")] = 100,
+    account_rpm: Annotated[Optional[int], typer.Option(
+        envvar=_env("account_rpm"), help="Default requests per minute per account (unset: no limit).")] = None,
+    account_itpm: Annotated[Optional[int], typer.Option(
+        envvar=_env("account_itpm"), help="Default input tokens per minute per account.")] = None,
+    account_otpm: Annotated[Optional[int], typer.Option(
+        envvar=_env("account_otpm"), help="Default output tokens per minute per account.")] = None,
 ) -> None:
     """Run the coordinator."""
     from darkbloom.coordinator.config import CoordinatorSettings, default_database_url
@@ -64,7 +77,10 @@ def coordinator(
             admin_token=admin_token, min_trust=min_trust, platform_fee_bps=platform_fee_bps,
             queue_max_wait=queue_max_wait, queue_depth=queue_depth,
             catalog=CoordinatorSettings.load_catalog(catalog), heartbeat_timeout=heartbeat_timeout,
-            first_content_timeout=first_content_timeout, device_code_ttl=device_code_ttl)
+            first_content_timeout=first_content_timeout, device_code_ttl=device_code_ttl,
+            catalog_from_file=catalog is not None, cancel_grace=cancel_grace,
+            instance_stale_after=instance_stale_after, min_charge_micro_usd=min_charge,
+            account_rpm=account_rpm, account_itpm=account_itpm, account_otpm=account_otpm)
     except ValueError as exc:
         err_console.print(f"[red]error:[/red] {exc}")
         raise typer.Exit(2) from None

@@ -16,7 +16,9 @@ HELLO = [{"role": "user", "content": "hello"}]
 
 @pytest.fixture(scope="module")
 def caller(api: Api) -> Account:
-    return api.signup()
+    account = api.signup()
+    api.credit(account, 10_000_000)  # paid requests need a balance before they reach routing
+    return account
 
 
 @pytest.fixture(scope="module")
@@ -209,7 +211,7 @@ def test_nul_characters_in_json_text_are_400(api: Api, caller: Account) -> None:
     for method, path, body, headers in cases:
         assert_error(api.request(method, path, json=body, headers=headers), 400, "invalid_request_error")
     assert api.get(f"/v1/keys/{key_id}", headers=caller.auth).json()["name"] == "test key"
-    assert api.get("/v1/payments/balance", headers=caller.auth).json()["balance_micro_usd"] == 0
+    assert api.get("/v1/payments/balance", headers=caller.auth).json()["balance_micro_usd"] == 10_000_000
 
 
 @pytest.mark.parametrize("method, path, params", [

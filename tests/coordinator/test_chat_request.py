@@ -25,8 +25,9 @@ def test_minimal_request() -> None:
 def test_unknown_fields_pass_through_to_the_provider() -> None:
     chat = parse_chat_request(_raw(model="alias", messages=HELLO, stream=False, top_k=40,
                                    stream_options={"include_usage": True}, vendor={"x": [1, 2]}))
-    forwarded = json.loads(chat.for_provider("provider-model"))
+    forwarded = json.loads(chat.for_provider("provider-model", max_tokens=64))
     assert forwarded["model"] == "provider-model"
+    assert forwarded["max_tokens"] == 64
     assert forwarded["stream"] is True
     assert "stream_options" not in forwarded
     assert forwarded["top_k"] == 40 and forwarded["vendor"] == {"x": [1, 2]}

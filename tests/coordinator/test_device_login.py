@@ -12,6 +12,7 @@ from darkbloom.coordinator import device_login
 from darkbloom.coordinator.config import CoordinatorSettings
 from darkbloom.coordinator.errors import ApiError
 from darkbloom.coordinator.registry import Registry
+from darkbloom.coordinator.ratelimit import MemoryRateLimiter
 from darkbloom.coordinator.services import Services
 from darkbloom.crypto import token_hash
 from darkbloom.store import accounts, create_engine, devices, migrate
@@ -21,7 +22,7 @@ async def _services(database_url: str, ttl: int) -> Services:
     engine = create_engine(database_url)
     await migrate(engine)
     return Services(settings=CoordinatorSettings(database_url=database_url, device_code_ttl=ttl),
-                    engine=engine, registry=Registry())
+                    engine=engine, registry=Registry(), rate_limiter=MemoryRateLimiter())
 
 
 @pytest.fixture

@@ -58,7 +58,7 @@ def test_device_login_links_the_node_to_the_account(coordinator: Coordinator, tm
 
 def test_node_killed_mid_stream_ends_with_error_event_and_is_evicted(coordinator: Coordinator,
                                                                       tmp_path: Path) -> None:
-    owner = create_account(coordinator)
+    owner = create_account(coordinator, credit_micro_usd=10_000_000)
     home = tmp_path / "node"
     from tests.support.accounts import login_node
     login_node(coordinator, home, owner)
@@ -89,7 +89,7 @@ def test_node_killed_mid_stream_ends_with_error_event_and_is_evicted(coordinator
 
 
 def test_client_disconnect_cancels_generation(coordinator: Coordinator, tmp_path: Path) -> None:
-    owner = create_account(coordinator)
+    owner = create_account(coordinator, credit_micro_usd=10_000_000)
     home = tmp_path / "node"
     from tests.support.accounts import login_node
     login_node(coordinator, home, owner)

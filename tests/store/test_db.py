@@ -27,7 +27,8 @@ async def test_insert_ignore_also_skips_a_unique_column_conflict(engine: AsyncEn
                                    balance_micro_usd=0, withdrawable_micro_usd=0, created_at=1)
         assert not await insert_ignore(conn, accounts, id="acct_b", email="same@example.com", password_hash=None,
                                        balance_micro_usd=0, withdrawable_micro_usd=0, created_at=1)
-        count = (await conn.execute(select(func.count()).select_from(accounts))).scalar_one()
+        count = (await conn.execute(select(func.count()).select_from(accounts)
+                                    .where(accounts.c.email == "same@example.com"))).scalar_one()
     assert count == 1
 
 

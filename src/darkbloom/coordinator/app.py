@@ -10,13 +10,15 @@ from typing import AsyncIterator
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 
-from darkbloom.coordinator import sessions
+from darkbloom.coordinator import instances, sessions
+from darkbloom.coordinator.catalog_store import load_catalog
+from darkbloom.coordinator.ratelimit import create_rate_limiter
 from darkbloom.coordinator.body_limit import BodyLimitMiddleware
 from darkbloom.coordinator.completions import ClientDisconnected
 from darkbloom.coordinator.config import CoordinatorSettings
 from darkbloom.coordinator.errors import install_handlers
 from darkbloom.coordinator.registry import Registry
-from darkbloom.coordinator.routes import account, admin, device, health, inference, keys, provider_ws
+from darkbloom.coordinator.routes import account, admin, device, health, inference, keys, payments, provider_ws
 from darkbloom.coordinator.services import Services
 from darkbloom.store import create_engine, migrate
 
@@ -28,17 +30,25 @@ def create_app(settings: CoordinatorSettings) -> FastAPI:
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         engine = create_engine(settings.database_url)
         await migrate(engine)
-        services = Services(settings=settings, engine=engine, registry=Registry())
+        services = Services(settings=settings, engine=engine, registry=Registry(),
+                            rate_limiter=create_rate_limiter(settings.redis_url))
         app.state.services = services
-        evictor = asyncio.create_task(sessions.evict_silent(services))
+        await load_catalog(services)
+        await instances.register_instance(services)
+        await instances.reconcile_abandoned(services)
+        background = [asyncio.create_task(sessions.evict_silent(services)),
+                      asyncio.create_task(instances.heartbeat_forever(services))]
         log.info("coordinator ready on %s (database %s)", settings.base_url, engine.url.render_as_string())
         try:
             yield
         finally:
-            evictor.cancel()
+            for task in background:
+                task.cancel()
             for session in services.registry.all():
                 await sessions.close_session(services, session)
                 session.close(1001)
+            await services.drain(timeout=settings.cancel_grace + 5)
+            await services.rate_limiter.close()
             await engine.dispose()
 
     app = FastAPI(title="Darkbloom coordinator", version="0.1.0", lifespan=lifespan,
@@ -46,7 +56,7 @@ def create_app(settings: CoordinatorSettings) -> FastAPI:
     app.add_middleware(BodyLimitMiddleware, max_bytes=settings.max_body_bytes)
     install_handlers(app)
     app.add_exception_handler(ClientDisconnected, _client_gone)
-    for module in (health, inference, account, keys, device, admin, provider_ws):
+    for module in (health, inference, account, payments, keys, device, admin, provider_ws):
         app.include_router(module.router)
     return app
 

@@ -17,10 +17,12 @@ class ChatRequest:
     uses_tools: bool
     uses_images: bool
 
-    def for_provider(self, provider_model_id: str) -> bytes:
-        """The body the provider receives: its own model id, always streamed."""
-        forwarded = dict(self.body, model=provider_model_id, stream=True)
+    def for_provider(self, provider_model_id: str, max_tokens: int) -> bytes:
+        """The body the provider receives: its own model id, always streamed, output bounded by
+        what admission reserved for."""
+        forwarded = dict(self.body, model=provider_model_id, stream=True, max_tokens=max_tokens)
         forwarded.pop("stream_options", None)
+        forwarded.pop("max_completion_tokens", None)
         return json.dumps(forwarded, separators=(",", ":")).encode()
 
 

@@ -1,4 +1,5 @@
-"""One chat completion through the coordinator: resolve model → select → seal → dispatch → relay."""
+"""One chat completion through the coordinator:
+resolve model → admit (rate limits, reservation) → select → seal → dispatch → relay → settle."""
 
 from __future__ import annotations
 
@@ -6,13 +7,16 @@ import asyncio
 import logging
 import secrets
 import time
+from dataclasses import dataclass, field
 from typing import Any, AsyncIterator
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
 from darkbloom.catalog import CatalogModel
-from darkbloom.coordinator import relay
+from darkbloom.coordinator import admission as admission_core
+from darkbloom.coordinator import billing, relay
+from darkbloom.coordinator.admission import Admission
 from darkbloom.coordinator.auth import Caller
 from darkbloom.coordinator.chat_request import ChatRequest
 from darkbloom.coordinator.errors import ApiError
@@ -40,58 +44,126 @@ def resolve_model(services: Services, caller: Caller, name: str) -> CatalogModel
     return model
 
 
-async def chat_completion(services: Services, caller: Caller, chat: ChatRequest,
-                          request: Request) -> StreamingResponse | JSONResponse:
+@dataclass
+class InFlight:
+    """Everything one request decided, carried to its single end (`finish`)."""
+
+    services: Services
+    caller: Caller
+    chat: ChatRequest
+    model: CatalogModel
+    admission: Admission
+    pending: relay.PendingRequest
+    started: float = field(default_factory=time.monotonic)
+    outcome: str = "ok"
+
+    @property
+    def request_id(self) -> str:
+        return self.pending.request_id
+
+
+async def chat_completion(services: Services, caller: Caller, chat: ChatRequest, request: Request,
+                          admission: Admission) -> StreamingResponse | JSONResponse:
     request_id = new_request_id()
-    started = time.monotonic()
     model = resolve_model(services, caller, chat.model)
-    placement = select(services.registry, model)
-    pending = relay.dispatch(placement.session, chat, placement.provider_model_id, request_id)
-    headers = {"X-Request-Id": request_id, "X-Provider-Id": placement.session.id}
+    await admission_core.admit(services, caller, chat, model, request_id, admission)
+    try:
+        placement = select(services.registry, model)
+    except BaseException:
+        await _finish_unserved(services, admission)
+        raise
+    pending = relay.dispatch(placement.session, chat, placement.provider_model_id, request_id,
+                             admission.output_bound)
+    flight = InFlight(services, caller, chat, model, admission, pending)
+    headers = {"X-Request-Id": request_id, "X-Provider-Id": placement.session.id, **admission.headers}
     shaper = relay.ChunkShaper(request_id, chat.model)
     try:
         head, completed = await _until_disconnect(
             request, relay.first_content(pending, services.settings.first_content_timeout))
     except relay.ProviderFailure as failure:
-        relay.release(pending)
-        _log(request_id, caller, model, placement.session.id, failure.failure.reason, started)
+        await _finish(flight, failure.failure.reason, charge_partial=False)
         error = failure.as_api_error()
         error.headers.update(headers)
         raise error from None
     except BaseException:
-        relay.release(pending)
+        _finish_later(flight, "client_disconnected", charge_partial=True)
         raise
 
     if chat.stream:
-        return StreamingResponse(_streamed(pending, head, completed, shaper, caller, model, started),
-                                 media_type="text/event-stream",
+        return StreamingResponse(_streamed(flight, head, completed, shaper), media_type="text/event-stream",
                                  headers={**headers, "Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
     try:
         body = await _until_disconnect(request, relay.collect(pending, head, completed, shaper))
     except relay.ProviderFailure as failure:
-        _log(request_id, caller, model, placement.session.id, failure.failure.reason, started)
+        await _finish(flight, failure.failure.reason, charge_partial=False)
         raise failure.as_api_error() from None
-    finally:
-        relay.release(pending)
-    _log(request_id, caller, model, placement.session.id, "ok", started)
+    except BaseException:
+        _finish_later(flight, "client_disconnected", charge_partial=True)
+        raise
+    await _finish(flight, "ok", charge_partial=False)
     return JSONResponse(body, headers=headers)
 
 
-async def _streamed(pending: relay.PendingRequest, head: list[dict[str, Any]], completed: bool,
-                    shaper: relay.ChunkShaper, caller: Caller, model: CatalogModel,
-                    started: float) -> AsyncIterator[bytes]:
-    outcome = "client_disconnected"
+async def _streamed(flight: InFlight, head: list[dict[str, Any]], completed: bool,
+                    shaper: relay.ChunkShaper) -> AsyncIterator[bytes]:
+    pending = flight.pending
+    finished = False
     try:
-        async for part in relay.sse_events(pending, head, completed, shaper):
+        async for part in relay.relay_chunks(pending, head, completed, shaper):
             yield part
-        outcome = "ok" if pending.usage is not None else "failed_after_commit"
+        failure = pending.failure
+        await _finish(flight, failure.reason if failure else "ok", charge_partial=False)
+        finished = True
+        if failure is not None:
+            yield relay.failure_event(failure)
+            return
+        assert pending.usage is not None
+        yield relay.sse(shaper.usage_chunk(pending.usage))
+        yield relay.SSE_DONE
     finally:
-        relay.release(pending)
-        _log(pending.request_id, caller, model, pending.session.id, outcome, started)
+        if not finished:
+            _finish_later(flight, "client_disconnected", charge_partial=True)
+
+
+async def _finish(flight: InFlight, outcome: str, *, charge_partial: bool) -> None:
+    """The one end of every dispatched request, shielded so a vanished client cannot cut it short."""
+    task = flight.services.spawn(_settle(flight, outcome, charge_partial))
+    await asyncio.shield(task)
+
+
+def _finish_later(flight: InFlight, outcome: str, *, charge_partial: bool) -> None:
+    flight.services.spawn(_settle(flight, outcome, charge_partial))
+
+
+async def _settle(flight: InFlight, outcome: str, charge_partial: bool) -> None:
+    services, pending, admission = flight.services, flight.pending, flight.admission
+    if charge_partial:
+        await relay.stop(pending, services.settings.cancel_grace)
+    relay.release(pending)
+    usage = pending.usage if (outcome == "ok" or charge_partial) else None
+    reservation = admission.reservation
+    session = pending.session
+    try:
+        if usage is not None and reservation is not None:
+            served = billing.Served(provider_id=session.id, provider_account_id=session.account_id)
+            await billing.settle(services, reservation, flight.model, flight.chat.model, usage, served)
+        elif reservation is not None:
+            await billing.refund(services, reservation)
+        await admission_core.reconcile_rates(services, admission, usage.prompt_tokens if usage else 0,
+                                             usage.completion_tokens if usage else 0)
+    except Exception:  # noqa: BLE001 - the instance reconciler refunds what stays open
+        log.exception("request %s: settlement failed", pending.request_id)
+    _log(flight, outcome if usage is not None or outcome != "client_disconnected" else "client_disconnected_unbilled")
+
+
+async def _finish_unserved(services: Services, admission: Admission) -> None:
+    if admission.reservation is not None:
+        await billing.refund(services, admission.reservation)
+    await admission_core.reconcile_rates(services, admission, 0, 0)
 
 
 async def _until_disconnect(request: Request, work: Any) -> Any:
-    """Await ``work`` unless the client goes away first (then cancel it and re-raise)."""
+    """Await ``work`` unless the client goes away first (then cancel it and raise)."""
     task = asyncio.ensure_future(work)
     watcher = asyncio.ensure_future(_wait_disconnect(request))
     try:
@@ -117,8 +189,9 @@ async def _wait_disconnect(request: Request) -> None:
             return
 
 
-def _log(request_id: str, caller: Caller, model: CatalogModel, provider_id: str, outcome: str,
-         started: float) -> None:
-    log.info("request_id=%s account=%s key=%s model=%s provider=%s outcome=%s ms=%d", request_id,
-             caller.account_id, caller.key_id, model.id, provider_id, outcome,
-             (time.monotonic() - started) * 1000)
+def _log(flight: InFlight, outcome: str) -> None:
+    usage = flight.pending.usage
+    log.info("request_id=%s account=%s key=%s model=%s provider=%s outcome=%s prompt_tokens=%s "
+             "completion_tokens=%s ms=%d", flight.request_id, flight.caller.account_id, flight.caller.key_id,
+             flight.model.id, flight.pending.session.id, outcome, usage.prompt_tokens if usage else None,
+             usage.completion_tokens if usage else None, (time.monotonic() - flight.started) * 1000)

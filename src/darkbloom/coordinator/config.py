@@ -27,6 +27,7 @@ class CoordinatorSettings:
     queue_max_wait: float = 120.0
     queue_depth: int = 32
     catalog: Catalog = field(default_factory=Catalog.default)
+    catalog_from_file: bool = False
     public_url: str | None = None
     # periods (seconds); configurable so that tests can shorten them
     heartbeat_timeout: float = 30.0
@@ -35,12 +36,23 @@ class CoordinatorSettings:
     device_poll_interval: int = 5
     max_body_bytes: int = 8 * 1024 * 1024
     first_content_timeout: float = 30.0
+    cancel_grace: float = 5.0            # wait this long for a cancelled provider's final usage
+    instance_stale_after: float = 30.0   # an instance silent this long is dead: its reservations refunded
+    # billing and account-level rate limits (per minute; None = unlimited)
+    min_charge_micro_usd: int = 100
+    account_rpm: int | None = None
+    account_itpm: int | None = None
+    account_otpm: int | None = None
 
     def __post_init__(self) -> None:
         if self.min_trust not in TRUST_LEVELS:
             raise ValueError(f"--min-trust must be one of {', '.join(TRUST_LEVELS)}")
         if not 0 <= self.platform_fee_bps <= 10_000:
             raise ValueError("--platform-fee-bps must be between 0 and 10000")
+        for name in ("account_rpm", "account_itpm", "account_otpm"):
+            value = getattr(self, name)
+            if value is not None and value < 1:
+                raise ValueError(f"--{name.replace('_', '-')} must be at least 1 (omit it for no limit)")
         if self.queue_max_wait < 0 or self.queue_depth < 0:
             raise ValueError("--queue-max-wait and --queue-depth must not be negative")
 

@@ -67,6 +67,7 @@ class PendingRequest:
         self.events: asyncio.Queue[Event] = asyncio.Queue()
         self.finished = False
         self.usage: Usage | None = None
+        self.failure: Failed | None = None
 
     # called by the provider socket reader
 
@@ -99,26 +100,41 @@ class PendingRequest:
         if not self.finished:
             self.finished = True
             self.events.put_nowait(event)
+            if isinstance(event, Failed):
+                self.failure = event
 
 
-def dispatch(session: ProviderSession, chat: ChatRequest, provider_model_id: str,
-             request_id: str) -> PendingRequest:
+def dispatch(session: ProviderSession, chat: ChatRequest, provider_model_id: str, request_id: str,
+             max_tokens: int) -> PendingRequest:
     pending = PendingRequest(request_id, session)
     session.pending[request_id] = pending
     session.active += 1
-    envelope = pending.reply_key.seal_request(chat.for_provider(provider_model_id), session.public_key)
+    assert session.public_key is not None, "only sessions with an encryption key are routable"
+    envelope = pending.reply_key.seal_request(chat.for_provider(provider_model_id, max_tokens), session.public_key)
     session.send(dump(InferenceRequest(request_id=request_id, encrypted_body=envelope)))
     return pending
 
 
+async def stop(pending: PendingRequest, grace: float) -> None:
+    """Ask the provider to stop and wait up to ``grace`` seconds for its final usage report."""
+    if pending.finished:
+        return
+    pending.session.send(dump(Cancel(request_id=pending.request_id)))
+    deadline = time.monotonic() + grace
+    while not pending.finished and (remaining := deadline - time.monotonic()) > 0:
+        try:
+            event = await asyncio.wait_for(pending.events.get(), timeout=remaining)
+        except TimeoutError:
+            break
+        if isinstance(event, Failed):
+            pending.failure = event
+
+
 def release(pending: PendingRequest) -> None:
-    """Free the session's slot; tell the provider to stop if it has not finished."""
-    session = pending.session
-    if session.pending.pop(pending.request_id, None) is not None:
-        session.active -= 1
-        if not pending.finished:
-            pending.finished = True
-            session.send(dump(Cancel(request_id=pending.request_id)))
+    """Free the session's slot; frames arriving later for this request are ignored."""
+    pending.finished = True
+    if pending.session.pending.pop(pending.request_id, None) is not None:
+        pending.session.active -= 1
 
 
 def has_content(chunk: dict[str, Any]) -> bool:
@@ -181,9 +197,10 @@ def sse(data: dict[str, Any]) -> bytes:
 SSE_DONE = b"data: [DONE]\n\n"
 
 
-async def sse_events(pending: PendingRequest, head: list[dict[str, Any]], completed: bool,
-                     shaper: ChunkShaper) -> AsyncIterator[bytes]:
-    """The SSE body after commit: buffered head, the rest, a usage chunk and one [DONE]."""
+async def relay_chunks(pending: PendingRequest, head: list[dict[str, Any]], completed: bool,
+                       shaper: ChunkShaper) -> AsyncIterator[bytes]:
+    """SSE lines for the buffered head and every later chunk, until the provider finishes or fails
+    (then ``pending.usage`` or ``pending.failure`` says which)."""
     for data in head:
         yield sse(shaper.chunk(data))
     while not completed:
@@ -191,14 +208,14 @@ async def sse_events(pending: PendingRequest, head: list[dict[str, Any]], comple
         if isinstance(event, Chunk):
             yield sse(shaper.chunk(event.data))
         elif isinstance(event, Failed):
-            log.warning("request %s failed after commit: %s", pending.request_id, event.reason)
-            yield sse(error_body("provider_error", event.message, code=event.reason))
+            pending.failure = event
             return
         else:
             completed = True
-    assert pending.usage is not None
-    yield sse(shaper.usage_chunk(pending.usage))
-    yield SSE_DONE
+
+
+def failure_event(failure: Failed) -> bytes:
+    return sse(error_body("provider_error", failure.message, code=failure.reason))
 
 
 async def collect(pending: PendingRequest, head: list[dict[str, Any]], completed: bool,

@@ -2,13 +2,17 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import asyncio
+from dataclasses import dataclass, field
+from typing import Any, Coroutine
 
 from fastapi import Request
 from sqlalchemy.ext.asyncio import AsyncEngine
 
 from darkbloom.coordinator.config import CoordinatorSettings
+from darkbloom.coordinator.ratelimit import RateLimiter
 from darkbloom.coordinator.registry import Registry
+from darkbloom.crypto import new_id
 
 
 @dataclass
@@ -16,6 +20,20 @@ class Services:
     settings: CoordinatorSettings
     engine: AsyncEngine
     registry: Registry
+    rate_limiter: RateLimiter
+    instance_id: str = field(default_factory=lambda: new_id("inst_"))
+    _tasks: set[asyncio.Task[Any]] = field(default_factory=set)
+
+    def spawn(self, work: Coroutine[Any, Any, Any]) -> asyncio.Task[Any]:
+        """Run ``work`` to completion even if the request that started it goes away."""
+        task = asyncio.get_running_loop().create_task(work)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+        return task
+
+    async def drain(self, timeout: float) -> None:
+        if self._tasks:
+            await asyncio.wait(set(self._tasks), timeout=timeout)
 
 
 def get_services(request: Request) -> Services:

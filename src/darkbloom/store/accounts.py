@@ -5,10 +5,11 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from sqlalchemy import insert, select, update
+from sqlalchemy import insert, select
 from sqlalchemy.ext.asyncio import AsyncConnection
 
 from darkbloom.crypto import new_id
+from darkbloom.store import ledger
 from darkbloom.store.db import insert_ignore
 from darkbloom.store.schema import accounts, admin_credits, console_sessions
 
@@ -66,7 +67,6 @@ async def credit(conn: AsyncConnection, account_id: str, amount: int, reference:
         return None
     if await insert_ignore(conn, admin_credits, reference=reference, account_id=account_id,
                            amount_micro_usd=amount, created_at=int(time.time())):
-        await conn.execute(update(accounts).where(accounts.c.id == account_id)
-                           .values(balance_micro_usd=accounts.c.balance_micro_usd + amount))
+        await ledger.move(conn, account_id, "balance", amount, "admin_credit", reference=reference)
     row = await get(conn, account_id)
     return int(row["balance_micro_usd"]) if row else None

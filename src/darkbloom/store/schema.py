@@ -83,3 +83,73 @@ admin_credits = Table(
     Column("amount_micro_usd", BigInteger, nullable=False),
     Column("created_at", BigInteger, nullable=False),
 )
+
+# billing (migration 0002)
+
+PLATFORM_ACCOUNT_ID = "acct_platform"
+
+ledger_entries = Table(
+    "ledger_entries", metadata,
+    Column("id", Integer, primary_key=True, autoincrement=True),
+    Column("account_id", String(64), ForeignKey("accounts.id"), nullable=False, index=True),
+    Column("kind", String(24), nullable=False),      # admin_credit|reservation|refund|charge|payout|platform_fee
+    Column("pocket", String(16), nullable=False),    # balance | withdrawable
+    Column("amount_micro_usd", BigInteger, nullable=False),
+    Column("balance_after", BigInteger, nullable=False),
+    Column("request_id", String(64), nullable=True, index=True),
+    Column("reference", String(200), nullable=True),
+    Column("created_at", BigInteger, nullable=False),
+)
+
+reservations = Table(
+    "reservations", metadata,
+    Column("request_id", String(64), primary_key=True),
+    Column("account_id", String(64), ForeignKey("accounts.id"), nullable=False),
+    Column("key_id", String(64), nullable=True),
+    Column("amount_micro_usd", BigInteger, nullable=False),
+    Column("window_start", BigInteger, nullable=True),  # the key's spend-cap window, when it has a cap
+    Column("status", String(16), nullable=False),       # open | settled | refunded
+    Column("instance_id", String(64), nullable=False, index=True),
+    Column("created_at", BigInteger, nullable=False),
+    Column("closed_at", BigInteger, nullable=True),
+)
+
+usage_records = Table(
+    "usage_records", metadata,
+    Column("id", Integer, primary_key=True, autoincrement=True),
+    Column("request_id", String(64), nullable=False, unique=True),
+    Column("account_id", String(64), ForeignKey("accounts.id"), nullable=False, index=True),
+    Column("key_id", String(64), nullable=True),
+    Column("model", String(256), nullable=False),
+    Column("provider_id", String(64), nullable=True),
+    Column("provider_account_id", String(64), nullable=True, index=True),
+    Column("prompt_tokens", Integer, nullable=False),
+    Column("completion_tokens", Integer, nullable=False),
+    Column("cost_micro_usd", BigInteger, nullable=False),
+    Column("platform_fee_micro_usd", BigInteger, nullable=False),
+    Column("provider_payout_micro_usd", BigInteger, nullable=False),
+    Column("self_routed", Boolean, nullable=False),
+    Column("routed", String(8), nullable=False),        # owned | fleet
+    Column("created_at", BigInteger, nullable=False),
+)
+
+key_spend = Table(
+    "key_spend", metadata,
+    Column("key_id", String(64), primary_key=True),
+    Column("window_start", BigInteger, primary_key=True),
+    Column("spent_micro_usd", BigInteger, nullable=False),
+    Column("reserved_micro_usd", BigInteger, nullable=False),
+)
+
+coordinator_instances = Table(
+    "coordinator_instances", metadata,
+    Column("id", String(64), primary_key=True),
+    Column("started_at", BigInteger, nullable=False),
+    Column("last_seen", BigInteger, nullable=False),
+)
+
+stored_settings = Table(
+    "stored_settings", metadata,
+    Column("name", String(64), primary_key=True),
+    Column("value", JSON, nullable=False),
+)

@@ -42,16 +42,6 @@ async def logout(request: Request, caller: Caller = Depends(require_caller),
     return {"status": "logged_out"}
 
 
-@router.get("/v1/payments/balance")
-async def balance(caller: Caller = Depends(require_caller),
-                  services: Services = Depends(get_services)) -> dict[str, int]:
-    async with services.engine.connect() as conn:
-        row = await accounts.get(conn, caller.account_id)
-    assert row is not None
-    return {"balance_micro_usd": int(row["balance_micro_usd"]),
-            "withdrawable_micro_usd": int(row["withdrawable_micro_usd"])}
-
-
 @router.get("/v1/me/providers")
 async def my_providers(caller: Caller = Depends(require_caller),
                        services: Services = Depends(get_services)) -> dict[str, Any]:

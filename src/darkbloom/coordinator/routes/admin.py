@@ -9,6 +9,7 @@ from pydantic import ValidationError
 
 from darkbloom.catalog import Catalog
 from darkbloom.coordinator.auth import require_admin
+from darkbloom.coordinator.catalog_store import store_catalog
 from darkbloom.coordinator.errors import ApiError, invalid_request
 from darkbloom.coordinator.json_body import json_object
 from darkbloom.coordinator.services import Services, get_services
@@ -50,5 +51,5 @@ async def put_catalog(request: Request, services: Services = Depends(get_service
         catalog = Catalog.model_validate(await json_object(request))
     except ValidationError as exc:
         raise invalid_request(f"invalid catalog: {exc.errors()[0]['msg']}") from None
-    services.settings.catalog = catalog
+    await store_catalog(services, catalog)
     return catalog.model_dump()

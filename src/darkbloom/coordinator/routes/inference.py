@@ -5,6 +5,7 @@ from __future__ import annotations
 from fastapi import APIRouter, Depends, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
+from darkbloom.coordinator.admission import admit_request_rate, release_rates
 from darkbloom.coordinator.auth import Caller, require_caller
 from darkbloom.coordinator.chat_request import parse_chat_request
 from darkbloom.coordinator.completions import chat_completion
@@ -17,8 +18,13 @@ router = APIRouter()
 @router.post("/v1/chat/completions", response_model=None)
 async def chat_completions(request: Request, caller: Caller = Depends(require_caller),
                            services: Services = Depends(get_services)) -> StreamingResponse | JSONResponse:
-    chat = parse_chat_request(await request.body())
-    return await chat_completion(services, caller, chat, request)
+    admission = await admit_request_rate(services, caller)
+    try:
+        chat = parse_chat_request(await request.body())
+    except BaseException:
+        await release_rates(services, admission)
+        raise
+    return await chat_completion(services, caller, chat, request, admission)
 
 
 @router.get("/v1/models")

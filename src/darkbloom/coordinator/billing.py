@@ -1,0 +1,142 @@
+"""Prices → cost, reservation, settlement and refund. Each step is one database transaction and
+is keyed by the request id, so a repeated step (duplicate completion, retry, crash) is a no-op.
+
+Ledger view of a paid request: ``reservation −R`` at admission; at settlement ``refund +R`` and
+``charge −C`` on the caller, ``platform_fee +F`` to the platform and ``payout +(C−F)`` to the
+serving provider's owner (the platform when the provider is unowned), both as withdrawable.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from datetime import datetime, timedelta, timezone
+from typing import Any
+
+from darkbloom.catalog import CatalogModel
+from darkbloom.coordinator.errors import ApiError
+from darkbloom.coordinator.services import Services
+from darkbloom.protocol import Usage
+from darkbloom.store import ledger
+from darkbloom.store.schema import PLATFORM_ACCOUNT_ID
+
+log = logging.getLogger("darkbloom.billing")
+
+
+@dataclass(frozen=True)
+class Reservation:
+    request_id: str
+    account_id: str
+    key_id: str | None
+    amount: int
+    window_start: int | None
+
+
+@dataclass(frozen=True)
+class Served:
+    """Who actually served a request, read from the serving session object."""
+
+    provider_id: str
+    provider_account_id: str | None
+
+
+@dataclass(frozen=True)
+class Settlement:
+    cost: int
+    platform_fee: int
+    payout: int
+
+
+def spend_window_start(reset: str, now: datetime | None = None) -> int:
+    """Start (Unix seconds, UTC) of the key's current spend-cap window."""
+    now = now or datetime.now(timezone.utc)
+    midnight = now.replace(hour=0, minute=0, second=0, microsecond=0)
+    if reset == "daily":
+        start = midnight
+    elif reset == "weekly":
+        start = midnight - timedelta(days=midnight.weekday())
+    elif reset == "monthly":
+        start = midnight.replace(day=1)
+    else:
+        return 0
+    return int(start.timestamp())
+
+
+def charge_for(model: CatalogModel, usage: Usage, min_charge: int) -> int:
+    return max(min_charge, model.cost(usage.prompt_tokens, usage.completion_tokens))
+
+
+def worst_case(model: CatalogModel, prompt_tokens: int, output_bound: int, min_charge: int) -> int:
+    return max(min_charge, model.cost(prompt_tokens, output_bound))
+
+
+async def reserve(services: Services, request_id: str, account_id: str, key: dict[str, Any] | None,
+                  amount: int) -> Reservation:
+    """Hold ``amount`` against the key's cap and debit it from the balance, atomically, or raise 402."""
+    cap = key.get("limit_micro_usd") if key else None
+    window = spend_window_start(key["limit_reset"]) if key and cap is not None else None
+    async with services.engine.begin() as conn:
+        if key is not None and cap is not None and window is not None:
+            if not await ledger.reserve_key_spend(conn, key["id"], window, int(cap), amount):
+                raise ApiError(402, "spend_cap_exceeded",
+                               "This API key has reached its spend limit for the current period. Raise the key's "
+                               "limit or wait for it to reset.")
+        if await ledger.move(conn, account_id, "balance", -amount, "reservation", request_id=request_id,
+                             require_funds=True) is None:
+            raise ApiError(402, "insufficient_funds",
+                           f"Your balance cannot cover this request (it needs up to {amount} µUSD). "
+                           "Add credit, or lower max_tokens.", code="insufficient_quota")
+        await ledger.open_reservation(conn, request_id, account_id, key["id"] if key else None, amount, window,
+                                      services.instance_id)
+    return Reservation(request_id, account_id, key["id"] if key else None, amount, window)
+
+
+async def settle(services: Services, reservation: Reservation, model: CatalogModel, requested_model: str,
+                 usage: Usage, served: Served) -> Settlement | None:
+    """Charge for the reported usage (never more than the reservation), pay the provider's owner."""
+    settings = services.settings
+    cost = charge_for(model, usage, settings.min_charge_micro_usd)
+    if cost > reservation.amount:
+        log.warning("request %s: reported usage costs %d µUSD, above its reservation %d; charging the reservation",
+                    reservation.request_id, cost, reservation.amount)
+        cost = reservation.amount
+    fee = cost * settings.platform_fee_bps // 10_000
+    payout = cost - fee
+    payee = served.provider_account_id or PLATFORM_ACCOUNT_ID
+    request_id = reservation.request_id
+    async with services.engine.begin() as conn:
+        if await ledger.close_reservation(conn, request_id, "settled") is None:
+            return None
+        await ledger.move(conn, reservation.account_id, "balance", reservation.amount, "refund", request_id=request_id)
+        await ledger.move(conn, reservation.account_id, "balance", -cost, "charge", request_id=request_id)
+        if reservation.key_id and reservation.window_start is not None:
+            await ledger.release_key_spend(conn, reservation.key_id, reservation.window_start,
+                                           reserved=reservation.amount, spent=cost)
+        if fee:
+            await ledger.move(conn, PLATFORM_ACCOUNT_ID, "withdrawable", fee, "platform_fee", request_id=request_id)
+        if payout:
+            await ledger.move(conn, payee, "withdrawable", payout, "payout", request_id=request_id)
+        await ledger.record_usage(
+            conn, request_id=request_id, account_id=reservation.account_id, key_id=reservation.key_id,
+            model=requested_model, provider_id=served.provider_id, provider_account_id=served.provider_account_id,
+            prompt_tokens=usage.prompt_tokens, completion_tokens=usage.completion_tokens, cost_micro_usd=cost,
+            platform_fee_micro_usd=fee, provider_payout_micro_usd=payout, self_routed=False, routed="fleet")
+    return Settlement(cost, fee, payout)
+
+
+async def refund(services: Services, reservation: Reservation) -> bool:
+    """Return the whole reservation (failure, or nothing reported in time). False if already closed."""
+    async with services.engine.begin() as conn:
+        return await refund_in(conn, reservation.request_id)
+
+
+async def refund_in(conn: Any, request_id: str) -> bool:
+    row = await ledger.close_reservation(conn, request_id, "refunded")
+    if row is None:
+        return False
+    await ledger.move(conn, row["account_id"], "balance", int(row["amount_micro_usd"]), "refund",
+                      request_id=request_id)
+    if row["key_id"] and row["window_start"] is not None:
+        await ledger.release_key_spend(conn, row["key_id"], int(row["window_start"]),
+                                       reserved=int(row["amount_micro_usd"]), spent=0)
+    return True
