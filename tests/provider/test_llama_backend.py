@@ -6,10 +6,11 @@ import asyncio
 from pathlib import Path
 from typing import Any, AsyncIterator
 
+import jinja2
 import pytest
 
-from darkbloom.provider.backends.base import BackendError
-from darkbloom.provider.backends.llama_cpp import LlamaCppBackend
+from darkbloom.provider.backends.base import BackendError, UsageMeter
+from darkbloom.provider.backends.llama_cpp import LlamaCppBackend, _invalid_request_message
 
 LONG_STORY = [{"role": "user", "content": "Write a very long story about a dragon and a lighthouse."}]
 
@@ -93,6 +94,29 @@ async def test_closing_the_stream_stops_generation(backend: LlamaCppBackend) -> 
     assert chunks[-1]["usage"]["completion_tokens"] > 0
 
 
+async def test_the_meter_counts_a_stopped_generation_once_the_worker_stops(backend: LlamaCppBackend) -> None:
+    meter = UsageMeter()
+    stream = backend.stream_chat("smollm2-135m", {"messages": LONG_STORY, "max_tokens": 400, "temperature": 0},
+                                 meter)
+    for _ in range(4):
+        await stream.__anext__()
+    assert meter.prompt_tokens > 5 and meter.completion_tokens >= 3  # counted as it goes
+    await stream.aclose()
+    assert await meter.stopped(10)
+    [record] = backend.recent  # the worker has handed the instance back
+    assert record.cancelled
+    assert (meter.prompt_tokens, meter.completion_tokens) == (record.prompt_tokens, record.completion_tokens)
+    assert 3 <= meter.completion_tokens < 400
+
+
+async def test_the_meter_agrees_with_the_final_usage_chunk(backend: LlamaCppBackend) -> None:
+    meter = UsageMeter()
+    chunks = [c async for c in backend.stream_chat("smollm2-135m", {"messages": LONG_STORY, "max_tokens": 7}, meter)]
+    usage = chunks[-1]["usage"]
+    assert (meter.prompt_tokens, meter.completion_tokens) == (usage["prompt_tokens"], usage["completion_tokens"])
+    assert await meter.stopped(0)
+
+
 async def test_cancelling_the_consumer_task_stops_generation(backend: LlamaCppBackend) -> None:
     started = asyncio.Event()
 
@@ -117,7 +141,8 @@ async def test_cancelling_the_consumer_task_stops_generation(backend: LlamaCppBa
     ({"messages": [{"role": "user", "content": "x"}], "n": 2}, 400, "n must be 1"),
     ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]}, 400,
      "only text parts"),
-    ({"messages": [{"role": "user", "content": "word " * 1500}], "max_tokens": 4}, 400, "context window"),
+    ({"messages": [{"role": "user", "content": "word " * 1500}], "max_tokens": 4}, 400,
+     "too long for this model's context window of 1024"),
 ])
 async def test_bad_requests_are_400(backend: LlamaCppBackend, body: dict[str, Any], status: int,
                                     needle: str) -> None:
@@ -125,6 +150,19 @@ async def test_bad_requests_are_400(backend: LlamaCppBackend, body: dict[str, An
         await collect(backend, body)
     assert info.value.status_code == status
     assert needle in info.value.message
+    assert "word" not in info.value.message  # never the prompt
+
+
+@pytest.mark.parametrize("exc, message", [
+    (ValueError("Requested tokens (2000) exceed context window of 1024"),
+     "the prompt is 2000 tokens, too long for this model's context window of 1024"),
+    (jinja2.TemplateError("Conversation roles must alternate; got 'my secret plan'"),
+     "this model's chat template rejected the messages (check the roles and their order)"),
+    (ValueError("could not tokenize 'my secret plan'"), "the request is not valid for this model"),
+    (TypeError("unexpected 'my secret plan'"), "the request is not valid for this model"),
+])
+def test_library_errors_become_our_own_sentences(exc: Exception, message: str) -> None:
+    assert _invalid_request_message(exc) == message
 
 
 async def test_unknown_model_is_404_and_unknown_params_are_ignored(backend: LlamaCppBackend) -> None:

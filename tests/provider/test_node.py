@@ -153,31 +153,53 @@ async def test_sealed_request_is_answered_with_sealed_chunks(harness: Harness) -
     assert harness.backend.recent[-1].completion_tokens == frame.usage.completion_tokens
 
 
-async def test_cancel_stops_generation_and_sends_nothing_more(harness: Harness) -> None:
+async def test_cancel_stops_generation_and_reports_the_tokens_used(harness: Harness) -> None:
     conn = await harness.registered()
     body = {"model": "smollm2-135m", "messages": LONG_STORY, "max_tokens": 400, "temperature": 0}
     _, envelope = seal_request(conn.frames[0].public_key, body)
     await conn.send(protocol.InferenceRequest(request_id="req_long", encrypted_body=envelope))
     await conn.recv_type(protocol.InferenceAccepted)
-    await conn.recv_type(protocol.InferenceResponseChunk)
+    for _ in range(3):  # the role chunk, then at least two sampled tokens
+        await conn.recv_type(protocol.InferenceResponseChunk)
     await conn.send(protocol.Cancel(request_id="req_long"))
-    # Barrier: the node's frames leave in order, so once the challenge answer arrives, the cancel was handled.
-    nonce = crypto.b64e(os.urandom(32))
-    await conn.send(protocol.AttestationChallenge(nonce=nonce, timestamp=int(time.time())))
-    while not isinstance(frame := await conn.recv(), protocol.AttestationResponse):
-        assert isinstance(frame, (protocol.InferenceResponseChunk, protocol.Heartbeat)), frame
-    barrier = len(conn.frames)
-    while len(harness.backend.recent) < 1:
-        await asyncio.sleep(0.01)
-    record = harness.backend.recent[0]
-    assert record.cancelled and record.completion_tokens < 400
-    # The freed slot serves the next request; nothing more was ever sent for the cancelled one.
+    # Barrier: the node handles the coordinator's frames in order and its own frames leave in order,
+    # so once the challenge answer arrives the cancel was handled: no chunk may follow it.
+    await conn.send(protocol.AttestationChallenge(nonce=crypto.b64e(os.urandom(32)), timestamp=int(time.time())))
+    after_barrier, report = False, None
+    while not (after_barrier and report is not None):
+        frame = await conn.recv()
+        if isinstance(frame, protocol.AttestationResponse):
+            after_barrier = True
+        elif isinstance(frame, protocol.InferenceComplete):
+            assert frame.request_id == "req_long" and report is None
+            report = frame
+        elif not isinstance(frame, protocol.Heartbeat):
+            assert isinstance(frame, protocol.InferenceResponseChunk) and not after_barrier and report is None, frame
+    # The report waited for the worker to stop: it counts exactly what was generated.
+    [record] = harness.backend.recent
+    assert record.cancelled
+    assert report.usage.prompt_tokens == record.prompt_tokens > 5
+    assert 2 <= report.usage.completion_tokens == record.completion_tokens < 400
+    assert "req_long" not in harness.node._jobs
+    # The freed slot serves the next request; nothing else was ever sent for the cancelled one.
+    report_at = conn.frames.index(report)
     _, envelope = seal_request(conn.frames[0].public_key, {**body, "max_tokens": 3})
     await conn.send(protocol.InferenceRequest(request_id="req_next", encrypted_body=envelope))
     while not isinstance(done := await conn.recv(), protocol.InferenceComplete):
         pass
     assert done.request_id == "req_next"
-    assert all(getattr(f, "request_id", None) != "req_long" for f in conn.frames[barrier:])
+    await conn.send(protocol.Cancel(request_id="req_long"))  # a late duplicate cancel is ignored
+    await conn.send(protocol.Cancel(request_id="req_next"))  # so is a cancel after completion
+    await conn.send(protocol.AttestationChallenge(nonce=crypto.b64e(os.urandom(32)), timestamp=int(time.time())))
+    await conn.recv_type(protocol.AttestationResponse)
+    await asyncio.sleep(0.3)  # room for a wrong report to arrive
+    while True:
+        try:
+            await conn.recv(timeout=0.05)
+        except TimeoutError:
+            break
+    assert all(getattr(f, "request_id", None) != "req_long" for f in conn.frames[report_at + 1:])
+    assert sum(isinstance(f, protocol.InferenceComplete) for f in conn.frames) == 2
 
 
 @pytest.mark.parametrize("harness", [1], indirect=True)
@@ -198,6 +220,14 @@ async def test_request_errors(harness: Harness) -> None:
     await conn.recv_type(protocol.InferenceAccepted)
     error = await conn.recv_type(protocol.InferenceError)
     assert (error.request_id, error.status_code) == ("req_bad", 400) and "messages" in error.message
+    # llama.cpp's own error text is not passed on (inference_error is not sealed): our sentence, no prompt
+    _, envelope = seal_request(public_key, {"model": "smollm2-135m", "max_tokens": 4,
+                                            "messages": [{"role": "user", "content": "lighthouse " * 1500}]})
+    await conn.send(protocol.InferenceRequest(request_id="req_too_long", encrypted_body=envelope))
+    await conn.recv_type(protocol.InferenceAccepted)
+    error = await conn.recv_type(protocol.InferenceError)
+    assert (error.request_id, error.status_code) == ("req_too_long", 400)
+    assert "context window of 1024" in error.message and "lighthouse" not in error.message
     # max_concurrency 1: a second request while one runs is refused with 429
     _, long_body = seal_request(public_key, {"model": "smollm2-135m", "messages": LONG_STORY, "max_tokens": 400})
     await conn.send(protocol.InferenceRequest(request_id="req_busy", encrypted_body=long_body))

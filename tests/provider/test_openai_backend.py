@@ -3,59 +3,25 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 import socket
-import subprocess
-import sys
-import time
-from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 import httpx
 import pytest
 
-from darkbloom.provider.backends.base import BackendError
-from darkbloom.provider.backends.openai_upstream import OpenAIUpstreamBackend, chat_completions_url
+from darkbloom.provider.backends.base import BackendError, UsageMeter
+from darkbloom.provider.backends.openai_upstream import (OpenAIUpstreamBackend, _estimate_prompt_tokens,
+                                                         chat_completions_url)
 
 HELLO = {"messages": [{"role": "user", "content": "Say hello."}], "max_tokens": 8, "temperature": 0}
-
-# llama_cpp.server, started through our backend module so the same llama.cpp workaround applies
-# (see _disable_extra_buffer_types: AMX kernels crash on some VMs).
-_SERVER = ("import sys, runpy; import darkbloom.provider.backends.llama_cpp; "
-           "runpy.run_module('llama_cpp.server', run_name='__main__', alter_sys=True)")
 
 
 def _free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return int(sock.getsockname()[1])
-
-
-@pytest.fixture(scope="module")
-def upstream(gguf: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
-    port = _free_port()
-    log_path = tmp_path_factory.mktemp("upstream") / "server.log"
-    with log_path.open("wb") as log_file:
-        process = subprocess.Popen(
-            [sys.executable, "-c", _SERVER, "--model", str(gguf), "--model_alias", "smollm2-135m",
-             "--host", "127.0.0.1", "--port", str(port), "--n_ctx", "1024", "--n_threads", "1"],
-            stdout=log_file, stderr=subprocess.STDOUT)
-    url = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + 120
-        while True:
-            assert process.poll() is None, f"llama_cpp.server exited: {log_path.read_text()[-2000:]}"
-            try:
-                if httpx.get(url + "/v1/models", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            assert time.monotonic() < deadline, "llama_cpp.server did not start"
-            time.sleep(0.2)
-        yield url
-    finally:
-        process.terminate()
-        process.wait(timeout=30)
 
 
 async def stream(backend: OpenAIUpstreamBackend, body: dict[str, Any],
@@ -82,10 +48,11 @@ async def test_streams_through_a_real_upstream(upstream: str, suffix: str) -> No
     assert final["usage"]["prompt_tokens"] > 0
 
 
-async def test_upstream_http_error_keeps_its_status_and_message(upstream: str) -> None:
+async def test_upstream_http_error_keeps_its_status_and_type_but_not_its_message(upstream: str) -> None:
     bad = {**HELLO, "temperature": "hot"}
     direct = httpx.post(upstream + "/v1/chat/completions", json={**bad, "model": "smollm2-135m", "stream": True})
     assert direct.status_code >= 400
+    upstream_error = direct.json()["error"]
     backend = OpenAIUpstreamBackend(upstream, ["smollm2-135m"])
     await backend.start()
     try:
@@ -99,7 +66,28 @@ async def test_upstream_http_error_keeps_its_status_and_message(upstream: str) -
     finally:
         await backend.close()
     assert info.value.status_code == direct.status_code
-    assert "temperature" in info.value.message
+    verb = "rejected the request" if direct.status_code < 500 else "failed to serve the request"
+    assert info.value.message == f"the upstream {verb} ({direct.status_code} {upstream_error['type']})"
+    assert upstream_error["message"] not in info.value.message and "hot" not in info.value.message
+
+
+async def test_a_partial_stream_meters_the_content_chunks_seen(upstream: str) -> None:
+    backend = OpenAIUpstreamBackend(upstream, ["smollm2-135m"])
+    await backend.start()
+    meter = UsageMeter()
+    body = {"messages": [{"role": "user", "content": "Write a long story about a cat."}], "max_tokens": 200}
+    try:
+        partial = backend.stream_chat("smollm2-135m", body, meter)
+        seen = 0
+        async for chunk in partial:
+            seen += bool(chunk["choices"][0]["delta"].get("content"))
+            if seen == 4:
+                break
+        await partial.aclose()
+    finally:
+        await backend.close()
+    assert (meter.prompt_tokens, meter.completion_tokens) == (_estimate_prompt_tokens(body), 4)
+    assert await meter.stopped(0)  # nothing outlives the closed HTTP stream
 
 
 async def test_unreachable_upstream_is_502() -> None:
@@ -155,12 +143,17 @@ async def test_upstream_usage_is_passed_on_and_requested() -> None:
     assert seen[0]["model"] == "m"
 
 
-@pytest.mark.parametrize("events, needle", [
-    ([_chunk("Hel")], "before it was complete"),
-    ([_chunk("Hel"), json.dumps({"error": {"message": "out of memory"}})], "out of memory"),
-    (["not json"], "not JSON"),
+SECRET = "the-secret-prompt-words"
+
+
+@pytest.mark.parametrize("events, message", [
+    ([_chunk("Hel")], "upstream closed the stream before it was complete"),
+    ([_chunk("Hel"), json.dumps({"error": {"message": f"out of memory after '{SECRET}'", "type": "server_error",
+                                           "code": 507}})], "the upstream failed mid-stream (server_error, 507)"),
+    ([_chunk("Hel"), json.dumps({"error": f"failed on {SECRET}"})], "the upstream failed mid-stream"),
+    (["not json"], "upstream sent an event that is not JSON"),
 ])
-async def test_broken_streams_are_502(events: list[str], needle: str) -> None:
+async def test_broken_streams_are_502(events: list[str], message: str) -> None:
     backend = OpenAIUpstreamBackend("http://upstream", ["m"], transport=_scripted(events, []))
     await backend.start()
     try:
@@ -168,4 +161,75 @@ async def test_broken_streams_are_502(events: list[str], needle: str) -> None:
             await stream(backend, HELLO, "m")
     finally:
         await backend.close()
-    assert info.value.status_code == 502 and needle in info.value.message
+    assert (info.value.status_code, info.value.message) == (502, message)
+
+
+@pytest.mark.parametrize("status, body, message", [
+    (400, {"error": {"message": f"This model's maximum context length is 8 tokens; your prompt '{SECRET}' is 9",
+                     "type": "invalid_request_error", "code": "context_length_exceeded", "param": "messages"}},
+     "the upstream rejected the request (400 invalid_request_error, context_length_exceeded)"),
+    (422, {"detail": [{"msg": "bad", "input": SECRET}]}, "the upstream rejected the request (422)"),
+    (400, {"error": {"message": SECRET, "type": f"bad {SECRET}", "code": None}},
+     "the upstream rejected the request (400)"),  # free text in `type` is dropped too
+    (500, f"Traceback ... {SECRET}", "the upstream failed to serve the request (500)"),
+    (503, {"error": {"message": SECRET, "type": "overloaded", "code": "overloaded"}},
+     "the upstream failed to serve the request (503 overloaded)"),
+])
+async def test_upstream_errors_pass_on_status_and_type_never_text(status: int, body: Any, message: str) -> None:
+    def handler(request: httpx.Request) -> httpx.Response:
+        if isinstance(body, str):
+            return httpx.Response(status, text=body)
+        return httpx.Response(status, json=body)
+
+    backend = OpenAIUpstreamBackend("http://upstream", ["m"], transport=httpx.MockTransport(handler))
+    await backend.start()
+    try:
+        with pytest.raises(BackendError) as info:
+            await stream(backend, {"messages": [{"role": "user", "content": SECRET}]}, "m")
+    finally:
+        await backend.close()
+    assert (info.value.status_code, info.value.message) == (status, message)
+
+
+class _Stalling(httpx.AsyncByteStream):
+    """Sends `events`, then nothing until closed (an upstream still generating)."""
+
+    def __init__(self, events: list[str]) -> None:
+        self.events, self.closed = events, False
+
+    async def __aiter__(self) -> Any:
+        for event in events_as_bytes(self.events):
+            yield event
+        await asyncio.Event().wait()
+
+    async def aclose(self) -> None:
+        self.closed = True
+
+
+def events_as_bytes(events: list[str]) -> list[bytes]:
+    return [f"data: {event}\n\n".encode() for event in events]
+
+
+@pytest.mark.parametrize("usage_per_chunk", [False, True])
+async def test_meter_after_an_early_close(usage_per_chunk: bool) -> None:
+    """No usage yet: the prompt estimate and one token per content chunk. An upstream that streams
+    usage with every chunk (vLLM's continuous usage stats): its own counts."""
+    events = [_chunk(text, usage={"prompt_tokens": 21, "completion_tokens": 2 * n} if usage_per_chunk else None)
+              for n, text in enumerate(["Once", " upon", " a"], 1)]
+    upstream_stream = _Stalling(events)
+    transport = httpx.MockTransport(lambda request: httpx.Response(
+        200, headers={"content-type": "text/event-stream"}, stream=upstream_stream))
+    backend = OpenAIUpstreamBackend("http://upstream", ["m"], transport=transport)
+    await backend.start()
+    meter = UsageMeter()
+    try:
+        chunks = backend.stream_chat("m", HELLO, meter)
+        assert (meter.prompt_tokens, meter.completion_tokens) == (0, 0)  # the upstream has not taken it yet
+        for _ in range(3):
+            await chunks.__anext__()
+        await chunks.aclose()
+    finally:
+        await backend.close()
+    assert upstream_stream.closed
+    expected = (21, 6) if usage_per_chunk else (_estimate_prompt_tokens(HELLO), 3)
+    assert (meter.prompt_tokens, meter.completion_tokens) == expected

@@ -2,6 +2,12 @@
 
 One connection at a time; every frame leaves through a single writer task so concurrent requests
 never interleave writes. Logs carry request ids and token counts, never prompt or completion text.
+
+A `cancel` from the coordinator (its client went away) stops the request, and once the backend has
+stopped generating (waited for at most `cancel_grace` seconds) the node reports the tokens used so
+far in one `inference_complete`, so the coordinator can settle the partial work. That report is the
+only frame sent for the request after the cancel; every other frame for it is dropped, including
+any already queued for the writer.
 """
 
 from __future__ import annotations
@@ -24,7 +30,7 @@ from websockets.exceptions import ConnectionClosed, WebSocketException
 from darkbloom import crypto, paths, protocol
 from darkbloom.protocol import ModelInfo
 from darkbloom.provider.backends import Backend, BackendError, create_backend
-from darkbloom.provider.backends.base import is_usage_chunk
+from darkbloom.provider.backends.base import UsageMeter, is_usage_chunk
 from darkbloom.provider.config import ProviderConfig, ws_url
 from darkbloom.provider.models import describe_models
 from darkbloom.provider.state import NodeState, write_state
@@ -36,13 +42,16 @@ log = logging.getLogger(__name__)
 @dataclass(eq=False)
 class _Job:
     request_id: str
+    meter: UsageMeter = field(default_factory=UsageMeter, repr=False)  # the backend's counts so far
     task: asyncio.Task[None] | None = field(default=None, repr=False)
-    cancelled: bool = False  # once set, nothing more is sent for this request
+    settling: asyncio.Task[None] | None = field(default=None, repr=False)  # after a cancel: the usage report
+    cancelled: bool = False  # once set, nothing more is sent for this request but the usage report on cancel
 
 
 class ProviderNode:
     reconnect_base = 1.0
     reconnect_max = 30.0
+    cancel_grace = 5.0  # after a cancel, how long to wait for the backend to stop before reporting usage
 
     def __init__(self, config: ProviderConfig, home: Path, backend: Backend | None = None) -> None:
         self.config = config
@@ -145,6 +154,8 @@ class ProviderNode:
     # frames
 
     async def _writer(self, ws: ClientConnection, outbox: asyncio.Queue[tuple[_Job | None, str]]) -> None:
+        """The only sender. A frame queued with its job is dropped if the job was cancelled meanwhile;
+        one queued with None (not a request's, or the usage report after a cancel) always goes."""
         while True:
             job, text = await outbox.get()
             if job is None or not job.cancelled:
@@ -175,10 +186,12 @@ class ProviderNode:
             self._accept(frame)
         elif isinstance(frame, protocol.Cancel):
             job = self._jobs.get(frame.request_id)
-            if job is not None and job.task is not None:
+            if job is not None and job.task is not None and not job.cancelled:
                 log.info("request %s cancelled by the coordinator", frame.request_id)
                 job.cancelled = True
                 job.task.cancel()
+                job.settling = asyncio.create_task(self._settle_cancelled(job, self._outbox),
+                                                   name=f"settle-{frame.request_id}")
         elif isinstance(frame, protocol.AttestationChallenge):
             self._answer_challenge(frame)
         elif isinstance(frame, protocol.Registered):
@@ -220,6 +233,30 @@ class ProviderNode:
         self._jobs[request_id] = job
         job.task = asyncio.create_task(self._serve(job, frame), name=f"request-{request_id}")
 
+    async def _settle_cancelled(self, job: _Job, outbox: asyncio.Queue[tuple[_Job | None, str]] | None) -> None:
+        """After the coordinator's cancel: let the request task end, wait (bounded) for the backend to
+        stop generating, then report the tokens used so far. The job keeps its slot until then."""
+        assert job.task is not None
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.cancel_grace
+        try:
+            await asyncio.wait({job.task}, timeout=self.cancel_grace)
+            stopped = job.task.done() and await job.meter.stopped(max(0.0, deadline - loop.time()))
+            if not stopped:
+                log.warning("request %s: the backend did not stop within %.0f s; reporting the usage so far",
+                            job.request_id, self.cancel_grace)
+            usage = protocol.Usage(prompt_tokens=job.meter.prompt_tokens,
+                                   completion_tokens=job.meter.completion_tokens)
+            if outbox is not None and outbox is self._outbox:  # still the connection the cancel came on
+                # Queued without its job, so the writer sends it although the job is cancelled.
+                outbox.put_nowait((None, protocol.dump(protocol.InferenceComplete(request_id=job.request_id,
+                                                                                  usage=usage))))
+            log.info("request %s cancelled after %d prompt + %d completion tokens", job.request_id,
+                     usage.prompt_tokens, usage.completion_tokens)
+        finally:
+            if self._jobs.get(job.request_id) is job:
+                del self._jobs[job.request_id]
+
     async def _serve(self, job: _Job, frame: protocol.InferenceRequest) -> None:
         request_id = job.request_id
         try:
@@ -229,12 +266,14 @@ class ProviderNode:
                 raise BackendError(404, f"model {model_id!r} is not served by this node")
             self._send(protocol.InferenceAccepted(request_id=request_id), job)
             log.info("request %s accepted for %s", request_id, model_id)
-            usage = await self._relay(job, sealer, self.backend.stream_chat(model_id, body))
+            usage = await self._relay(job, sealer, self.backend.stream_chat(model_id, body, job.meter))
             self._send(protocol.InferenceComplete(request_id=request_id, usage=usage), job)
             log.info("request %s complete: %d prompt + %d completion tokens", request_id,
                      usage.prompt_tokens, usage.completion_tokens)
         except BackendError as exc:
             log.warning("request %s failed with status %d", request_id, exc.status_code)
+            # inference_error is not sealed: backends put only sentences of their own in exc.message,
+            # never prompt or completion text, nor an upstream's or a library's free-text error.
             self._send(protocol.InferenceError(request_id=request_id, status_code=exc.status_code,
                                                message=exc.message), job)
         except asyncio.CancelledError:
@@ -246,7 +285,8 @@ class ProviderNode:
             self._send(protocol.InferenceError(request_id=request_id, status_code=500,
                                                message="the provider failed while serving this request"), job)
         finally:
-            self._jobs.pop(request_id, None)
+            if job.settling is None and self._jobs.get(request_id) is job:  # else the settle frees the slot
+                del self._jobs[request_id]
 
     def _open_request(self, frame: protocol.InferenceRequest) -> tuple[dict[str, Any], crypto.Sealer]:
         """The plaintext OpenAI body, and a sealer to the request's ephemeral key for every reply chunk."""
@@ -285,11 +325,17 @@ class ProviderNode:
                               completion_tokens=int(usage.get("completion_tokens", 0)))
 
     async def _cancel_jobs(self) -> None:
-        jobs = [job for job in self._jobs.values() if job.task is not None]
+        """The connection is gone: stop every request, usage reports included (nowhere to send them)."""
+        jobs = list(self._jobs.values())
+        tasks = [task for job in jobs for task in (job.task, job.settling) if task is not None]
         for job in jobs:
             job.cancelled = True
-            job.task.cancel()  # type: ignore[union-attr]
-        await asyncio.gather(*(job.task for job in jobs if job.task is not None), return_exceptions=True)
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        for job in jobs:  # a task cancelled before it ever ran did not free its slot
+            if self._jobs.get(job.request_id) is job:
+                del self._jobs[job.request_id]
 
     def _set_state(self, **changes: Any) -> None:
         for key, value in changes.items():

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import time
 import uuid
 from typing import Any, AsyncIterator, Protocol
@@ -16,14 +17,57 @@ class BackendError(Exception):
         self.message = message
 
 
+class UsageMeter:
+    """The token counts of one generation so far, for settling a request that was stopped early.
+
+    The caller passes a fresh meter to `stream_chat`; the backend keeps the counts current as it
+    goes (they always say what the final usage chunk would say if generation ended now), so after
+    closing the stream early the caller reads the partial usage here. The counts are plain int
+    stores and may be written from a worker thread.
+
+    A backend whose generation outlives the stream's own task (llama.cpp runs on a worker thread that
+    only notices the stop between tokens) calls `begin()` when that work starts and `end()` once it
+    has really stopped, both on the event loop; `stopped()` waits for that, bounded. A backend that
+    stops within `aclose()` (the upstream HTTP stream) never calls them.
+    """
+
+    def __init__(self) -> None:
+        self.prompt_tokens = 0
+        self.completion_tokens = 0
+        self._idle = asyncio.Event()
+        self._idle.set()
+
+    def begin(self) -> None:
+        self._idle.clear()
+
+    def end(self) -> None:
+        self._idle.set()
+
+    async def stopped(self, timeout: float) -> bool:
+        """Wait up to `timeout` seconds for the generation to stop; False if it is still running."""
+        if self._idle.is_set():
+            return True
+        try:
+            await asyncio.wait_for(self._idle.wait(), timeout)
+        except TimeoutError:
+            return False
+        return True
+
+
 class Backend(Protocol):
     async def start(self) -> None: ...
 
     async def close(self) -> None: ...
 
-    def stream_chat(self, model_id: str, body: dict[str, Any]) -> AsyncIterator[dict[str, Any]]:
+    def stream_chat(self, model_id: str, body: dict[str, Any],
+                    meter: UsageMeter | None = None) -> AsyncIterator[dict[str, Any]]:
         """OpenAI `chat.completion.chunk` dicts, ending with one chunk whose `choices` is empty and
-        whose `usage` holds the real token counts. Closing the iterator early stops generation."""
+        whose `usage` holds the real token counts. Closing the iterator early stops generation; the
+        optional `meter` then holds the tokens used so far (see `UsageMeter`).
+
+        `BackendError.message` leaves the node unsealed (it is an `inference_error` frame), so it is
+        always a sentence of our own: never prompt or completion text, never an upstream's or a
+        library's free-text message (which can quote the prompt)."""
         ...
 
 

@@ -9,7 +9,13 @@ does). `_CountingLlama.generate` wraps the library's token loop, which receives 
 token list (after the chat template) and yields every sampled token. Prompt tokens = the length of
 that list; completion tokens = sampled tokens, minus the end-of-generation token when that is what
 stopped it — the same numbers the library's non-streaming `usage` reports. The same wrapper checks
-the cancel flag between tokens, so a cancelled request stops within one token.
+the cancel flag between tokens, so a cancelled request stops within one token. It also keeps the
+request's `UsageMeter` current from the worker thread, so a request stopped early reports the
+tokens really used: the templated prompt and the tokens sampled until it stopped. The meter's
+`end()` comes once the worker has stopped and handed the instance back.
+
+Error messages are our own sentences: a library or chat-template exception can quote the prompt,
+and `BackendError.message` leaves the node unsealed.
 """
 
 from __future__ import annotations
@@ -18,6 +24,7 @@ import asyncio
 import contextlib
 import logging
 import os
+import re
 import threading
 from collections import deque
 from concurrent.futures import ThreadPoolExecutor
@@ -27,7 +34,7 @@ from typing import Any, AsyncIterator, Callable, Iterator
 
 import llama_cpp
 
-from darkbloom.provider.backends.base import BackendError, new_completion_id, usage_chunk
+from darkbloom.provider.backends.base import BackendError, UsageMeter, new_completion_id, usage_chunk
 from darkbloom.provider.backends.params import chat_kwargs
 
 log = logging.getLogger(__name__)
@@ -73,10 +80,15 @@ class GenerationStats:
     cancelled: bool = False
     error: str | None = None
     cancel: threading.Event = field(default_factory=threading.Event, repr=False)
+    meter: UsageMeter = field(default_factory=UsageMeter, repr=False)
 
     @property
     def completion_tokens(self) -> int:
         return self.sampled - (1 if self.last_was_eog else 0)
+
+    def sync_meter(self) -> None:
+        """Worker thread: publish the counts so far to the request's meter."""
+        self.meter.prompt_tokens, self.meter.completion_tokens = self.prompt_tokens, self.completion_tokens
 
 
 class _CountingLlama(llama_cpp.Llama):
@@ -88,12 +100,14 @@ class _CountingLlama(llama_cpp.Llama):
             yield from super().generate(tokens, *args, **kwargs)
             return
         stats.prompt_tokens = len(tokens)
+        stats.sync_meter()
         for token in super().generate(tokens, *args, **kwargs):
             if stats.cancel.is_set():
                 raise _Cancelled()
             stats.sampled += 1
             # The library's own end-of-generation test (it stops without counting this token).
             stats.last_was_eog = bool(llama_cpp.llama_vocab_is_eog(self._model.vocab, token))
+            stats.sync_meter()
             yield token
 
 
@@ -169,7 +183,8 @@ class LlamaCppBackend:
             pool.close()
         self._pools.clear()
 
-    async def stream_chat(self, model_id: str, body: dict[str, Any]) -> AsyncIterator[dict[str, Any]]:
+    async def stream_chat(self, model_id: str, body: dict[str, Any],
+                          meter: UsageMeter | None = None) -> AsyncIterator[dict[str, Any]]:
         pool = self._pools.get(model_id)
         if pool is None:
             raise BackendError(404, f"model {model_id!r} is not served by this node")
@@ -182,18 +197,25 @@ class LlamaCppBackend:
                 loop.call_soon_threadsafe(callback, item)
 
         llama = await pool.acquire()
-        stats = GenerationStats(model_id=model_id, instance=id(llama))
+        stats = GenerationStats(model_id=model_id, instance=id(llama),
+                                meter=meter if meter is not None else UsageMeter())
         executor = self._executor
         if executor is None:
             pool.release(llama)
             raise BackendError(503, "the llama.cpp backend is shut down")
+
+        def handed_back(used: _CountingLlama) -> None:  # on the loop, once the worker has stopped
+            pool.release(used)
+            stats.meter.end()
+
         self._active.add(stats)
+        stats.meter.begin()
         try:
             executor.submit(self._generate, llama, stats, kwargs,
-                            lambda item: to_loop(queue.put_nowait, item), lambda used: to_loop(pool.release, used))
+                            lambda item: to_loop(queue.put_nowait, item), lambda used: to_loop(handed_back, used))
         except RuntimeError:
             self._active.discard(stats)
-            pool.release(llama)
+            handed_back(llama)
             raise BackendError(503, "the llama.cpp backend is shut down") from None
         completion_id, created = new_completion_id(), None
         try:
@@ -228,12 +250,12 @@ class LlamaCppBackend:
         except _Cancelled:
             stats.cancelled = True
         except (ValueError, TypeError, jinja2.TemplateError) as exc:
-            stats.error = str(exc)
-            terminal = ("error", BackendError(400, f"invalid request for this model: {exc}"))
+            stats.error = str(exc)  # kept in memory only (`recent`): it may quote the prompt
+            terminal = ("error", BackendError(400, _invalid_request_message(exc)))
         except Exception as exc:  # a crash in generation must still return the instance
             log.exception("llama.cpp generation failed")
             stats.error = repr(exc)
-            terminal = ("error", BackendError(500, f"generation failed: {type(exc).__name__}"))
+            terminal = ("error", BackendError(500, f"generation failed ({type(exc).__name__})"))
         finally:
             if stream is not None:
                 stream.close()
@@ -241,3 +263,20 @@ class LlamaCppBackend:
             self.recent.append(stats)
             release(llama)  # queued before the terminal item, so the instance is free when the caller resumes
             emit(terminal)
+
+
+_CONTEXT_OVERFLOW = re.compile(r"Requested tokens \((\d+)\) exceed context window of (\d+)")
+
+
+def _invalid_request_message(exc: Exception) -> str:
+    """Our own sentence for a request llama.cpp rejected; never the exception's text (it can quote the
+    prompt: a chat template's error, a tokenizer's complaint). Only numbers are taken from it."""
+    import jinja2
+
+    if overflow := _CONTEXT_OVERFLOW.search(str(exc)):
+        return f"the prompt is {overflow[1]} tokens, too long for this model's context window of {overflow[2]}"
+    if "context window" in str(exc):
+        return "the request does not fit in this model's context window"
+    if isinstance(exc, jinja2.TemplateError):
+        return "this model's chat template rejected the messages (check the roles and their order)"
+    return "the request is not valid for this model"

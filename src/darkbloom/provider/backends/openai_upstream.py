@@ -3,6 +3,17 @@
 The node always streams from the upstream with `stream_options.include_usage`, passes the
 content chunks through and takes the token counts from the upstream's final usage chunk.
 Bounding concurrency is the node's job, not this module's.
+
+Partial usage (a request stopped early): the `UsageMeter` always holds what the final usage chunk
+would say if the stream ended now — the upstream's own counts once a usage object has arrived
+(only at the end, unless the server streams usage with every chunk), else the estimate: prompt
+tokens from the characters of the messages, counted from the moment the upstream accepts the
+request, and one completion token per content chunk seen (servers stream about one token per
+chunk; a server that batches several tokens into a chunk is under-counted).
+
+Errors: an upstream's error text can quote the prompt (a too-long prompt, a bad message), and
+`inference_error` messages leave the node unsealed, so a `BackendError` carries only the upstream's
+status and its error `type`/`code` identifiers inside a sentence of our own, never its message.
 """
 
 from __future__ import annotations
@@ -10,11 +21,12 @@ from __future__ import annotations
 import json
 import logging
 import math
+import re
 from typing import Any, AsyncIterator
 
 import httpx
 
-from darkbloom.provider.backends.base import BackendError, new_completion_id, usage_chunk
+from darkbloom.provider.backends.base import BackendError, UsageMeter, new_completion_id, usage_chunk
 
 log = logging.getLogger(__name__)
 
@@ -45,44 +57,51 @@ class OpenAIUpstreamBackend:
             await self._client.aclose()
             self._client = None
 
-    async def stream_chat(self, model_id: str, body: dict[str, Any]) -> AsyncIterator[dict[str, Any]]:
+    async def stream_chat(self, model_id: str, body: dict[str, Any],
+                          meter: UsageMeter | None = None) -> AsyncIterator[dict[str, Any]]:
         if self._client is None:
             raise BackendError(503, "the upstream backend is not started")
         if model_id not in self.model_ids:
             raise BackendError(404, f"model {model_id!r} is not served by this node")
+        meter = meter if meter is not None else UsageMeter()
         payload = {**body, "model": model_id, "stream": True,
                    "stream_options": {**(body.get("stream_options") or {}), "include_usage": True}}
-        usage: dict[str, Any] | None = None
+        upstream_usage = False
         content_chunks = 0
         completion_id, created = new_completion_id(), None
         try:
             async with self._client.stream("POST", self.url, json=payload) as response:
                 if response.status_code >= 400:
-                    raise BackendError(response.status_code, _error_message(await response.aread(),
-                                                                            response.status_code))
+                    raise _upstream_error(response.status_code, await response.aread())
+                # The upstream took the request. Until it reports usage (llama-cpp-python's server, for
+                # one, never does when streaming): ~4 characters per prompt token plus a few per message
+                # for the chat template, and one token per content chunk.
+                meter.prompt_tokens, meter.completion_tokens = _estimate_prompt_tokens(body), 0
                 async for chunk in _sse_chunks(response):
                     completion_id = chunk.get("id") or completion_id
                     created = chunk.get("created", created)
-                    if isinstance(chunk.get("usage"), dict):
-                        usage = chunk["usage"]
+                    usage = chunk.get("usage")
+                    if isinstance(usage, dict) and _valid_usage(usage):
+                        upstream_usage = True
+                        meter.prompt_tokens = int(usage["prompt_tokens"])
+                        meter.completion_tokens = int(usage["completion_tokens"])
                     if not chunk.get("choices"):
                         continue
                     chunk.pop("usage", None)
                     content_chunks += sum(1 for c in chunk["choices"] if (c.get("delta") or {}).get("content"))
+                    if not upstream_usage:
+                        meter.completion_tokens = content_chunks
                     yield chunk
         except httpx.TimeoutException as exc:
-            raise BackendError(504, f"upstream {self.url} timed out: {type(exc).__name__}") from None
+            log.warning("upstream %s timed out: %s", self.url, type(exc).__name__)
+            raise BackendError(504, f"the upstream timed out ({type(exc).__name__})") from None
         except httpx.HTTPError as exc:
-            raise BackendError(502, f"upstream {self.url} failed: {type(exc).__name__}: {exc}") from None
-        if usage is not None and _valid_usage(usage):
-            prompt, completion = int(usage["prompt_tokens"]), int(usage["completion_tokens"])
-        else:
-            # The upstream sent no usage (llama-cpp-python's server, for one, ignores include_usage
-            # when streaming). Estimate: ~4 characters per prompt token plus a few per message for
-            # the chat template, and one token per content chunk (servers stream about a token each).
-            prompt, completion = _estimate_prompt_tokens(body), content_chunks
-            log.debug("upstream sent no usage; estimated %d prompt / %d completion tokens", prompt, completion)
-        yield usage_chunk(completion_id, model_id, created, prompt, completion)
+            log.warning("upstream %s failed: %s: %s", self.url, type(exc).__name__, exc)
+            raise BackendError(502, f"the connection to the upstream failed ({type(exc).__name__})") from None
+        if not upstream_usage:
+            log.debug("upstream sent no usage; estimated %d prompt / %d completion tokens", meter.prompt_tokens,
+                      meter.completion_tokens)
+        yield usage_chunk(completion_id, model_id, created, meter.prompt_tokens, meter.completion_tokens)
 
 
 async def _sse_chunks(response: httpx.Response) -> AsyncIterator[dict[str, Any]]:
@@ -99,7 +118,9 @@ async def _sse_chunks(response: httpx.Response) -> AsyncIterator[dict[str, Any]]
         if not isinstance(chunk, dict):
             raise BackendError(502, "upstream sent an event that is not a JSON object")
         if "error" in chunk:
-            raise BackendError(502, f"upstream failed mid-stream: {_message_of(chunk)}")
+            kinds = _error_kinds(chunk)
+            raise BackendError(502, f"the upstream failed mid-stream ({kinds})" if kinds else
+                               "the upstream failed mid-stream")
         yield chunk
     # Without [DONE] the upstream failed after sending its headers (some servers report a
     # too-long prompt this way); a truncated answer must not pass for a complete one.
@@ -110,24 +131,34 @@ def _valid_usage(usage: dict[str, Any]) -> bool:
     return all(isinstance(usage.get(k), int) and usage[k] >= 0 for k in ("prompt_tokens", "completion_tokens"))
 
 
-def _error_message(raw: bytes, status: int) -> str:
+def _upstream_error(status: int, raw: bytes) -> BackendError:
+    """The upstream's status and error identifiers in our own words; its message is never passed on."""
     try:
-        return _message_of(json.loads(raw))
+        data = json.loads(raw)
     except ValueError:
-        text = raw.decode("utf-8", "replace").strip()
-        return text[:500] or f"upstream returned HTTP {status}"
+        data = None
+    verb = "rejected the request" if status < 500 else "failed to serve the request"
+    kinds = _error_kinds(data)
+    return BackendError(status, f"the upstream {verb} ({status} {kinds})" if kinds else
+                        f"the upstream {verb} ({status})")
 
 
-def _message_of(data: Any) -> str:
-    if isinstance(data, dict):
-        error = data.get("error", data)
-        if isinstance(error, dict) and error.get("message"):
-            return str(error["message"])[:500]
-        if isinstance(error, str):
-            return error[:500]
-        if isinstance(data.get("detail"), (str, list)):
-            return str(data["detail"])[:500]
-    return json.dumps(data)[:500]
+_IDENTIFIER = re.compile(r"[A-Za-z0-9_.:-]{1,64}")
+
+
+def _error_kinds(data: Any) -> str:
+    """`error.type` and `error.code` of an OpenAI-style error object as "type, code", each only when it
+    is an identifier (free text there is dropped like the message); "" when there are none."""
+    error = data.get("error") if isinstance(data, dict) else None
+    if not isinstance(error, dict):
+        return ""
+    kinds: list[str] = []
+    for key in ("type", "code"):
+        value = error.get(key)
+        value = str(value) if isinstance(value, (str, int)) and not isinstance(value, bool) else ""
+        if _IDENTIFIER.fullmatch(value) and value not in kinds:
+            kinds.append(value)
+    return ", ".join(kinds)
 
 
 def _estimate_prompt_tokens(body: dict[str, Any]) -> int:
