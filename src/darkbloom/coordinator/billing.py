@@ -91,8 +91,8 @@ async def reserve(services: Services, request_id: str, account_id: str, key: dic
     return Reservation(request_id, account_id, key["id"] if key else None, amount, window)
 
 
-async def settle(services: Services, reservation: Reservation, model: CatalogModel, requested_model: str,
-                 usage: Usage, served: Served) -> Settlement | None:
+async def settle(services: Services, reservation: Reservation, model: CatalogModel, usage: Usage,
+                 served: Served) -> Settlement | None:
     """Charge for the reported usage (never more than the reservation), pay the provider's owner."""
     settings = services.settings
     cost = charge_for(model, usage, settings.min_charge_micro_usd)
@@ -118,7 +118,7 @@ async def settle(services: Services, reservation: Reservation, model: CatalogMod
             await ledger.move(conn, payee, "withdrawable", payout, "payout", request_id=request_id)
         await ledger.record_usage(
             conn, request_id=request_id, account_id=reservation.account_id, key_id=reservation.key_id,
-            model=requested_model, provider_id=served.provider_id, provider_account_id=served.provider_account_id,
+            model=model.id, provider_id=served.provider_id, provider_account_id=served.provider_account_id,
             prompt_tokens=usage.prompt_tokens, completion_tokens=usage.completion_tokens, cost_micro_usd=cost,
             platform_fee_micro_usd=fee, provider_payout_micro_usd=payout, self_routed=False, routed="fleet")
     return Settlement(cost, fee, payout)

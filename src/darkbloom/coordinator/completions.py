@@ -146,7 +146,7 @@ async def _settle(flight: InFlight, outcome: str, charge_partial: bool) -> None:
     try:
         if usage is not None and reservation is not None:
             served = billing.Served(provider_id=session.id, provider_account_id=session.account_id)
-            await billing.settle(services, reservation, flight.model, flight.chat.model, usage, served)
+            await billing.settle(services, reservation, flight.model, usage, served)
         elif reservation is not None:
             await billing.refund(services, reservation)
         await admission_core.reconcile_rates(services, admission, usage.prompt_tokens if usage else 0,
