@@ -37,7 +37,10 @@ class ProviderSession:
     pending: dict[str, "PendingRequest"] = field(default_factory=dict)
     advertised_models: frozenset[str] = frozenset()
     close_code: int | None = None
-    untrusted_reason: str | None = None
+    untrusted_reason: str | None = None      # set once the session fails a check; never routable again
+    runtime_verified: bool = False           # runtime hash in the coordinator's allow-list
+    challenge_passed_at: float | None = None  # monotonic time of the last passed attestation challenge
+    decode_tps: float = 0.0                  # measured completion tokens per second (EWMA)
     machine_seen_at: float = 0.0
 
     def __post_init__(self) -> None:
