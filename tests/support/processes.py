@@ -87,6 +87,9 @@ class Coordinator:
 def start_coordinator(home: Path, database_url: str, *extra_args: str, port: int | None = None,
                       env: dict[str, str] | None = None) -> Coordinator:
     port = port or free_port()
+    if "--min-trust" not in extra_args:
+        # test nodes are not enrolled (self_signed); the production default floor is hardware
+        extra_args = ("--min-trust", "self_signed", *extra_args)
     args = darkbloom_cmd("coordinator", "--port", str(port), "--database-url", database_url,
                          "--admin-token", ADMIN_TOKEN, *extra_args)
     process = spawn(args, home, f"coordinator-{port}.log", env)

@@ -55,12 +55,15 @@ async def _acquire(services: Services, charges: list[Charge]) -> Decision | None
                        "Rate limiting is temporarily unavailable; retry in a few seconds.",
                        headers={"Retry-After": "5"}) from None
     if not decision.allowed:
-        assert decision.failed is not None
-        scope = "API key" if decision.failed.scope.startswith("key:") else "account"
+        failed = decision.failed
+        assert failed is not None
+        scope = "API key" if failed.scope.startswith("key:") else "account"
+        asked = max(c.amount for c in charges if c.bucket == failed)
+        advice = (f"This request alone needs {asked}; lower max_tokens or shorten the prompt, or raise the limit."
+                  if asked > failed.limit_per_minute else f"Retry after {decision.retry_after_seconds} s.")
         raise ApiError(429, "rate_limit_exceeded",
-                       f"Rate limit reached: your {scope} allows {decision.failed.limit_per_minute} "
-                       f"{_DIMENSION_NAMES[decision.failed.dimension]}. Retry after "
-                       f"{decision.retry_after_seconds} s.",
+                       f"Rate limit reached: your {scope} allows {failed.limit_per_minute} "
+                       f"{_DIMENSION_NAMES[failed.dimension]}. {advice}",
                        param=decision.failed.dimension,
                        headers={"Retry-After": str(decision.retry_after_seconds), **decision.headers})
     return decision

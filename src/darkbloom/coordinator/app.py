@@ -37,7 +37,8 @@ def create_app(settings: CoordinatorSettings) -> FastAPI:
         await instances.register_instance(services)
         await instances.reconcile_abandoned(services)
         background = [asyncio.create_task(sessions.evict_silent(services)),
-                      asyncio.create_task(instances.heartbeat_forever(services))]
+                      asyncio.create_task(instances.heartbeat_forever(services)),
+                      asyncio.create_task(services.queues.drain_forever())]
         log.info("coordinator ready on %s (database %s)", settings.base_url, engine.url.render_as_string())
         try:
             yield

@@ -20,7 +20,9 @@ from darkbloom.coordinator.admission import Admission
 from darkbloom.coordinator.auth import Caller
 from darkbloom.coordinator.chat_request import ChatRequest
 from darkbloom.coordinator.errors import ApiError
-from darkbloom.coordinator.scheduler import select
+from darkbloom.coordinator.attempts import Attempts
+from darkbloom.coordinator.queueing import NoEligibleSession, QueueRefused
+from darkbloom.coordinator.scheduler import RouteDecision
 from darkbloom.coordinator.services import Services
 
 log = logging.getLogger("darkbloom.completions")
@@ -66,34 +68,31 @@ async def chat_completion(services: Services, caller: Caller, chat: ChatRequest,
                           admission: Admission) -> StreamingResponse | JSONResponse:
     request_id = new_request_id()
     model = resolve_model(services, caller, chat.model)
+    decision = RouteDecision(model=model, needs_images=chat.uses_images, needs_tools=chat.uses_tools)
     await admission_core.admit(services, caller, chat, model, request_id, admission)
     try:
-        placement = select(services.registry, model)
-    except BaseException:
+        placement = await _until_disconnect(request, services.queues.place(decision))
+    except BaseException as exc:
         await _finish_unserved(services, admission)
-        raise
-    pending = relay.dispatch(placement.session, chat, placement.provider_model_id, request_id,
-                             admission.output_bound)
-    flight = InFlight(services, caller, chat, model, admission, pending)
-    headers = {"X-Request-Id": request_id, "X-Provider-Id": placement.session.id, **admission.headers}
-    shaper = relay.ChunkShaper(request_id, chat.model)
+        raise _placement_error(exc, model) from None
+    attempts = Attempts(services, decision, chat, request_id, admission.output_bound)
     try:
-        head, completed = await _until_disconnect(
-            request, relay.first_content(pending, services.settings.first_content_timeout))
+        pending, completed = await _until_disconnect(request, attempts.run(placement))
     except relay.ProviderFailure as failure:
-        await _finish(flight, failure.failure.reason, charge_partial=False)
-        error = failure.as_api_error()
-        error.headers.update(headers)
-        raise error from None
+        await _finish_unserved(services, admission)
+        raise failure.as_api_error() from None
     except BaseException:
-        _finish_later(flight, "client_disconnected", charge_partial=True)
+        attempts.abandon_all()
+        services.spawn(_finish_unserved(services, admission))
         raise
-
+    flight = InFlight(services, caller, chat, model, admission, pending)
+    headers = {"X-Request-Id": request_id, "X-Provider-Id": pending.session.id, **admission.headers}
+    shaper = relay.ChunkShaper(request_id, chat.model)
     if chat.stream:
-        return StreamingResponse(_streamed(flight, head, completed, shaper), media_type="text/event-stream",
+        return StreamingResponse(_streamed(flight, completed, shaper), media_type="text/event-stream",
                                  headers={**headers, "Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
     try:
-        body = await _until_disconnect(request, relay.collect(pending, head, completed, shaper))
+        body = await _until_disconnect(request, relay.collect(pending, completed, shaper))
     except relay.ProviderFailure as failure:
         await _finish(flight, failure.failure.reason, charge_partial=False)
         raise failure.as_api_error() from None
@@ -104,12 +103,23 @@ async def chat_completion(services: Services, caller: Caller, chat: ChatRequest,
     return JSONResponse(body, headers=headers)
 
 
-async def _streamed(flight: InFlight, head: list[dict[str, Any]], completed: bool,
-                    shaper: relay.ChunkShaper) -> AsyncIterator[bytes]:
+def _placement_error(exc: BaseException, model: CatalogModel) -> BaseException:
+    if isinstance(exc, NoEligibleSession):
+        return ApiError(503, "model_unavailable",
+                        f"No provider is serving '{model.id}' right now. Try again later or pick another model.")
+    if isinstance(exc, QueueRefused):
+        why = "the queue is full" if exc.code == "queue_full" else "no slot freed up in time"
+        return ApiError(429, "rate_limit_exceeded",
+                        f"Every provider serving '{model.id}' is busy and {why}. Retry after {exc.retry_after} s.",
+                        code=exc.code, headers={"Retry-After": str(exc.retry_after)})
+    return exc
+
+
+async def _streamed(flight: InFlight, completed: bool, shaper: relay.ChunkShaper) -> AsyncIterator[bytes]:
     pending = flight.pending
     finished = False
     try:
-        async for part in relay.relay_chunks(pending, head, completed, shaper):
+        async for part in relay.relay_chunks(pending, completed, shaper):
             yield part
         failure = pending.failure
         await _finish(flight, failure.reason if failure else "ok", charge_partial=False)
@@ -140,6 +150,7 @@ async def _settle(flight: InFlight, outcome: str, charge_partial: bool) -> None:
     if charge_partial:
         await relay.stop(pending, services.settings.cancel_grace)
     relay.release(pending)
+    services.queues.drain()
     usage = pending.usage if (outcome == "ok" or charge_partial) else None
     reservation = admission.reservation
     session = pending.session

@@ -7,6 +7,7 @@ from pathlib import Path
 
 from darkbloom.catalog import Catalog
 from darkbloom.paths import darkbloom_home
+from darkbloom.runtime import runtime_hash
 
 TRUST_LEVELS = ("none", "self_signed", "hardware")
 
@@ -36,6 +37,9 @@ class CoordinatorSettings:
     device_poll_interval: int = 5
     max_body_bytes: int = 8 * 1024 * 1024
     first_content_timeout: float = 30.0
+    challenge_freshness: float = 960.0   # a session is routable while its last passed challenge is this recent
+    challenge_interval: float = 300.0    # a new attestation challenge per session this often
+    challenge_deadline: float = 30.0     # a challenge unanswered this long makes the session untrusted
     cancel_grace: float = 5.0            # wait this long for a cancelled provider's final usage
     instance_stale_after: float = 30.0   # an instance silent this long is dead: its reservations refunded
     # billing and account-level rate limits (per minute; None = unlimited)
@@ -43,6 +47,9 @@ class CoordinatorSettings:
     account_rpm: int | None = None
     account_itpm: int | None = None
     account_otpm: int | None = None
+    # trust (CONTRACT §7): runtime hashes accepted as verified (default: this release's own)
+    runtime_allow_list: frozenset[str] = field(default_factory=lambda: frozenset({runtime_hash()}))
+    enrollment_cert_days: float = 365.0  # validity of a hardware-trust certificate
 
     def __post_init__(self) -> None:
         if self.min_trust not in TRUST_LEVELS:
@@ -55,6 +62,10 @@ class CoordinatorSettings:
                 raise ValueError(f"--{name.replace('_', '-')} must be at least 1 (omit it for no limit)")
         if self.queue_max_wait < 0 or self.queue_depth < 0:
             raise ValueError("--queue-max-wait and --queue-depth must not be negative")
+        for name in ("challenge_interval", "challenge_deadline", "challenge_freshness", "enrollment_cert_days"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"--{name.replace('_', '-')} must be positive")
+        self.runtime_allow_list = frozenset(self.runtime_allow_list)
 
     @property
     def base_url(self) -> str:

@@ -6,7 +6,7 @@ from typing import Any
 
 from darkbloom.coordinator.auth import Caller
 from darkbloom.coordinator.errors import ApiError
-from darkbloom.coordinator.scheduler import public_sessions
+from darkbloom.coordinator.scheduler import routable_public
 from darkbloom.coordinator.services import Services
 
 CREATED = 1735689600  # a fixed date: catalog entries carry no creation time
@@ -18,7 +18,7 @@ def list_models(services: Services, caller: Caller) -> list[dict[str, Any]]:
     for model in services.settings.catalog.models:
         if allowed is not None and model.id not in allowed:
             continue
-        if public_sessions(services.registry, model):
+        if routable_public(services.registry, model, services.settings):
             entries.append({"id": model.id, "object": "model", "created": CREATED, "owned_by": "darkbloom"})
     return entries
 

@@ -68,6 +68,7 @@ class PendingRequest:
         self.finished = False
         self.usage: Usage | None = None
         self.failure: Failed | None = None
+        self.head: list[dict[str, Any]] = []  # chunks received before the first content
 
     # called by the provider socket reader
 
@@ -106,9 +107,9 @@ class PendingRequest:
 
 def dispatch(session: ProviderSession, chat: ChatRequest, provider_model_id: str, request_id: str,
              max_tokens: int) -> PendingRequest:
+    """Send a sealed request on a session whose slot the scheduler already claimed."""
     pending = PendingRequest(request_id, session)
     session.pending[request_id] = pending
-    session.active += 1
     assert session.public_key is not None, "only sessions with an encryption key are routable"
     envelope = pending.reply_key.seal_request(chat.for_provider(provider_model_id, max_tokens), session.public_key)
     session.send(dump(InferenceRequest(request_id=request_id, encrypted_body=envelope)))
@@ -137,6 +138,13 @@ def release(pending: PendingRequest) -> None:
         pending.session.active -= 1
 
 
+def abandon(pending: PendingRequest) -> None:
+    """Drop an attempt that lost or failed: tell the provider to stop, free the slot."""
+    if not pending.finished:
+        pending.session.send(dump(Cancel(request_id=pending.request_id)))
+    release(pending)
+
+
 def has_content(chunk: dict[str, Any]) -> bool:
     for choice in chunk.get("choices") or ():
         delta = choice.get("delta") or {}
@@ -145,24 +153,26 @@ def has_content(chunk: dict[str, Any]) -> bool:
     return False
 
 
-async def first_content(pending: PendingRequest, timeout: float) -> tuple[list[dict[str, Any]], bool]:
-    """Wait until the first content chunk (or completion). Returns (chunks so far, completed)."""
-    buffered: list[dict[str, Any]] = []
-    deadline = time.monotonic() + timeout
+async def first_content(pending: PendingRequest, deadline: float) -> bool:
+    """Wait (until ``deadline``, monotonic) for the first content chunk or the completion; chunks
+    before it accumulate on ``pending.head``. Returns whether the provider already completed.
+    Raises ProviderFailure, or TimeoutError at the deadline with nothing lost (callers may wait again)."""
     while True:
         remaining = deadline - time.monotonic()
-        try:
-            event = await asyncio.wait_for(pending.events.get(), timeout=max(remaining, 0))
-        except TimeoutError:
-            raise ProviderFailure(Failed(504, f"The provider produced no output within {timeout:g} s.",
-                                         "provider_timeout")) from None
+        if remaining <= 0:
+            raise TimeoutError()
+        event = await asyncio.wait_for(pending.events.get(), timeout=remaining)
         if isinstance(event, Failed):
             raise ProviderFailure(event)
         if isinstance(event, Completed):
-            return buffered, True
-        buffered.append(event.data)
+            return True
+        pending.head.append(event.data)
         if has_content(event.data):
-            return buffered, False
+            return False
+
+
+def timed_out(budget: float) -> ProviderFailure:
+    return ProviderFailure(Failed(504, f"The provider produced no output within {budget:g} s.", "provider_timeout"))
 
 
 class ChunkShaper:
@@ -197,11 +207,10 @@ def sse(data: dict[str, Any]) -> bytes:
 SSE_DONE = b"data: [DONE]\n\n"
 
 
-async def relay_chunks(pending: PendingRequest, head: list[dict[str, Any]], completed: bool,
-                       shaper: ChunkShaper) -> AsyncIterator[bytes]:
+async def relay_chunks(pending: PendingRequest, completed: bool, shaper: ChunkShaper) -> AsyncIterator[bytes]:
     """SSE lines for the buffered head and every later chunk, until the provider finishes or fails
     (then ``pending.usage`` or ``pending.failure`` says which)."""
-    for data in head:
+    for data in pending.head:
         yield sse(shaper.chunk(data))
     while not completed:
         event = await pending.events.get()
@@ -218,11 +227,10 @@ def failure_event(failure: Failed) -> bytes:
     return sse(error_body("provider_error", failure.message, code=failure.reason))
 
 
-async def collect(pending: PendingRequest, head: list[dict[str, Any]], completed: bool,
-                  shaper: ChunkShaper) -> dict[str, Any]:
+async def collect(pending: PendingRequest, completed: bool, shaper: ChunkShaper) -> dict[str, Any]:
     """Assemble a non-streaming chat.completion from the chunks."""
     message = _MessageBuilder()
-    for data in head:
+    for data in pending.head:
         message.add(data)
     while not completed:
         event = await pending.events.get()

@@ -10,6 +10,7 @@ from fastapi import Request
 from sqlalchemy.ext.asyncio import AsyncEngine
 
 from darkbloom.coordinator.config import CoordinatorSettings
+from darkbloom.coordinator.queueing import RequestQueues
 from darkbloom.coordinator.ratelimit import RateLimiter
 from darkbloom.coordinator.registry import Registry
 from darkbloom.crypto import new_id
@@ -21,8 +22,13 @@ class Services:
     engine: AsyncEngine
     registry: Registry
     rate_limiter: RateLimiter
+    queues: RequestQueues = None  # type: ignore[assignment]  # built from registry + settings
     instance_id: str = field(default_factory=lambda: new_id("inst_"))
     _tasks: set[asyncio.Task[Any]] = field(default_factory=set)
+
+    def __post_init__(self) -> None:
+        if self.queues is None:
+            self.queues = RequestQueues(self.registry, self.settings)
 
     def spawn(self, work: Coroutine[Any, Any, Any]) -> asyncio.Task[Any]:
         """Run ``work`` to completion even if the request that started it goes away."""

@@ -1,4 +1,4 @@
-"""Admin API (admin token): credits and the model catalog."""
+"""Admin API (admin token): credits, the model catalog and machine enrollment."""
 
 from __future__ import annotations
 
@@ -12,6 +12,7 @@ from darkbloom.coordinator.auth import require_admin
 from darkbloom.coordinator.catalog_store import store_catalog
 from darkbloom.coordinator.errors import ApiError, invalid_request
 from darkbloom.coordinator.json_body import json_object
+from darkbloom.coordinator.machines import enroll_machine
 from darkbloom.coordinator.services import Services, get_services
 from darkbloom.store import accounts
 
@@ -53,3 +54,9 @@ async def put_catalog(request: Request, services: Services = Depends(get_service
         raise invalid_request(f"invalid catalog: {exc.errors()[0]['msg']}") from None
     await store_catalog(services, catalog)
     return catalog.model_dump()
+
+
+@router.post("/machines/{machine_id}/enroll")
+async def enroll(machine_id: str, services: Services = Depends(get_services)) -> dict[str, Any]:
+    """Grant ``hardware`` trust: certify the machine's identity key with the enrollment CA."""
+    return await enroll_machine(services, machine_id)

@@ -67,12 +67,14 @@ async def provider_socket(websocket: WebSocket) -> None:
     session = await sessions.open_session(services, registration)
     strikes.session = session
     writer = asyncio.create_task(_write_frames(websocket, session))
+    # The first challenge, then `registered`, then periodic challenges: beside the reader, never in its way.
+    trust = asyncio.create_task(sessions.run_trust(services, session))
     try:
-        await sessions.complete_registration(services, session)
         await _read_frames(websocket, services, session, strikes)
     except (WebSocketDisconnect, _TooManyBadFrames):
         pass
     finally:
+        trust.cancel()
         await sessions.close_session(services, session)
         session.close(POLICY_VIOLATION if strikes.count >= MAX_BAD_FRAMES else 1000)
         try:
@@ -116,7 +118,7 @@ async def _read_frames(websocket: WebSocket, services: Services, session: Provid
         if isinstance(frame, InferenceResponseChunk):
             pending = session.pending.get(frame.request_id)
             if pending is not None and not pending.on_chunk(frame.encrypted_data):
-                sessions.distrust(session, "a response chunk failed decryption")
+                sessions.distrust(session, "a response chunk failed decryption", services)
         elif isinstance(frame, InferenceComplete):
             pending = session.pending.get(frame.request_id)
             if pending is not None:

@@ -1,0 +1,144 @@
+"""Getting a request to its first content: sequential retry and the speculative backup.
+
+Before anything reaches the client, a provider that errors, disconnects or stays silent for the
+first-content budget is excluded and the next eligible session is tried (at most 3 attempts;
+retries never queue). When the primary has produced nothing by half the budget and another
+eligible session is idle, one backup starts; the first to produce content wins and the other is
+cancelled. Every attempt uses the request's one ``RouteDecision``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+import time
+
+from darkbloom.coordinator import relay
+from darkbloom.coordinator.chat_request import ChatRequest
+from darkbloom.coordinator.relay import PendingRequest, ProviderFailure
+from darkbloom.coordinator.scheduler import Placement, RouteDecision, claim, survey
+from darkbloom.coordinator.services import Services
+
+log = logging.getLogger("darkbloom.attempts")
+MAX_ATTEMPTS = 3
+
+
+def retryable(failure: ProviderFailure) -> bool:
+    event = failure.failure
+    return event.reason != "provider_error" or event.status >= 500 or event.status == 429
+
+
+class Attempts:
+    def __init__(self, services: Services, decision: RouteDecision, chat: ChatRequest, request_id: str,
+                 max_tokens: int) -> None:
+        self.services = services
+        self.decision = decision
+        self.chat = chat
+        self.request_id = request_id
+        self.max_tokens = max_tokens
+        self.current: PendingRequest | None = None  # the attempt in flight (for cleanup on disconnect)
+        self._backup: PendingRequest | None = None
+
+    def _dispatch(self, placement: Placement) -> PendingRequest:
+        return relay.dispatch(placement.session, self.chat, placement.provider_model_id, self.request_id,
+                              self.max_tokens)
+
+    def _drop(self, pending: PendingRequest) -> None:
+        relay.abandon(pending)
+        self.decision.excluded.add(pending.session.id)
+        self.services.queues.drain()
+
+    async def run(self, first: Placement) -> tuple[PendingRequest, bool]:
+        """The winning attempt and whether it already completed; raises the last ProviderFailure."""
+        placement: Placement | None = first
+        failure: ProviderFailure | None = None
+        for attempt in range(1, MAX_ATTEMPTS + 1):
+            assert placement is not None
+            primary = self._dispatch(placement)
+            self.current = primary
+            try:
+                return await self._first_content(primary)
+            except ProviderFailure as exc:
+                failure = exc
+                log.info("request %s: attempt %d on %s failed: %s", self.request_id, attempt,
+                         placement.session.id, exc.failure.reason)
+                if not retryable(exc):
+                    raise
+            placement = self._idle_or_free(require_idle=False)
+            if placement is None:
+                break
+        assert failure is not None
+        raise failure
+
+    def abandon_all(self) -> None:
+        for pending in (self.current, self._backup):
+            if pending is not None and pending.request_id in pending.session.pending:
+                relay.abandon(pending)
+        self.services.queues.drain()
+
+    def _idle_or_free(self, *, require_idle: bool, owned_only: bool = False) -> Placement | None:
+        decision = dataclasses.replace(self.decision, owned_only=True) if owned_only else self.decision
+        found = survey(self.services.registry, decision, self.services.settings)
+        pool = [s for s in found.available if not require_idle or s.active == 0]
+        owned = [s for s in pool if decision.owns(s)]
+        pool = owned or ([] if decision.owned_only else pool)
+        if not pool:
+            return None
+        return claim(min(pool, key=lambda s: (s.active, -s.decode_tps)), decision)
+
+    async def _first_content(self, primary: PendingRequest) -> tuple[PendingRequest, bool]:
+        budget = self.services.settings.first_content_timeout
+        started = time.monotonic()
+        try:
+            return primary, await relay.first_content(primary, started + budget / 2)
+        except ProviderFailure:
+            self._drop(primary)
+            raise
+        except TimeoutError:
+            pass
+        # a prefer request served by an owned session never gets a paid backup
+        owned_primary = self.decision.owns(primary.session)
+        placement = self._idle_or_free(require_idle=True, owned_only=owned_primary)
+        if placement is None:
+            try:
+                return primary, await relay.first_content(primary, started + budget)
+            except TimeoutError:
+                self._drop(primary)
+                raise relay.timed_out(budget) from None
+            except ProviderFailure:
+                self._drop(primary)
+                raise
+        backup = self._dispatch(placement)
+        self._backup = backup
+        log.info("request %s: %s silent after %.1f s, backup on %s", self.request_id, primary.session.id,
+                 budget / 2, backup.session.id)
+        return await self._race(primary, backup, {primary: started + budget,
+                                                  backup: time.monotonic() + budget})
+
+    async def _race(self, primary: PendingRequest, backup: PendingRequest,
+                    deadlines: dict[PendingRequest, float]) -> tuple[PendingRequest, bool]:
+        tasks = {asyncio.ensure_future(relay.first_content(p, deadlines[p])): p for p in (primary, backup)}
+        failure: ProviderFailure | None = None
+        try:
+            while tasks:
+                done, _ = await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
+                for task in done:
+                    pending = tasks.pop(task)
+                    try:
+                        completed = task.result()
+                    except (ProviderFailure, TimeoutError) as exc:
+                        failure = exc if isinstance(exc, ProviderFailure) else relay.timed_out(
+                            self.services.settings.first_content_timeout)
+                        self._drop(pending)
+                        continue
+                    for other_task, other in tasks.items():
+                        other_task.cancel()
+                        self._drop(other)
+                    self.current, self._backup = pending, None
+                    return pending, completed
+        finally:
+            for task in tasks:
+                task.cancel()
+        assert failure is not None
+        raise failure
