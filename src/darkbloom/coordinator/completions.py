@@ -151,6 +151,7 @@ async def _settle(flight: InFlight, outcome: str, charge_partial: bool) -> None:
         await relay.stop(pending, services.settings.cancel_grace)
     relay.release(pending)
     services.queues.drain()
+    _measure_decode_speed(pending)
     usage = pending.usage if (outcome == "ok" or charge_partial) else None
     reservation = admission.reservation
     session = pending.session
@@ -165,6 +166,23 @@ async def _settle(flight: InFlight, outcome: str, charge_partial: bool) -> None:
     except Exception:  # noqa: BLE001 - the instance reconciler refunds what stays open
         log.exception("request %s: settlement failed", pending.request_id)
     _log(flight, outcome if usage is not None or outcome != "client_disconnected" else "client_disconnected_unbilled")
+
+
+DECODE_SPEED_WEIGHT = 0.2
+
+
+def _measure_decode_speed(pending: relay.PendingRequest) -> None:
+    """Keep an EWMA of the session's completion tokens per second (used to rank sessions)."""
+    usage, started = pending.usage, pending.first_content_at
+    if usage is None or started is None or usage.completion_tokens < 2:
+        return
+    elapsed = time.monotonic() - started
+    if elapsed <= 0:
+        return
+    observed = usage.completion_tokens / elapsed
+    session = pending.session
+    session.decode_tps = observed if session.decode_tps <= 0 else (
+        (1 - DECODE_SPEED_WEIGHT) * session.decode_tps + DECODE_SPEED_WEIGHT * observed)
 
 
 async def _finish_unserved(services: Services, admission: Admission) -> None:

@@ -69,6 +69,7 @@ class PendingRequest:
         self.usage: Usage | None = None
         self.failure: Failed | None = None
         self.head: list[dict[str, Any]] = []  # chunks received before the first content
+        self.first_content_at: float | None = None
 
     # called by the provider socket reader
 
@@ -168,6 +169,7 @@ async def first_content(pending: PendingRequest, deadline: float) -> bool:
             return True
         pending.head.append(event.data)
         if has_content(event.data):
+            pending.first_content_at = time.monotonic()
             return False
 
 
