@@ -66,10 +66,22 @@ def coordinator(
         envvar=_env("account_itpm"), help="Default input tokens per minute per account.")] = None,
     account_otpm: Annotated[Optional[int], typer.Option(
         envvar=_env("account_otpm"), help="Default output tokens per minute per account.")] = None,
+    runtime_allow: Annotated[Optional[list[str]], typer.Option(
+        "--runtime-allow", envvar=_env("runtime_allow"),
+        help="A provider runtime hash to accept as verified, besides this release's own; may repeat.")] = None,
+    challenge_interval: Annotated[float, typer.Option(
+        envvar=_env("challenge_interval"), help="Seconds between attestation challenges to each provider.")] = 300,
+    challenge_deadline: Annotated[float, typer.Option(
+        envvar=_env("challenge_deadline"),
+        help="Seconds a provider has to answer a challenge before it is untrusted.")] = 30,
+    challenge_freshness: Annotated[float, typer.Option(
+        envvar=_env("challenge_freshness"),
+        help="A provider is routable while its last passed challenge is at most this many seconds old.")] = 960,
 ) -> None:
     """Run the coordinator."""
     from darkbloom.coordinator.config import CoordinatorSettings, default_database_url
     from darkbloom.coordinator.server import run
+    from darkbloom.runtime import runtime_hash
 
     try:
         settings = CoordinatorSettings(
@@ -80,7 +92,10 @@ def coordinator(
             first_content_timeout=first_content_timeout, device_code_ttl=device_code_ttl,
             catalog_from_file=catalog is not None, cancel_grace=cancel_grace,
             instance_stale_after=instance_stale_after, min_charge_micro_usd=min_charge,
-            account_rpm=account_rpm, account_itpm=account_itpm, account_otpm=account_otpm)
+            account_rpm=account_rpm, account_itpm=account_itpm, account_otpm=account_otpm,
+            runtime_allow_list=frozenset({runtime_hash(), *(runtime_allow or [])}),
+            challenge_interval=challenge_interval, challenge_deadline=challenge_deadline,
+            challenge_freshness=challenge_freshness)
     except ValueError as exc:
         err_console.print(f"[red]error:[/red] {exc}")
         raise typer.Exit(2) from None

@@ -33,6 +33,11 @@ def local_discovery_path(home: Path) -> Path:
     return home / "local.json"
 
 
+def certificate_path(home: Path) -> Path:
+    """The hardware-trust certificate the coordinator issued after an admin enrolled this machine."""
+    return home / "certificate.pem"
+
+
 def node_state_path(home: Path) -> Path:
     return home / "node_state.json"
 

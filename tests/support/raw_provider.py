@@ -1,5 +1,9 @@
 """A hand-driven provider socket for protocol tests: it speaks the real protocol module but lets a
-test decide every frame (misbehave, stall, vanish). Never used where a real node can serve."""
+test decide every frame (misbehave, stall, vanish). Never used where a real node can serve.
+
+Attestation challenges (the first one is part of registration) are answered as ``challenge_answer``
+says: ``"valid"`` (default), ``"bad_signature"``, ``"changed_runtime"`` or ``"ignore"``; every
+challenge and ``trust_status`` seen is kept in ``challenges`` / ``trust_statuses``."""
 
 from __future__ import annotations
 
@@ -8,14 +12,17 @@ from typing import Any
 
 from websockets.asyncio.client import ClientConnection, connect
 
-from darkbloom.crypto import NodeIdentity, Sealer, open_envelope, public_key_from_b64
+from darkbloom.crypto import NodeIdentity, Sealer, challenge_message, open_envelope, public_key_from_b64
 from darkbloom.protocol import (
     MAX_FRAME_BYTES,
+    AttestationChallenge,
+    AttestationResponse,
     InferenceComplete,
     InferenceRequest,
     InferenceResponseChunk,
     ModelInfo,
     Register,
+    TrustStatus,
     Usage,
     dump,
     parse_coordinator_frame,
@@ -23,41 +30,91 @@ from darkbloom.protocol import (
 from darkbloom.runtime import runtime_hash
 
 
+CHALLENGE_ANSWERS = ("valid", "bad_signature", "changed_runtime", "ignore")
+
+
 class RawProvider:
     def __init__(self, base_url: str, auth_token: str | None = None, models: tuple[str, ...] = ("smollm2-135m",),
-                 max_concurrency: int = 1) -> None:
+                 max_concurrency: int = 1, challenge_answer: str = "valid", tamper_attestation: bool = False,
+                 certificate: str | None = None, identity: NodeIdentity | None = None,
+                 runtime: str | None = None) -> None:
+        assert challenge_answer in CHALLENGE_ANSWERS, challenge_answer
         self.ws_url = base_url.replace("http://", "ws://") + "/ws/provider"
-        self.identity = NodeIdentity.generate()
+        self.identity = identity or NodeIdentity.generate()
         self.auth_token = auth_token
         self.models = models
         self.max_concurrency = max_concurrency
+        self.challenge_answer = challenge_answer
+        self.tamper_attestation = tamper_attestation
+        self.certificate = certificate
+        self.runtime = runtime or runtime_hash()
         self.ws: ClientConnection | None = None
         self.provider_id: str | None = None
+        self.registered: dict[str, Any] | None = None
+        self.challenges: list[AttestationChallenge] = []
+        self.trust_statuses: list[TrustStatus] = []
 
     async def connect(self) -> ClientConnection:
         self.ws = await connect(self.ws_url, max_size=2 * MAX_FRAME_BYTES)
         return self.ws
 
     def register_frame(self) -> Register:
-        rh = runtime_hash()
+        rh = self.runtime
+        attestation = self.identity.attestation(rh)
+        if self.tamper_attestation:
+            attestation = _tampered(attestation)
         return Register(auth_token=self.auth_token, models=[ModelInfo(id=m) for m in self.models],
                         backend="raw-test", version="test", runtime_hash=rh,
                         public_key=self.identity.public_key_b64, identity_key=self.identity.identity_key_b64,
-                        attestation=self.identity.attestation(rh), max_concurrency=self.max_concurrency)
+                        attestation=attestation, certificate=self.certificate,
+                        max_concurrency=self.max_concurrency)
 
     async def register(self) -> dict[str, Any]:
+        """Send `register`, answer the registration challenge, return the `registered` frame."""
         ws = self.ws or await self.connect()
         await ws.send(dump(self.register_frame()))
         while True:
-            frame = json.loads(await ws.recv())
-            if frame["type"] == "registered":
+            frame = await self.recv()
+            if isinstance(frame, dict) and frame["type"] == "registered":
                 self.provider_id = frame["provider_id"]
+                self.registered = frame
                 return frame
 
-    async def next_request(self) -> tuple[InferenceRequest, dict[str, Any]]:
+    async def recv(self) -> Any:
+        """The next coordinator frame, parsed (`registered` as a plain dict); challenges are answered
+        as ``challenge_answer`` says and `trust_status` frames recorded on the way."""
         assert self.ws is not None
+        raw = await self.ws.recv()
+        if json.loads(raw).get("type") == "registered":
+            return json.loads(raw)
+        frame = parse_coordinator_frame(raw)
+        if isinstance(frame, AttestationChallenge):
+            self.challenges.append(frame)
+            if self.challenge_answer != "ignore":
+                await self.ws.send(dump(self.challenge_response(frame, self.challenge_answer)))
+        elif isinstance(frame, TrustStatus):
+            self.trust_statuses.append(frame)
+        return frame
+
+    async def recv_until(self, kind: type) -> Any:
+        """Receive (answering challenges) until a frame of this protocol class arrives."""
         while True:
-            frame = parse_coordinator_frame(await self.ws.recv())
+            frame = await self.recv()
+            if isinstance(frame, kind):
+                return frame
+
+    def challenge_response(self, challenge: AttestationChallenge, answer: str = "valid") -> AttestationResponse:
+        rh = self.runtime
+        if answer == "changed_runtime":
+            rh = "sha256:" + "0" * 64
+        message = challenge_message(challenge.nonce, challenge.timestamp, rh)
+        if answer == "bad_signature":
+            message = challenge_message(challenge.nonce, challenge.timestamp + 1, rh)
+        return AttestationResponse(nonce=challenge.nonce, signature=self.identity.sign(message), runtime_hash=rh)
+
+    async def next_request(self) -> tuple[InferenceRequest, dict[str, Any]]:
+        while True:
+            frame = await self.recv()
             if isinstance(frame, InferenceRequest):
                 body = json.loads(open_envelope(frame.encrypted_body, self.identity.encryption_key))
                 return frame, body
@@ -75,3 +132,15 @@ class RawProvider:
     async def close(self) -> None:
         if self.ws is not None:
             await self.ws.close()
+
+
+def _tampered(attestation: str) -> str:
+    """The blob with one bit of its signature flipped: the body still matches the frame, but the
+    signature no longer verifies under the identity key."""
+    import base64
+
+    blob = json.loads(base64.b64decode(attestation))
+    signature = bytearray(base64.b64decode(blob["signature"]))
+    signature[0] ^= 0x01
+    blob["signature"] = base64.b64encode(bytes(signature)).decode()
+    return base64.b64encode(json.dumps(blob).encode()).decode()

@@ -141,8 +141,16 @@ class ProviderNode:
             auth_token=self._auth_token(), models=self.models, backend=self.config.backend,
             version=_version(), runtime_hash=self.runtime_hash, public_key=self.identity.public_key_b64,
             identity_key=self.identity.identity_key_b64, attestation=self.identity.attestation(self.runtime_hash),
-            encrypted_response_chunks=True, private_only=self.config.private_only,
+            certificate=self._certificate(), encrypted_response_chunks=True, private_only=self.config.private_only,
             max_concurrency=self.config.max_concurrency, hardware=_hardware(), name=self.config.name)
+
+    def _certificate(self) -> str | None:
+        """The enrollment certificate the coordinator handed us (hardware trust), if any."""
+        try:
+            certificate = paths.certificate_path(self.home).read_text()
+        except OSError:
+            return None
+        return certificate if certificate.strip() else None
 
     def _auth_token(self) -> str | None:
         try:
@@ -202,9 +210,21 @@ class ProviderNode:
                             trust_level=frame.trust_level)
         elif isinstance(frame, protocol.TrustStatus):
             log.info("trust level now %s%s", frame.trust_level, f" ({frame.reason})" if frame.reason else "")
+            if frame.certificate:
+                self._save_certificate(frame.certificate)
             self._set_state(trust_level=frame.trust_level)
         elif isinstance(frame, protocol.ErrorFrame):
             log.warning("coordinator error %s: %s", frame.code, frame.message)
+
+    def _save_certificate(self, certificate: str) -> None:
+        """Keep the enrollment certificate; it is presented as `register.certificate` from now on."""
+        path = paths.certificate_path(self.home)
+        try:
+            crypto.write_private_file(path, certificate)
+        except OSError as exc:
+            log.warning("cannot save the enrollment certificate to %s: %s", path, exc)
+            return
+        log.info("enrollment certificate saved to %s", path)
 
     def _answer_challenge(self, frame: protocol.AttestationChallenge) -> None:
         assert self.identity is not None

@@ -54,3 +54,9 @@ async def unlink(conn: AsyncConnection, account_id: str, machine_id: str) -> boo
         machines.c.id == machine_id, machines.c.account_id == account_id, machines.c.unlinked_at.is_(None)
     ).values(unlinked_at=int(time.time())))
     return result.rowcount > 0
+
+
+async def set_certificate(conn: AsyncConnection, machine_id: str, certificate: str) -> None:
+    """Keep the enrollment certificate issued for the machine's identity key."""
+    await conn.execute(update(machines).where(machines.c.id == machine_id).values(
+        certificate=certificate, enrolled_at=int(time.time())))

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from sqlalchemy import JSON, BigInteger, Boolean, Column, ForeignKey, Integer, MetaData, String, Table
+from sqlalchemy import JSON, BigInteger, Boolean, Column, ForeignKey, Integer, MetaData, String, Table, Text
 
 metadata = MetaData()
 
@@ -65,6 +65,8 @@ machines = Table(
     Column("created_at", BigInteger, nullable=False),
     Column("last_seen", BigInteger, nullable=True),
     Column("unlinked_at", BigInteger, nullable=True),
+    Column("certificate", Text, nullable=True),       # PEM from the enrollment CA (migration 0003)
+    Column("enrolled_at", BigInteger, nullable=True),
 )
 
 device_tokens = Table(

@@ -1,0 +1,82 @@
+"""The node keeps the enrollment certificate a coordinator hands it and presents it at every later
+registration (against a scripted fake coordinator; the real one is in test_trust_nodes)."""
+
+from __future__ import annotations
+
+import asyncio
+import stat
+from pathlib import Path
+from typing import Any, AsyncIterator
+
+import pytest
+
+from darkbloom import paths, protocol
+from darkbloom.provider.config import load_config
+from darkbloom.provider.node import ProviderNode
+from tests.provider.fake_coordinator import FakeCoordinator
+
+
+class _IdleBackend:
+    """No inference happens in these tests."""
+
+    async def start(self) -> None:
+        pass
+
+    async def close(self) -> None:
+        pass
+
+    def stream_chat(self, *_args: Any) -> Any:  # pragma: no cover - never called
+        raise AssertionError("no inference expected")
+
+
+@pytest.fixture
+async def running(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> AsyncIterator[tuple[FakeCoordinator, Path]]:
+    home = tmp_path / "home"
+    home.mkdir()
+    monkeypatch.setenv("DARKBLOOM_HOME", str(home))
+    async with FakeCoordinator() as fake:
+        config = load_config(home, {"coordinator_url": fake.url})
+        config.heartbeat_interval_secs = 0.2
+        node = ProviderNode(config, home, _IdleBackend())  # type: ignore[arg-type]
+        node.reconnect_base = 0.05
+        stop = asyncio.Event()
+        task = asyncio.create_task(node.run(stop))
+        try:
+            yield fake, home
+        finally:
+            stop.set()
+            await asyncio.wait_for(task, 30)
+
+
+async def test_certificate_is_saved_and_presented_at_the_next_registration(
+        running: tuple[FakeCoordinator, Path]) -> None:
+    fake, home = running
+    conn = await fake.accept()
+    register = await conn.recv()
+    assert isinstance(register, protocol.Register) and register.certificate is None
+    await conn.send(protocol.Registered(provider_id="prov_1", trust_level="self_signed"))
+    pem = "-----BEGIN CERTIFICATE-----\nMIIB...test...\n-----END CERTIFICATE-----\n"
+    await conn.send(protocol.TrustStatus(trust_level="hardware", reason="enrolled", certificate=pem))
+    cert_file = paths.certificate_path(home)
+    for _ in range(500):
+        if cert_file.exists():
+            break
+        await asyncio.sleep(0.01)
+    assert cert_file.read_text() == pem and stat.S_IMODE(cert_file.stat().st_mode) == 0o600
+
+    await conn.ws.close()  # the coordinator goes away; the node reconnects and presents the certificate
+    again = await fake.accept()
+    register = await again.recv()
+    assert isinstance(register, protocol.Register) and register.certificate == pem
+
+
+async def test_trust_status_without_certificate_keeps_the_file(running: tuple[FakeCoordinator, Path]) -> None:
+    fake, home = running
+    paths.certificate_path(home).write_text("existing")
+    conn = await fake.accept()
+    register = await conn.recv()
+    assert register.certificate == "existing"
+    await conn.send(protocol.Registered(provider_id="prov_1", trust_level="hardware"))
+    await conn.send(protocol.TrustStatus(trust_level="untrusted", reason="bad answer"))
+    await asyncio.sleep(0.2)
+    assert paths.certificate_path(home).read_text() == "existing"
