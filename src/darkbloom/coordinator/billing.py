@@ -91,37 +91,84 @@ async def reserve(services: Services, request_id: str, account_id: str, key: dic
     return Reservation(request_id, account_id, key["id"] if key else None, amount, window)
 
 
+@dataclass(frozen=True)
+class Bill:
+    """What settlement needs to know about a request, decided at admission."""
+
+    request_id: str
+    account_id: str
+    key_id: str | None
+    model: CatalogModel
+    reservation: Reservation | None  # None for exclusive self-route
+    self_routed: bool                # the caller asked for their own machine (exclusive or prefer)
+
+
+class _AlreadySettled(Exception):
+    pass
+
+
 async def settle(services: Services, reservation: Reservation, model: CatalogModel, usage: Usage,
                  served: Served) -> Settlement | None:
-    """Charge for the reported usage (never more than the reservation), pay the provider's owner."""
+    """Settle a plain paid request (one that did not ask for the caller's own machine)."""
+    bill = Bill(reservation.request_id, reservation.account_id, reservation.key_id, model, reservation,
+                self_routed=False)
+    return await settle_bill(services, bill, usage, served)
+
+
+async def settle_bill(services: Services, bill: Bill, usage: Usage, served: Served) -> Settlement | None:
+    """Settle a completed request once. Free only when the caller asked for their own machine and
+    the session that actually served belongs to them (re-read from that session object);
+    otherwise paid: from the reservation when there is one, else straight from the balance —
+    and when that charge cannot be collected, nobody is paid."""
     settings = services.settings
-    cost = charge_for(model, usage, settings.min_charge_micro_usd)
-    if cost > reservation.amount:
+    owned = served.provider_account_id == bill.account_id
+    free = bill.self_routed and owned
+    reservation = bill.reservation
+    cost = 0 if free else charge_for(bill.model, usage, settings.min_charge_micro_usd)
+    if reservation is not None and cost > reservation.amount:
         log.warning("request %s: reported usage costs %d µUSD, above its reservation %d; charging the reservation",
-                    reservation.request_id, cost, reservation.amount)
+                    bill.request_id, cost, reservation.amount)
         cost = reservation.amount
-    fee = cost * settings.platform_fee_bps // 10_000
-    payout = cost - fee
     payee = served.provider_account_id or PLATFORM_ACCOUNT_ID
-    request_id = reservation.request_id
-    async with services.engine.begin() as conn:
-        if await ledger.close_reservation(conn, request_id, "settled") is None:
-            return None
-        await ledger.move(conn, reservation.account_id, "balance", reservation.amount, "refund", request_id=request_id)
-        await ledger.move(conn, reservation.account_id, "balance", -cost, "charge", request_id=request_id)
-        if reservation.key_id and reservation.window_start is not None:
-            await ledger.release_key_spend(conn, reservation.key_id, reservation.window_start,
-                                           reserved=reservation.amount, spent=cost)
-        if fee:
-            await ledger.move(conn, PLATFORM_ACCOUNT_ID, "withdrawable", fee, "platform_fee", request_id=request_id)
-        if payout:
-            await ledger.move(conn, payee, "withdrawable", payout, "payout", request_id=request_id)
-        await ledger.record_usage(
-            conn, request_id=request_id, account_id=reservation.account_id, key_id=reservation.key_id,
-            model=model.id, provider_id=served.provider_id, provider_account_id=served.provider_account_id,
-            prompt_tokens=usage.prompt_tokens, completion_tokens=usage.completion_tokens, cost_micro_usd=cost,
-            platform_fee_micro_usd=fee, provider_payout_micro_usd=payout, self_routed=False, routed="fleet")
-    return Settlement(cost, fee, payout)
+    request_id = bill.request_id
+    try:
+        async with services.engine.begin() as conn:
+            # locks in the global order (see ledger.lock_accounts): reservation, key window, accounts by id
+            if reservation is not None:
+                if await ledger.close_reservation(conn, request_id, "settled") is None:
+                    return None
+                if reservation.key_id and reservation.window_start is not None:
+                    await ledger.release_key_spend(conn, reservation.key_id, reservation.window_start,
+                                                   reserved=reservation.amount, spent=cost)
+            await ledger.lock_accounts(conn, {bill.account_id, PLATFORM_ACCOUNT_ID, payee})
+            collected = cost
+            if reservation is not None:
+                await ledger.move(conn, bill.account_id, "balance", reservation.amount, "refund",
+                                  request_id=request_id)
+                if cost:
+                    await ledger.move(conn, bill.account_id, "balance", -cost, "charge", request_id=request_id)
+            elif cost and await ledger.move(conn, bill.account_id, "balance", -cost, "charge",
+                                            request_id=request_id, require_funds=True) is None:
+                log.warning("request %s: served by a machine the caller does not own and the charge of %d µUSD "
+                            "cannot be collected; the provider is not paid", request_id, cost)
+                collected = 0
+            fee = collected * settings.platform_fee_bps // 10_000
+            payout = collected - fee
+            if fee:
+                await ledger.move(conn, PLATFORM_ACCOUNT_ID, "withdrawable", fee, "platform_fee", request_id=request_id)
+            if payout:
+                await ledger.move(conn, payee, "withdrawable", payout, "payout", request_id=request_id)
+            if not await ledger.record_usage(
+                    conn, request_id=request_id, account_id=bill.account_id, key_id=bill.key_id,
+                    model=bill.model.id, provider_id=served.provider_id,
+                    provider_account_id=served.provider_account_id, prompt_tokens=usage.prompt_tokens,
+                    completion_tokens=usage.completion_tokens, cost_micro_usd=collected,
+                    platform_fee_micro_usd=fee, provider_payout_micro_usd=payout, self_routed=free,
+                    routed="owned" if owned else "fleet"):
+                raise _AlreadySettled()
+    except _AlreadySettled:
+        return None
+    return Settlement(collected, fee, payout)
 
 
 async def refund(services: Services, reservation: Reservation) -> bool:
@@ -134,9 +181,10 @@ async def refund_in(conn: Any, request_id: str) -> bool:
     row = await ledger.close_reservation(conn, request_id, "refunded")
     if row is None:
         return False
-    await ledger.move(conn, row["account_id"], "balance", int(row["amount_micro_usd"]), "refund",
-                      request_id=request_id)
+    # the key's window before the account: the lock order of reserve and settle (see ledger.lock_accounts)
     if row["key_id"] and row["window_start"] is not None:
         await ledger.release_key_spend(conn, row["key_id"], int(row["window_start"]),
                                        reserved=int(row["amount_micro_usd"]), spent=0)
+    await ledger.move(conn, row["account_id"], "balance", int(row["amount_micro_usd"]), "refund",
+                      request_id=request_id)
     return True

@@ -22,7 +22,9 @@ from darkbloom.coordinator.chat_request import ChatRequest
 from darkbloom.coordinator.errors import ApiError
 from darkbloom.coordinator.attempts import Attempts
 from darkbloom.coordinator.queueing import NoEligibleSession, QueueRefused
-from darkbloom.coordinator.scheduler import RouteDecision
+from darkbloom.coordinator import selfroute
+from darkbloom.coordinator.scheduler import Placement, RouteDecision
+from darkbloom.coordinator.selfroute import Policy, resolve_policy
 from darkbloom.coordinator.services import Services
 
 log = logging.getLogger("darkbloom.completions")
@@ -32,8 +34,15 @@ def new_request_id() -> str:
     return "chatcmpl-" + secrets.token_hex(12)
 
 
-def resolve_model(services: Services, caller: Caller, name: str) -> CatalogModel:
+def resolve_model(services: Services, caller: Caller, name: str, policy: Policy) -> CatalogModel:
+    """The catalog entry; for self-routed requests also a model only the caller's machines serve
+    (free to the owner, so it has no price)."""
     model = services.settings.catalog.resolve(name)
+    if model is None and policy.self_routed:
+        advertised = policy.exclusive or any(name in s.advertised_models
+                                             for s in services.registry.owned_by(caller.account_id))
+        if advertised:
+            model = CatalogModel(id=name, input_price=0, output_price=0)
     if model is None:
         raise ApiError(404, "model_not_found",
                        f"The model '{name}' does not exist. GET /v1/models lists the models you can use.",
@@ -54,6 +63,7 @@ class InFlight:
     caller: Caller
     chat: ChatRequest
     model: CatalogModel
+    policy: Policy
     admission: Admission
     pending: relay.PendingRequest
     started: float = field(default_factory=time.monotonic)
@@ -67,14 +77,22 @@ class InFlight:
 async def chat_completion(services: Services, caller: Caller, chat: ChatRequest, request: Request,
                           admission: Admission) -> StreamingResponse | JSONResponse:
     request_id = new_request_id()
-    model = resolve_model(services, caller, chat.model)
-    decision = RouteDecision(model=model, needs_images=chat.uses_images, needs_tools=chat.uses_tools)
-    await admission_core.admit(services, caller, chat, model, request_id, admission)
     try:
-        placement = await _until_disconnect(request, services.queues.place(decision))
+        policy = resolve_policy(request.headers, caller)
+        model = resolve_model(services, caller, chat.model, policy)
+    except BaseException:
+        await admission_core.release_rates(services, admission)
+        raise
+    decision = RouteDecision(model=model, needs_images=chat.uses_images, needs_tools=chat.uses_tools,
+                             owner_account_id=policy.owner_account_id, owned_only=policy.exclusive,
+                             pinned=policy.pinned)
+    # exclusive self-route never spends: no reservation, no key spend cap (rate limits still apply)
+    await admission_core.admit(services, caller, chat, model, request_id, admission, reserve=not policy.exclusive)
+    try:
+        placement = await _until_disconnect(request, _place(services, decision))
     except BaseException as exc:
         await _finish_unserved(services, admission)
-        raise _placement_error(exc, model) from None
+        raise _placement_error(exc, model, policy) from None
     attempts = Attempts(services, decision, chat, request_id, admission.output_bound)
     try:
         pending, completed = await _until_disconnect(request, attempts.run(placement))
@@ -85,8 +103,11 @@ async def chat_completion(services: Services, caller: Caller, chat: ChatRequest,
         attempts.abandon_all()
         services.spawn(_finish_unserved(services, admission))
         raise
-    flight = InFlight(services, caller, chat, model, admission, pending)
-    headers = {"X-Request-Id": request_id, "X-Provider-Id": pending.session.id, **admission.headers}
+    flight = InFlight(services, caller, chat, model, policy, admission, pending)
+    owned = pending.session.account_id == caller.account_id
+    headers = {"X-Request-Id": request_id, "X-Provider-Id": pending.session.id,
+               "X-Darkbloom-Routed": "owned" if owned else "fleet",
+               "X-Darkbloom-Billing": "free" if owned and policy.self_routed else "charged", **admission.headers}
     shaper = relay.ChunkShaper(request_id, chat.model)
     if chat.stream:
         return StreamingResponse(_streamed(flight, completed, shaper), media_type="text/event-stream",
@@ -103,7 +124,18 @@ async def chat_completion(services: Services, caller: Caller, chat: ChatRequest,
     return JSONResponse(body, headers=headers)
 
 
-def _placement_error(exc: BaseException, model: CatalogModel) -> BaseException:
+async def _place(services: Services, decision: RouteDecision) -> Placement:
+    try:
+        return await services.queues.place(decision)
+    except NoEligibleSession as exc:
+        if decision.owned_only:
+            await selfroute.preflight(services, decision, exc.survey)
+        raise
+
+
+def _placement_error(exc: BaseException, model: CatalogModel, policy: Policy) -> BaseException:
+    if isinstance(exc, QueueRefused) and policy.exclusive:
+        return selfroute.machine_busy(exc.retry_after)
     if isinstance(exc, NoEligibleSession):
         return ApiError(503, "model_unavailable",
                         f"No provider is serving '{model.id}' right now. Try again later or pick another model.")
@@ -156,9 +188,12 @@ async def _settle(flight: InFlight, outcome: str, charge_partial: bool) -> None:
     reservation = admission.reservation
     session = pending.session
     try:
-        if usage is not None and reservation is not None:
+        if usage is not None:
+            # the owner is re-read from the serving session object, even if it has disconnected since
             served = billing.Served(provider_id=session.id, provider_account_id=session.account_id)
-            await billing.settle(services, reservation, flight.model, usage, served)
+            bill = billing.Bill(pending.request_id, flight.caller.account_id, flight.caller.key_id, flight.model,
+                                reservation, flight.policy.self_routed)
+            await billing.settle_bill(services, bill, usage, served)
         elif reservation is not None:
             await billing.refund(services, reservation)
         await admission_core.reconcile_rates(services, admission, usage.prompt_tokens if usage else 0,

@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import asyncio
+import time
 from typing import Any
 
 from darkbloom.coordinator import sessions
 from darkbloom.coordinator.enrollment import CertificateError, load_or_create_ca
 from darkbloom.coordinator.errors import ApiError
+from darkbloom.coordinator.registry import ProviderSession
 from darkbloom.coordinator.services import Services
 from darkbloom.coordinator.trust import effective_trust
 from darkbloom.store import devices, machines
@@ -32,15 +35,29 @@ async def linked_machines(services: Services, account_id: str) -> list[dict[str,
     return result
 
 
+UNLINK_DRAIN_LIMIT = 600.0
+
+
 async def unlink_machine(services: Services, account_id: str, machine_id: str) -> None:
-    """Unlink, revoke the machine's device token and disconnect its sessions."""
+    """Unlink and revoke the machine's device token at once. Its sessions stop being anyone's own
+    machine and take no new work; each disconnects once its in-flight requests end (those settle
+    as paid: the serving session no longer belongs to the caller)."""
     async with services.engine.begin() as conn:
         if not await machines.unlink(conn, account_id, machine_id):
             raise ApiError(404, "machine_not_found", "No linked machine with this id on your account.")
         await devices.revoke_for_machine(conn, machine_id)
     for session in services.registry.for_machine(machine_id):
-        await sessions.close_session(services, session)
-        session.close(1000)
+        services.registry.disown(session)
+        session.draining = True
+        services.spawn(_close_when_idle(services, session))
+
+
+async def _close_when_idle(services: Services, session: ProviderSession) -> None:
+    deadline = time.monotonic() + UNLINK_DRAIN_LIMIT
+    while session.pending and time.monotonic() < deadline:
+        await asyncio.sleep(0.1)
+    await sessions.close_session(services, session)
+    session.close(1000)
 
 
 async def enroll_machine(services: Services, machine_id: str) -> dict[str, Any]:

@@ -41,6 +41,7 @@ class ProviderSession:
     runtime_verified: bool = False           # runtime hash in the coordinator's allow-list
     challenge_passed_at: float | None = None  # monotonic time of the last passed attestation challenge
     decode_tps: float = 0.0                  # measured completion tokens per second (EWMA)
+    draining: bool = False                   # finishing in-flight work before it closes; takes nothing new
     machine_seen_at: float = 0.0
 
     def __post_init__(self) -> None:
@@ -99,6 +100,15 @@ class Registry:
         if session.machine_id:
             _discard(self._by_machine, session.machine_id, session)
         return True
+
+    def disown(self, session: ProviderSession) -> None:
+        """The session's machine was unlinked: it is no longer anyone's "own" machine."""
+        if session.account_id:
+            _discard(self._by_account, session.account_id, session)
+        if session.machine_id:
+            _discard(self._by_machine, session.machine_id, session)
+        session.account_id = None
+        session.machine_id = None
 
     def get(self, session_id: str) -> ProviderSession | None:
         return self._sessions.get(session_id)

@@ -72,7 +72,7 @@ def _serves_model(s: ProviderSession, d: RouteDecision, _c: CoordinatorSettings,
 
 
 def _trusted(s: ProviderSession, _d: RouteDecision, _c: CoordinatorSettings, _n: float) -> bool:
-    return s.online and s.untrusted_reason is None
+    return s.online and s.untrusted_reason is None and not s.draining
 
 
 def _private_only(s: ProviderSession, d: RouteDecision, _c: CoordinatorSettings, _n: float) -> bool:

@@ -33,6 +33,15 @@ async def move(conn: AsyncConnection, account_id: str, pocket: Pocket, amount: i
     return int(row[0])
 
 
+async def lock_accounts(conn: AsyncConnection, account_ids: set[str]) -> None:
+    """Lock these account rows in id order before moving money between them (a no-op on SQLite, whose
+    writers are serialised anyway). Every transaction that touches several pockets takes its locks in
+    one global order — reservation row, then the key's spend window, then accounts by id — so two
+    settlements (A pays B while B pays A, both paying the platform) cannot deadlock on Postgres."""
+    await conn.execute(select(accounts.c.id).where(accounts.c.id.in_(sorted(account_ids)))
+                       .order_by(accounts.c.id).with_for_update())
+
+
 async def open_reservation(conn: AsyncConnection, request_id: str, account_id: str, key_id: str | None,
                            amount: int, window_start: int | None, instance_id: str) -> None:
     await conn.execute(insert(reservations).values(

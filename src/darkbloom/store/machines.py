@@ -38,6 +38,12 @@ async def has_linked(conn: AsyncConnection, account_id: str) -> bool:
     return row is not None
 
 
+async def ever_linked(conn: AsyncConnection, account_id: str) -> bool:
+    """Whether any machine was ever linked to the account (unlinked ones included)."""
+    row = (await conn.execute(select(machines.c.id).where(machines.c.account_id == account_id).limit(1))).first()
+    return row is not None
+
+
 async def record_seen(conn: AsyncConnection, machine_id: str, *, models: list[str] | None = None,
                       trust_level: str | None = None, private_only: bool | None = None,
                       name: str | None = None, identity_key: str | None = None) -> None:

@@ -9,7 +9,8 @@ from darkbloom.coordinator.admission import admit_request_rate, release_rates
 from darkbloom.coordinator.auth import Caller, require_caller
 from darkbloom.coordinator.chat_request import parse_chat_request
 from darkbloom.coordinator.completions import chat_completion
-from darkbloom.coordinator.model_list import list_models, model_entry
+from darkbloom.coordinator.model_list import list_models, model_entry, owned_models
+from darkbloom.coordinator.selfroute import resolve_policy
 from darkbloom.coordinator.services import Services, get_services
 
 router = APIRouter()
@@ -28,12 +29,20 @@ async def chat_completions(request: Request, caller: Caller = Depends(require_ca
 
 
 @router.get("/v1/models")
-async def models(caller: Caller = Depends(require_caller),
+async def models(request: Request, caller: Caller = Depends(require_caller),
                  services: Services = Depends(get_services)) -> dict[str, object]:
-    return {"object": "list", "data": list_models(services, caller)}
+    policy = resolve_policy(request.headers, caller, with_pin=False)
+    return {"object": "list", "data": list_models(services, caller, policy)}
 
 
 @router.get("/v1/models/{model_id:path}")
-async def model(model_id: str, caller: Caller = Depends(require_caller),
+async def model(model_id: str, request: Request, caller: Caller = Depends(require_caller),
                 services: Services = Depends(get_services)) -> dict[str, object]:
-    return model_entry(services, caller, model_id)
+    policy = resolve_policy(request.headers, caller, with_pin=False)
+    return model_entry(services, caller, policy, model_id)
+
+
+@router.get("/v1/me/self-route-models")
+async def self_route_models(caller: Caller = Depends(require_caller),
+                            services: Services = Depends(get_services)) -> dict[str, list[str]]:
+    return {"models": sorted(owned_models(services, caller.account_id))}
