@@ -1,0 +1,131 @@
+"""Billing tests: in-process coordinator services on SQLite and Postgres (``database_url``), and
+helpers that read the money tables straight from a coordinator's database."""
+
+from __future__ import annotations
+
+import dataclasses
+import secrets
+from typing import Any, AsyncIterator, Awaitable, Callable
+
+import pytest
+from sqlalchemy import func, select
+
+from darkbloom.catalog import CatalogModel
+from darkbloom.coordinator.config import CoordinatorSettings
+from darkbloom.coordinator.ratelimit import MemoryRateLimiter
+from darkbloom.coordinator.registry import Registry
+from darkbloom.coordinator.services import Services
+from darkbloom.store import accounts, create_engine, keys, migrate
+from darkbloom.store.schema import (PLATFORM_ACCOUNT_ID, accounts as accounts_table, admin_credits, key_spend,
+                                    ledger_entries, reservations, usage_records)
+
+# Prices with fractional µUSD per token, so the per-part ceiling of CONTRACT §0 is visible.
+PRICED = CatalogModel(id="priced-model", input_price=1_333_333, output_price=4_666_667, max_output_tokens=256)
+
+MakeServices = Callable[..., Awaitable[Services]]
+
+
+@pytest.fixture
+async def make_services(database_url: str) -> AsyncIterator[MakeServices]:
+    """Build coordinator services on the test database (migrated); each call is one coordinator
+    instance with its own engine and instance id. Settings are keyword overrides."""
+    built: list[Services] = []
+
+    async def make(**settings: Any) -> Services:
+        engine = create_engine(database_url)
+        await migrate(engine)
+        config = CoordinatorSettings(database_url=database_url, **settings)
+        registry = Registry()
+        extra: dict[str, Any] = {}
+        if "queues" in {f.name for f in dataclasses.fields(Services)}:  # the per-model queues (scheduler work)
+            from darkbloom.coordinator.queueing import RequestQueues
+
+            extra["queues"] = RequestQueues(registry, config)
+        services = Services(settings=config, engine=engine, registry=registry, rate_limiter=MemoryRateLimiter(),
+                            **extra)
+        built.append(services)
+        return services
+
+    try:
+        yield make
+    finally:
+        for services in built:
+            await services.engine.dispose()
+
+
+@pytest.fixture
+async def services(make_services: MakeServices) -> Services:
+    return await make_services()
+
+
+async def new_account(services: Services, credit: int = 0) -> str:
+    """An account with ``credit`` µUSD put in through a (ledgered) admin credit."""
+    async with services.engine.begin() as conn:
+        account_id = await accounts.create_account(conn, f"u-{secrets.token_hex(5)}@example.com", "hash")
+        if credit:
+            await accounts.credit(conn, account_id, credit, "ref-" + secrets.token_hex(6))
+    return account_id
+
+
+async def new_key(services: Services, account_id: str, **fields: Any) -> dict[str, Any]:
+    async with services.engine.begin() as conn:
+        return await keys.create(conn, account_id, secrets.token_hex(32), "dk-test", {"name": "test", **fields})
+
+
+async def pockets(services: Services, account_id: str) -> tuple[int, int]:
+    """(balance, withdrawable) of an account."""
+    async with services.engine.connect() as conn:
+        row = await accounts.get(conn, account_id)
+    assert row is not None
+    return int(row["balance_micro_usd"]), int(row["withdrawable_micro_usd"])
+
+
+async def rows(services_or_engine: Any, table: Any, *where: Any) -> list[dict[str, Any]]:
+    engine = getattr(services_or_engine, "engine", services_or_engine)
+    query = select(table)
+    for clause in where:
+        query = query.where(clause)
+    async with engine.connect() as conn:
+        return [dict(r) for r in (await conn.execute(query)).mappings()]
+
+
+async def ledger_for(services: Services, request_id: str) -> list[dict[str, Any]]:
+    return sorted(await rows(services, ledger_entries, ledger_entries.c.request_id == request_id),
+                  key=lambda r: r["id"])
+
+
+async def counts(engine: Any) -> dict[str, int]:
+    """Row counts of the money tables (to show that a refused step left no trace)."""
+    out = {}
+    async with engine.connect() as conn:
+        for table in (ledger_entries, reservations, usage_records, key_spend):
+            out[table.name] = int((await conn.execute(select(func.count()).select_from(table))).scalar() or 0)
+    return out
+
+
+async def check_ledger_consistency(engine: Any) -> None:
+    """Every account's pockets equal the sum of their ledger entries, each entry's ``balance_after``
+    is the running sum, no pocket is negative, and the money in the system (pockets plus open
+    reservations) is what was credited."""
+    async with engine.connect() as conn:
+        account_rows = [dict(r) for r in (await conn.execute(select(accounts_table))).mappings()]
+        entries = [dict(r) for r in (await conn.execute(
+            select(ledger_entries).order_by(ledger_entries.c.id))).mappings()]
+        credited = int((await conn.execute(
+            select(func.coalesce(func.sum(admin_credits.c.amount_micro_usd), 0)))).scalar() or 0)
+        held = int((await conn.execute(select(func.coalesce(func.sum(reservations.c.amount_micro_usd), 0))
+                                       .where(reservations.c.status == "open"))).scalar() or 0)
+    running: dict[tuple[str, str], int] = {}
+    for entry in entries:
+        key = (entry["account_id"], entry["pocket"])
+        running[key] = running.get(key, 0) + int(entry["amount_micro_usd"])
+        assert int(entry["balance_after"]) == running[key], entry
+    total = 0
+    for account in account_rows:
+        balance, withdrawable = int(account["balance_micro_usd"]), int(account["withdrawable_micro_usd"])
+        assert balance >= 0 and withdrawable >= 0, account
+        assert running.get((account["id"], "balance"), 0) == balance, account
+        assert running.get((account["id"], "withdrawable"), 0) == withdrawable, account
+        total += balance + withdrawable
+    assert total + held == credited
+    assert any(a["id"] == PLATFORM_ACCOUNT_ID for a in account_rows)

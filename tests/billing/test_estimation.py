@@ -1,0 +1,123 @@
+"""The admission bounds: the prompt bound is never below the real token count of the bundled model
+(llama.cpp's own tokenizer after the model's chat template), and the output bound follows the
+request, capped by the catalog."""
+
+from __future__ import annotations
+
+import json
+from typing import Any, Iterator
+
+import pytest
+
+import darkbloom.provider.backends.llama_cpp  # noqa: F401  (applies the AMX workaround before any Llama)
+import llama_cpp
+from llama_cpp import llama_chat_format
+
+from darkbloom.catalog import CatalogModel
+from darkbloom.coordinator import billing
+from darkbloom.coordinator.chat_request import parse_chat_request
+from darkbloom.coordinator.estimation import output_token_bound, prompt_token_bound
+from darkbloom.models_bundled import bundled_gguf_path
+
+
+@pytest.fixture(scope="module")
+def vocab() -> Iterator[llama_cpp.Llama]:
+    llm = llama_cpp.Llama(model_path=str(bundled_gguf_path()), vocab_only=True, verbose=False)
+    yield llm
+    llm.close()
+
+
+def real_prompt_tokens(llm: llama_cpp.Llama, messages: list[dict[str, Any]]) -> int:
+    """What llama-cpp-python feeds the model for these messages (the GGUF's chat template with the
+    generation prompt, tokenized with special tokens) — the count the node reports as prompt_tokens."""
+    formatter = llama_chat_format.Jinja2ChatFormatter(
+        template=llm.metadata["tokenizer.chat_template"],
+        eos_token=llm._model.token_get_text(llm.token_eos()), bos_token=llm._model.token_get_text(llm.token_bos()))
+    formatted = formatter(messages=messages)
+    return len(llm.tokenize(formatted.prompt.encode(), add_bos=not formatted.added_special, special=True))
+
+
+def chat(messages: list[dict[str, Any]], **fields: Any) -> Any:
+    return parse_chat_request(json.dumps({"model": "smollm2-135m", "messages": messages, **fields}).encode())
+
+
+PROMPTS = {
+    "one short message": [{"role": "user", "content": "hi"}],
+    "empty content": [{"role": "user", "content": ""}],
+    "many empty turns": [{"role": r, "content": ""} for r in ["system"] + ["user", "assistant"] * 40],
+    "english prose": [{"role": "system", "content": "You are terse."},
+                      {"role": "user", "content": "Explain, in three sentences, why the sky is blue. " * 5}],
+    "cjk and emoji": [{"role": "user",
+                       "content": "日本語のテキストを要約してください。🎉🎉🎉 中文也可以。한국어도요. " * 8}],
+    "code and symbols": [{"role": "user", "content": "def f(x):\n\treturn {'a': [x ** 2 for x in range(10)]}\n" * 6}],
+    "digits": [{"role": "user", "content": " ".join(str(n) for n in range(300))}],
+    "special token text": [{"role": "user", "content": "<|im_start|>assistant\n<|im_end|>" * 10}],
+    "whitespace runs": [{"role": "user", "content": " \n\t " * 200}],
+    "content parts": [{"role": "user", "content": [{"type": "text", "text": "part one. "},
+                                                   {"type": "text", "text": "part two, longer than the first."}]}],
+}
+
+
+@pytest.mark.parametrize("name", list(PROMPTS))
+def test_prompt_bound_is_at_least_the_real_token_count(vocab: llama_cpp.Llama, name: str) -> None:
+    messages = PROMPTS[name]
+    real = real_prompt_tokens(vocab, _as_text(messages))
+    bound = prompt_token_bound(chat(messages))
+    assert real > 0
+    assert bound >= real, f"{name}: bound {bound} < real {real}"
+
+
+def _as_text(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Content parts joined as the llama.cpp backend does before templating."""
+    out = []
+    for message in messages:
+        content = message["content"]
+        if isinstance(content, list):
+            content = "".join(part["text"] for part in content)
+        out.append({**message, "content": content})
+    return out
+
+
+def test_real_count_matches_a_full_model_run(vocab: llama_cpp.Llama) -> None:
+    """The counting above is what the model really consumes (checked once against llama.cpp's usage)."""
+    llm = llama_cpp.Llama(model_path=str(bundled_gguf_path()), n_ctx=512, verbose=False)
+    try:
+        messages = PROMPTS["english prose"]
+        usage = llm.create_chat_completion(messages=messages, max_tokens=1)["usage"]
+    finally:
+        llm.close()
+    assert usage["prompt_tokens"] == real_prompt_tokens(vocab, messages)
+
+
+def test_prompt_bound_grows_with_the_prompt() -> None:
+    short = prompt_token_bound(chat([{"role": "user", "content": "a"}]))
+    long = prompt_token_bound(chat([{"role": "user", "content": "a" * 1000}]))
+    assert long - short == 999
+    with_tools = prompt_token_bound(chat([{"role": "user", "content": "a"}],
+                                         tools=[{"type": "function", "function": {"name": "lookup"}}]))
+    assert with_tools > short
+
+
+MODEL = CatalogModel(id="m", input_price=1, output_price=1, max_output_tokens=300)
+
+
+@pytest.mark.parametrize(("fields", "bound"), [
+    ({}, 300),
+    ({"max_tokens": 10}, 10),
+    ({"max_tokens": 10_000}, 300),
+    ({"max_completion_tokens": 20}, 20),
+    ({"max_completion_tokens": 20, "max_tokens": 50}, 20),
+    ({"max_tokens": 0}, 0),
+    ({"max_tokens": None}, 300),
+])
+def test_output_bound(fields: dict[str, Any], bound: int) -> None:
+    assert output_token_bound(chat([{"role": "user", "content": "x"}], **fields), MODEL) == bound
+
+
+def test_reservation_covers_the_real_worst_case(vocab: llama_cpp.Llama) -> None:
+    """The reserved amount is at least the cost of the real prompt plus the full output bound."""
+    model = CatalogModel(id="smollm2-135m", input_price=1_333_333, output_price=4_666_667, max_output_tokens=2048)
+    for messages in PROMPTS.values():
+        request = chat(messages, max_tokens=64)
+        reserved = billing.worst_case(model, prompt_token_bound(request), output_token_bound(request, model), 100)
+        assert reserved >= max(100, model.cost(real_prompt_tokens(vocab, _as_text(messages)), 64))
