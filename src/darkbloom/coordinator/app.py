@@ -8,6 +8,7 @@ import logging
 from typing import AsyncIterator
 
 from fastapi import FastAPI, Request
+from starlette.requests import ClientDisconnect
 from fastapi.responses import JSONResponse
 
 from darkbloom.coordinator import instances, sessions
@@ -57,6 +58,7 @@ def create_app(settings: CoordinatorSettings) -> FastAPI:
     app.add_middleware(BodyLimitMiddleware, max_bytes=settings.max_body_bytes)
     install_handlers(app)
     app.add_exception_handler(ClientDisconnected, _client_gone)
+    app.add_exception_handler(ClientDisconnect, _client_gone)
     for module in (health, inference, account, payments, keys, device, admin, provider_ws):
         app.include_router(module.router)
     return app

@@ -28,6 +28,7 @@ from darkbloom.coordinator.selfroute import Policy, resolve_policy
 from darkbloom.coordinator.services import Services
 
 log = logging.getLogger("darkbloom.completions")
+SETTLE_ATTEMPTS = 4
 
 
 def new_request_id() -> str:
@@ -187,19 +188,23 @@ async def _settle(flight: InFlight, outcome: str, charge_partial: bool) -> None:
     usage = pending.usage if (outcome == "ok" or charge_partial) else None
     reservation = admission.reservation
     session = pending.session
-    try:
-        if usage is not None:
-            # the owner is re-read from the serving session object, even if it has disconnected since
-            served = billing.Served(provider_id=session.id, provider_account_id=session.account_id)
-            bill = billing.Bill(pending.request_id, flight.caller.account_id, flight.caller.key_id, flight.model,
-                                reservation, flight.policy.self_routed)
-            await billing.settle_bill(services, bill, usage, served)
-        elif reservation is not None:
-            await billing.refund(services, reservation)
-        await admission_core.reconcile_rates(services, admission, usage.prompt_tokens if usage else 0,
-                                             usage.completion_tokens if usage else 0)
-    except Exception:  # noqa: BLE001 - the instance reconciler refunds what stays open
-        log.exception("request %s: settlement failed", pending.request_id)
+    # the owner is re-read from the serving session object, even if it has disconnected since
+    served = billing.Served(provider_id=session.id, provider_account_id=session.account_id)
+    bill = billing.Bill(pending.request_id, flight.caller.account_id, flight.caller.key_id, flight.model,
+                        reservation, flight.policy.self_routed)
+    for attempt in range(1, SETTLE_ATTEMPTS + 1):
+        try:
+            # both steps are idempotent on the request id, so a retry after a transient error is safe
+            if usage is not None:
+                await billing.settle_bill(services, bill, usage, served)
+            elif reservation is not None:
+                await billing.refund(services, reservation)
+            break
+        except Exception:  # noqa: BLE001 - retried, then left to the reconciler at the next restart
+            log.exception("request %s: settlement attempt %d failed", pending.request_id, attempt)
+            await asyncio.sleep(0.2 * 2 ** attempt)
+    await admission_core.reconcile_rates(services, admission, usage.prompt_tokens if usage else 0,
+                                         usage.completion_tokens if usage else 0)
     _log(flight, outcome if usage is not None or outcome != "client_disconnected" else "client_disconnected_unbilled")
 
 
