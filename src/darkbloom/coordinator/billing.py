@@ -62,12 +62,17 @@ def spend_window_start(reset: str, now: datetime | None = None) -> int:
     return int(start.timestamp())
 
 
+def _minimum(model: CatalogModel, min_charge: int) -> int:
+    """The minimum charge applies to priced models; a model priced 0/0 is free."""
+    return min_charge if model.input_price or model.output_price else 0
+
+
 def charge_for(model: CatalogModel, usage: Usage, min_charge: int) -> int:
-    return max(min_charge, model.cost(usage.prompt_tokens, usage.completion_tokens))
+    return max(_minimum(model, min_charge), model.cost(usage.prompt_tokens, usage.completion_tokens))
 
 
 def worst_case(model: CatalogModel, prompt_tokens: int, output_bound: int, min_charge: int) -> int:
-    return max(min_charge, model.cost(prompt_tokens, output_bound))
+    return max(_minimum(model, min_charge), model.cost(prompt_tokens, output_bound))
 
 
 async def reserve(services: Services, request_id: str, account_id: str, key: dict[str, Any] | None,
