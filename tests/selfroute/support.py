@@ -1,0 +1,339 @@
+"""Real processes for the Self-Route tests: one coordinator per module, provider nodes on the
+`openai` backend in front of bench/fixed_upstream.py (instant, deterministic answers) or on the
+bundled GGUF, and `RawProvider` sockets driven from a background thread for states a real node
+cannot easily be put in (an unverified runtime, a stale challenge) or to prove that a provider
+never saw a request.
+
+Everything a user can see goes through the HTTP API; the database is read (never written) only
+for money that no endpoint shows, such as the platform account's withdrawable balance.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import http.client
+import json
+import os
+import re
+import sqlite3
+import sys
+import threading
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+from urllib.parse import urlsplit
+
+import httpx
+
+from darkbloom.protocol import Heartbeat, InferenceRequest, dump
+from darkbloom.store.schema import PLATFORM_ACCOUNT_ID
+
+from tests.support.accounts import Account, create_account
+from tests.support.processes import (Coordinator, Process, darkbloom_cmd, free_port, spawn, start_coordinator,
+                                     wait_until)
+from tests.support.raw_provider import RawProvider
+
+ROOT = Path(__file__).resolve().parents[2]
+MODEL = "smollm2-135m"
+FIXED_ANSWER = "The quick brown fox jumps over the lazy dog."  # what bench/fixed_upstream.py says
+BODY = {"model": MODEL, "messages": [{"role": "user", "content": "Say something."}], "max_tokens": 16}
+SELF = {"X-Darkbloom-Route": "self"}
+PREFER = {"X-Darkbloom-Route": "prefer"}
+
+
+def start_upstream(home: Path, *args: str) -> tuple[Process, str]:
+    """bench/fixed_upstream.py on a free port (``--delay`` slows each chunk)."""
+    port = free_port()
+    process = spawn([sys.executable, str(ROOT / "bench" / "fixed_upstream.py"), str(port), *args], home,
+                    f"upstream-{port}.log")
+    url = f"http://127.0.0.1:{port}"
+
+    def up() -> bool:
+        if process.proc.poll() is not None:
+            raise AssertionError(f"fixed upstream exited:\n{process.log()}")
+        try:
+            httpx.get(url + "/", timeout=1)
+            return True
+        except httpx.HTTPError:
+            return False
+
+    wait_until(up, timeout=30, interval=0.05, what="fixed upstream")
+    return process, url
+
+
+@dataclass
+class Node:
+    process: Process
+    session_id: str
+    home: Path
+
+    def log(self) -> str:
+        return self.process.log()
+
+    def accepted(self) -> list[str]:
+        """Request ids this node accepted, in order."""
+        return re.findall(r"request (chatcmpl-\w+) accepted", self.log())
+
+    def stop(self) -> None:
+        self.process.stop()
+
+    def kill(self) -> None:
+        self.process.kill()
+
+
+@dataclass
+class Stack:
+    """One coordinator and what a module starts on it; ``close`` stops everything."""
+
+    root: Path
+    coordinator: Coordinator
+    processes: list[Process] = field(default_factory=list)
+    raws: list["ThreadedRaw"] = field(default_factory=list)
+
+    @classmethod
+    def start(cls, root: Path, *coordinator_args: str) -> "Stack":
+        coord = start_coordinator(root / "coordinator", f"sqlite+aiosqlite:///{root / 'coordinator.db'}",
+                                  *coordinator_args)
+        return cls(root, coord)
+
+    @property
+    def url(self) -> str:
+        return self.coordinator.api_url
+
+    def close(self) -> None:
+        for raw in self.raws:
+            raw.close()
+        for process in self.processes:
+            process.stop()
+        self.coordinator.stop()
+
+    # accounts
+
+    def account(self, credit: int = 0, **key_fields: object) -> Account:
+        return create_account(self.coordinator, credit_micro_usd=credit, **key_fields)
+
+    def key(self, account: Account, **fields: object) -> str:
+        """Another API key of the account (made with its session token)."""
+        response = httpx.post(self.url + "/keys", json={"name": "extra", **fields},
+                              headers={"Authorization": f"Bearer {account.session}"})
+        assert response.status_code == 201, response.text
+        return str(response.json()["key"])
+
+    def link(self, account: Account) -> str:
+        """What `darkbloom login` does, over HTTP: a `dkp-` device token for the account (one new machine)."""
+        code = httpx.post(self.url + "/device/code").json()
+        approved = httpx.post(self.url + "/device/approve", json={"user_code": code["user_code"]},
+                              headers={"Authorization": f"Bearer {account.session}"})
+        assert approved.status_code == 200, approved.text
+        token = httpx.post(self.url + "/device/token", json={"device_code": code["device_code"]}).json()
+        assert token["status"] == "authorized", token
+        return str(token["token"])
+
+    # provider nodes
+
+    def node(self, name: str, owner: Account | None, *, upstream: str | None = None,
+             models: tuple[str, ...] = (MODEL,), max_concurrency: int = 2, first_token_delay: float = 0.0,
+             extra: tuple[str, ...] = ()) -> Node:
+        """A real `darkbloom serve` process, linked to ``owner`` (None: unowned). With ``upstream``
+        it runs the `openai` backend in front of it; otherwise llama.cpp on ``models`` (ID or ID=PATH)."""
+        home = self.root / name
+        home.mkdir(parents=True, exist_ok=True)
+        if owner is not None:
+            token_path = home / "auth_token"
+            token_path.write_text(self.link(owner) + "\n")
+            os.chmod(token_path, 0o600)
+        args = ["serve", "--coordinator", self.coordinator.base_url, "--max-concurrency", str(max_concurrency)]
+        if upstream is not None:
+            args += ["--backend", "openai", "--upstream-url", upstream]
+        for model in models:
+            args += ["--model", model]
+        env = {"DARKBLOOM_TEST_FIRST_TOKEN_DELAY": str(first_token_delay)} if first_token_delay else None
+        process = spawn(darkbloom_cmd(*args, *extra), home, "node.log", env)
+        self.processes.append(process)
+
+        def registered() -> str | None:
+            if process.proc.poll() is not None:
+                raise AssertionError(f"node {name} exited:\n{process.log()}")
+            match = re.search(r"registered as (prov_\w+)", process.log())
+            return match.group(1) if match else None
+
+        session_id = str(wait_until(registered, timeout=90, interval=0.05, what=f"node {name} registered"))
+        return Node(process, session_id, home)
+
+    def raw(self, owner: Account | None, **options: Any) -> "ThreadedRaw":
+        raw = ThreadedRaw(self.coordinator.base_url, self.link(owner) if owner is not None else None, **options)
+        self.raws.append(raw)
+        return raw
+
+    # requests and reads
+
+    def chat(self, token: str, headers: dict[str, str] | None = None, timeout: float = 90,
+             **fields: object) -> httpx.Response:
+        return httpx.post(self.url + "/chat/completions", json={**BODY, **fields},
+                          headers={"Authorization": f"Bearer {token}", **(headers or {})}, timeout=timeout)
+
+    def stream(self, token: str, headers: dict[str, str] | None = None, **fields: object) -> tuple[httpx.Response, str]:
+        """A streamed chat completion: the response (headers) and its whole SSE text."""
+        with httpx.stream("POST", self.url + "/chat/completions", json={**BODY, "stream": True, **fields},
+                          headers={"Authorization": f"Bearer {token}", **(headers or {})}, timeout=90) as response:
+            text = response.read().decode()
+        return response, text
+
+    def chat_raw_header(self, token: str, name: str, value: str, **fields: object) -> tuple[int, dict[str, str], Any]:
+        """A chat completion with one header sent byte for byte as given (httpx refuses a value with
+        leading or trailing spaces; http.client sends it as is). Returns status, headers, JSON body."""
+        parts = urlsplit(self.coordinator.base_url)
+        connection = http.client.HTTPConnection(parts.hostname, parts.port, timeout=90)
+        try:
+            connection.request("POST", "/v1/chat/completions", body=json.dumps({**BODY, **fields}),
+                               headers={"Authorization": f"Bearer {token}", "Content-Type": "application/json",
+                                        name: value})
+            response = connection.getresponse()
+            body = json.loads(response.read())
+            return response.status, {k.lower(): v for k, v in response.getheaders()}, body
+        finally:
+            connection.close()
+
+    def get(self, path: str, token: str, headers: dict[str, str] | None = None) -> httpx.Response:
+        return httpx.get(self.url + path, headers={"Authorization": f"Bearer {token}", **(headers or {})},
+                         timeout=30)
+
+    def balance(self, account: Account) -> int:
+        response = self.get("/payments/balance", account.api_key)
+        assert response.status_code == 200, response.text
+        return int(response.json()["balance_micro_usd"])
+
+    def usage(self, account: Account) -> list[dict[str, Any]]:
+        response = self.get("/payments/usage?limit=500", account.session)
+        assert response.status_code == 200, response.text
+        return list(response.json()["data"])
+
+    def earnings(self, account: Account) -> dict[str, Any]:
+        response = self.get("/provider/earnings?limit=500", account.session)
+        assert response.status_code == 200, response.text
+        return dict(response.json())
+
+    def machines(self, account: Account) -> list[dict[str, Any]]:
+        response = self.get("/me/providers", account.session)
+        assert response.status_code == 200, response.text
+        return list(response.json()["data"])
+
+    def machine_of(self, account: Account, session_id: str) -> str:
+        """The `mach_…` id of the account's machine whose live session is ``session_id``."""
+        for machine in self.machines(account):
+            if machine["session_id"] == session_id:
+                return str(machine["id"])
+        raise AssertionError(f"{session_id} is not a live session of {account.account_id}")
+
+    def pockets(self) -> dict[str, tuple[int, int]]:
+        """Every account's (balance, withdrawable), the platform account included, from the database."""
+        path = self.coordinator.database_url.split("///", 1)[1]
+        with sqlite3.connect(path) as db:
+            rows = db.execute("SELECT id, balance_micro_usd, withdrawable_micro_usd FROM accounts").fetchall()
+        return {row[0]: (int(row[1]), int(row[2])) for row in rows}
+
+    def ledger(self, request_id: str) -> list[tuple[str, str, str, int]]:
+        """The ledger entries of one request: (account, kind, pocket, amount), in order."""
+        path = self.coordinator.database_url.split("///", 1)[1]
+        with sqlite3.connect(path) as db:
+            rows = db.execute("SELECT account_id, kind, pocket, amount_micro_usd FROM ledger_entries "
+                              "WHERE request_id = ? ORDER BY id", (request_id,)).fetchall()
+        return [(str(r[0]), str(r[1]), str(r[2]), int(r[3])) for r in rows]
+
+    def platform_withdrawable(self) -> int:
+        return self.pockets().get(PLATFORM_ACCOUNT_ID, (0, 0))[1]
+
+
+def sse_events(text: str) -> list[Any]:
+    """The `data:` payloads of an SSE body (JSON-decoded; `[DONE]` kept as the string)."""
+    events = []
+    for line in text.splitlines():
+        if line.startswith("data: "):
+            payload = line[len("data: "):]
+            events.append(payload if payload == "[DONE]" else json.loads(payload))
+    return events
+
+
+def streamed_text(text: str) -> str:
+    return "".join(choice["delta"].get("content") or "" for event in sse_events(text) if isinstance(event, dict)
+                   for choice in event.get("choices", []))
+
+
+def error_of(response: httpx.Response) -> dict[str, Any]:
+    return dict(response.json()["error"])
+
+
+class ThreadedRaw:
+    """A `RawProvider` run on its own event loop in a background thread: it registers, answers
+    challenges (as ``challenge_answer`` says), heartbeats, and records every `inference_request`;
+    with ``answer`` set it replies to each with that text."""
+
+    def __init__(self, base_url: str, auth_token: str | None, *, answer: str | None = None,
+                 heartbeat_every: float = 2.0, **options: Any) -> None:
+        self.provider = RawProvider(base_url, auth_token, **options)
+        self.answer_text = answer
+        self.heartbeat_every = heartbeat_every
+        self.requests: list[str] = []
+        self.registered: dict[str, Any] | None = None
+        self._loop = asyncio.new_event_loop()
+        self._ready = threading.Event()
+        self._error: BaseException | None = None
+        self._task: asyncio.Task[None] | None = None
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+        if not self._ready.wait(30):
+            raise AssertionError("raw provider did not register in 30 s")
+        if self._error is not None:
+            raise AssertionError(f"raw provider failed: {self._error!r}")
+
+    @property
+    def session_id(self) -> str:
+        assert self.provider.provider_id is not None
+        return self.provider.provider_id
+
+    def _run(self) -> None:
+        asyncio.set_event_loop(self._loop)
+        self._task = self._loop.create_task(self._main())
+        try:
+            self._loop.run_until_complete(self._task)
+        except BaseException:  # noqa: BLE001 - cancelled at close
+            pass
+
+    async def _main(self) -> None:
+        try:
+            self.registered = await self.provider.register()
+        except BaseException as exc:  # noqa: BLE001
+            self._error = exc
+            self._ready.set()
+            return
+        self._ready.set()
+        beats = asyncio.ensure_future(self._heartbeats())
+        try:
+            while True:
+                frame = await self.provider.recv()
+                if isinstance(frame, InferenceRequest):
+                    self.requests.append(frame.request_id)
+                    if self.answer_text is not None:
+                        await self.provider.answer(frame, self.answer_text)
+        except Exception:  # noqa: BLE001 - the socket closed
+            pass
+        finally:
+            beats.cancel()
+
+    async def _heartbeats(self) -> None:
+        assert self.provider.ws is not None
+        while True:
+            await asyncio.sleep(self.heartbeat_every)
+            await self.provider.ws.send(dump(Heartbeat(models=list(self.provider.models))))
+
+    def close(self) -> None:
+        if not self._thread.is_alive():
+            return
+
+        async def shut() -> None:
+            await self.provider.close()
+            if self._task is not None:
+                self._task.cancel()
+
+        asyncio.run_coroutine_threadsafe(shut(), self._loop)
+        self._thread.join(10)
