@@ -65,6 +65,8 @@ class Attempts:
                          placement.session.id, exc.failure.reason)
                 if not retryable(exc):
                     raise
+            if attempt == MAX_ATTEMPTS:
+                break  # claiming another slot now would leak it: nothing would ever dispatch or release it
             placement = self._idle_or_free(require_idle=False)
             if placement is None:
                 break

@@ -71,22 +71,23 @@ class RequestQueues:
         queue.append(waiter)
         self.drain()
         try:
-            placement = await asyncio.wait_for(asyncio.shield(waiter.future), self.settings.queue_max_wait)
-        except TimeoutError:
-            self._leave(decision.model.id, waiter)
-            if waiter.future.done() and not waiter.future.cancelled():
-                return waiter.future.result()
-            waiter.future.cancel()
-            raise QueueRefused("queue_timeout", self._retry_after(decision.model.id),
-                               survey(self.registry, decision, self.settings)) from None
+            # not wait_for: on Python 3.11 it swallows a cancel that races with the placement and
+            # returns the claimed slot to a caller that has gone away (the slot would leak)
+            await asyncio.wait({waiter.future}, timeout=self.settings.queue_max_wait)
         except BaseException:
             self._leave(decision.model.id, waiter)
             if waiter.future.done() and not waiter.future.cancelled():
                 _unclaim(waiter.future.result())
+                self.drain()
             waiter.future.cancel()
             raise
+        if not waiter.future.done():
+            self._leave(decision.model.id, waiter)
+            waiter.future.cancel()
+            raise QueueRefused("queue_timeout", self._retry_after(decision.model.id),
+                               survey(self.registry, decision, self.settings))
         self._recent_wait[decision.model.id] = time.monotonic() - waiter.enqueued_at
-        return placement
+        return waiter.future.result()
 
     def drain(self) -> None:
         for model_id, queue in list(self._queues.items()):

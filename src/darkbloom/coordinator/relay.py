@@ -111,6 +111,11 @@ def dispatch(session: ProviderSession, chat: ChatRequest, provider_model_id: str
     """Send a sealed request on a session whose slot the scheduler already claimed."""
     pending = PendingRequest(request_id, session)
     session.pending[request_id] = pending
+    if not session.online:
+        # It disconnected after the slot was claimed (close_session already failed what it had):
+        # fail now so the caller retries elsewhere instead of waiting out the first-content budget.
+        pending.on_provider_gone()
+        return pending
     assert session.public_key is not None, "only sessions with an encryption key are routable"
     envelope = pending.reply_key.seal_request(chat.for_provider(provider_model_id, max_tokens), session.public_key)
     session.send(dump(InferenceRequest(request_id=request_id, encrypted_body=envelope)))
@@ -162,7 +167,10 @@ async def first_content(pending: PendingRequest, deadline: float) -> bool:
         remaining = deadline - time.monotonic()
         if remaining <= 0:
             raise TimeoutError()
-        event = await asyncio.wait_for(pending.events.get(), timeout=remaining)
+        # asyncio.timeout, not wait_for: on Python 3.11 wait_for swallows a cancel that races with
+        # an arriving event, and the caller (client gone, race lost) would go on retrying
+        async with asyncio.timeout(remaining):
+            event = await pending.events.get()
         if isinstance(event, Failed):
             raise ProviderFailure(event)
         if isinstance(event, Completed):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import socket
 import tomllib
 from dataclasses import dataclass, field
@@ -42,6 +43,8 @@ class ProviderConfig:
     name: str = field(default_factory=socket.gethostname)
     context_length: int = 2048  # llama-cpp n_ctx per instance
     threads: int = 0  # llama-cpp threads per instance; 0 = cores / max_concurrency
+    # TEST HOOK (backends/test_hooks.py), from DARKBLOOM_TEST_FIRST_TOKEN_DELAY only; 0 = off
+    test_first_token_delay: float = 0.0
 
     @property
     def model_ids(self) -> list[str]:
@@ -60,7 +63,17 @@ def load_config(home: Path, overrides: dict[str, object]) -> ProviderConfig:
         _apply_toml(config, data, path)
     _apply_overrides(config, overrides)
     _validate(config)
+    config.test_first_token_delay = _test_first_token_delay()
     return config
+
+
+def _test_first_token_delay() -> float:
+    from darkbloom.provider.backends.test_hooks import FIRST_TOKEN_DELAY_ENV, parse_first_token_delay
+
+    try:
+        return parse_first_token_delay(os.environ.get(FIRST_TOKEN_DELAY_ENV))
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from None
 
 
 def ws_url(config: ProviderConfig) -> str:

@@ -1,0 +1,125 @@
+"""Selection time of the scheduler with 10, 1,000 and 100,000 registered simulated sessions.
+
+Two requests, both through the real code path (`scheduler.try_place`: candidates → the gates in
+order → free slot → lowest expected wait → claim):
+- public: a request for the model every session serves, so every session is a candidate;
+- owner-restricted: an exclusive self-route request (`RouteDecision(owner_account_id=…,
+  owned_only=True)`) from an account with 2 sessions. Its candidates come from the registry's
+  per-account index, so its time must not grow with the fleet.
+
+Sessions are in-memory `ProviderSession`s (no sockets) sharing one `Register` frame and one X25519
+key, each under its own account, with 4 slots and 0–2 of them busy. Each measured call claims a slot;
+the slot is handed back outside the timed region, so every call sees the same fleet.
+
+Run: .venv/bin/python bench/scheduler.py [--sizes 10,1000,100000]
+Prints a table; record it in bench/RESULTS.md with the date and machine.
+"""
+
+from __future__ import annotations
+
+import argparse
+import platform
+import random
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "src"))
+
+from nacl.public import PrivateKey  # noqa: E402
+
+from darkbloom.catalog import BUNDLED_MODEL_ID, CatalogModel  # noqa: E402
+from darkbloom.coordinator.config import CoordinatorSettings  # noqa: E402
+from darkbloom.coordinator.registry import ProviderSession, Registry  # noqa: E402
+from darkbloom.coordinator.scheduler import RouteDecision, try_place  # noqa: E402
+from darkbloom.crypto import b64e  # noqa: E402
+from darkbloom.protocol import ModelInfo, Register  # noqa: E402
+
+MODEL = CatalogModel(id=BUNDLED_MODEL_ID, input_price=50_000, output_price=200_000)
+RUNTIME = "sha256:" + "ab" * 32
+OWNER = "acct_bench_owner"
+
+
+def build_fleet(size: int, owned: int = 2, seed: int = 7) -> Registry:
+    rng = random.Random(seed)
+    key = PrivateKey.generate().public_key
+    register = Register(models=[ModelInfo(id=BUNDLED_MODEL_ID)], public_key=b64e(bytes(key)), runtime_hash=RUNTIME,
+                        max_concurrency=4)
+    registry = Registry()
+    now = time.monotonic()
+    for index in range(size):
+        account = OWNER if index < owned else f"acct_{index:06d}"
+        session = ProviderSession(id=f"prov_{index:024x}", account_id=account, machine_id=f"mach_{index:024x}",
+                                  registration=register, public_key=key, trust_level="self_signed")
+        session.online = True
+        session.runtime_verified = True
+        session.challenge_passed_at = now
+        session.active = rng.randint(0, 2)
+        session.decode_tps = rng.choice([0.0, 20.0, 40.0, 80.0])
+        registry.add(session)
+    return registry
+
+
+def settings() -> CoordinatorSettings:
+    return CoordinatorSettings(database_url="sqlite+aiosqlite:///:memory:", min_trust="self_signed",
+                               runtime_allow_list=frozenset({RUNTIME}))
+
+
+def time_selection(registry: Registry, decision: RouteDecision, config: CoordinatorSettings,
+                   iterations: int) -> list[float]:
+    """Microseconds per `try_place`; each claimed slot is handed back untimed."""
+    samples: list[float] = []
+    for _ in range(iterations):
+        started = time.perf_counter_ns()
+        placement = try_place(registry, decision, config)
+        elapsed = time.perf_counter_ns() - started
+        assert placement is not None, "the benchmark fleet always has a free slot"
+        placement.session.active -= 1
+        samples.append(elapsed / 1000)
+    return samples
+
+
+def percentile(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(round(q * (len(ordered) - 1))))]
+
+
+def iterations_for(size: int, owner_restricted: bool) -> int:
+    if owner_restricted:
+        return 5000
+    return max(30, min(5000, 2_000_000 // max(size, 1)))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--sizes", default="10,1000,100000", help="comma-separated fleet sizes")
+    args = parser.parse_args()
+    sizes = [int(s) for s in args.sizes.split(",")]
+    config = settings()
+    public = RouteDecision(model=MODEL)
+    owner_restricted = RouteDecision(model=MODEL, owner_account_id=OWNER, owned_only=True)
+    print(f"# scheduler selection time, {platform.machine()}, {platform.python_implementation()} "
+          f"{platform.python_version()}")
+    print("| sessions | request | calls | p50 µs | p99 µs |")
+    print("|---|---|---|---|---|")
+    owner_p50: dict[int, float] = {}
+    for size in sizes:
+        registry = build_fleet(size)
+        for name, decision in (("public", public), ("owner-restricted (2 owned)", owner_restricted)):
+            restricted = decision is owner_restricted
+            calls = iterations_for(size, restricted)
+            time_selection(registry, decision, config, min(calls, 20))  # warm-up
+            samples = time_selection(registry, decision, config, calls)
+            if restricted:
+                owner_p50[size] = percentile(samples, 0.5)
+            print(f"| {size:,} | {name} | {calls} | {percentile(samples, 0.5):,.1f} | "
+                  f"{percentile(samples, 0.99):,.1f} |", flush=True)
+    smallest, largest = min(owner_p50), max(owner_p50)
+    ratio = owner_p50[largest] / owner_p50[smallest]
+    print(f"\nowner-restricted p50 at {largest:,} vs {smallest:,} sessions: ×{ratio:.2f} "
+          f"({'flat' if ratio < 2 else 'GROWS with the fleet'})")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,145 @@
+"""Simulated provider sessions in an in-memory ``Registry``, for scheduler, queue and attempt tests.
+
+A ``SimProvider`` is a real ``ProviderSession`` (built from a ``protocol.Register`` frame with a real
+X25519 key) plus the node side a test needs: it reads the frames the coordinator queued on the
+session's ``outbox`` and answers an ``inference_request`` by calling the attempt's
+``PendingRequest`` the way the socket reader would, with chunks sealed to the request's reply key.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import json
+import time
+from typing import Any
+
+from darkbloom.catalog import BUNDLED_MODEL_ID, CatalogModel
+from darkbloom.coordinator.chat_request import ChatRequest, parse_chat_request
+from darkbloom.coordinator.config import CoordinatorSettings
+from darkbloom.coordinator.registry import ProviderSession, Registry
+from darkbloom.coordinator.scheduler import RouteDecision
+from darkbloom.coordinator.services import Services
+from darkbloom.crypto import NodeIdentity, Sealer, open_envelope, public_key_from_b64
+from darkbloom.protocol import Cancel, InferenceRequest, ModelInfo, Register, Usage, parse_coordinator_frame
+
+MODEL = CatalogModel(id=BUNDLED_MODEL_ID, aliases=["smollm2"], input_price=50_000, output_price=200_000)
+RUNTIME = "sha256:" + "ab" * 32
+_ids = itertools.count(1)
+
+
+def settings(**fields: Any) -> CoordinatorSettings:
+    values: dict[str, Any] = dict(database_url="sqlite+aiosqlite:///:memory:", min_trust="self_signed",
+                                  runtime_allow_list=frozenset({RUNTIME}), first_content_timeout=0.4,
+                                  queue_max_wait=5.0, queue_depth=8)
+    values.update(fields)
+    return CoordinatorSettings(**values)
+
+
+def services(registry: Registry, config: CoordinatorSettings | None = None) -> Services:
+    """Everything ``Attempts`` and ``RequestQueues`` touch; no database, no rate limiter."""
+    return Services(settings=config or settings(), engine=None, registry=registry,  # type: ignore[arg-type]
+                    rate_limiter=None)  # type: ignore[arg-type]
+
+
+def decision(**fields: Any) -> RouteDecision:
+    return RouteDecision(model=fields.pop("model", MODEL), **fields)
+
+
+def chat(**fields: Any) -> ChatRequest:
+    body = {"model": BUNDLED_MODEL_ID, "messages": [{"role": "user", "content": "hello"}], **fields}
+    return parse_chat_request(json.dumps(body).encode())
+
+
+class SimProvider:
+    def __init__(self, *, models: tuple[str, ...] = (BUNDLED_MODEL_ID,), account: str | None = None,
+                 machine: str | None = None, trust: str = "self_signed", max_concurrency: int = 1,
+                 private_only: bool = False, vision: bool = False, weight_hash: str = "",
+                 encrypted: bool = True, with_key: bool = True, runtime_verified: bool = True,
+                 challenge_age: float | None = 0.0, untrusted: str | None = None, online: bool = True,
+                 decode_tps: float = 0.0, active: int = 0, session_id: str | None = None) -> None:
+        self.identity = NodeIdentity.generate()
+        register = Register(
+            auth_token=None, models=[ModelInfo(id=m, weight_hash=weight_hash, is_vision=vision) for m in models],
+            backend="sim", version="test", runtime_hash=RUNTIME, public_key=self.identity.public_key_b64,
+            identity_key=self.identity.identity_key_b64, encrypted_response_chunks=encrypted,
+            private_only=private_only, max_concurrency=max_concurrency)
+        self.session = ProviderSession(
+            id=session_id or f"prov_sim{next(_ids):04d}", account_id=account, machine_id=machine,
+            registration=register, public_key=public_key_from_b64(register.public_key) if with_key else None,
+            trust_level=trust)
+        self.session.online = online
+        self.session.runtime_verified = runtime_verified
+        self.session.challenge_passed_at = None if challenge_age is None else time.monotonic() - challenge_age
+        self.session.untrusted_reason = untrusted
+        self.session.decode_tps = decode_tps
+        self.session.active = active
+        self._requests: dict[str, InferenceRequest] = {}
+        self.seen: list[Any] = []  # every frame read from the outbox, in order
+
+    @property
+    def id(self) -> str:
+        return self.session.id
+
+    # frames the coordinator sent
+
+    def _take(self, raw: str | None) -> Any:
+        assert raw is not None, "the coordinator closed this session"
+        frame = parse_coordinator_frame(raw)
+        self.seen.append(frame)
+        if isinstance(frame, InferenceRequest):
+            self._requests[frame.request_id] = frame
+        return frame
+
+    def frames(self) -> list[Any]:
+        """Read everything queued so far (non-blocking); returns all frames seen."""
+        while not self.session.outbox.empty():
+            self._take(self.session.outbox.get_nowait())
+        return self.seen
+
+    async def next_frame(self, timeout: float = 2.0) -> Any:
+        return self._take(await asyncio.wait_for(self.session.outbox.get(), timeout))
+
+    async def next_request(self, timeout: float = 2.0) -> InferenceRequest:
+        while True:
+            frame = await self.next_frame(timeout)
+            if isinstance(frame, InferenceRequest):
+                return frame
+
+    def requests(self) -> list[str]:
+        return [f.request_id for f in self.frames() if isinstance(f, InferenceRequest)]
+
+    def cancels(self) -> list[str]:
+        return [f.request_id for f in self.frames() if isinstance(f, Cancel)]
+
+    def body(self, request_id: str) -> dict[str, Any]:
+        """The plaintext body, opened with this node's key (proves it was sealed to it)."""
+        request = self._requests[request_id]
+        return dict(json.loads(open_envelope(request.encrypted_body, self.identity.encryption_key)))
+
+    # answering, as the provider socket reader would
+
+    def reply(self, request_id: str, text: str = "hi") -> None:
+        """One sealed content chunk for the request (sealed to its reply key)."""
+        request = self._requests[request_id]
+        sealer = Sealer(public_key_from_b64(request.encrypted_body.ephemeral_public_key))
+        chunk = {"id": "x", "object": "chat.completion.chunk", "created": 0, "model": "m",
+                 "choices": [{"index": 0, "delta": {"role": "assistant", "content": text}, "finish_reason": None}]}
+        pending = self.session.pending[request_id]
+        assert pending.on_chunk(sealer.seal(json.dumps(chunk).encode()))
+
+    def complete(self, request_id: str) -> None:
+        self.session.pending[request_id].on_complete(Usage(prompt_tokens=3, completion_tokens=1))
+
+    def error(self, request_id: str, status: int, message: str = "failed") -> None:
+        self.session.pending[request_id].on_error(status, message)
+
+    def gone(self, request_id: str) -> None:
+        self.session.pending[request_id].on_provider_gone()
+
+
+def fleet(registry: Registry, count: int, **fields: Any) -> list[SimProvider]:
+    providers = [SimProvider(**fields) for _ in range(count)]
+    for provider in providers:
+        registry.add(provider.session)
+    return providers

@@ -1,0 +1,231 @@
+"""The per-model queue: fail fast, depth, timeout, drain order, waiters that cannot be placed,
+cancelled waiters, and the drain tick (CONTRACT §3.1 "Capacity")."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from typing import Any, AsyncIterator
+
+import pytest
+
+from darkbloom.coordinator import queueing
+from darkbloom.coordinator.queueing import NoEligibleSession, QueueRefused, RequestQueues
+from darkbloom.coordinator.registry import Registry
+from darkbloom.coordinator.scheduler import Placement, RouteDecision
+from tests.scheduler.sim import MODEL, SimProvider, decision, fleet, settings
+
+OWNER = "acct_owner"
+
+
+def queues(registry: Registry, **fields: Any) -> RequestQueues:
+    return RequestQueues(registry, settings(**fields))
+
+
+async def enqueue(q: RequestQueues, d: RouteDecision) -> asyncio.Task[Placement]:
+    """Start ``place`` and let it reach the queue."""
+    task = asyncio.ensure_future(q.place(d))
+    for _ in range(5):
+        await asyncio.sleep(0)
+    assert not task.done(), "expected the request to wait in the queue"
+    return task
+
+
+def free(provider: SimProvider, q: RequestQueues) -> None:
+    """A slot frees, as when an attempt is released (the release path drains)."""
+    provider.session.active -= 1
+    q.drain()
+
+
+@contextlib.asynccontextmanager
+async def ticking(q: RequestQueues) -> AsyncIterator[None]:
+    task = asyncio.ensure_future(q.drain_forever())
+    try:
+        yield
+    finally:
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+
+
+async def test_a_free_session_is_placed_at_once() -> None:
+    registry = Registry()
+    provider, = fleet(registry, 1)
+    q = queues(registry)
+    placement = await q.place(decision())
+    assert placement.session is provider.session and provider.session.active == 1
+    assert q.depth(MODEL.id) == 0
+
+
+async def test_nothing_eligible_fails_fast() -> None:
+    registry = Registry()
+    q = queues(registry)
+    with pytest.raises(NoEligibleSession) as empty:
+        await q.place(decision())
+    assert empty.value.survey.eligible == []
+    fleet(registry, 1, untrusted="bad signature")
+    fleet(registry, 1, private_only=True, account=OWNER)
+    with pytest.raises(NoEligibleSession) as blocked:
+        await q.place(decision())
+    assert blocked.value.survey.reasons == {"untrusted": 1, "private_only": 1}
+    assert q.depth(MODEL.id) == 0
+
+
+async def test_busy_but_eligible_waits_then_gets_the_freed_slot() -> None:
+    registry = Registry()
+    provider, = fleet(registry, 1, active=1)
+    q = queues(registry)
+    waiter = await enqueue(q, decision())
+    assert q.depth(MODEL.id) == 1
+    free(provider, q)
+    placement = await asyncio.wait_for(waiter, 1)
+    assert placement.session is provider.session and provider.session.active == 1
+    assert q.depth(MODEL.id) == 0
+
+
+async def test_queue_full() -> None:
+    registry = Registry()
+    fleet(registry, 1, active=1)
+    q = queues(registry, queue_depth=2)
+    waiters = [await enqueue(q, decision()), await enqueue(q, decision())]
+    with pytest.raises(QueueRefused) as refused:
+        await q.place(decision())
+    assert refused.value.code == "queue_full" and refused.value.retry_after >= 1
+    assert q.depth(MODEL.id) == 2
+    for waiter in waiters:
+        waiter.cancel()
+    await asyncio.gather(*waiters, return_exceptions=True)
+
+
+async def test_depth_zero_never_queues() -> None:
+    registry = Registry()
+    fleet(registry, 1, active=1)
+    with pytest.raises(QueueRefused) as refused:
+        await queues(registry, queue_depth=0).place(decision())
+    assert refused.value.code == "queue_full"
+
+
+async def test_queue_timeout_leaves_the_queue() -> None:
+    registry = Registry()
+    provider, = fleet(registry, 1, active=1)
+    q = queues(registry, queue_max_wait=0.2)
+    waiter = await enqueue(q, decision())
+    with pytest.raises(QueueRefused) as refused:
+        await asyncio.wait_for(waiter, 2)
+    assert refused.value.code == "queue_timeout" and refused.value.retry_after >= 1
+    assert refused.value.survey is not None and refused.value.survey.reasons == {"no_free_slot": 1}
+    assert q.depth(MODEL.id) == 0
+    free(provider, q)
+    assert provider.session.active == 0  # the timed-out waiter claimed nothing
+
+
+async def test_drain_in_arrival_order() -> None:
+    registry = Registry()
+    provider, = fleet(registry, 1, active=1)
+    q = queues(registry)
+    waiters = [await enqueue(q, decision()) for _ in range(3)]
+    for index, waiter in enumerate(waiters):
+        free(provider, q)
+        assert q.depth(MODEL.id) == 2 - index
+        assert (await asyncio.wait_for(waiter, 1)).session is provider.session
+        assert not any(later.done() for later in waiters[index + 1:])
+
+
+async def test_a_waiter_that_cannot_be_placed_keeps_its_place() -> None:
+    registry = Registry()
+    a, b = fleet(registry, 2, active=1)
+    q = queues(registry)
+    picky = await enqueue(q, decision(excluded={a.id}))  # already failed on A: only B will do
+    plain = await enqueue(q, decision())
+    free(a, q)  # A frees: the picky waiter is skipped, the later one placed
+    assert (await asyncio.wait_for(plain, 1)).session is a.session
+    assert not picky.done() and q.depth(MODEL.id) == 1
+    third = await enqueue(q, decision())  # arrives after the picky waiter, behind it
+    free(b, q)
+    assert (await asyncio.wait_for(picky, 1)).session is b.session
+    assert not third.done() and q.depth(MODEL.id) == 1
+    third.cancel()
+    await asyncio.gather(third, return_exceptions=True)
+
+
+async def test_an_exclusive_waiter_never_takes_a_public_slot() -> None:
+    registry = Registry()
+    owned, = fleet(registry, 1, account=OWNER, active=1)
+    public, = fleet(registry, 1, active=1)
+    q = queues(registry)
+    exclusive = await enqueue(q, decision(owner_account_id=OWNER, owned_only=True))
+    later_public = await enqueue(q, decision())
+    free(public, q)
+    assert (await asyncio.wait_for(later_public, 1)).session is public.session
+    assert not exclusive.done()
+    free(owned, q)
+    placement = await asyncio.wait_for(exclusive, 1)
+    assert placement.session is owned.session and placement.owned
+
+
+async def test_a_cancelled_waiter_leaves_the_queue() -> None:
+    registry = Registry()
+    provider, = fleet(registry, 1, active=1)
+    q = queues(registry)
+    gone = await enqueue(q, decision())
+    stays = await enqueue(q, decision())
+    gone.cancel()
+    await asyncio.gather(gone, return_exceptions=True)
+    assert q.depth(MODEL.id) == 1
+    free(provider, q)
+    assert (await asyncio.wait_for(stays, 1)).session is provider.session
+    assert provider.session.active == 1
+
+
+async def test_a_waiter_cancelled_after_placement_gives_the_slot_back() -> None:
+    registry = Registry()
+    provider, = fleet(registry, 1, active=1)
+    q = queues(registry)
+    waiter = await enqueue(q, decision())
+    free(provider, q)  # placed: the slot is claimed for it …
+    assert provider.session.active == 1
+    waiter.cancel()  # … but its client left before it resumed
+    await asyncio.gather(waiter, return_exceptions=True)
+    assert provider.session.active == 0 and q.depth(MODEL.id) == 0
+
+
+async def test_the_tick_places_waiters_when_a_session_registers() -> None:
+    registry = Registry()
+    fleet(registry, 1, active=1)
+    q = queues(registry)
+    waiter = await enqueue(q, decision())
+    async with ticking(q):
+        newcomer, = fleet(registry, 1)  # nobody calls drain(): the tick must notice
+        placement = await asyncio.wait_for(waiter, 10 * queueing.DRAIN_TICK)
+    assert placement.session is newcomer.session
+
+
+async def test_the_tick_places_waiters_when_trust_changes() -> None:
+    registry = Registry()
+    _busy, = fleet(registry, 1, active=1)
+    stale, = fleet(registry, 1, challenge_age=None)  # eligible later, when it passes a challenge
+    q = queues(registry)
+    waiter = await enqueue(q, decision())
+    async with ticking(q):
+        await asyncio.sleep(2 * queueing.DRAIN_TICK)
+        assert not waiter.done()
+        stale.session.challenge_passed_at = time.monotonic()
+        placement = await asyncio.wait_for(waiter, 10 * queueing.DRAIN_TICK)
+    assert placement.session is stale.session
+
+
+async def test_retry_after_follows_the_recent_wait() -> None:
+    registry = Registry()
+    provider, = fleet(registry, 1, active=1)
+    q = queues(registry, queue_depth=1)
+    waiter = await enqueue(q, decision())
+    await asyncio.sleep(1.2)
+    free(provider, q)
+    await waiter
+    waiter2 = await enqueue(q, decision())
+    with pytest.raises(QueueRefused) as refused:
+        await q.place(decision())
+    assert refused.value.retry_after >= 2  # ceil of the last wait (≥ 1.2 s), not the 1 s default
+    waiter2.cancel()
+    await asyncio.gather(waiter2, return_exceptions=True)
