@@ -4,6 +4,7 @@ resolve model → admit (rate limits, reservation) → select → seal → dispa
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import secrets
 import time
@@ -23,7 +24,7 @@ from darkbloom.coordinator.errors import ApiError
 from darkbloom.coordinator.attempts import Attempts
 from darkbloom.coordinator.queueing import NoEligibleSession, QueueRefused
 from darkbloom.coordinator import selfroute
-from darkbloom.coordinator.scheduler import Placement, RouteDecision
+from darkbloom.coordinator.scheduler import Placement, RouteDecision, survey
 from darkbloom.coordinator.selfroute import Policy, resolve_policy
 from darkbloom.coordinator.services import Services
 
@@ -99,7 +100,7 @@ async def chat_completion(services: Services, caller: Caller, chat: ChatRequest,
         pending, completed = await _until_disconnect(request, attempts.run(placement))
     except relay.ProviderFailure as failure:
         await _finish_unserved(services, admission)
-        raise failure.as_api_error() from None
+        raise await _unserved_error(services, decision, failure) from None
     except BaseException:
         attempts.abandon_all()
         services.spawn(_finish_unserved(services, admission))
@@ -132,6 +133,21 @@ async def _place(services: Services, decision: RouteDecision) -> Placement:
         if decision.owned_only:
             await selfroute.preflight(services, decision, exc.survey)
         raise
+
+
+async def _unserved_error(services: Services, decision: RouteDecision, failure: relay.ProviderFailure) -> ApiError:
+    """Every attempt failed before first content. For an exclusive request whose owned machines can
+    no longer serve at all (the one serving it died), the named pre-flight error of that state
+    (e.g. ``machine_offline``, Retry-After 30) says what to do; otherwise the provider's failure."""
+    if decision.owned_only:
+        fresh = dataclasses.replace(decision, excluded=set())
+        found = survey(services.registry, fresh, services.settings)
+        if not found.eligible:
+            try:
+                await selfroute.preflight(services, fresh, found)
+            except ApiError as named:
+                return named
+    return failure.as_api_error()
 
 
 def _placement_error(exc: BaseException, model: CatalogModel, policy: Policy) -> BaseException:
