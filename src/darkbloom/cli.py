@@ -38,13 +38,13 @@ def coordinator(
         envvar=_env("admin_token"), help="Bearer token for /v1/admin/*; admin API disabled when unset.")] = None,
     min_trust: Annotated[str, typer.Option(
         envvar=_env("min_trust"),
-        help="Trust floor for public routing: none|self_signed|hardware (not enforced yet).")] = "hardware",
+        help="Trust floor for public routing: none|self_signed|hardware (relaxed only for your own machines).")] = "hardware",
     platform_fee_bps: Annotated[int, typer.Option(
         envvar=_env("platform_fee_bps"), help="Platform fee in basis points of each paid request's cost.")] = 500,
     queue_max_wait: Annotated[float, typer.Option(
-        envvar=_env("queue_max_wait"), help="Seconds a request may wait for a busy model (queue not active yet).")] = 120,
+        envvar=_env("queue_max_wait"), help="Seconds a request may wait in a busy model's queue.")] = 120,
     queue_depth: Annotated[int, typer.Option(
-        envvar=_env("queue_depth"), help="Waiting requests per model (queue not active yet).")] = 32,
+        envvar=_env("queue_depth"), help="Waiting requests per model queue.")] = 32,
     catalog: Annotated[Optional[Path], typer.Option(
         envvar=_env("catalog"), help="Model catalog file (JSON or TOML).", exists=True, dir_okay=False)] = None,
     heartbeat_timeout: Annotated[float, typer.Option(
@@ -137,7 +137,8 @@ UpstreamOpt = Annotated[Optional[str], typer.Option("--upstream-url", help="Open
 PrivateOpt = Annotated[Optional[bool], typer.Option("--private-only/--public",
                                                     help="Serve only your own self-route requests.")]
 ConcurrencyOpt = Annotated[Optional[int], typer.Option("--max-concurrency", min=1)]
-LocalEndpointOpt = Annotated[Optional[bool], typer.Option("--local-endpoint", help="Also serve direct mode.")]
+LocalEndpointOpt = Annotated[Optional[bool], typer.Option(
+    "--local-endpoint", help="Also serve direct mode (an OpenAI-compatible endpoint on this machine).")]
 PortOpt = Annotated[Optional[int], typer.Option("--port", help="Direct-mode port (default 8000).")]
 BindOpt = Annotated[Optional[str], typer.Option("--bind", help="Direct-mode bind address (default 127.0.0.1).")]
 
@@ -146,7 +147,10 @@ BindOpt = Annotated[Optional[str], typer.Option("--bind", help="Direct-mode bind
 def serve(coordinator: CoordinatorOpt = None, model: ModelOpt = None, backend: BackendOpt = None,
           upstream_url: UpstreamOpt = None, private_only: PrivateOpt = None,
           max_concurrency: ConcurrencyOpt = None, local_endpoint: LocalEndpointOpt = None,
-          port: PortOpt = None, bind: BindOpt = None) -> None:
+          port: PortOpt = None, bind: BindOpt = None,
+          local_only: Annotated[bool, typer.Option("--local-only", hidden=True,
+                                                   help="Direct mode only (what `start --local` runs).")] = False,
+          ) -> None:
     """Run a provider node in the foreground."""
     from darkbloom.provider.config import ConfigError, load_config
     from darkbloom.provider.runner import serve_forever
@@ -158,7 +162,7 @@ def serve(coordinator: CoordinatorOpt = None, model: ModelOpt = None, backend: B
     except ConfigError as exc:
         err_console.print(f"[red]error:[/red] {exc}")
         raise typer.Exit(2) from None
-    serve_forever(config, home)
+    serve_forever(config, home, local_only=local_only)
 
 
 @app.command()
@@ -184,6 +188,10 @@ def start(local: Annotated[bool, typer.Option("--local", help="Direct mode only;
         err_console.print(f"[red]error:[/red] {exc}")
         raise typer.Exit(1) from None
     console.print(f"Darkbloom node started (pid {pid}).")
+    if local:
+        host = "127.0.0.1" if config.local_bind in ("0.0.0.0", "") else config.local_bind
+        console.print(f"Direct mode: http://{host}:{config.local_port}/v1 — token in {home / 'local_token'}; "
+                      "`darkbloom status` shows it once it is up.")
 
 
 @app.command()
@@ -206,6 +214,38 @@ def status() -> None:
     for key, value in node_status(darkbloom_home()).items():
         table.add_row(key, "—" if value is None else str(value))
     console.print(table)
+
+
+@app.command()
+def chat(
+    prompt: Annotated[str, typer.Argument(help="What to ask.")],
+    local_first: Annotated[bool, typer.Option(
+        "--local-first", help="Use this machine's direct-mode endpoint (local.json) when reachable, else the "
+                              "coordinator with X-Darkbloom-Route: self.")] = False,
+    model: Annotated[Optional[str], typer.Option(
+        "--model", help="Model id (default: the first model in provider.toml, else smollm2-135m).")] = None,
+    coordinator: Annotated[Optional[str], typer.Option(
+        "--coordinator", envvar="DARKBLOOM_COORDINATOR",
+        help="Coordinator base URL (default: DARKBLOOM_COORDINATOR, then provider.toml).")] = None,
+    api_key: Annotated[Optional[str], typer.Option(
+        "--api-key", envvar="DARKBLOOM_API_KEY", help="Coordinator API key (default: DARKBLOOM_API_KEY).")] = None,
+    max_tokens: Annotated[Optional[int], typer.Option("--max-tokens", min=1, help="Longest answer, in tokens.")] = None,
+) -> None:
+    """One-shot chat, streamed to stdout."""
+    import sys
+
+    from darkbloom.client.chat import ChatError, ChatSettings, default_model, provider_toml_defaults, run_chat
+    from darkbloom.client.endpoints import darkbloom_home_path
+
+    home = darkbloom_home_path()
+    settings = ChatSettings(prompt=prompt, model=model or default_model(home),
+                            coordinator_url=coordinator or provider_toml_defaults(home)[0], api_key=api_key,
+                            local_first=local_first, home=home, max_tokens=max_tokens)
+    try:
+        run_chat(settings, sys.stdout, sys.stderr)
+    except ChatError as exc:
+        err_console.print(f"[red]error:[/red] {exc}", highlight=False, soft_wrap=True)
+        raise typer.Exit(1) from None
 
 
 @models_app.command("list")

@@ -7,6 +7,7 @@ sessions may be used, what is relaxed for the owner, which sessions already fail
 
 from __future__ import annotations
 
+import logging
 import random
 import time
 from dataclasses import dataclass, field
@@ -18,6 +19,7 @@ from darkbloom.catalog import CatalogModel
 from darkbloom.coordinator.config import TRUST_LEVELS, CoordinatorSettings
 from darkbloom.coordinator.registry import ProviderSession, Registry
 
+log = logging.getLogger("darkbloom.scheduler")
 REJECTIONS = Counter("darkbloom_scheduler_rejections_total", "Sessions a gate turned away", ["reason"])
 _TRUST_RANK = {level: rank for rank, level in enumerate(TRUST_LEVELS)}
 
@@ -153,13 +155,14 @@ def survey(registry: Registry, decision: RouteDecision, settings: CoordinatorSet
         if reason is not None:
             result.reasons[reason] = result.reasons.get(reason, 0) + 1
             REJECTIONS.labels(reason).inc()
+            log.debug("session %s rejected for %s: %s", session.id, decision.model.id, reason)
     return result
 
 
-def expected_wait(session: ProviderSession) -> float:
-    """A relative estimate of time to first content: load over capacity, scaled by measured speed."""
-    speed = session.decode_tps if session.decode_tps > 0 else 1.0
-    return (session.active + 1) / session.max_concurrency / speed
+def expected_wait(session: ProviderSession) -> tuple[float, float]:
+    """Rank for time to first content: load over capacity first, then the faster measured decode
+    speed (a session not yet measured ranks as the slowest among equally loaded ones)."""
+    return (session.active + 1) / session.max_concurrency, -session.decode_tps
 
 
 def choose(available: list[ProviderSession], decision: RouteDecision) -> Optional[ProviderSession]:
