@@ -244,6 +244,19 @@ class Stack:
         return self.pockets().get(PLATFORM_ACCOUNT_ID, (0, 0))[1]
 
 
+def wait_accepted(node: Node, future: Any, timeout: float = 30) -> str:
+    """The id of the first request ``node`` accepted; fails at once if ``future`` (the request) ends first."""
+    def seen() -> str | None:
+        if node.accepted():
+            return node.accepted()[0]
+        if future.done():
+            response = future.result()
+            raise AssertionError(f"the request ended before the node accepted it: {response.status_code} "
+                                 f"{response.text}")
+        return None
+    return str(wait_until(seen, timeout=timeout, interval=0.05, what="the request on the node"))
+
+
 def sse_events(text: str) -> list[Any]:
     """The `data:` payloads of an SSE body (JSON-decoded; `[DONE]` kept as the string)."""
     events = []

@@ -17,7 +17,8 @@ from typing import Iterator
 import httpx
 import pytest
 
-from tests.selfroute.support import FIXED_ANSWER, PREFER, SELF, Node, Stack, error_of, start_upstream
+from tests.selfroute.support import (FIXED_ANSWER, PREFER, SELF, Node, Stack, error_of, start_upstream,
+                                     wait_accepted)
 from tests.support.accounts import Account
 from tests.support.processes import wait_until
 
@@ -88,7 +89,7 @@ def test_exclusive_retry_with_one_machine_fails_and_never_goes_public(world: Wor
     try:
         public_before = w.public.accepted()
         future, pool = _send(s, owner.api_key, SELF)
-        wait_until(machine.accepted, timeout=30, what="the request on the owner's machine")
+        wait_accepted(machine, future)
         machine.kill()
         response = future.result()
         pool.shutdown()
@@ -110,7 +111,7 @@ def _unlink_mid_flight(s: Stack, owner: Account, node: Node, headers: dict[str, 
     """Send a request the owner's machine will serve, and unlink that machine before its first token."""
     machine_id = s.machine_of(owner, node.session_id)
     future, pool = _send(s, owner.api_key, headers)
-    wait_until(node.accepted, timeout=30, what="the request on the owner's machine")
+    wait_accepted(node, future)
     unlinked = httpx.delete(s.url + f"/me/providers/{machine_id}", headers=owner.headers(owner.session))
     assert unlinked.status_code == 200, unlinked.text
     response = future.result()

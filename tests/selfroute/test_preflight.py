@@ -18,7 +18,8 @@ from typing import Iterator
 
 import pytest
 
-from tests.selfroute.support import (FIXED_ANSWER, MODEL, SELF, Stack, ThreadedRaw, error_of, start_upstream)
+from tests.selfroute.support import (FIXED_ANSWER, MODEL, SELF, Stack, ThreadedRaw, error_of, start_upstream,
+                                     wait_accepted)
 from tests.support.accounts import Account
 from tests.support.processes import wait_until
 
@@ -199,7 +200,7 @@ def test_busy_own_machine_gives_machine_busy_and_never_the_public_fleet(world: W
         seen = list(w.public.requests)
         with ThreadPoolExecutor(1) as pool:
             long_one = pool.submit(s.chat, owner.api_key, SELF)
-            wait_until(lambda: node.accepted(), timeout=30, what="the long request on the owner's machine")
+            wait_accepted(node, long_one)
             started = time.monotonic()
             response = s.chat(owner.api_key, SELF)
             waited = time.monotonic() - started
