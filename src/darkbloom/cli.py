@@ -189,9 +189,10 @@ def start(local: Annotated[bool, typer.Option("--local", help="Direct mode only;
         raise typer.Exit(1) from None
     console.print(f"Darkbloom node started (pid {pid}).")
     if local:
-        host = "127.0.0.1" if config.local_bind in ("0.0.0.0", "") else config.local_bind
+        host = {"0.0.0.0": "127.0.0.1", "": "127.0.0.1", "::": "::1"}.get(config.local_bind, config.local_bind)
+        host = f"[{host}]" if ":" in host else host
         console.print(f"Direct mode: http://{host}:{config.local_port}/v1 — token in {home / 'local_token'}; "
-                      "`darkbloom status` shows it once it is up.")
+                      "`darkbloom status` shows it once it is up.", soft_wrap=True)
 
 
 @app.command()

@@ -9,7 +9,7 @@ import pytest
 
 from darkbloom import paths, protocol
 from darkbloom.provider.config import load_config
-from darkbloom.provider.runner import StartError, node_status, start_background, stop_background
+from darkbloom.provider.runner import StartError, _serve_args, node_status, start_background, stop_background
 from tests.provider.fake_coordinator import FakeCoordinator
 
 
@@ -25,10 +25,17 @@ def test_status_of_a_node_that_never_ran(home: Path) -> None:
     assert "linked" in str(node_status(home)["account"])
 
 
-def test_start_local_is_not_built_yet(home: Path) -> None:
-    with pytest.raises(StartError, match="direct mode"):
-        start_background(load_config(home, {}), home, local_only=True)
-    assert not paths.pid_path(home).exists()
+def test_background_args_carry_direct_mode(home: Path) -> None:
+    config = load_config(home, {"local_port": 8123, "local_bind": "0.0.0.0"})
+    local_only = _serve_args(config, local_only=True)
+    assert "--local-only" in local_only and "--local-endpoint" not in local_only
+    assert local_only[local_only.index("--port") + 1] == "8123"
+    assert local_only[local_only.index("--bind") + 1] == "0.0.0.0"
+    config.local_endpoint = True
+    beside = _serve_args(config)
+    assert "--local-endpoint" in beside and "--local-only" not in beside
+    config.local_endpoint = False
+    assert not {"--local-endpoint", "--local-only"} & set(_serve_args(config))
 
 
 def test_stop_without_a_node(home: Path) -> None:

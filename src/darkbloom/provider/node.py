@@ -8,6 +8,11 @@ stopped generating (waited for at most `cancel_grace` seconds) the node reports 
 far in one `inference_complete`, so the coordinator can settle the partial work. That report is the
 only frame sent for the request after the cancel; every other frame for it is dropped, including
 any already queued for the writer.
+
+Direct mode (`local_endpoint`, or `local_only` for `start --local`) serves an OpenAI-compatible
+endpoint on this machine from the same backend. Fleet and direct requests take their slots from one
+`Slots` of `max_concurrency`: a fleet request finding none free is refused with 429, and heartbeats
+report both kinds as `active_requests`. With `local_only` the node never dials a coordinator.
 """
 
 from __future__ import annotations
@@ -32,7 +37,9 @@ from darkbloom.protocol import ModelInfo
 from darkbloom.provider.backends import Backend, BackendError, create_backend
 from darkbloom.provider.backends.base import UsageMeter, is_usage_chunk
 from darkbloom.provider.config import ProviderConfig, ws_url
+from darkbloom.provider.local_endpoint import LocalEndpoint
 from darkbloom.provider.models import describe_models
+from darkbloom.provider.slots import Slots
 from darkbloom.provider.state import NodeState, write_state
 from darkbloom.runtime import runtime_hash
 
@@ -53,44 +60,63 @@ class ProviderNode:
     reconnect_max = 30.0
     cancel_grace = 5.0  # after a cancel, how long to wait for the backend to stop before reporting usage
 
-    def __init__(self, config: ProviderConfig, home: Path, backend: Backend | None = None) -> None:
+    def __init__(self, config: ProviderConfig, home: Path, backend: Backend | None = None, *,
+                 local_only: bool = False) -> None:
         self.config = config
         self.home = home
+        self.local_only = local_only
         self.backend: Backend = backend if backend is not None else create_backend(config)
+        self.slots = Slots(config.max_concurrency)
+        self.local: LocalEndpoint | None = None
         self.runtime_hash = runtime_hash()
         self.identity: crypto.NodeIdentity | None = None
         self.models: list[ModelInfo] = []
-        self.state = NodeState(coordinator_url=config.coordinator_url, models=config.model_ids,
-                               private_only=config.private_only)
+        self.state = NodeState(coordinator_url="" if local_only else config.coordinator_url,
+                               models=config.model_ids, private_only=config.private_only, local_only=local_only)
         self._jobs: dict[str, _Job] = {}
         self._outbox: asyncio.Queue[tuple[_Job | None, str]] | None = None
         self._registered = False
 
     async def run(self, stop: asyncio.Event) -> None:
         """Serve until `stop` is set, reconnecting with jittered exponential backoff."""
-        self.identity = crypto.NodeIdentity.load_or_create(paths.identity_path(self.home))
-        described = await asyncio.to_thread(describe_models, self.config, self.home)
-        self.models = [info for info, _ in described]
-        self._set_state(connected=False)
-        await self.backend.start()
-        delay = self.reconnect_base
+        if self.local_only or self.config.local_endpoint:
+            self.local = LocalEndpoint(self.config, self.home, self.backend, self.slots)
+            self.local.open()  # before the model loads: a taken port fails at once
         try:
-            while not stop.is_set():
-                registered = await self._connect_once(stop)
-                if stop.is_set():
-                    break
-                if registered:
-                    delay = self.reconnect_base
-                wait = random.uniform(delay / 2, delay)
-                log.info("reconnecting to the coordinator in %.1f s", wait)
-                with contextlib.suppress(asyncio.TimeoutError):
-                    await asyncio.wait_for(stop.wait(), wait)
-                delay = min(delay * 2, self.reconnect_max)
+            if not self.local_only:
+                self.identity = crypto.NodeIdentity.load_or_create(paths.identity_path(self.home))
+                described = await asyncio.to_thread(describe_models, self.config, self.home)
+                self.models = [info for info, _ in described]
+            self._set_state(connected=False)
+            await self.backend.start()
+            if self.local is not None:
+                await self.local.start()
+                self._set_state(local_url=self.local.base_url)
+            if self.local_only:
+                await stop.wait()
+            else:
+                await self._connect_loop(stop)
         finally:
+            if self.local is not None:
+                await self.local.stop()
             await self._cancel_jobs()
             await self.backend.close()
-            self._set_state(connected=False, provider_id=None)
+            self._set_state(connected=False, provider_id=None, local_url=None)
             log.info("node stopped")
+
+    async def _connect_loop(self, stop: asyncio.Event) -> None:
+        delay = self.reconnect_base
+        while not stop.is_set():
+            registered = await self._connect_once(stop)
+            if stop.is_set():
+                break
+            if registered:
+                delay = self.reconnect_base
+            wait = random.uniform(delay / 2, delay)
+            log.info("reconnecting to the coordinator in %.1f s", wait)
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(stop.wait(), wait)
+            delay = min(delay * 2, self.reconnect_max)
 
     async def _connect_once(self, stop: asyncio.Event) -> bool:
         """One connection, raced against `stop`; True when the coordinator registered us."""
@@ -176,7 +202,7 @@ class ProviderNode:
     async def _heartbeats(self) -> None:
         while True:
             await asyncio.sleep(self.config.heartbeat_interval_secs)
-            active = len(self._jobs)
+            active = self.slots.active  # fleet and direct-mode requests alike
             status = "idle" if active == 0 else "busy" if active >= self.config.max_concurrency else "serving"
             self._send(protocol.Heartbeat(status=status, active_requests=active, models=self.config.model_ids))
 
@@ -243,7 +269,7 @@ class ProviderNode:
         if request_id in self._jobs:
             log.warning("request %s is already running; duplicate ignored", request_id)
             return
-        if len(self._jobs) >= self.config.max_concurrency:
+        if not self.slots.try_acquire():
             log.info("request %s refused: at max_concurrency %d", request_id, self.config.max_concurrency)
             self._send(protocol.InferenceError(
                 request_id=request_id, status_code=429,
@@ -274,8 +300,7 @@ class ProviderNode:
             log.info("request %s cancelled after %d prompt + %d completion tokens", job.request_id,
                      usage.prompt_tokens, usage.completion_tokens)
         finally:
-            if self._jobs.get(job.request_id) is job:
-                del self._jobs[job.request_id]
+            self._free(job)
 
     async def _serve(self, job: _Job, frame: protocol.InferenceRequest) -> None:
         request_id = job.request_id
@@ -305,8 +330,8 @@ class ProviderNode:
             self._send(protocol.InferenceError(request_id=request_id, status_code=500,
                                                message="the provider failed while serving this request"), job)
         finally:
-            if job.settling is None and self._jobs.get(request_id) is job:  # else the settle frees the slot
-                del self._jobs[request_id]
+            if job.settling is None:  # else the settle frees the slot
+                self._free(job)
 
     def _open_request(self, frame: protocol.InferenceRequest) -> tuple[dict[str, Any], crypto.Sealer]:
         """The plaintext OpenAI body, and a sealer to the request's ephemeral key for every reply chunk."""
@@ -354,8 +379,13 @@ class ProviderNode:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
         for job in jobs:  # a task cancelled before it ever ran did not free its slot
-            if self._jobs.get(job.request_id) is job:
-                del self._jobs[job.request_id]
+            self._free(job)
+
+    def _free(self, job: _Job) -> None:
+        """The job is over: forget it and hand its slot back (once, however many paths get here)."""
+        if self._jobs.get(job.request_id) is job:
+            del self._jobs[job.request_id]
+            self.slots.release()
 
     def _set_state(self, **changes: Any) -> None:
         for key, value in changes.items():

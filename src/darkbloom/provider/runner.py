@@ -14,6 +14,7 @@ from pathlib import Path
 from darkbloom import paths
 from darkbloom.provider.backends import BackendError
 from darkbloom.provider.config import ConfigError, ProviderConfig, load_config
+from darkbloom.provider.local_endpoint import LocalEndpointError
 from darkbloom.provider.state import read_state
 
 log = logging.getLogger(__name__)
@@ -25,19 +26,19 @@ class StartError(Exception):
     """The background node could not be started; the message says why and what to do."""
 
 
-def serve_forever(config: ProviderConfig, home: Path) -> None:
-    """Run the node in the foreground until SIGINT / SIGTERM."""
+def serve_forever(config: ProviderConfig, home: Path, local_only: bool = False) -> None:
+    """Run the node in the foreground until SIGINT / SIGTERM; `local_only`: direct mode, no coordinator."""
     _configure_logging()
     try:
-        asyncio.run(_serve(config, home))
+        asyncio.run(_serve(config, home, local_only))
     except KeyboardInterrupt:
         pass
-    except (BackendError, ConfigError, OSError) as exc:
+    except (BackendError, ConfigError, LocalEndpointError, OSError) as exc:
         log.error("the node cannot run: %s", exc)
         raise SystemExit(1) from None
 
 
-async def _serve(config: ProviderConfig, home: Path) -> None:
+async def _serve(config: ProviderConfig, home: Path, local_only: bool) -> None:
     from darkbloom.provider.node import ProviderNode
 
     stop = asyncio.Event()
@@ -47,7 +48,7 @@ async def _serve(config: ProviderConfig, home: Path) -> None:
             loop.add_signal_handler(signum, stop.set)
         except (NotImplementedError, RuntimeError):  # not the main thread, or no signals here
             pass
-    await ProviderNode(config, home).run(stop)
+    await ProviderNode(config, home, local_only=local_only).run(stop)
 
 
 def _configure_logging() -> None:
@@ -58,14 +59,13 @@ def _configure_logging() -> None:
 
 
 def start_background(config: ProviderConfig, home: Path, local_only: bool) -> int:
-    """Spawn `python -m darkbloom serve …` detached, output to $DARKBLOOM_HOME/node.log; its pid."""
-    if local_only:
-        raise StartError("direct mode (start --local) arrives with the direct-mode work")
+    """Spawn `python -m darkbloom serve …` detached, output to $DARKBLOOM_HOME/node.log; its pid.
+    `local_only` (start --local) runs direct mode only and never contacts a coordinator."""
     running = running_pid(home)
     if running is not None:
         raise StartError(f"a Darkbloom node is already running (pid {running}); stop it with `darkbloom stop`")
     log_path = home / LOG_NAME
-    args = [sys.executable, "-m", "darkbloom", "serve", *_serve_args(config)]
+    args = [sys.executable, "-m", "darkbloom", "serve", *_serve_args(config, local_only)]
     with log_path.open("ab") as log_file:
         process = subprocess.Popen(args, stdin=subprocess.DEVNULL, stdout=log_file, stderr=subprocess.STDOUT,
                                    start_new_session=True, env={**os.environ, "DARKBLOOM_HOME": str(home)})
@@ -78,10 +78,15 @@ def start_background(config: ProviderConfig, home: Path, local_only: bool) -> in
     raise StartError(f"the node exited at once (exit code {code}); see {log_path}")
 
 
-def _serve_args(config: ProviderConfig) -> list[str]:
+def _serve_args(config: ProviderConfig, local_only: bool = False) -> list[str]:
     args = ["--coordinator", config.coordinator_url, "--backend", config.backend,
             "--max-concurrency", str(config.max_concurrency),
-            "--private-only" if config.private_only else "--public"]
+            "--private-only" if config.private_only else "--public",
+            "--port", str(config.local_port), "--bind", config.local_bind]
+    if local_only:
+        args.append("--local-only")
+    elif config.local_endpoint:
+        args.append("--local-endpoint")
     for model in config.models:
         args += ["--model", f"{model.id}={Path(model.path).expanduser().resolve()}" if model.path else model.id]
     if config.upstream_url:
@@ -128,6 +133,8 @@ def node_status(home: Path) -> dict[str, object]:
     live = state if running else {}
     if not running:
         connection = "not running"
+    elif live.get("local_only"):
+        connection = "direct mode only (no coordinator)"
     elif live.get("connected") and live.get("provider_id"):
         connection = "connected"
     elif live.get("connected"):
@@ -142,7 +149,8 @@ def node_status(home: Path) -> dict[str, object]:
         account = "not linked (run `darkbloom login --coordinator URL`)"
     models = live.get("models") or (config.model_ids if config else state.get("models") or [])
     return {
-        "coordinator": live.get("coordinator_url") or (config.coordinator_url if config else None),
+        "coordinator": None if live.get("local_only") else
+        live.get("coordinator_url") or (config.coordinator_url if config else None),
         "account": account,
         "connection": connection,
         "provider_id": live.get("provider_id"),

@@ -21,7 +21,8 @@ class NodeState:
     trust_level: str | None = None
     models: list[str] = field(default_factory=list)
     private_only: bool = False
-    local_url: str | None = None
+    local_url: str | None = None  # the direct-mode base URL while it serves
+    local_only: bool = False  # `start --local`: direct mode only, no coordinator
     pid: int = field(default_factory=os.getpid)
     updated_at: float = 0.0
 

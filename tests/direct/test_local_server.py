@@ -1,0 +1,224 @@
+"""The direct-mode ASGI app in process: auth, OpenAI shapes, errors, the shared concurrency limit.
+
+Happy paths run on the real llama.cpp backend with the bundled model. The error paths use
+`ScriptedBackend`, a stand-in (not a model) that fails exactly where a test needs it to.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from pathlib import Path
+from typing import Any, AsyncIterator
+
+import httpx
+import pytest
+
+from darkbloom.models_bundled import bundled_gguf_path
+from darkbloom.provider.backends import BackendError
+from darkbloom.provider.backends.base import UsageMeter, usage_chunk
+from darkbloom.provider.backends.llama_cpp import LlamaCppBackend
+from darkbloom.provider.local_server import create_app
+from darkbloom.provider.slots import Slots
+
+TOKEN = "dk-local-test-token-0123456789abcdef"
+AUTH = {"Authorization": f"Bearer {TOKEN}"}
+MODEL = "smollm2-135m"
+HELLO = {"model": MODEL, "messages": [{"role": "user", "content": "Say hello."}], "max_tokens": 8, "temperature": 0}
+
+
+class ScriptedBackend:
+    """Stand-in backend for error paths: yields `contents` as chunks, failing at index `fail_at`."""
+
+    def __init__(self, contents: list[str], fail_at: int | None = None, status: int = 502,
+                 gate: asyncio.Event | None = None) -> None:
+        self.contents, self.fail_at, self.status, self.gate = contents, fail_at, status, gate
+        self.calls = 0
+
+    async def start(self) -> None: ...
+
+    async def close(self) -> None: ...
+
+    async def stream_chat(self, model_id: str, body: dict[str, Any],
+                          meter: UsageMeter | None = None) -> AsyncIterator[dict[str, Any]]:
+        self.calls += 1
+        if self.gate is not None:
+            await self.gate.wait()
+        for index, text in enumerate(self.contents):
+            if index == self.fail_at:
+                raise BackendError(self.status, "scripted failure")
+            yield {"id": "x", "object": "chat.completion.chunk", "created": 1, "model": model_id,
+                   "choices": [{"index": 0, "delta": {"content": text}, "finish_reason": None}]}
+        if self.fail_at == len(self.contents):
+            raise BackendError(self.status, "scripted failure")
+        yield usage_chunk("x", model_id, 1, 3, len(self.contents))
+
+
+def client(app: Any) -> httpx.AsyncClient:
+    return httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://node")
+
+
+def events(text: str) -> list[Any]:
+    out = []
+    for line in text.splitlines():
+        if line.startswith("data: "):
+            data = line[6:]
+            out.append(data if data == "[DONE]" else json.loads(data))
+    return out
+
+
+async def idle(slots: Slots) -> None:
+    while slots.active:  # bounded by the test timeout
+        await asyncio.sleep(0.01)
+
+
+@pytest.fixture(scope="module")
+def gguf() -> Path:
+    return bundled_gguf_path()
+
+
+@pytest.fixture
+async def llama(gguf: Path) -> AsyncIterator[LlamaCppBackend]:
+    backend = LlamaCppBackend({MODEL: gguf}, max_concurrency=1, n_ctx=512)
+    await backend.start()
+    try:
+        yield backend
+    finally:
+        await backend.close()
+
+
+async def test_health_is_open_everything_else_needs_the_token() -> None:
+    app = create_app(ScriptedBackend(["hi"]), Slots(1), [MODEL], TOKEN)
+    async with client(app) as http:
+        assert (await http.get("/health")).json() == {"status": "ok"}
+        for headers in ({}, {"Authorization": "Bearer dk-local-wrong"}, {"Authorization": TOKEN},
+                        {"Authorization": f"Basic {TOKEN}"}, {"Authorization": f"Bearer {TOKEN}x"}):
+            for method, path in (("GET", "/v1/models"), ("POST", "/v1/chat/completions"), ("GET", "/nowhere")):
+                response = await http.request(method, path, headers=headers, json=HELLO)
+                assert response.status_code == 401, (headers, path)
+                error = response.json()["error"]
+                assert (error["type"], error["code"]) == ("invalid_api_key", "invalid_api_key")
+                assert set(error) == {"message", "type", "code", "param"} and "local_token" in error["message"]
+        models = await http.get("/v1/models", headers={"Authorization": f"bearer {TOKEN}"})
+        assert models.status_code == 200
+        assert models.json() == {"object": "list", "data": [
+            {"id": MODEL, "object": "model", "created": models.json()["data"][0]["created"], "owned_by": "self"}]}
+        assert (await http.get(f"/v1/models/{MODEL}", headers=AUTH)).json()["id"] == MODEL
+        missing = await http.get("/v1/models/other", headers=AUTH)
+        assert (missing.status_code, missing.json()["error"]["code"]) == (404, "model_not_found")
+        nowhere = await http.get("/nowhere", headers=AUTH)
+        assert (nowhere.status_code, nowhere.json()["error"]["type"]) == (404, "not_found")
+
+
+async def test_completion_and_stream_on_the_real_model(llama: LlamaCppBackend) -> None:
+    slots = Slots(1)
+    app = create_app(llama, slots, [MODEL], TOKEN)
+    async with client(app) as http:
+        plain = await http.post("/v1/chat/completions", headers=AUTH, json=HELLO)
+        assert plain.status_code == 200, plain.text
+        body = plain.json()
+        assert body["object"] == "chat.completion" and body["model"] == MODEL and body["id"].startswith("chatcmpl-")
+        assert plain.headers["x-request-id"] == body["id"]
+        assert body["choices"][0]["message"]["role"] == "assistant" and body["choices"][0]["message"]["content"]
+        usage = body["usage"]
+        assert usage["prompt_tokens"] > 5 and 0 < usage["completion_tokens"] <= 8
+        assert usage["total_tokens"] == usage["prompt_tokens"] + usage["completion_tokens"]
+        await idle(slots)
+
+        streamed = await http.post("/v1/chat/completions", headers=AUTH, json={**HELLO, "stream": True})
+        assert streamed.status_code == 200 and streamed.headers["content-type"].startswith("text/event-stream")
+        parts = events(streamed.text)
+        assert parts[-1] == "[DONE]" and parts.count("[DONE]") == 1
+        chunks, final = parts[:-2], parts[-2]
+        assert all(c["object"] == "chat.completion.chunk" and c["id"] == streamed.headers["x-request-id"]
+                   and c["model"] == MODEL for c in chunks)
+        text = "".join(c["choices"][0]["delta"].get("content") or "" for c in chunks)
+        assert text and final["choices"] == [] and final["usage"]["completion_tokens"] <= 8
+        assert text == body["choices"][0]["message"]["content"]  # temperature 0: the same answer
+        await idle(slots)
+
+
+async def test_request_errors_are_openai_envelopes() -> None:
+    backend = ScriptedBackend(["hi"])
+    app = create_app(backend, Slots(1), [MODEL], TOKEN)
+    async with client(app) as http:
+        cases = [
+            (b"{not json", 400, "invalid_request_error", None),
+            (b"[1, 2]", 400, "invalid_request_error", None),
+            (json.dumps({"messages": []}).encode(), 400, "invalid_request_error", "model"),
+            (json.dumps({**HELLO, "model": "other"}).encode(), 404, "model_not_found", "model"),
+            (json.dumps({**HELLO, "stream": "yes"}).encode(), 400, "invalid_request_error", "stream"),
+            (b'{"model": "' + b"x" * (8 * 1024 * 1024) + b'"}', 413, "request_too_large", None),
+        ]
+        for raw, status, type_, param in cases:
+            response = await http.post("/v1/chat/completions", headers={**AUTH, "Content-Type": "application/json"},
+                                       content=raw)
+            assert response.status_code == status, (raw[:40], response.text)
+            assert response.json()["error"]["type"] == type_ and response.json()["error"]["param"] == param
+        assert backend.calls == 0
+
+
+@pytest.mark.parametrize("stream", [False, True])
+async def test_a_failure_before_the_first_content_is_a_real_http_error(stream: bool) -> None:
+    slots = Slots(1)
+    app = create_app(ScriptedBackend(["never"], fail_at=0, status=400), slots, [MODEL], TOKEN)
+    async with client(app) as http:
+        response = await http.post("/v1/chat/completions", headers=AUTH, json={**HELLO, "stream": stream})
+        assert response.status_code == 400
+        assert response.json()["error"] == {"message": "scripted failure", "type": "invalid_request_error",
+                                            "code": "invalid_request_error", "param": None}
+    await idle(slots)
+
+
+async def test_a_failure_after_the_first_content_ends_the_stream_with_an_error_event() -> None:
+    slots = Slots(1)
+    app = create_app(ScriptedBackend(["one", "two", "three"], fail_at=2), slots, [MODEL], TOKEN)
+    async with client(app) as http:
+        response = await http.post("/v1/chat/completions", headers=AUTH, json={**HELLO, "stream": True})
+        assert response.status_code == 200
+        parts = events(response.text)
+        assert [p["choices"][0]["delta"]["content"] for p in parts[:-1]] == ["one", "two"]
+        assert parts[-1]["error"]["type"] == "server_error" and "[DONE]" not in parts
+    await idle(slots)
+
+
+async def test_the_test_hook_answers_its_status_without_the_backend() -> None:
+    backend = ScriptedBackend(["hi"])
+    app = create_app(backend, Slots(1), [MODEL], TOKEN, fail_status=500)
+    async with client(app) as http:
+        response = await http.post("/v1/chat/completions", headers=AUTH, json=HELLO)
+        assert response.status_code == 500
+        assert response.json()["error"]["code"] == "test_hook"
+        assert (await http.get("/v1/models", headers=AUTH)).status_code == 200
+    assert backend.calls == 0
+
+
+async def test_direct_requests_share_the_fleet_concurrency_limit() -> None:
+    slots = Slots(1)
+    assert slots.try_acquire()  # a fleet request holds the node's only slot
+    backend = ScriptedBackend(["hi"])
+    app = create_app(backend, slots, [MODEL], TOKEN, queue_wait=30)
+    async with client(app) as http:
+        waiting = asyncio.create_task(http.post("/v1/chat/completions", headers=AUTH, json=HELLO))
+        while not slots.waiting:  # bounded by the test timeout
+            await asyncio.sleep(0.01)
+        assert backend.calls == 0 and not waiting.done()
+        assert not slots.try_acquire()  # meanwhile a fleet request would be refused
+        slots.release()  # the fleet request ends
+        response = await waiting
+        assert response.status_code == 200 and backend.calls == 1
+        await idle(slots)
+
+        gate = asyncio.Event()
+        slow = ScriptedBackend(["hi"], gate=gate)
+        busy_app = create_app(slow, slots, [MODEL], TOKEN, queue_wait=0.05)
+        async with client(busy_app) as busy_http:
+            running = asyncio.create_task(busy_http.post("/v1/chat/completions", headers=AUTH, json=HELLO))
+            while not slow.calls:  # the direct request now holds the slot
+                await asyncio.sleep(0.01)
+            assert not slots.try_acquire()  # a fleet request finds the node busy
+            refused = await busy_http.post("/v1/chat/completions", headers=AUTH, json=HELLO)
+            assert refused.status_code == 429 and refused.json()["error"]["type"] == "rate_limit_exceeded"
+            gate.set()
+            assert (await running).status_code == 200
+        await idle(slots)
