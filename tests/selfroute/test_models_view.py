@@ -121,3 +121,22 @@ def test_owner_reaches_the_off_catalog_model_with_self(world: World) -> None:
     assert s.balance(w.owner) == 0
     rows = [r for r in s.usage(w.owner) if r["model"] == CUSTOM]
     assert len(rows) == 2 and all(r["cost_micro_usd"] == 0 and r["self_routed"] for r in rows)
+
+
+def test_prefer_never_reaches_another_accounts_off_catalog_model(world: World) -> None:
+    """A caller whose own machine advertises the same off-catalog name but cannot serve it (its
+    runtime is not verified) asks with `prefer`: the other account's machine serving that name is
+    not public fleet, so it must not be used."""
+    w, s = world, world.stack
+    caller = s.account(credit=10_000_000)
+    blocked = s.raw(caller, models=(THEIRS,), runtime="sha256:" + "cd" * 32, answer="must not be asked")
+    try:
+        theirs_before = w.others_node.accepted()
+        response = s.chat(caller.api_key, {"X-Darkbloom-Route": "prefer"}, model=THEIRS)
+        assert response.status_code == 503, response.text
+        assert response.json()["error"]["code"] == "model_routing_blocked"  # its own machine's state
+        assert w.others_node.accepted() == theirs_before
+        assert blocked.requests == []
+        assert s.balance(caller) == 10_000_000
+    finally:
+        blocked.close()

@@ -85,8 +85,12 @@ async def chat_completion(services: Services, caller: Caller, chat: ChatRequest,
     except BaseException:
         await admission_core.release_rates(services, admission)
         raise
+    # a model outside the catalog is reachable only on the caller's own machines, even with prefer:
+    # another account's machine advertising the same name is not public fleet for it
+    owner_only_model = services.settings.catalog.resolve(model.id) is None
     decision = RouteDecision(model=model, needs_images=chat.uses_images, needs_tools=chat.uses_tools,
-                             owner_account_id=policy.owner_account_id, owned_only=policy.exclusive,
+                             owner_account_id=policy.owner_account_id,
+                             owned_only=policy.exclusive or (policy.self_routed and owner_only_model),
                              pinned=policy.pinned)
     # exclusive self-route never spends: no reservation, no key spend cap (rate limits still apply)
     await admission_core.admit(services, caller, chat, model, request_id, admission, reserve=not policy.exclusive)
