@@ -134,6 +134,23 @@ def test_self_route_only_key_never_reaches_the_fleet(world: World) -> None:
     assert world.public.accepted() == public_before
 
 
+def test_exclusive_skips_the_key_spend_cap(world: World) -> None:
+    """A key capped at $0 cannot pay for anything, yet its owner's self-routed requests are served."""
+    w, s = world, world.stack
+    key = s.key(w.funded, limit_usd=0)
+    refused = s.chat(key)
+    assert refused.status_code == 402, refused.text
+    assert error_of(refused)["type"] == "spend_cap_exceeded"
+    before = s.balance(w.funded)
+    for headers in (SELF, {}):
+        capped_self_only = s.key(w.funded, limit_usd=0, self_route_only=True) if not headers else key
+        served = s.chat(capped_self_only, headers)
+        assert served.status_code == 200, served.text
+        assert served.headers["x-provider-id"] == w.funded_node.session_id
+        assert served.headers["x-darkbloom-billing"] == "free"
+    assert s.balance(w.funded) == before
+
+
 # 3 ------------------------------------------------------------------------------------------------
 
 def test_zero_balance_owner_without_header_gets_402(world: World) -> None:

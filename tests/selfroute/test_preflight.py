@@ -220,3 +220,27 @@ def test_busy_own_machine_gives_machine_busy_and_never_the_public_fleet(world: W
     # the owner's machine (public too) is gone: a paid probe must land on the public provider
     wait_until(lambda: not any(m["online"] for m in s.machines(owner)), timeout=30, what="machine offline")
     assert_public_untouched(w, seen)
+
+
+def test_a_queued_exclusive_request_waits_for_the_owners_machine(world: World) -> None:
+    """The owner's one slot frees within the queue wait: the queued request is placed on the owner's
+    machine when the queue drains, never on the idle public provider."""
+    w, s = world, world.stack
+    owner = s.account(credit=0)
+    node = s.node("queued", owner, upstream=w.upstream, max_concurrency=1, first_token_delay=1)
+    try:
+        seen = list(w.public.requests)
+        with ThreadPoolExecutor(2) as pool:
+            first = pool.submit(s.chat, owner.api_key, SELF)
+            wait_accepted(node, first)
+            second = pool.submit(s.chat, owner.api_key, SELF)  # the slot is taken: it queues
+            responses = [first.result(), second.result()]
+        for response in responses:
+            assert response.status_code == 200, response.text
+            assert response.headers["x-provider-id"] == node.session_id
+            assert response.headers["x-darkbloom-billing"] == "free"
+        assert sorted(node.accepted()) == sorted(r.headers["x-request-id"] for r in responses)
+        assert w.public.requests == seen
+    finally:
+        node.stop()
+    wait_until(lambda: not any(m["online"] for m in s.machines(owner)), timeout=30, what="machine offline")
