@@ -4,7 +4,7 @@ PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed-stamp
 PYTEST_ARGS ?=
 
-.PHONY: install demo test services bench clean
+.PHONY: install chromium demo test services bench clean
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || python3 -m venv $(VENV)
@@ -12,7 +12,17 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install -q -e '.[test]'
 	touch $(STAMP)
 
-install: $(STAMP)
+install: $(STAMP) chromium
+
+# The console's browser tests drive Debian's Chromium (never a browser Playwright downloads).
+CHROMIUM_HINT := Chromium is missing (/usr/bin/chromium): the console browser tests (tests/console) need it. Install it with 'sudo apt-get install -y chromium', or point DARKBLOOM_TEST_CHROMIUM at a Chromium binary.
+chromium:
+	@if [ -x /usr/bin/chromium ]; then :; \
+	elif [ "$$(id -u)" = 0 ]; then \
+		apt-get install -y chromium || { apt-get update && apt-get install -y chromium; } || echo "$(CHROMIUM_HINT)"; \
+	elif command -v sudo >/dev/null 2>&1; then \
+		sudo apt-get install -y chromium || { sudo apt-get update && sudo apt-get install -y chromium; } || echo "$(CHROMIUM_HINT)"; \
+	else echo "$(CHROMIUM_HINT)"; fi
 
 demo: install
 	$(VENV)/bin/darkbloom demo

@@ -19,7 +19,7 @@ from darkbloom.coordinator.completions import ClientDisconnected
 from darkbloom.coordinator.config import CoordinatorSettings
 from darkbloom.coordinator.errors import install_handlers
 from darkbloom.coordinator.registry import Registry
-from darkbloom.coordinator.routes import account, admin, device, health, inference, keys, payments, provider_ws
+from darkbloom.coordinator.routes import account, admin, console, device, health, inference, keys, payments, provider_ws
 from darkbloom.coordinator.services import Services
 from darkbloom.store import create_engine, migrate
 
@@ -59,7 +59,7 @@ def create_app(settings: CoordinatorSettings) -> FastAPI:
     install_handlers(app)
     app.add_exception_handler(ClientDisconnected, _client_gone)
     app.add_exception_handler(ClientDisconnect, _client_gone)
-    for module in (health, inference, account, payments, keys, device, admin, provider_ws):
+    for module in (health, inference, account, payments, keys, device, admin, provider_ws, console):
         app.include_router(module.router)
     return app
 

@@ -1,0 +1,328 @@
+// Chat: model picker (/v1/models, plus your own machine's models with My Machine on), streaming
+// answers over fetch + SSE, rendered as safe Markdown, each badged from the response headers.
+import { api, errorFrom, send } from "./api.js";
+import { errorBlock } from "./errors.js";
+import { h, poll, requireSession } from "./layout.js";
+import { renderMarkdown } from "./markdown.js";
+
+const MY_MACHINE_KEY = "darkbloom.myMachine"; // a boolean preference, per browser
+const MODEL_KEY = "darkbloom.chatModel";
+const POLL_MS = 10_000;                       // machine state: at most one poll per 10 s
+
+const modelSelect = document.getElementById("model");
+const modelHint = document.getElementById("model-hint");
+const toggle = document.getElementById("my-machine");
+const machineState = document.getElementById("machine-state");
+const transcript = document.getElementById("transcript");
+const emptyState = document.getElementById("empty-state");
+const form = document.getElementById("composer");
+const prompt = document.getElementById("prompt");
+const sendButton = document.getElementById("send");
+const stopButton = document.getElementById("stop");
+const maxTokens = document.getElementById("max-tokens");
+
+const state = {
+  history: [],          // completed turns sent with every request
+  publicModels: null,   // ids from GET /v1/models
+  ownModels: null,      // ids from GET /v1/me/self-route-models
+  machines: null,       // GET /v1/me/providers
+  controller: null,     // the answer being streamed
+  poller: null,
+  modelsError: false,
+};
+
+if (requireSession()) start();
+
+function start() {
+  toggle.checked = localStorage.getItem(MY_MACHINE_KEY) === "true";
+  toggle.addEventListener("change", () => {
+    localStorage.setItem(MY_MACHINE_KEY, toggle.checked ? "true" : "false");
+    applyToggle();
+  });
+  form.addEventListener("submit", (event) => { event.preventDefault(); submit(); });
+  prompt.addEventListener("keydown", (event) => {
+    if (event.key === "Enter" && !event.shiftKey && !event.isComposing) {
+      event.preventDefault();
+      submit();
+    }
+  });
+  stopButton.addEventListener("click", () => state.controller && state.controller.abort());
+  document.getElementById("clear-chat").addEventListener("click", () => {
+    state.history = [];
+    transcript.replaceChildren(emptyState);
+    prompt.focus();
+  });
+  modelSelect.addEventListener("change", () => localStorage.setItem(MODEL_KEY, modelSelect.value));
+  loadPublicModels();
+  applyToggle();
+}
+
+async function loadPublicModels() {
+  try {
+    const listing = await api("/v1/models");
+    state.publicModels = listing.data.map((m) => m.id);
+  } catch (error) {
+    state.publicModels = [];
+    state.modelsError = true;
+  }
+  renderModels();
+}
+
+function applyToggle() {
+  if (toggle.checked) {
+    if (!state.poller) state.poller = poll(refreshMachine, POLL_MS);
+  } else {
+    if (state.poller) state.poller.stop();
+    state.poller = null;
+  }
+  renderMachineState();
+  renderModels();
+}
+
+async function refreshMachine() {
+  try {
+    const [machines, own] = await Promise.all([api("/v1/me/providers"), api("/v1/me/self-route-models")]);
+    state.machines = machines.data;
+    state.ownModels = own.models;
+  } catch {
+    state.machines = state.machines || null;
+  }
+  renderMachineState();
+  renderModels();
+}
+
+function renderMachineState() {
+  machineState.className = "machine-state";
+  if (!toggle.checked) {
+    machineState.textContent = "Off — answers come from the network (charged).";
+    return;
+  }
+  const machines = state.machines;
+  if (machines === null) {
+    machineState.textContent = "Checking your machine…";
+    return;
+  }
+  if (!machines.length) {
+    machineState.classList.add("warn");
+    machineState.replaceChildren("No machine linked — ", h("a", { href: "/console/link" }, "link one"), ".");
+    return;
+  }
+  const online = machines.filter((m) => m.online);
+  if (!online.length) {
+    machineState.classList.add("warn");
+    machineState.textContent = "Your machine is offline — start your Darkbloom node. Until then, answers come from the network if you have credit.";
+    return;
+  }
+  machineState.classList.add("ok");
+  machineState.textContent = online.length === 1 ? "Your machine is online — answers are free."
+    : `${online.length} of your machines are online — answers are free.`;
+}
+
+function renderModels() {
+  const publicIds = state.publicModels || [];
+  const ownIds = toggle.checked ? (state.ownModels || []) : [];
+  const wanted = modelSelect.value || localStorage.getItem(MODEL_KEY);
+  const served = [...new Set([...ownIds, ...publicIds])];
+  const options = [];
+  if (ownIds.length) {
+    options.push(h("optgroup", { label: "On your machine (free)" }, ownIds.map((id) => h("option", { value: id }, id))));
+    const rest = publicIds.filter((id) => !ownIds.includes(id));
+    if (rest.length) options.push(h("optgroup", { label: "The network" }, rest.map((id) => h("option", { value: id }, id))));
+  } else {
+    options.push(...publicIds.map((id) => h("option", { value: id }, id)));
+  }
+  // The model in use stays pickable when nothing serves it right now, so sending explains why
+  // (for example "Your machine is offline …") instead of the model silently vanishing.
+  const loaded = state.publicModels !== null && (!toggle.checked || state.ownModels !== null);
+  if (wanted && !served.includes(wanted) && loaded) {
+    options.push(h("option", { value: wanted }, `${wanted} (unavailable)`));
+  }
+  if (!options.length) {
+    options.push(h("option", { value: "", disabled: true }, loaded ? "No models available" : "Loading models…"));
+  }
+  modelSelect.replaceChildren(...options);
+  const pickable = [...modelSelect.options].filter((o) => !o.disabled).map((o) => o.value);
+  if (wanted && pickable.includes(wanted)) modelSelect.value = wanted;
+  else if (pickable.length) modelSelect.value = pickable[0];
+  if (state.modelsError) {
+    modelHint.textContent = "The model list could not be loaded — reload the page to retry.";
+  } else if (loaded && !served.length) {
+    modelHint.textContent = toggle.checked
+      ? "Neither the network nor your machine serves a model right now — start your Darkbloom node."
+      : "No model is being served right now — turn on My Machine to use your own, or try again later.";
+  } else {
+    modelHint.textContent = "";
+  }
+}
+
+function submit() {
+  const text = prompt.value.trim();
+  if (!text || state.controller) return;
+  if (!modelSelect.value) {
+    modelHint.textContent = "Pick a model first.";
+    modelSelect.focus();
+    return;
+  }
+  prompt.value = "";
+  emptyState.remove();
+  transcript.append(h("li", { class: "turn user" }, h("div", { class: "bubble" }, h("p", {}, text))));
+  ask(text, modelSelect.value);
+}
+
+/** With My Machine on, a request carries `X-Darkbloom-Route: prefer` (a header, never a body
+ *  field): your machine first, the paid network when it can't serve. When prefer cannot be served at
+ *  all — no credit for its up-front reservation (402), or nobody, your machine included, serves the
+ *  model (404/503) — the console asks once more with `self`: your machine only, free, never charged.
+ *  So a person without credit still chats on their own machine, and an unservable request explains
+ *  what is wrong with their machine ("Your machine is offline …") instead of a generic error. */
+const ASK_MY_MACHINE = {
+  insufficient_quota: "You have no credit, so My Machine could only use your own machine. Add credit to let it fall back to the network.",
+  model_not_found: "The network doesn't serve this model either.",
+  model_unavailable: "The network doesn't serve this model right now either.",
+};
+
+async function ask(text, model) {
+  const turn = h("li", { class: "turn assistant", "aria-busy": "true" });
+  const meta = h("div", { class: "meta" }, h("span", { class: "model-name" }, model));
+  const body = h("div", { class: "bubble answer" }, h("p", { class: "thinking" }, "…"));
+  turn.append(meta, body);
+  transcript.append(turn);
+  turn.scrollIntoView({ block: "end" });
+
+  const messages = [...state.history, { role: "user", content: text }];
+  const request = { model, messages, stream: true };
+  const limit = parseInt(maxTokens.value, 10);
+  if (limit > 0) request.max_tokens = limit;
+  const myMachine = toggle.checked;
+
+  setBusy(new AbortController());
+  const signal = state.controller.signal;
+  let onlyMine = false;
+  let content = "";
+  try {
+    let response = await post(request, myMachine ? "prefer" : null, signal);
+    if (!response.ok) {
+      let error = await errorFrom(response);
+      let extra = null;
+      if (myMachine && [402, 404, 503].includes(error.status) && ASK_MY_MACHINE[error.code]) {
+        onlyMine = true;
+        extra = ASK_MY_MACHINE[error.code];
+        response = await post(request, "self", signal);
+        error = response.ok ? null : await errorFrom(response);
+      }
+      if (error) return fail(turn, body, error, extra, text, model);
+    }
+    meta.append(badge(response.headers, onlyMine));
+    content = await stream(response, (soFar) => {
+      content = soFar;
+      renderAnswer(body, soFar);
+    });
+    renderAnswer(body, content, true);
+    state.history = [...messages, { role: "assistant", content }];
+  } catch (error) {
+    if (error && error.name === "AbortError") {
+      renderAnswer(body, content, true);
+      body.append(h("p", { class: "stopped" }, "Stopped."));
+      if (content) state.history = [...messages, { role: "assistant", content }];
+    } else {
+      if (content) renderAnswer(body, content, true);
+      else body.replaceChildren();
+      body.append(errorBlock(error, { onRetry: () => retry(turn, text, model) }));
+      turn.classList.add("failed");
+    }
+  } finally {
+    turn.setAttribute("aria-busy", "false");
+    setBusy(null);
+  }
+}
+
+function fail(turn, body, error, extra, text, model) {
+  body.replaceChildren(errorBlock(error, { extra, onRetry: () => retry(turn, text, model) }));
+  turn.classList.add("failed");
+}
+
+function retry(turn, text, model) {
+  if (state.controller) return;
+  turn.remove();
+  ask(text, model);
+}
+
+function post(request, route, signal) {
+  const headers = { Accept: "text/event-stream" };
+  if (route) headers["X-Darkbloom-Route"] = route;
+  return send("/v1/chat/completions", { method: "POST", body: request, headers, signal });
+}
+
+function badge(headers, onlyMine) {
+  const routed = headers.get("X-Darkbloom-Routed");
+  const billing = headers.get("X-Darkbloom-Billing");
+  const parts = [];
+  if (routed) parts.push(routed === "owned" ? "your machine" : "the network");
+  if (billing) parts.push(billing === "free" ? "free" : "charged");
+  if (!parts.length) return "";
+  const title = onlyMine ? "My Machine used only your own machine for this answer (X-Darkbloom-Route: self)." : null;
+  return h("span", { class: "badge " + (billing === "free" ? "free" : "charged"), title }, parts.join(" · "));
+}
+
+/** Reads an SSE body: content deltas, one error event (after partial output), or [DONE]. */
+async function stream(response, onContent) {
+  const reader = response.body.pipeThrough(new TextDecoderStream()).getReader();
+  let buffer = "";
+  let content = "";
+  let done = false;
+  while (!done) {
+    const { value, done: ended } = await reader.read();
+    if (ended) break;
+    buffer += value.replace(/\r\n?/g, "\n");
+    let end;
+    while ((end = buffer.indexOf("\n\n")) >= 0) {
+      const event = buffer.slice(0, end);
+      buffer = buffer.slice(end + 2);
+      const data = event.split("\n").filter((l) => l.startsWith("data:")).map((l) => l.slice(5).trimStart()).join("\n");
+      if (!data) continue;
+      if (data === "[DONE]") { done = true; break; }
+      let chunk;
+      try { chunk = JSON.parse(data); } catch { continue; }
+      if (chunk.error) {
+        const error = new Error(chunk.error.message || "The answer was cut off.");
+        error.status = 502;
+        error.code = chunk.error.code || chunk.error.type || "provider_error";
+        error.partial = content;
+        onContent(content);
+        throw error;
+      }
+      for (const choice of chunk.choices || []) {
+        const delta = choice.delta && choice.delta.content;
+        if (delta) content += delta;
+      }
+      onContent(content);
+    }
+  }
+  if (!done) {
+    const error = new Error("The answer was cut off before it finished — retry.");
+    error.status = 502;
+    error.code = "provider_error";
+    throw error;
+  }
+  return content;
+}
+
+let frame = null;
+/** Repaints the answer; while streaming at most once per animation frame (`now` paints at once). */
+function renderAnswer(body, content, now = false) {
+  if (frame) cancelAnimationFrame(frame);
+  frame = null;
+  const paint = () => {
+    frame = null;
+    body.replaceChildren(content ? renderMarkdown(content) : h("p", { class: "thinking" }, "…"));
+  };
+  if (now || document.visibilityState !== "visible") paint();
+  else frame = requestAnimationFrame(paint);
+}
+
+function setBusy(controller) {
+  state.controller = controller;
+  sendButton.disabled = !!controller;
+  stopButton.hidden = !controller;
+  if (!controller) prompt.focus();
+}

@@ -1,0 +1,100 @@
+// Every error a person can hit, as a sentence that says what to do next.
+import { h } from "./layout.js";
+
+const SENTENCES = {
+  // Self-Route (CONTRACT §4)
+  no_linked_machine: () => "No machine is linked to your account — link one under Link a machine (run `darkbloom login` on it), then start it with `darkbloom serve`.",
+  machine_offline: () => "Your machine is offline — start your Darkbloom node and retry.",
+  machine_not_found: () => "That machine isn't linked to your account — pick one from Machines.",
+  model_not_loaded: () => "Your machine is online but doesn't serve this model — pick a model it serves, or restart your node with `darkbloom serve --model <id>`.",
+  model_routing_blocked: () => "Your machine can't take private requests right now — update or restart your Darkbloom node, then retry.",
+  model_capability_unsupported: () => "Your machine serves this model, but not for this kind of request (images or tools) — send plain text, or load a model that supports it.",
+  machine_busy: () => "Your machine is busy with other requests — retry when the countdown ends, or raise its max_concurrency.",
+  // Money
+  insufficient_quota: () => "You're out of credit — add credit, or turn on My Machine to use your own machine for free.",
+  insufficient_funds: () => "You're out of credit — add credit, or turn on My Machine to use your own machine for free.",
+  spend_cap_exceeded: () => "This key has reached its spend limit for this period — raise the limit under API keys, or wait for it to reset.",
+  // Capacity and limits
+  rate_limit_exceeded: () => "You're sending requests faster than your limit allows — wait for the countdown, then retry.",
+  service_unavailable: () => "Darkbloom is briefly overloaded — retry in a few seconds.",
+  model_unavailable: () => "No machine on the network is serving this model right now — pick another model, or turn on My Machine to use your own.",
+  model_not_found: () => "That model isn't available — pick another one from the list.",
+  model_not_allowed: () => "This key may not use that model — edit the key's allowed models.",
+  // The serving machine failed
+  provider_timeout: () => "The machine serving this answer stopped responding — retry.",
+  provider_error: () => "The machine serving this answer failed — retry.",
+  // Accounts and device login
+  invalid_credentials: () => "That email and password don't match an account — check them, or create an account.",
+  email_taken: () => "An account with this email already exists — log in instead.",
+  invalid_api_key: () => "Your session has ended — log in again.",
+  permission_denied: () => "You're not allowed to do that with this sign-in.",
+  invalid_code: () => "That code isn't valid — check it against the code `darkbloom login` printed (like ABCD-EFGH).",
+  expired_code: () => "That code has expired — run `darkbloom login` again on your machine for a new one.",
+  already_used: () => "That code was already used — if your machine isn't listed under Machines, run `darkbloom login` again.",
+  network_error: () => "Can't reach Darkbloom — check your connection and retry.",
+  request_too_large: () => "That message is too large — shorten it and retry.",
+};
+
+/** Text with `backticked` commands shown as code; everything stays text. */
+export function withCode(text) {
+  return text.split("`").map((part, i) => (i % 2 ? h("code", {}, part) : document.createTextNode(part)));
+}
+
+/** {sentence, detail, retryAfter} for an ApiError. */
+export function describe(error) {
+  const code = error.code || error.type;
+  const known = SENTENCES[code];
+  let sentence;
+  if (known) sentence = known();
+  else if (error.status === 429) sentence = SENTENCES.rate_limit_exceeded();
+  else if (error.status === 402) sentence = SENTENCES.insufficient_quota();
+  else if (error.status >= 502 && error.status <= 504) sentence = SENTENCES.provider_error();
+  else sentence = error.message || "Something went wrong — retry.";
+  // The server's own sentence adds specifics (the blocker, the field) when ours is generic.
+  const detail = known && error.message && error.message !== sentence && (
+    code === "model_routing_blocked" || code === "rate_limit_exceeded") ? error.message : null;
+  return { sentence, detail, retryAfter: error.retryAfter };
+}
+
+/** Shows "Retry in N s" counting down; calls onDone at zero. Returns a cancel function. */
+export function countdown(el, seconds, onDone) {
+  let left = seconds;
+  const render = () => {
+    el.textContent = left > 0 ? `Retry in ${left} s` : "You can retry now.";
+  };
+  render();
+  const timer = setInterval(() => {
+    left -= 1;
+    render();
+    if (left <= 0) {
+      clearInterval(timer);
+      if (onDone) onDone();
+    }
+  }, 1000);
+  return () => clearInterval(timer);
+}
+
+/** An error block: the sentence, optional extra lines, a Retry-After countdown and a Retry button. */
+export function errorBlock(error, { onRetry, extra } = {}) {
+  const { sentence, detail, retryAfter } = describe(error);
+  const block = h("div", { class: "error-block", role: "alert", dataset: { code: error.code || "" } },
+    h("p", { class: "error-sentence" }, withCode(sentence)));
+  if (detail) block.append(h("p", { class: "error-detail" }, detail));
+  if (extra) block.append(h("p", { class: "error-extra" }, extra));
+  if (retryAfter || onRetry) {
+    const actions = h("div", { class: "error-actions" });
+    const timer = h("span", { class: "countdown", "aria-live": "off" });
+    let retry = null;
+    if (onRetry) {
+      retry = h("button", { type: "button", class: "button", onclick: () => { retry.disabled = true; onRetry(); } }, "Retry");
+      actions.append(retry);
+    }
+    if (retryAfter) {
+      actions.append(timer);
+      if (retry) retry.disabled = true;
+      countdown(timer, retryAfter, () => { if (retry) retry.disabled = false; });
+    }
+    block.append(actions);
+  }
+  return block;
+}

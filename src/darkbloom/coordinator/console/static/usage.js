@@ -1,0 +1,91 @@
+// Usage & billing: balance and withdrawable, usage rows (free self-routed rows marked) and
+// provider earnings — one request each, plus one per "Load more".
+import { api } from "./api.js";
+import { errorBlock } from "./errors.js";
+import { count, usd, when } from "./format.js";
+import { h, requireSession, setStatus } from "./layout.js";
+
+const PAGE = 25;
+const status = document.getElementById("usage-status");
+const usageRows = document.getElementById("usage-rows");
+const earningsRows = document.getElementById("earnings-rows");
+const usageMore = document.getElementById("usage-more");
+const earningsMore = document.getElementById("earnings-more");
+let usageCursor = null;
+let earningsCursor = null;
+
+if (requireSession()) {
+  usageMore.addEventListener("click", () => loadUsage(usageCursor));
+  earningsMore.addEventListener("click", () => loadEarnings(earningsCursor));
+  Promise.all([loadBalance(), loadUsage(null), loadEarnings(null)]);
+}
+
+function showError(error) {
+  setStatus(status, errorBlock(error), "error");
+}
+
+async function loadBalance() {
+  try {
+    const balance = await api("/v1/payments/balance");
+    document.getElementById("balance").textContent = usd(balance.balance_micro_usd);
+    document.getElementById("withdrawable").textContent = usd(balance.withdrawable_micro_usd);
+  } catch (error) { showError(error); }
+}
+
+function query(cursor) {
+  return `?limit=${PAGE}` + (cursor ? "&cursor=" + encodeURIComponent(cursor) : "");
+}
+
+async function loadUsage(cursor) {
+  try {
+    const page = await api("/v1/payments/usage" + query(cursor));
+    if (!cursor) usageRows.replaceChildren();
+    usageRows.append(...page.data.map(usageRow));
+    if (!usageRows.children.length) usageRows.append(emptyRow(5, "No requests yet — try the Chat page."));
+    usageCursor = page.next_cursor;
+    usageMore.hidden = !usageCursor;
+  } catch (error) { showError(error); }
+}
+
+async function loadEarnings(cursor) {
+  try {
+    const page = await api("/v1/provider/earnings" + query(cursor));
+    document.getElementById("earned").textContent = usd(page.total_micro_usd);
+    if (!cursor) earningsRows.replaceChildren();
+    earningsRows.append(...page.data.map(earningRow));
+    if (!earningsRows.children.length) {
+      earningsRows.append(emptyRow(4, "No earnings yet — your machines earn when they serve other people's requests."));
+    }
+    earningsCursor = page.next_cursor;
+    earningsMore.hidden = !earningsCursor;
+  } catch (error) { showError(error); }
+}
+
+function emptyRow(span, text) {
+  return h("tr", { class: "empty" }, h("td", { colspan: span }, text));
+}
+
+function cell(label, ...content) {
+  return h("td", { "data-label": label }, ...content);
+}
+
+function usageRow(r) {
+  const free = r.self_routed && r.cost_micro_usd === 0;
+  const served = r.routed === "owned"
+    ? h("span", { class: "badge " + (free ? "free" : "charged") }, free ? "your machine · free" : "your machine")
+    : h("span", { class: "badge network" }, "the network");
+  return h("tr", { class: free ? "free-row" : null, dataset: { request: r.request_id, selfRouted: String(r.self_routed) } },
+    cell("When", h("time", { title: r.request_id }, when(r.created_at))),
+    cell("Model", r.model),
+    cell("Tokens in / out", `${count(r.prompt_tokens)} / ${count(r.completion_tokens)}`),
+    cell("Served by", served),
+    h("td", { class: "num", "data-label": "Cost" }, free ? "Free" : usd(r.cost_micro_usd)));
+}
+
+function earningRow(r) {
+  return h("tr", { dataset: { request: r.request_id } },
+    cell("When", h("time", { title: r.request_id }, when(r.created_at))),
+    cell("Model", r.model),
+    cell("Tokens in / out", `${count(r.prompt_tokens)} / ${count(r.completion_tokens)}`),
+    h("td", { class: "num", "data-label": "Payout" }, usd(r.payout_micro_usd)));
+}
