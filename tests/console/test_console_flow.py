@@ -1,7 +1,8 @@
 """The console as a person uses it, in Chromium, against a real coordinator and real nodes:
-sign up, link two machines with the codes `darkbloom login` prints, chat on My Machine for free,
-hit the out-of-credit and machine-offline sentences, make a "My Machine only — free" key, read
-usage, log out and back in. The tests run in file order and share one browser tab and account."""
+sign up, link two machines with the codes `darkbloom login` prints, hit the out-of-credit sentence
+at zero balance, get credit and chat on My Machine for free (prefer reserves, then refunds in full),
+make a "My Machine only — free" key, read usage, see the machine-offline sentence, log out and back
+in. The tests run in file order and share one browser tab and account."""
 
 from __future__ import annotations
 
@@ -31,8 +32,13 @@ from tests.support.processes import (
 pytestmark = pytest.mark.e2e
 
 PASSWORD = "correct horse battery"
-OUT_OF_CREDIT = "You're out of credit — add credit, or turn on My Machine to use your own machine for free."
+OUT_OF_CREDIT = ("You're out of credit — add credit to keep chatting. My Machine needs credit too: "
+                 "the cost is held up front and refunded when your machine answers.")
 OFFLINE = "Your machine is offline — start your Darkbloom node and retry."
+NOT_FOUND = "That model isn't available — pick another one from the list."
+UNAVAILABLE = ("No machine on the network is serving this model right now — pick another model, "
+               "or turn on My Machine to use your own.")
+CREDIT_MICRO_USD = 1_000_000
 
 
 @dataclass
@@ -52,6 +58,15 @@ class Console:
         token = token or self.tab.session_token()
         return httpx.request(method, self.coord.base_url + path, headers={"Authorization": f"Bearer {token}"},
                              timeout=30, **kwargs)
+
+    def balance(self) -> int:
+        return int(self.api("GET", "/v1/payments/balance").json()["balance_micro_usd"])
+
+    def credit(self, micro_usd: int) -> None:
+        """An admin grants credit (POST /v1/admin/credit with the coordinator's admin token)."""
+        httpx.post(self.coord.api_url + "/admin/credit", headers=self.coord.admin(), timeout=30, json={
+            "email": self.email, "amount_micro_usd": micro_usd, "reference": "console-" + secrets.token_hex(6),
+        }).raise_for_status()
 
 
 @pytest.fixture(scope="module")
@@ -190,8 +205,45 @@ def test_link_page_says_what_to_do_with_a_bad_or_used_code(linked: Console) -> N
     expect(code).to_be_focused()
 
 
+def test_chat_with_my_machine_off_at_zero_balance_says_out_of_credit(linked: Console) -> None:
+    page, tab = linked.page, linked.tab
+    assert linked.balance() == 0
+    page.goto("/console/")
+    my_machine(page, True)
+    my_machine(page, False)
+    page.get_by_label("Model").select_option("smollm2-135m")
+    tab.api_calls.clear()
+
+    answer = send(page, "Hello")
+
+    expect(answer.locator(".error-sentence")).to_have_text(OUT_OF_CREDIT)
+    assert [c[2].get("x-darkbloom-route") for c in chat_requests(tab)] == [None]
+    assert page.evaluate("localStorage.getItem('darkbloom.myMachine')") == "false"
+
+
+def test_my_machine_at_zero_balance_is_out_of_credit_too(linked: Console) -> None:
+    """prefer reserves the worst case up front (CONTRACT §4): with no credit it is refused with 402,
+    even though the person's machine is online — and the console asks nothing else."""
+    page, tab = linked.page, linked.tab
+    my_machine(page, True)
+    expect(page.locator("#machine-state")).to_contain_text("online")
+    page.get_by_label("Model").select_option("smollm2-135m")
+    tab.api_calls.clear()
+
+    answer = send(page, "Hello on my machine")
+
+    expect(answer.locator(".error-sentence")).to_have_text(OUT_OF_CREDIT)
+    expect(answer.locator(".error-extra")).to_have_count(0)
+    assert [c[2].get("x-darkbloom-route") for c in chat_requests(tab)] == ["prefer"]
+    assert linked.balance() == 0
+    tab.shoot("chat-no-credit")
+
+
 def test_chat_with_my_machine_on_is_free_on_your_machine(linked: Console) -> None:
     page, tab = linked.page, linked.tab
+    linked.credit(CREDIT_MICRO_USD)
+    before = linked.balance()
+    assert before == CREDIT_MICRO_USD
     page.goto("/console/")
     my_machine(page, True)
     assert page.evaluate("localStorage.getItem('darkbloom.myMachine')") == "true"
@@ -208,38 +260,27 @@ def test_chat_with_my_machine_on_is_free_on_your_machine(linked: Console) -> Non
     expect(answer.locator(".badge")).to_have_text("your machine · free")
     assert answer.locator(".answer").inner_text().strip() not in ("", "…")
     sent = chat_requests(tab)
-    # the toggle sends prefer (a header, never a body field); with no credit prefer cannot reserve,
-    # so the console asks again with self (your machine only, free)
-    assert [c[2].get("x-darkbloom-route") for c in sent] == ["prefer", "self"]
+    # the toggle sends prefer — a header, never a body field — and nothing else
+    assert [c[2].get("x-darkbloom-route") for c in sent] == ["prefer"]
     for _, _, _, body in sent:
         assert set(json.loads(body or "{}")) == {"model", "messages", "stream", "max_tokens"}
-    assert linked.api("GET", "/v1/payments/balance").json()["balance_micro_usd"] == 0
+    # prefer reserved up front and refunded all of it: your machine served
+    assert linked.balance() == before
     newest = linked.api("GET", "/v1/payments/usage").json()["data"][0]
     assert newest["self_routed"] is True and newest["cost_micro_usd"] == 0 and newest["routed"] == "owned"
 
 
-def test_chat_with_my_machine_off_at_zero_balance_says_out_of_credit(linked: Console) -> None:
-    page, tab = linked.page, linked.tab
-    my_machine(page, False)
-    page.get_by_label("Model").select_option("smollm2-135m")
-    tab.api_calls.clear()
-
-    answer = send(page, "Hello again")
-
-    expect(answer.locator(".error-sentence")).to_have_text(OUT_OF_CREDIT)
-    assert [c[2].get("x-darkbloom-route") for c in chat_requests(tab)] == [None]
-    assert page.evaluate("localStorage.getItem('darkbloom.myMachine')") == "false"
-
-
 def test_model_answer_with_html_is_shown_as_text(linked: Console) -> None:
-    page = linked.page
+    page, tab = linked.page, linked.tab
     my_machine(page, True)
     expect(page.locator("#model option[value=html-echo]")).to_have_count(1)
     page.get_by_label("Model").select_option("html-echo")
+    tab.api_calls.clear()
 
     answer = send(page, "Show me some HTML")
 
     expect(answer.locator(".badge")).to_have_text("your machine · free")
+    assert [c[2].get("x-darkbloom-route") for c in chat_requests(tab)] == ["prefer"]
     text = answer.locator(".answer").inner_text()
     assert "<script>window.__pwned = 1; alert(1)</script>" in text
     assert '<img src=x onerror="window.__pwned = 2">' in text
@@ -333,7 +374,7 @@ def test_keys_can_be_edited_and_deleted(linked: Console) -> None:
 def test_usage_page_shows_balance_and_marks_free_rows(linked: Console) -> None:
     page = linked.page
     page.goto("/console/usage")
-    expect(page.locator("#balance")).to_have_text("$0.00")
+    expect(page.locator("#balance")).to_have_text("$1.00")  # the credit, untouched by free answers
     expect(page.locator("#withdrawable")).to_have_text("$0.00")
     rows = page.locator("#usage-rows tr")
     expect(rows).to_have_count(2)
@@ -352,30 +393,33 @@ def test_stopped_machine_shows_the_offline_sentence(linked: Console) -> None:
                timeout=30, what="machines offline")
     page.goto("/console/")
     expect(page.get_by_role("switch", name="My Machine")).to_be_checked()
-    expect(page.locator("#machine-state")).to_contain_text("Your machine is offline")
+    # the machine-state line beside the switch says it, before anything is sent
+    expect(page.locator("#machine-state")).to_have_text(OFFLINE)
     # the model last used stays pickable, so the person learns why it cannot answer
     expect(page.get_by_label("Model")).to_have_value("html-echo")
     tab.api_calls.clear()
 
     answer = send(page, "Are you there?")
 
-    expect(answer.locator(".error-sentence")).to_have_text(OFFLINE)
-    expect(answer.locator(".countdown")).to_have_text(re.compile(r"^Retry in (2\d|30) s$"))
-    expect(answer.get_by_role("button", name="Retry")).to_be_disabled()
-    expect(answer.locator(".error-extra")).to_have_text("The network doesn't serve this model either.")
-    # prefer: 404 (only your machine has html-echo) → self: 503 machine_offline
-    assert [c[2].get("x-darkbloom-route") for c in chat_requests(tab)] == ["prefer", "self"]
+    # only your machine serves html-echo, so while it is off prefer finds no such model (404
+    # model_not_found); the console says so, and that your machine is offline
+    expect(answer.locator(".error-sentence")).to_have_text(NOT_FOUND)
+    expect(answer.locator(".error-extra")).to_have_text(OFFLINE)
+    expect(answer.get_by_role("button", name="Retry")).to_be_enabled()
+    assert [c[2].get("x-darkbloom-route") for c in chat_requests(tab)] == ["prefer"]
 
     # a person who last chatted on the bundled model comes back while their machine is off
     page.evaluate("localStorage.setItem('darkbloom.chatModel', 'smollm2-135m')")
     page.reload()
     expect(page.get_by_label("Model")).to_have_value("smollm2-135m")
+    expect(page.locator("#machine-state")).to_have_text(OFFLINE)
     tab.api_calls.clear()
     answer = send(page, "And on the bundled model?")
-    expect(answer.locator(".error-sentence")).to_have_text(OFFLINE)
-    expect(answer.locator(".error-extra")).to_contain_text("You have no credit")
-    # prefer: 402 (no credit to reserve) → self: 503 machine_offline
-    assert [c[2].get("x-darkbloom-route") for c in chat_requests(tab)] == ["prefer", "self"]
+    # the network has no machine for it either (503 model_unavailable)
+    expect(answer.locator(".error-sentence")).to_have_text(UNAVAILABLE)
+    expect(answer.locator(".error-extra")).to_have_text(OFFLINE)
+    assert [c[2].get("x-darkbloom-route") for c in chat_requests(tab)] == ["prefer"]
+    assert linked.balance() == CREDIT_MICRO_USD  # refused before anything was kept
     tab.shoot("chat-offline")
     page.goto("/console/machines")
     expect(page.locator(".machine[data-online=false]")).to_have_count(2)

@@ -191,8 +191,9 @@ def test_console_is_served_with_a_strict_content_security_policy(coord: Coordina
 def test_rate_limited_chat_says_when_to_retry_and_counts_down(tab: Any) -> None:
     """A refused rate limit refunds its token, so without a serving node the coordinator cannot be
     driven to 429 here; this test stubs the one response (the coordinator's exact 429 envelope and
-    headers, from admission.py) to check what the person sees. The real Retry-After countdown is
-    checked end to end with machine_offline in test_console_flow.py."""
+    headers, from admission.py) to check what the person sees. (The console's chat sends only
+    prefer or no route header, and neither is answered with machine_offline's Retry-After, so this
+    stub is where the countdown is checked.)"""
     page = tab.page
     page.goto("/console/link")
     page.evaluate("localStorage.setItem('darkbloom.chatModel', 'smollm2-135m')")  # the model used last time
@@ -219,4 +220,5 @@ def test_rate_limited_chat_says_when_to_retry_and_counts_down(tab: Any) -> None:
     retry.click()
     # the real coordinator now answers: this zero-balance account is out of credit
     expect(page.locator(".turn.assistant .error-sentence")).to_have_text(
-        "You're out of credit — add credit, or turn on My Machine to use your own machine for free.")
+        "You're out of credit — add credit to keep chatting. My Machine needs credit too: the cost is held "
+        "up front and refunded when your machine answers.")

@@ -1,7 +1,7 @@
 // Chat: model picker (/v1/models, plus your own machine's models with My Machine on), streaming
 // answers over fetch + SSE, rendered as safe Markdown, each badged from the response headers.
 import { api, errorFrom, send } from "./api.js";
-import { errorBlock } from "./errors.js";
+import { errorBlock, sentenceFor } from "./errors.js";
 import { h, poll, requireSession } from "./layout.js";
 import { renderMarkdown } from "./markdown.js";
 
@@ -110,7 +110,7 @@ function renderMachineState() {
   const online = machines.filter((m) => m.online);
   if (!online.length) {
     machineState.classList.add("warn");
-    machineState.textContent = "Your machine is offline — start your Darkbloom node. Until then, answers come from the network if you have credit.";
+    machineState.textContent = sentenceFor("machine_offline");
     return;
   }
   machineState.classList.add("ok");
@@ -169,18 +169,13 @@ function submit() {
   ask(text, modelSelect.value);
 }
 
-/** With My Machine on, a request carries `X-Darkbloom-Route: prefer` (a header, never a body
- *  field): your machine first, the paid network when it can't serve. When prefer cannot be served at
- *  all — no credit for its up-front reservation (402), or nobody, your machine included, serves the
- *  model (404/503) — the console asks once more with `self`: your machine only, free, never charged.
- *  So a person without credit still chats on their own machine, and an unservable request explains
- *  what is wrong with their machine ("Your machine is offline …") instead of a generic error. */
-const ASK_MY_MACHINE = {
-  insufficient_quota: "You have no credit, so My Machine could only use your own machine. Add credit to let it fall back to the network.",
-  model_not_found: "The network doesn't serve this model either.",
-  model_unavailable: "The network doesn't serve this model right now either.",
-};
+/** True when the account has linked machines and the last poll saw none of them online. */
+function machineOffline() {
+  return !!(state.machines && state.machines.length && !state.machines.some((m) => m.online));
+}
 
+/** With My Machine on, every request carries `X-Darkbloom-Route: prefer` (a header, never a body
+ *  field; CONTRACT §4): your machine first, for free; the paid network when it can't serve. */
 async function ask(text, model) {
   const turn = h("li", { class: "turn assistant", "aria-busy": "true" });
   const meta = h("div", { class: "meta" }, h("span", { class: "model-name" }, model));
@@ -196,23 +191,19 @@ async function ask(text, model) {
   const myMachine = toggle.checked;
 
   setBusy(new AbortController());
-  const signal = state.controller.signal;
-  let onlyMine = false;
   let content = "";
   try {
-    let response = await post(request, myMachine ? "prefer" : null, signal);
+    const response = await post(request, myMachine, state.controller.signal);
     if (!response.ok) {
-      let error = await errorFrom(response);
-      let extra = null;
-      if (myMachine && [402, 404, 503].includes(error.status) && ASK_MY_MACHINE[error.code]) {
-        onlyMine = true;
-        extra = ASK_MY_MACHINE[error.code];
-        response = await post(request, "self", signal);
-        error = response.ok ? null : await errorFrom(response);
-      }
-      if (error) return fail(turn, body, error, extra, text, model);
+      const error = await errorFrom(response);
+      // the machine-state line knows your machine is offline: say so with the error
+      const extra = myMachine && machineOffline() && error.code !== "machine_offline"
+        ? sentenceFor("machine_offline") : null;
+      body.replaceChildren(errorBlock(error, { extra, onRetry: () => retry(turn, text, model) }));
+      turn.classList.add("failed");
+      return;
     }
-    meta.append(badge(response.headers, onlyMine));
+    meta.append(badge(response.headers));
     content = await stream(response, (soFar) => {
       content = soFar;
       renderAnswer(body, soFar);
@@ -236,32 +227,26 @@ async function ask(text, model) {
   }
 }
 
-function fail(turn, body, error, extra, text, model) {
-  body.replaceChildren(errorBlock(error, { extra, onRetry: () => retry(turn, text, model) }));
-  turn.classList.add("failed");
-}
-
 function retry(turn, text, model) {
   if (state.controller) return;
   turn.remove();
   ask(text, model);
 }
 
-function post(request, route, signal) {
+function post(request, myMachine, signal) {
   const headers = { Accept: "text/event-stream" };
-  if (route) headers["X-Darkbloom-Route"] = route;
+  if (myMachine) headers["X-Darkbloom-Route"] = "prefer";
   return send("/v1/chat/completions", { method: "POST", body: request, headers, signal });
 }
 
-function badge(headers, onlyMine) {
+function badge(headers) {
   const routed = headers.get("X-Darkbloom-Routed");
   const billing = headers.get("X-Darkbloom-Billing");
   const parts = [];
   if (routed) parts.push(routed === "owned" ? "your machine" : "the network");
   if (billing) parts.push(billing === "free" ? "free" : "charged");
   if (!parts.length) return "";
-  const title = onlyMine ? "My Machine used only your own machine for this answer (X-Darkbloom-Route: self)." : null;
-  return h("span", { class: "badge " + (billing === "free" ? "free" : "charged"), title }, parts.join(" · "));
+  return h("span", { class: "badge " + (billing === "free" ? "free" : "charged") }, parts.join(" · "));
 }
 
 /** Reads an SSE body: content deltas, one error event (after partial output), or [DONE]. */

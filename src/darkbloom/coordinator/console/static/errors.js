@@ -11,8 +11,8 @@ const SENTENCES = {
   model_capability_unsupported: () => "Your machine serves this model, but not for this kind of request (images or tools) — send plain text, or load a model that supports it.",
   machine_busy: () => "Your machine is busy with other requests — retry when the countdown ends, or raise its max_concurrency.",
   // Money
-  insufficient_quota: () => "You're out of credit — add credit, or turn on My Machine to use your own machine for free.",
-  insufficient_funds: () => "You're out of credit — add credit, or turn on My Machine to use your own machine for free.",
+  insufficient_quota: () => "You're out of credit — add credit to keep chatting. My Machine needs credit too: the cost is held up front and refunded when your machine answers.",
+  insufficient_funds: () => "You're out of credit — add credit to keep chatting. My Machine needs credit too: the cost is held up front and refunded when your machine answers.",
   spend_cap_exceeded: () => "This key has reached its spend limit for this period — raise the limit under API keys, or wait for it to reset.",
   // Capacity and limits
   rate_limit_exceeded: () => "You're sending requests faster than your limit allows — wait for the countdown, then retry.",
@@ -38,6 +38,11 @@ const SENTENCES = {
 /** Text with `backticked` commands shown as code; everything stays text. */
 export function withCode(text) {
   return text.split("`").map((part, i) => (i % 2 ? h("code", {}, part) : document.createTextNode(part)));
+}
+
+/** The sentence for an error code (for example "machine_offline"). */
+export function sentenceFor(code) {
+  return SENTENCES[code]();
 }
 
 /** {sentence, detail, retryAfter} for an ApiError. */
