@@ -36,8 +36,8 @@ OUT_OF_CREDIT = ("You're out of credit — add credit to keep chatting. My Machi
                  "the cost is held up front and refunded when your machine answers.")
 OFFLINE = "Your machine is offline — start your Darkbloom node and retry."
 NOT_FOUND = "That model isn't available — pick another one from the list."
-UNAVAILABLE = ("No machine on the network is serving this model right now — pick another model, "
-               "or turn on My Machine to use your own.")
+UNAVAILABLE = ("No machine is serving this model right now — pick another model, "
+               "or start your Darkbloom node and turn on My Machine.")
 CREDIT_MICRO_USD = 1_000_000
 
 

@@ -114,8 +114,8 @@ function renderMachineState() {
     return;
   }
   machineState.classList.add("ok");
-  machineState.textContent = online.length === 1 ? "Your machine is online — answers are free."
-    : `${online.length} of your machines are online — answers are free.`;
+  machineState.textContent = online.length === 1 ? "Your machine is online — its answers are free (the cost is held, then refunded)."
+    : `${online.length} of your machines are online — their answers are free (the cost is held, then refunded).`;
 }
 
 function renderModels() {
@@ -149,7 +149,7 @@ function renderModels() {
   } else if (loaded && !served.length) {
     modelHint.textContent = toggle.checked
       ? "Neither the network nor your machine serves a model right now — start your Darkbloom node."
-      : "No model is being served right now — turn on My Machine to use your own, or try again later.";
+      : "No model is being served right now — start your Darkbloom node and turn on My Machine, or try again later.";
   } else {
     modelHint.textContent = "";
   }

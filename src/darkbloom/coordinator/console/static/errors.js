@@ -17,7 +17,7 @@ const SENTENCES = {
   // Capacity and limits
   rate_limit_exceeded: () => "You're sending requests faster than your limit allows — wait for the countdown, then retry.",
   service_unavailable: () => "Darkbloom is briefly overloaded — retry in a few seconds.",
-  model_unavailable: () => "No machine on the network is serving this model right now — pick another model, or turn on My Machine to use your own.",
+  model_unavailable: () => "No machine is serving this model right now — pick another model, or start your Darkbloom node and turn on My Machine.",
   model_not_found: () => "That model isn't available — pick another one from the list.",
   model_not_allowed: () => "This key may not use that model — edit the key's allowed models.",
   // The serving machine failed
