@@ -19,12 +19,12 @@ CHROMIUM_HINT := Chromium is missing (/usr/bin/chromium): the console browser te
 chromium:
 	@if [ -x /usr/bin/chromium ]; then :; \
 	elif [ "$$(id -u)" = 0 ]; then \
-		apt-get install -y chromium || { apt-get update && apt-get install -y chromium; } || echo "$(CHROMIUM_HINT)"; \
+		DEBIAN_FRONTEND=noninteractive apt-get install -y -q chromium || { apt-get update -q && DEBIAN_FRONTEND=noninteractive apt-get install -y -q chromium; } || echo "$(CHROMIUM_HINT)"; \
 	elif command -v sudo >/dev/null 2>&1; then \
 		sudo apt-get install -y chromium || { sudo apt-get update && sudo apt-get install -y chromium; } || echo "$(CHROMIUM_HINT)"; \
 	else echo "$(CHROMIUM_HINT)"; fi
 
-demo: install
+demo: $(STAMP)
 	$(VENV)/bin/darkbloom demo
 
 services:
