@@ -30,8 +30,10 @@ IMG_DIR = Path(__file__).resolve().parents[2] / "docs" / "img"
 HTML_UPSTREAM = Path(__file__).with_name("html_upstream.py")
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")
 def browser() -> Iterator[Any]:
+    # module scope, not session: Playwright's sync API keeps an event loop running in this thread
+    # while it is open, and later modules' asyncio.run() calls would fail
     if not Path(CHROMIUM).exists():
         pytest.fail(f"{CHROMIUM} is missing: run `make install` (it installs Debian's chromium) "
                     "or set DARKBLOOM_TEST_CHROMIUM")
