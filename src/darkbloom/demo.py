@@ -168,7 +168,7 @@ def _print_banner(out: Console, base_url: str, creds: DemoCredentials) -> None:
                f"r = client.chat.completions.create(model=\"{BUNDLED_MODEL_ID}\", "
                f"messages=[{{\"role\": \"user\", \"content\": \"Say hi\"}}])\n"
                f"print(r.choices[0].message.content)")
-    out.print(f"\n[bold]Darkbloom demo is running[/bold]\n")
+    out.print("\n[bold]Darkbloom demo is running[/bold]\n")
     out.print(f"base URL     {base_url}/v1")
     out.print(f"API key      {creds.api_key}")
     out.print(f"account      {DEMO_EMAIL} / {creds.password}", soft_wrap=True)

@@ -9,7 +9,7 @@ import hashlib
 from pathlib import Path
 
 _PACKAGE_ROOT = Path(__file__).parent
-_RUNTIME_PARTS = ("provider", "protocol.py", "crypto.py", "catalog.py")
+_RUNTIME_PARTS = ("provider", "protocol.py", "crypto.py", "catalog.py", "openai_chunks.py")
 
 
 @functools.cache

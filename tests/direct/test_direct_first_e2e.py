@@ -10,7 +10,6 @@ online at the coordinator, and the request must go through Self-Route.
 from __future__ import annotations
 
 import asyncio
-import json
 import os
 from pathlib import Path
 from typing import Iterator

@@ -6,7 +6,6 @@ import json
 import re
 import stat
 import subprocess
-import time
 from pathlib import Path
 
 import httpx

@@ -11,7 +11,6 @@ import httpx
 import pytest
 
 from tests.e2e.conftest import Stack
-from tests.support.accounts import Account
 from tests.support.processes import start_coordinator
 
 pytestmark = pytest.mark.e2e

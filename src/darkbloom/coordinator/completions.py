@@ -27,6 +27,7 @@ from darkbloom.coordinator import selfroute
 from darkbloom.coordinator.scheduler import Placement, RouteDecision, survey
 from darkbloom.coordinator.selfroute import Policy, resolve_policy
 from darkbloom.coordinator.services import Services
+from darkbloom.openai_chunks import SSE_DONE, sse
 
 log = logging.getLogger("darkbloom.completions")
 SETTLE_ATTEMPTS = 4
@@ -181,8 +182,8 @@ async def _streamed(flight: InFlight, completed: bool, shaper: relay.ChunkShaper
             yield relay.failure_event(failure)
             return
         assert pending.usage is not None
-        yield relay.sse(shaper.usage_chunk(pending.usage))
-        yield relay.SSE_DONE
+        yield sse(shaper.usage_chunk(pending.usage))
+        yield SSE_DONE
     finally:
         if not finished:
             _finish_later(flight, "client_disconnected", charge_partial=True)

@@ -18,6 +18,7 @@ from darkbloom.coordinator.chat_request import ChatRequest
 from darkbloom.coordinator.errors import ApiError, error_body
 from darkbloom.coordinator.registry import ProviderSession
 from darkbloom.crypto import DecryptionError, ReplyKey
+from darkbloom.openai_chunks import MessageBuilder, has_content, sse
 from darkbloom.protocol import Cancel, Envelope, InferenceRequest, Usage, dump
 
 log = logging.getLogger("darkbloom.relay")
@@ -151,14 +152,6 @@ def abandon(pending: PendingRequest) -> None:
     release(pending)
 
 
-def has_content(chunk: dict[str, Any]) -> bool:
-    for choice in chunk.get("choices") or ():
-        delta = choice.get("delta") or {}
-        if delta.get("content") or delta.get("tool_calls") or delta.get("refusal") or delta.get("function_call"):
-            return True
-    return False
-
-
 async def first_content(pending: PendingRequest, deadline: float) -> bool:
     """Wait (until ``deadline``, monotonic) for the first content chunk or the completion; chunks
     before it accumulate on ``pending.head``. Returns whether the provider already completed.
@@ -210,11 +203,6 @@ def usage_dict(usage: Usage) -> dict[str, int]:
             "total_tokens": usage.prompt_tokens + usage.completion_tokens}
 
 
-def sse(data: dict[str, Any]) -> bytes:
-    return b"data: " + json.dumps(data, separators=(",", ":")).encode() + b"\n\n"
-
-
-SSE_DONE = b"data: [DONE]\n\n"
 
 
 async def relay_chunks(pending: PendingRequest, completed: bool, shaper: ChunkShaper) -> AsyncIterator[bytes]:
@@ -239,7 +227,7 @@ def failure_event(failure: Failed) -> bytes:
 
 async def collect(pending: PendingRequest, completed: bool, shaper: ChunkShaper) -> dict[str, Any]:
     """Assemble a non-streaming chat.completion from the chunks."""
-    message = _MessageBuilder()
+    message = MessageBuilder()
     for data in pending.head:
         message.add(data)
     while not completed:
@@ -253,38 +241,3 @@ async def collect(pending: PendingRequest, completed: bool, shaper: ChunkShaper)
     assert pending.usage is not None
     return {"id": shaper.request_id, "object": "chat.completion", "created": shaper.created,
             "model": shaper.model, "choices": [message.choice()], "usage": usage_dict(pending.usage)}
-
-
-class _MessageBuilder:
-    def __init__(self) -> None:
-        self.content: list[str] = []
-        self.tool_calls: dict[int, dict[str, Any]] = {}
-        self.finish_reason: str | None = None
-
-    def add(self, chunk: dict[str, Any]) -> None:
-        for choice in chunk.get("choices") or ():
-            delta = choice.get("delta") or {}
-            if delta.get("content"):
-                self.content.append(delta["content"])
-            for call in delta.get("tool_calls") or ():
-                self._merge_tool_call(call)
-            if choice.get("finish_reason"):
-                self.finish_reason = choice["finish_reason"]
-
-    def _merge_tool_call(self, call: dict[str, Any]) -> None:
-        merged = self.tool_calls.setdefault(call.get("index", len(self.tool_calls)),
-                                            {"id": None, "type": "function",
-                                             "function": {"name": "", "arguments": ""}})
-        if call.get("id"):
-            merged["id"] = call["id"]
-        function = call.get("function") or {}
-        merged["function"]["name"] += function.get("name") or ""
-        merged["function"]["arguments"] += function.get("arguments") or ""
-
-    def choice(self) -> dict[str, Any]:
-        message: dict[str, Any] = {"role": "assistant", "content": "".join(self.content)}
-        if self.tool_calls:
-            message["tool_calls"] = [self.tool_calls[i] for i in sorted(self.tool_calls)]
-            message["content"] = message["content"] or None
-        return {"index": 0, "message": message, "finish_reason": self.finish_reason or "stop",
-                "logprobs": None}

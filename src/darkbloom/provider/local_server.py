@@ -31,6 +31,7 @@ from starlette.routing import Route
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from darkbloom import crypto
+from darkbloom.openai_chunks import SSE_DONE, MessageBuilder, sse
 from darkbloom.provider.backends import Backend, BackendError
 from darkbloom.provider.backends.base import UsageMeter, is_usage_chunk
 from darkbloom.provider.slots import Slots
@@ -274,7 +275,7 @@ class _Generation:
         return head
 
     async def collect(self) -> dict[str, Any]:
-        message = _MessageBuilder()
+        message = MessageBuilder()
         async for chunk in self.chunks():
             message.add(chunk)
         return {"id": self.request_id, "object": "chat.completion", "created": self.created, "model": self.model,
@@ -319,24 +320,20 @@ class _Generation:
 
 async def _events(generation: _Generation, head: list[dict[str, Any]]) -> AsyncIterator[bytes]:
     for chunk in head:
-        yield _sse(chunk)
+        yield sse(chunk)
     try:
         async for chunk in generation.chunks():
-            yield _sse(chunk)
+            yield sse(chunk)
         final = generation.usage_chunk()
     except BackendError as exc:
-        yield _sse(_from_backend(exc).body())
+        yield sse(_from_backend(exc).body())
         return
     except Exception:  # noqa: BLE001 - the stream has started: report in-band, no [DONE]
         log.exception("direct request %s failed mid-stream", generation.request_id)
-        yield _sse(LocalApiError(500, "server_error", "The node failed while serving this request.").body())
+        yield sse(LocalApiError(500, "server_error", "The node failed while serving this request.").body())
         return
-    yield _sse(final)
-    yield b"data: [DONE]\n\n"
-
-
-def _sse(data: dict[str, Any]) -> bytes:
-    return b"data: " + json.dumps(data, separators=(",", ":")).encode() + b"\n\n"
+    yield sse(final)
+    yield SSE_DONE
 
 
 class _GenerationResponse(StreamingResponse):
@@ -352,32 +349,3 @@ class _GenerationResponse(StreamingResponse):
             await super().__call__(scope, receive, send)
         finally:
             self.generation.finish_soon()
-
-
-class _MessageBuilder:
-    def __init__(self) -> None:
-        self.content: list[str] = []
-        self.tool_calls: dict[int, dict[str, Any]] = {}
-        self.finish_reason: str | None = None
-
-    def add(self, chunk: dict[str, Any]) -> None:
-        for choice in chunk.get("choices") or ():
-            delta = choice.get("delta") or {}
-            if delta.get("content"):
-                self.content.append(delta["content"])
-            for call in delta.get("tool_calls") or ():
-                merged = self.tool_calls.setdefault(call.get("index", len(self.tool_calls)), {
-                    "id": None, "type": "function", "function": {"name": "", "arguments": ""}})
-                merged["id"] = call.get("id") or merged["id"]
-                function = call.get("function") or {}
-                merged["function"]["name"] += function.get("name") or ""
-                merged["function"]["arguments"] += function.get("arguments") or ""
-            if choice.get("finish_reason"):
-                self.finish_reason = choice["finish_reason"]
-
-    def choice(self) -> dict[str, Any]:
-        message: dict[str, Any] = {"role": "assistant", "content": "".join(self.content)}
-        if self.tool_calls:
-            message["tool_calls"] = [self.tool_calls[i] for i in sorted(self.tool_calls)]
-            message["content"] = message["content"] or None
-        return {"index": 0, "message": message, "finish_reason": self.finish_reason or "stop", "logprobs": None}
