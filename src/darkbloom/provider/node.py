@@ -19,10 +19,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import importlib.metadata
 import json
 import logging
-import os
 import random
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -39,6 +37,7 @@ from darkbloom.provider.backends.base import UsageMeter, is_usage_chunk
 from darkbloom.provider.config import ProviderConfig, ws_url
 from darkbloom.provider.local_endpoint import LocalEndpoint
 from darkbloom.provider.models import describe_models
+from darkbloom.provider.registration import register_frame, save_certificate, version
 from darkbloom.provider.slots import Slots
 from darkbloom.provider.state import NodeState, write_state
 from darkbloom.runtime import runtime_hash
@@ -141,10 +140,12 @@ class ProviderNode:
     async def _session(self) -> None:
         url = ws_url(self.config)
         async with connect(url, max_size=protocol.MAX_FRAME_BYTES, compression=None, open_timeout=15,
-                           close_timeout=5, user_agent_header=f"darkbloom-provider/{_version()}") as ws:
+                           close_timeout=5, user_agent_header=f"darkbloom-provider/{version()}") as ws:
             log.info("connected to %s", url)
             self._outbox = asyncio.Queue()
-            await ws.send(protocol.dump(self._register_frame()))
+            assert self.identity is not None
+            await ws.send(protocol.dump(register_frame(self.config, self.home, self.identity, self.models,
+                                                       self.runtime_hash)))
             self._set_state(connected=True)
             tasks = [asyncio.create_task(self._writer(ws, self._outbox)), asyncio.create_task(self._heartbeats()),
                      asyncio.create_task(self._reader(ws))]
@@ -160,30 +161,6 @@ class ProviderNode:
                     if not isinstance(exc, ConnectionClosed):
                         raise exc
                     log.info("coordinator closed the connection (%s)", exc)
-
-    def _register_frame(self) -> protocol.Register:
-        assert self.identity is not None
-        return protocol.Register(
-            auth_token=self._auth_token(), models=self.models, backend=self.config.backend,
-            version=_version(), runtime_hash=self.runtime_hash, public_key=self.identity.public_key_b64,
-            identity_key=self.identity.identity_key_b64, attestation=self.identity.attestation(self.runtime_hash),
-            certificate=self._certificate(), encrypted_response_chunks=True, private_only=self.config.private_only,
-            max_concurrency=self.config.max_concurrency, hardware=_hardware(), name=self.config.name)
-
-    def _certificate(self) -> str | None:
-        """The enrollment certificate the coordinator handed us (hardware trust), if any."""
-        try:
-            certificate = paths.certificate_path(self.home).read_text()
-        except OSError:
-            return None
-        return certificate if certificate.strip() else None
-
-    def _auth_token(self) -> str | None:
-        try:
-            token = paths.auth_token_path(self.home).read_text().strip()
-        except OSError:
-            return None
-        return token or None
 
     # frames
 
@@ -237,20 +214,10 @@ class ProviderNode:
         elif isinstance(frame, protocol.TrustStatus):
             log.info("trust level now %s%s", frame.trust_level, f" ({frame.reason})" if frame.reason else "")
             if frame.certificate:
-                self._save_certificate(frame.certificate)
+                save_certificate(self.home, frame.certificate)
             self._set_state(trust_level=frame.trust_level)
         elif isinstance(frame, protocol.ErrorFrame):
             log.warning("coordinator error %s: %s", frame.code, frame.message)
-
-    def _save_certificate(self, certificate: str) -> None:
-        """Keep the enrollment certificate; it is presented as `register.certificate` from now on."""
-        path = paths.certificate_path(self.home)
-        try:
-            crypto.write_private_file(path, certificate)
-        except OSError as exc:
-            log.warning("cannot save the enrollment certificate to %s: %s", path, exc)
-            return
-        log.info("enrollment certificate saved to %s", path)
 
     def _answer_challenge(self, frame: protocol.AttestationChallenge) -> None:
         assert self.identity is not None
@@ -394,18 +361,3 @@ class ProviderNode:
             write_state(self.home, self.state)
         except OSError as exc:
             log.warning("cannot write %s: %s", paths.node_state_path(self.home), exc)
-
-
-def _version() -> str:
-    try:
-        return importlib.metadata.version("darkbloom")
-    except importlib.metadata.PackageNotFoundError:
-        return "0.0.0"
-
-
-def _hardware() -> protocol.Hardware:
-    try:
-        memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30
-    except (ValueError, OSError, AttributeError):
-        memory = 0.0
-    return protocol.Hardware(cpu_count=os.cpu_count() or 0, memory_gb=round(memory, 1))
