@@ -171,7 +171,7 @@ def _print_banner(out: Console, base_url: str, creds: DemoCredentials) -> None:
     out.print("\n[bold]Darkbloom demo is running[/bold]\n")
     out.print(f"base URL     {base_url}/v1")
     out.print(f"API key      {creds.api_key}")
-    out.print(f"account      {DEMO_EMAIL} / {creds.password}", soft_wrap=True)
+    out.print(f"console      {base_url}/console/  (log in as {DEMO_EMAIL} / {creds.password})", soft_wrap=True)
     out.print(f"model        {BUNDLED_MODEL_ID} on a node linked to the demo account\n")
     out.print("[bold]curl[/bold]")
     out.print(curl, soft_wrap=True, highlight=False, markup=False)

@@ -8,6 +8,7 @@ import subprocess
 import time
 from pathlib import Path
 
+import httpx
 import pytest
 
 from tests.support.processes import _env, darkbloom_cmd, free_port
@@ -45,6 +46,8 @@ def test_demo_prints_a_working_curl_line_and_stops_cleanly(tmp_path: Path) -> No
         key = next(line.split()[-1] for line in lines if line.startswith("API key"))
         assert key.startswith("dk-")
         assert any("from openai import OpenAI" in line for line in lines)
+        console_url = next(line.split()[1] for line in lines if line.startswith("console "))
+        assert httpx.get(console_url, follow_redirects=True, timeout=10).status_code == 200
         result = subprocess.run(curl, shell=True, capture_output=True, text=True, timeout=120)
         reply = json.loads(result.stdout)
         assert reply["model"] == "smollm2-135m"
