@@ -14,6 +14,7 @@ from fastapi.responses import JSONResponse
 from darkbloom.coordinator import instances, sessions
 from darkbloom.coordinator.catalog_store import load_catalog
 from darkbloom.coordinator.ratelimit import create_rate_limiter
+from darkbloom.coordinator.sealed_body import load_or_create_key
 from darkbloom.coordinator.body_limit import BodyLimitMiddleware
 from darkbloom.coordinator.completions import ClientDisconnected
 from darkbloom.coordinator.config import CoordinatorSettings
@@ -35,6 +36,7 @@ def create_app(settings: CoordinatorSettings) -> FastAPI:
                             rate_limiter=create_rate_limiter(settings.redis_url))
         app.state.services = services
         await load_catalog(services)
+        services.consumer_key = await load_or_create_key(engine)
         await instances.register_instance(services)
         await instances.reconcile_abandoned(services)
         background = [asyncio.create_task(sessions.evict_silent(services)),

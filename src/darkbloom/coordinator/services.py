@@ -23,6 +23,7 @@ class Services:
     registry: Registry
     rate_limiter: RateLimiter
     queues: RequestQueues = None  # type: ignore[assignment]  # built from registry + settings
+    consumer_key: Any = None  # sealed_body.CoordinatorKey, loaded at start (GET /v1/encryption-key)
     instance_id: str = field(default_factory=lambda: new_id("inst_"))
     _tasks: set[asyncio.Task[Any]] = field(default_factory=set)
 

@@ -1,4 +1,4 @@
-"""Liveness, readiness, metrics and the coordinator's public encryption key."""
+"""Public endpoints: liveness, readiness, metrics and the coordinator's encryption key."""
 
 from __future__ import annotations
 
@@ -22,6 +22,12 @@ async def readyz(services: Services = Depends(get_services)) -> JSONResponse:
     if await ping(services.engine):
         return JSONResponse({"status": "ready", "database": "ok"})
     return JSONResponse({"status": "not_ready", "database": "unreachable"}, status_code=503)
+
+
+@router.get("/v1/encryption-key")
+async def encryption_key(services: Services = Depends(get_services)) -> dict[str, str]:
+    """The key a client may seal request bodies to (CONTRACT §6)."""
+    return services.consumer_key.public_view()  # type: ignore[no-any-return]
 
 
 @router.get("/metrics")

@@ -10,6 +10,7 @@ from darkbloom.coordinator.auth import Caller, require_caller
 from darkbloom.coordinator.chat_request import parse_chat_request
 from darkbloom.coordinator.completions import chat_completion
 from darkbloom.coordinator.model_list import list_models, model_entry, owned_models
+from darkbloom.coordinator.sealed_body import is_sealed, unseal
 from darkbloom.coordinator.selfroute import resolve_policy
 from darkbloom.coordinator.services import Services, get_services
 
@@ -20,12 +21,18 @@ router = APIRouter()
 async def chat_completions(request: Request, caller: Caller = Depends(require_caller),
                            services: Services = Depends(get_services)) -> StreamingResponse | JSONResponse:
     admission = await admit_request_rate(services, caller)
+    unsealed = None
     try:
-        chat = parse_chat_request(await request.body())
+        raw = await request.body()
+        if is_sealed(request.headers.get("content-type")):
+            unsealed = unseal(raw, services.consumer_key)
+            raw = unsealed.plaintext
+        chat = parse_chat_request(raw)
     except BaseException:
         await release_rates(services, admission)
         raise
-    return await chat_completion(services, caller, chat, request, admission)
+    response = await chat_completion(services, caller, chat, request, admission)
+    return unsealed.seal_response(response) if unsealed else response
 
 
 @router.get("/v1/models")
