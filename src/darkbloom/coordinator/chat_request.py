@@ -69,7 +69,3 @@ def _has_images(messages: list[Any]) -> bool:
                 isinstance(part, dict) and part.get("type") in ("image_url", "input_image") for part in content):
             return True
     return False
-
-
-def request_too_large() -> ApiError:
-    return ApiError(413, "request_too_large", "The request body is larger than 8 MiB.")

@@ -16,12 +16,12 @@ from typing import Callable, Iterable, Optional
 from prometheus_client import Counter
 
 from darkbloom.catalog import CatalogModel
-from darkbloom.coordinator.config import TRUST_LEVELS, CoordinatorSettings
+from darkbloom.coordinator.config import CoordinatorSettings
 from darkbloom.coordinator.registry import ProviderSession, Registry
+from darkbloom.coordinator.trust import challenge_fresh, trust_at_least
 
 log = logging.getLogger("darkbloom.scheduler")
 REJECTIONS = Counter("darkbloom_scheduler_rejections_total", "Sessions a gate turned away", ["reason"])
-_TRUST_RANK = {level: rank for rank, level in enumerate(TRUST_LEVELS)}
 
 
 @dataclass
@@ -82,7 +82,7 @@ def _private_only(s: ProviderSession, d: RouteDecision, _c: CoordinatorSettings,
 
 
 def _trust_floor(s: ProviderSession, d: RouteDecision, c: CoordinatorSettings, _n: float) -> bool:
-    return d.owns(s) or _TRUST_RANK.get(s.trust_level, -1) >= _TRUST_RANK[c.min_trust]
+    return d.owns(s) or trust_at_least(s.trust_level, c.min_trust)
 
 
 def _runtime_verified(s: ProviderSession, _d: RouteDecision, _c: CoordinatorSettings, _n: float) -> bool:
@@ -94,7 +94,7 @@ def _encrypted_chunks(s: ProviderSession, _d: RouteDecision, _c: CoordinatorSett
 
 
 def _challenge_fresh(s: ProviderSession, _d: RouteDecision, c: CoordinatorSettings, now: float) -> bool:
-    return s.challenge_passed_at is not None and now - s.challenge_passed_at <= c.challenge_freshness
+    return challenge_fresh(s, c, now)
 
 
 def _capabilities(s: ProviderSession, d: RouteDecision, _c: CoordinatorSettings, _n: float) -> bool:

@@ -26,11 +26,11 @@ from darkbloom.coordinator.registry import ProviderSession
 from darkbloom.coordinator.services import Services
 from darkbloom.coordinator.trust import (
     UNTRUSTED,
-    attestation_trust,
     certificate_problem,
     challenge_failure,
     effective_trust,
     new_challenge,
+    registration_trust,
     runtime_allowed,
 )
 from darkbloom.crypto import DecryptionError, new_id, public_key_from_b64, token_hash
@@ -80,14 +80,12 @@ async def open_session(services: Services, registration: Register) -> ProviderSe
 async def _registration_trust(services: Services, registration: Register) -> str:
     """``self_signed`` from the attestation blob; ``hardware`` when it also presents a certificate
     from this coordinator's enrollment CA for its identity key."""
-    level = attestation_trust(registration)
-    if level != "self_signed" or not registration.certificate:
-        return level
-    problem = certificate_problem(registration, await _enrollment_ca(services))
-    if problem is not None:
-        log.warning("a provider presented a certificate that does not prove hardware trust: %s", problem)
-        return level
-    return "hardware"
+    ca = await _enrollment_ca(services) if registration.certificate else None
+    level = registration_trust(registration, ca)
+    if registration.certificate and level == "self_signed":
+        log.warning("a provider presented a certificate that does not prove hardware trust: %s",
+                    certificate_problem(registration, ca))
+    return level
 
 
 async def _enrollment_ca(services: Services) -> EnrollmentCA | None:
