@@ -6,7 +6,7 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
-from darkbloom.coordinator.errors import ApiError, invalid_request
+from darkbloom.coordinator.errors import invalid_request
 
 
 @dataclass(frozen=True)
