@@ -10,7 +10,6 @@ import json
 import os
 import re
 import secrets
-import sys
 from pathlib import Path
 from typing import Any, Iterator
 
@@ -22,7 +21,8 @@ from darkbloom.store.schema import (accounts, admin_credits, key_spend, ledger_e
                                     usage_records)
 
 from tests.support.accounts import Account
-from tests.support.processes import Coordinator, Process, darkbloom_cmd, free_port, spawn, start_coordinator, wait_until
+from tests.support.processes import Coordinator, Process, darkbloom_cmd, spawn, start_coordinator, wait_until
+
 
 ROOT = Path(__file__).resolve().parents[2]
 POSTGRES_ADMIN_DSN = "postgresql://postgres@127.0.0.1:5432/postgres"
@@ -71,24 +71,6 @@ def wait_registered(node: Process, timeout: float = 90) -> str:
         match = re.search(r"registered as (prov_\w+)", node.log())
         return match.group(1) if match else None
     return str(wait_until(registered, timeout=timeout, interval=0.1, what="node registration"))
-
-
-def start_fixed_upstream(home: Path, *args: str) -> tuple[Process, str]:
-    port = free_port()
-    process = spawn([sys.executable, str(ROOT / "bench" / "fixed_upstream.py"), str(port), *args], home,
-                    f"upstream-{port}.log")
-    url = f"http://127.0.0.1:{port}"
-
-    def up() -> bool:
-        if process.proc.poll() is not None:
-            raise AssertionError(f"fixed upstream exited:\n{process.log()}")
-        try:
-            httpx.get(url + "/", timeout=1)
-            return True
-        except httpx.HTTPError:
-            return False
-    wait_until(up, timeout=30, what="fixed upstream")
-    return process, url
 
 
 def credit(coord: Coordinator, account_id: str, amount: int, reference: str | None = None) -> httpx.Response:

@@ -11,7 +11,6 @@ its own coordinator, because the knobs under test are coordinator flags.
 from __future__ import annotations
 
 import re
-import sys
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Iterator
@@ -20,11 +19,11 @@ import httpx
 import pytest
 
 from tests.support.accounts import Account, create_account
-from tests.support.processes import Coordinator, Process, darkbloom_cmd, free_port, spawn, start_coordinator, wait_until
+from tests.support.processes import (Coordinator, Process, darkbloom_cmd, spawn, start_coordinator,
+                                     start_fixed_upstream, wait_until)
 
 pytestmark = pytest.mark.e2e
 
-ROOT = Path(__file__).resolve().parents[2]
 MODEL = "smollm2-135m"
 BODY = {"model": MODEL, "messages": [{"role": "user", "content": "Say something."}], "max_tokens": 16}
 FIXED_ANSWER = "The quick brown fox jumps over the lazy dog."  # what bench/fixed_upstream.py says
@@ -32,22 +31,8 @@ FIXED_ANSWER = "The quick brown fox jumps over the lazy dog."  # what bench/fixe
 
 @pytest.fixture(scope="module")
 def upstream(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
-    home = tmp_path_factory.mktemp("upstream")
-    port = free_port()
-    process = spawn([sys.executable, str(ROOT / "bench" / "fixed_upstream.py"), str(port)], home, "upstream.log")
-    url = f"http://127.0.0.1:{port}"
-
-    def up() -> bool:
-        if process.proc.poll() is not None:
-            raise AssertionError(f"fixed upstream exited:\n{process.log()}")
-        try:
-            httpx.get(url + "/", timeout=1)
-            return True
-        except httpx.HTTPError:
-            return False
-
+    process, url = start_fixed_upstream(tmp_path_factory.mktemp("upstream"))
     try:
-        wait_until(up, timeout=30, what="fixed upstream")
         yield url
     finally:
         process.stop()

@@ -16,7 +16,6 @@ import json
 import os
 import re
 import sqlite3
-import sys
 import threading
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -29,8 +28,8 @@ from darkbloom.protocol import Heartbeat, InferenceRequest, dump
 from darkbloom.store.schema import PLATFORM_ACCOUNT_ID
 
 from tests.support.accounts import Account, create_account
-from tests.support.processes import (Coordinator, Process, darkbloom_cmd, free_port, spawn, start_coordinator,
-                                     wait_until)
+from tests.support.processes import Coordinator, Process, darkbloom_cmd, spawn, start_coordinator, wait_until
+from tests.support.processes import start_fixed_upstream
 from tests.support.raw_provider import RawProvider
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -39,26 +38,7 @@ FIXED_ANSWER = "The quick brown fox jumps over the lazy dog."  # what bench/fixe
 BODY = {"model": MODEL, "messages": [{"role": "user", "content": "Say something."}], "max_tokens": 16}
 SELF = {"X-Darkbloom-Route": "self"}
 PREFER = {"X-Darkbloom-Route": "prefer"}
-
-
-def start_upstream(home: Path, *args: str) -> tuple[Process, str]:
-    """bench/fixed_upstream.py on a free port (``--delay`` slows each chunk)."""
-    port = free_port()
-    process = spawn([sys.executable, str(ROOT / "bench" / "fixed_upstream.py"), str(port), *args], home,
-                    f"upstream-{port}.log")
-    url = f"http://127.0.0.1:{port}"
-
-    def up() -> bool:
-        if process.proc.poll() is not None:
-            raise AssertionError(f"fixed upstream exited:\n{process.log()}")
-        try:
-            httpx.get(url + "/", timeout=1)
-            return True
-        except httpx.HTTPError:
-            return False
-
-    wait_until(up, timeout=30, interval=0.05, what="fixed upstream")
-    return process, url
+start_upstream = start_fixed_upstream
 
 
 @dataclass

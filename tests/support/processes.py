@@ -120,3 +120,27 @@ def wait_until(predicate: Any, timeout: float = 60, interval: float = 0.1, what:
             return value
         time.sleep(interval)
     raise AssertionError(f"timed out waiting for {what}")
+
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+
+
+def start_fixed_upstream(home: Path, *args: str) -> tuple[Process, str]:
+    """bench/fixed_upstream.py (a fixed-response OpenAI-compatible fake) on a free port;
+    ``--delay``/``--first-delay`` slow it down. Returns the process and its base URL."""
+    port = free_port()
+    process = spawn([sys.executable, str(REPO_ROOT / "bench" / "fixed_upstream.py"), str(port), *args], home,
+                    f"upstream-{port}.log")
+    url = f"http://127.0.0.1:{port}"
+
+    def up() -> bool:
+        if process.proc.poll() is not None:
+            raise AssertionError(f"fixed upstream exited:\n{process.log()}")
+        try:
+            httpx.get(url + "/", timeout=1)
+            return True
+        except httpx.HTTPError:
+            return False
+
+    wait_until(up, timeout=30, interval=0.05, what="fixed upstream")
+    return process, url
