@@ -5,13 +5,12 @@ reads of the coordinator's database."""
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
 import os
 import re
 import secrets
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 import httpx
 from sqlalchemy import func, select
@@ -25,7 +24,6 @@ from tests.support.processes import Coordinator, Process, darkbloom_cmd, spawn, 
 
 
 ROOT = Path(__file__).resolve().parents[2]
-POSTGRES_ADMIN_DSN = "postgresql://postgres@127.0.0.1:5432/postgres"
 
 
 def write_catalog(path: Path, *models: dict[str, Any]) -> Path:
@@ -146,35 +144,6 @@ async def money_snapshot(conn: Any) -> dict[str, Any]:
     return {"accounts": await all_rows(accounts), "ledger": await all_rows(ledger_entries),
             "reservations": await all_rows(reservations), "usage": await all_rows(usage_records),
             "key_spend": await all_rows(key_spend), "credited": credited}
-
-
-@contextlib.contextmanager
-def postgres_database() -> Iterator[str]:
-    """A fresh Postgres database URL, dropped afterwards."""
-    import asyncpg
-
-    async def admin(sql: str) -> None:
-        conn = await asyncpg.connect(POSTGRES_ADMIN_DSN)
-        try:
-            await conn.execute(sql)
-        finally:
-            await conn.close()
-    name = "darkbloom_test_" + secrets.token_hex(6)
-    asyncio.run(admin(f'CREATE DATABASE "{name}"'))
-    try:
-        yield f"postgresql+asyncpg://postgres@127.0.0.1:5432/{name}"
-    finally:
-        asyncio.run(admin(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)'))
-
-
-@contextlib.contextmanager
-def database_for(backend: str, tmp: Path) -> Iterator[str]:
-    """A fresh database of this backend ("sqlite" or "postgres")."""
-    if backend == "sqlite":
-        yield f"sqlite+aiosqlite:///{tmp / 'coordinator.db'}"
-    else:
-        with postgres_database() as url:
-            yield url
 
 
 def wait_log(process: Process, pattern: str, timeout: float = 30) -> re.Match[str]:

@@ -25,7 +25,8 @@ import pytest
 from darkbloom.store.schema import PLATFORM_ACCOUNT_ID
 
 from tests.support.processes import start_fixed_upstream
-from tests.billing.stack import (billing_coordinator, credit, database_for, link_token, money_snapshot, new_key,
+from tests.support.databases import database_for
+from tests.billing.stack import (billing_coordinator, credit, link_token, money_snapshot, new_key,
                                  node_home, read_db, signup, start_serve, wait_registered,
                                  wait_settled, write_catalog)
 from tests.support.accounts import Account

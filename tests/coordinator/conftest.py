@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
-import secrets
 import uuid
 from dataclasses import dataclass
 from typing import Any, Iterator
@@ -11,41 +9,20 @@ from typing import Any, Iterator
 import httpx
 import pytest
 
+from tests.support.databases import database_for
 from tests.support.processes import Coordinator, start_coordinator
-
-POSTGRES_ADMIN_DSN = "postgresql://postgres@127.0.0.1:5432/postgres"
-
-
-async def _postgres_admin(sql: str) -> None:
-    import asyncpg
-
-    conn = await asyncpg.connect(POSTGRES_ADMIN_DSN)
-    try:
-        await conn.execute(sql)
-    finally:
-        await conn.close()
 
 
 @pytest.fixture(scope="module", params=["sqlite", "postgres"])
 def coord(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Coordinator]:
     """One real coordinator process per module and backend."""
     home = tmp_path_factory.mktemp("coordinator")
-    database: str | None = None
-    if request.param == "sqlite":
-        url = f"sqlite+aiosqlite:///{home / 'coordinator.db'}"
-    else:
-        database = "darkbloom_test_" + secrets.token_hex(6)
-        asyncio.run(_postgres_admin(f'CREATE DATABASE "{database}"'))
-        url = f"postgresql+asyncpg://postgres@127.0.0.1:5432/{database}"
-    try:
+    with database_for(request.param, home) as url:
         process = start_coordinator(home / "home", url)
         try:
             yield process
         finally:
             process.stop()
-    finally:
-        if database:
-            asyncio.run(_postgres_admin(f'DROP DATABASE IF EXISTS "{database}" WITH (FORCE)'))
 
 
 @dataclass

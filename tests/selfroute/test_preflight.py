@@ -172,7 +172,7 @@ def test_stale_challenge_blocks_routing(tmp_path: Path) -> None:
 
 
 def test_capability_unsupported(world: World) -> None:
-    w, s = world, world.stack
+    s = world.stack
     owner = s.account(credit=0)
     machine = s.raw(owner, answer="text only")  # registers its model without vision
     try:
