@@ -4,7 +4,7 @@ PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed-stamp
 PYTEST_ARGS ?=
 
-.PHONY: install chromium demo test services bench clean
+.PHONY: install chromium demo test services layout bench clean
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || python3 -m venv $(VENV)
@@ -30,7 +30,11 @@ demo: $(STAMP)
 services:
 	bash scripts/ensure_services.sh
 
-test: install services
+# docs/architecture.md's rules: no import cycle, no module over 300 lines, no test hook in src/
+layout:
+	$(PY) scripts/check_layout.py
+
+test: install services layout
 	$(PY) -m pytest -q $(PYTEST_ARGS)
 
 bench: install

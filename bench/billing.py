@@ -39,16 +39,17 @@ from pathlib import Path
 
 from sqlalchemy import func, select
 
-from darkbloom.catalog import BUNDLED_MODEL_ID, CatalogModel
-from darkbloom.coordinator import admission, billing
-from darkbloom.coordinator.auth import Caller
-from darkbloom.coordinator.chat_request import ChatRequest, parse_chat_request
+from darkbloom.wire.catalog import BUNDLED_MODEL_ID, CatalogModel
+from darkbloom.coordinator.money import admission
+from darkbloom.coordinator.money import billing
+from darkbloom.coordinator.http.auth import Caller
+from darkbloom.coordinator.inference.chat_request import ChatRequest, parse_chat_request
 from darkbloom.coordinator.config import CoordinatorSettings
-from darkbloom.coordinator.ratelimit import MemoryRateLimiter
-from darkbloom.coordinator.registry import Registry
+from darkbloom.coordinator.money.ratelimit import MemoryRateLimiter
+from darkbloom.coordinator.fleet.registry import Registry
 from darkbloom.coordinator.services import Services
-from darkbloom.crypto import token_hash
-from darkbloom.protocol import Usage
+from darkbloom.wire.crypto import token_hash
+from darkbloom.wire.protocol import Usage
 from darkbloom.store import accounts, create_engine, keys, migrate
 from darkbloom.store.schema import accounts as accounts_table
 from darkbloom.store.schema import reservations

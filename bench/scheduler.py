@@ -29,12 +29,14 @@ sys.path.insert(0, str(ROOT / "src"))
 
 from nacl.public import PrivateKey  # noqa: E402
 
-from darkbloom.catalog import BUNDLED_MODEL_ID, CatalogModel  # noqa: E402
+from darkbloom.wire.catalog import BUNDLED_MODEL_ID, CatalogModel  # noqa: E402
 from darkbloom.coordinator.config import CoordinatorSettings  # noqa: E402
-from darkbloom.coordinator.registry import ProviderSession, Registry  # noqa: E402
-from darkbloom.coordinator.scheduler import RouteDecision, try_place  # noqa: E402
-from darkbloom.crypto import b64e  # noqa: E402
-from darkbloom.protocol import ModelInfo, Register  # noqa: E402
+from darkbloom.coordinator.fleet.registry import Registry  # noqa: E402
+from darkbloom.coordinator.fleet.session import ProviderSession
+from darkbloom.coordinator.routing.scheduler import try_place  # noqa: E402
+from darkbloom.coordinator.routing.decision import RouteDecision
+from darkbloom.wire.crypto import b64e  # noqa: E402
+from darkbloom.wire.protocol import ModelInfo, Register  # noqa: E402
 
 MODEL = CatalogModel(id=BUNDLED_MODEL_ID, input_price=50_000, output_price=200_000)
 RUNTIME = "sha256:" + "ab" * 32
@@ -55,9 +57,10 @@ def build_fleet(size: int, owned: int = 2, seed: int = 7) -> Registry:
         session.online = True
         session.runtime_verified = True
         session.challenge_passed_at = now
-        session.active = rng.randint(0, 2)
         session.decode_tps = rng.choice([0.0, 20.0, 40.0, 80.0])
         registry.add(session)
+        for _ in range(rng.randint(0, 2)):
+            registry.slots.claim(session)  # busy work already on it
     return registry
 
 
@@ -75,7 +78,7 @@ def time_selection(registry: Registry, decision: RouteDecision, config: Coordina
         placement = try_place(registry, decision, config)
         elapsed = time.perf_counter_ns() - started
         assert placement is not None, "the benchmark fleet always has a free slot"
-        placement.session.active -= 1
+        placement.slot.release()
         samples.append(elapsed / 1000)
     return samples
 

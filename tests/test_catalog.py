@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 from pydantic import ValidationError
 
-from darkbloom.catalog import BUNDLED_MODEL_ID, Catalog, CatalogModel
+from darkbloom.wire.catalog import BUNDLED_MODEL_ID, Catalog, CatalogModel
 
 
 def _model(**fields: object) -> CatalogModel:

@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 from nacl.public import PrivateKey
 
-from darkbloom.coordinator.trust import ATTESTATION_SKEW_SECONDS, attestation_trust
-from darkbloom.crypto import (
+from darkbloom.coordinator.fleet.trust import ATTESTATION_SKEW_SECONDS, attestation_trust
+from darkbloom.wire.crypto import (
     DecryptionError,
     NodeIdentity,
     ReplyKey,
@@ -31,7 +31,7 @@ from darkbloom.crypto import (
     verify_signature,
     write_private_file,
 )
-from darkbloom.protocol import Envelope, ModelInfo, Register
+from darkbloom.wire.protocol import Envelope, ModelInfo, Register
 
 NONCE = 24
 MAC = 16

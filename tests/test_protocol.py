@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from darkbloom.protocol import (
+from darkbloom.wire.protocol import (
     MAX_FRAME_BYTES,
     AttestationChallenge,
     AttestationResponse,

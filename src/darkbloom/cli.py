@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import Annotated, Optional
+from typing import Annotated, Any, Optional
 
 import typer
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
 
+from darkbloom.coordinator.config import CoordinatorSettings, env_var, flag_name
 from darkbloom.paths import darkbloom_home
 
 app = typer.Typer(add_completion=False, no_args_is_help=True,
@@ -20,84 +22,58 @@ console = Console()
 err_console = Console(stderr=True)
 
 
-def _env(flag: str) -> str:
-    return "DARKBLOOM_" + flag.upper().replace("-", "_")
+def _setting(field: str, **option: Any) -> Any:
+    """An option of `darkbloom coordinator` as the settings model describes it: flag, help, default, env var."""
+    info = CoordinatorSettings.model_fields[field]
+    default = None if info.default_factory is not None else info.default
+    if isinstance(default, float) and default.is_integer():
+        default = int(default)  # shown as "120", not "120.0"; only options given on the command line are used
+    return typer.Option(default, flag_name(field), help=f"{info.description} \\[env var: {env_var(field)}]",
+                        **option)
+
+
+def _typed_options(ctx: typer.Context) -> dict[str, Any]:
+    """The options typed on the command line; the settings read DARKBLOOM_* or their defaults for the rest.
+
+    Compared by name: typer may ship its own copy of click, with its own ParameterSource."""
+    return {name: value for name, value in ctx.params.items()
+            if getattr(ctx.get_parameter_source(name), "name", None) == "COMMANDLINE"}
 
 
 @app.command()
 def coordinator(
-    host: Annotated[str, typer.Option(envvar=_env("host"), help="Address to bind.")] = "127.0.0.1",
-    port: Annotated[int, typer.Option(envvar=_env("port"), help="Port to bind.")] = 8080,
-    database_url: Annotated[Optional[str], typer.Option(
-        envvar=_env("database_url"),
-        help="SQLAlchemy URL; default sqlite+aiosqlite:///$DARKBLOOM_HOME/coordinator.db; "
-             "postgresql+asyncpg://… selects Postgres.")] = None,
-    redis_url: Annotated[Optional[str], typer.Option(
-        envvar=_env("redis_url"), help="Redis for rate limits shared across replicas (default: in memory).")] = None,
-    admin_token: Annotated[Optional[str], typer.Option(
-        envvar=_env("admin_token"), help="Bearer token for /v1/admin/*; admin API disabled when unset.")] = None,
-    min_trust: Annotated[str, typer.Option(
-        envvar=_env("min_trust"),
-        help="Trust floor for public routing: none|self_signed|hardware (relaxed only for your own machines).")] = "hardware",
-    platform_fee_bps: Annotated[int, typer.Option(
-        envvar=_env("platform_fee_bps"), help="Platform fee in basis points of each paid request's cost.")] = 500,
-    queue_max_wait: Annotated[float, typer.Option(
-        envvar=_env("queue_max_wait"), help="Seconds a request may wait in a busy model's queue.")] = 120,
-    queue_depth: Annotated[int, typer.Option(
-        envvar=_env("queue_depth"), help="Waiting requests per model queue.")] = 32,
-    catalog: Annotated[Optional[Path], typer.Option(
-        envvar=_env("catalog"), help="Model catalog file (JSON or TOML).", exists=True, dir_okay=False)] = None,
-    heartbeat_timeout: Annotated[float, typer.Option(
-        envvar=_env("heartbeat_timeout"), help="Evict a provider silent this many seconds.")] = 30,
-    first_content_timeout: Annotated[float, typer.Option(
-        envvar=_env("first_content_timeout"), help="Seconds a provider may take to its first content.")] = 30,
-    device_code_ttl: Annotated[int, typer.Option(
-        envvar=_env("device_code_ttl"), help="Lifetime of a device login code in seconds.")] = 900,
-    cancel_grace: Annotated[float, typer.Option(
-        envvar=_env("cancel_grace"), help="Seconds to wait for a cancelled provider's usage report.")] = 5,
-    instance_stale_after: Annotated[float, typer.Option(
-        envvar=_env("instance_stale_after"),
-        help="A coordinator instance silent this long is dead; its open reservations are refunded.")] = 30,
-    min_charge: Annotated[int, typer.Option(
-        envvar=_env("min_charge"), help="Minimum charge of a paid request, µUSD.")] = 100,
-    account_rpm: Annotated[Optional[int], typer.Option(
-        envvar=_env("account_rpm"), help="Default requests per minute per account (unset: no limit).")] = None,
-    account_itpm: Annotated[Optional[int], typer.Option(
-        envvar=_env("account_itpm"), help="Default input tokens per minute per account.")] = None,
-    account_otpm: Annotated[Optional[int], typer.Option(
-        envvar=_env("account_otpm"), help="Default output tokens per minute per account.")] = None,
-    runtime_allow: Annotated[Optional[list[str]], typer.Option(
-        "--runtime-allow", envvar=_env("runtime_allow"),
-        help="A provider runtime hash to accept as verified, besides this release's own; may repeat.")] = None,
-    challenge_interval: Annotated[float, typer.Option(
-        envvar=_env("challenge_interval"), help="Seconds between attestation challenges to each provider.")] = 300,
-    challenge_deadline: Annotated[float, typer.Option(
-        envvar=_env("challenge_deadline"),
-        help="Seconds a provider has to answer a challenge before it is untrusted.")] = 30,
-    challenge_freshness: Annotated[float, typer.Option(
-        envvar=_env("challenge_freshness"),
-        help="A provider is routable while its last passed challenge is at most this many seconds old.")] = 960,
+    ctx: typer.Context,
+    host: str = _setting("host"),
+    port: int = _setting("port"),
+    database_url: Optional[str] = _setting("database_url"),
+    redis_url: Optional[str] = _setting("redis_url"),
+    admin_token: Optional[str] = _setting("admin_token"),
+    min_trust: str = _setting("min_trust"),
+    platform_fee_bps: int = _setting("platform_fee_bps"),
+    queue_max_wait: float = _setting("queue_max_wait"),
+    queue_depth: int = _setting("queue_depth"),
+    catalog: Optional[Path] = _setting("catalog", exists=True, dir_okay=False),
+    heartbeat_timeout: float = _setting("heartbeat_timeout"),
+    first_content_timeout: float = _setting("first_content_timeout"),
+    device_code_ttl: int = _setting("device_code_ttl"),
+    cancel_grace: float = _setting("cancel_grace"),
+    instance_stale_after: float = _setting("instance_stale_after"),
+    min_charge_micro_usd: int = _setting("min_charge_micro_usd"),
+    account_rpm: Optional[int] = _setting("account_rpm"),
+    account_itpm: Optional[int] = _setting("account_itpm"),
+    account_otpm: Optional[int] = _setting("account_otpm"),
+    runtime_allow: Optional[list[str]] = _setting("runtime_allow"),
+    challenge_interval: float = _setting("challenge_interval"),
+    challenge_deadline: float = _setting("challenge_deadline"),
+    challenge_freshness: float = _setting("challenge_freshness"),
 ) -> None:
     """Run the coordinator."""
-    from darkbloom.coordinator.config import CoordinatorSettings, default_database_url
     from darkbloom.coordinator.server import run
-    from darkbloom.runtime import runtime_hash
 
     try:
-        settings = CoordinatorSettings(
-            host=host, port=port, database_url=database_url or default_database_url(), redis_url=redis_url,
-            admin_token=admin_token, min_trust=min_trust, platform_fee_bps=platform_fee_bps,
-            queue_max_wait=queue_max_wait, queue_depth=queue_depth,
-            catalog=CoordinatorSettings.load_catalog(catalog), heartbeat_timeout=heartbeat_timeout,
-            first_content_timeout=first_content_timeout, device_code_ttl=device_code_ttl,
-            catalog_from_file=catalog is not None, cancel_grace=cancel_grace,
-            instance_stale_after=instance_stale_after, min_charge_micro_usd=min_charge,
-            account_rpm=account_rpm, account_itpm=account_itpm, account_otpm=account_otpm,
-            runtime_allow_list=frozenset({runtime_hash(), *(runtime_allow or [])}),
-            challenge_interval=challenge_interval, challenge_deadline=challenge_deadline,
-            challenge_freshness=challenge_freshness)
+        settings = CoordinatorSettings(**_typed_options(ctx))
     except ValueError as exc:
-        err_console.print(f"[red]error:[/red] {exc}")
+        err_console.print(f"[red]error:[/red] {escape(str(exc))}", soft_wrap=True)
         raise typer.Exit(2) from None
     run(settings)
 

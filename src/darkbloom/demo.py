@@ -17,10 +17,10 @@ import httpx
 import uvicorn
 from rich.console import Console
 
-from darkbloom.catalog import BUNDLED_MODEL_ID
+from darkbloom.wire.catalog import BUNDLED_MODEL_ID
 from darkbloom.coordinator.config import CoordinatorSettings
 from darkbloom.coordinator.server import build_server
-from darkbloom.crypto import write_private_file
+from darkbloom.wire.crypto import write_private_file
 from darkbloom.logs import configure_logging
 from darkbloom.paths import auth_token_path
 

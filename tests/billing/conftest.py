@@ -10,10 +10,10 @@ from typing import Any, AsyncIterator, Awaitable, Callable
 import pytest
 from sqlalchemy import func, select
 
-from darkbloom.catalog import CatalogModel
+from darkbloom.wire.catalog import CatalogModel
 from darkbloom.coordinator.config import CoordinatorSettings
-from darkbloom.coordinator.ratelimit import MemoryRateLimiter
-from darkbloom.coordinator.registry import Registry
+from darkbloom.coordinator.money.ratelimit import MemoryRateLimiter
+from darkbloom.coordinator.fleet.registry import Registry
 from darkbloom.coordinator.services import Services
 from darkbloom.store import accounts, create_engine, keys, migrate
 from darkbloom.store.schema import (PLATFORM_ACCOUNT_ID, accounts as accounts_table, admin_credits, key_spend,
@@ -38,7 +38,7 @@ async def make_services(database_url: str) -> AsyncIterator[MakeServices]:
         registry = Registry()
         extra: dict[str, Any] = {}
         if "queues" in {f.name for f in dataclasses.fields(Services)}:  # the per-model queues (scheduler work)
-            from darkbloom.coordinator.queueing import RequestQueues
+            from darkbloom.coordinator.routing.queue import RequestQueues
 
             extra["queues"] = RequestQueues(registry, config)
         services = Services(settings=config, engine=engine, registry=registry, rate_limiter=MemoryRateLimiter(),

@@ -13,11 +13,11 @@ import darkbloom.provider.backends.llama_cpp  # noqa: F401  (applies the AMX wor
 import llama_cpp
 from llama_cpp import llama_chat_format
 
-from darkbloom.catalog import CatalogModel
-from darkbloom.coordinator import billing
-from darkbloom.coordinator.chat_request import parse_chat_request
-from darkbloom.coordinator.estimation import output_token_bound, prompt_token_bound
-from darkbloom.models_bundled import bundled_gguf_path
+from darkbloom.wire.catalog import CatalogModel
+from darkbloom.coordinator.money import billing
+from darkbloom.coordinator.inference.chat_request import parse_chat_request
+from darkbloom.coordinator.money.estimation import output_token_bound, prompt_token_bound
+from darkbloom.provider.bundled_model import bundled_gguf_path
 
 
 @pytest.fixture(scope="module")

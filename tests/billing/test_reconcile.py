@@ -9,12 +9,14 @@ import time
 import pytest
 from sqlalchemy import update
 
-from darkbloom.coordinator import billing, instances
-from darkbloom.protocol import Usage
-from darkbloom.store import ledger
+from darkbloom.coordinator.money import billing
+from darkbloom.coordinator.money import reconciliation as instances
+from darkbloom.wire.protocol import Usage
 from darkbloom.store.schema import coordinator_instances, reservations
 
 from tests.billing.conftest import PRICED, MakeServices, check_ledger_consistency, new_account, new_key, pockets, rows
+from tests.support.store_queries import key_window_spend
+from tests.support.money import settle_paid
 
 
 async def _age(services: object, instance_id: str, seconds: float) -> None:
@@ -50,7 +52,7 @@ async def test_stale_instances_reservations_are_refunded_live_ones_kept(
     assert status == {"lost-1": "refunded", "lost-2": "refunded", "kept-alive": "open", "kept-mine": "open",
                       "closed": "refunded"}
     async with me.engine.connect() as conn:
-        assert await ledger.key_window_spend(conn, key["id"], lost_1.window_start or 0) == (0, 7_000)
+        assert await key_window_spend(conn, key["id"], lost_1.window_start or 0) == (0, 7_000)
     logged = " ".join(r.getMessage() for r in caplog.records)
     assert "lost-1" in logged and "lost-2" in logged and crashed.instance_id in logged
     assert "kept" not in logged
@@ -61,7 +63,7 @@ async def test_stale_instances_reservations_are_refunded_live_ones_kept(
     assert await pockets(me, account) == (100_000 - 15_000, 0)
     # the crashed instance's requests can no longer be settled, and are not refunded twice
     assert await billing.refund(crashed, lost_2) is False
-    assert await billing.settle(crashed, lost_1, PRICED, Usage(prompt_tokens=1, completion_tokens=1),
+    assert await settle_paid(crashed, lost_1, PRICED, Usage(prompt_tokens=1, completion_tokens=1),
                                 billing.Served("prov_x", None)) is None
 
     # once the other instance goes quiet too, its reservation follows

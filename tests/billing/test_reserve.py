@@ -9,14 +9,15 @@ from typing import Any
 import pytest
 from sqlalchemy.exc import IntegrityError
 
-from darkbloom.coordinator import billing
-from darkbloom.coordinator.errors import ApiError
+from darkbloom.coordinator.money import billing
+from darkbloom.wire.openai.errors import ApiError
 from darkbloom.coordinator.services import Services
-from darkbloom.protocol import Usage
-from darkbloom.store import ledger
+from darkbloom.wire.protocol import Usage
 from darkbloom.store.schema import key_spend, ledger_entries, reservations
 
 from tests.billing.conftest import PRICED, counts, ledger_for, new_account, new_key, pockets, rows
+from tests.support.store_queries import key_window_spend
+from tests.support.money import settle_paid
 
 UTC = timezone.utc
 
@@ -55,7 +56,7 @@ async def test_reserve_is_one_transaction(services: Services) -> None:
     assert await pockets(services, account) == (9_000, 0)
     assert await counts(services.engine) == before
     async with services.engine.connect() as conn:
-        assert await ledger.key_window_spend(conn, key["id"], 0) == (0, 1_000)
+        assert await key_window_spend(conn, key["id"], 0) == (0, 1_000)
 
 
 async def test_reserving_the_whole_balance_is_allowed(services: Services) -> None:
@@ -76,7 +77,7 @@ async def test_insufficient_funds_is_402_and_leaves_no_trace(services: Services,
     assert await pockets(services, account) == (1_000, 0)
     assert await counts(services.engine) == before
     async with services.engine.connect() as conn:
-        assert await ledger.key_window_spend(conn, key["id"], 0) == (0, 0)
+        assert await key_window_spend(conn, key["id"], 0) == (0, 0)
 
 
 async def test_key_cap_is_hard_and_counts_open_reservations(services: Services) -> None:
@@ -92,7 +93,7 @@ async def test_key_cap_is_hard_and_counts_open_reservations(services: Services) 
     assert await pockets(services, account) == (97_000, 0)
     await billing.reserve(services, "cap-3", account, key, 2_000)  # exactly at the cap
     async with services.engine.connect() as conn:
-        assert await ledger.key_window_spend(conn, key["id"], 0) == (0, 5_000)
+        assert await key_window_spend(conn, key["id"], 0) == (0, 5_000)
     # another key of the same account has its own cap; the account's balance is shared
     other = await new_key(services, account, limit_micro_usd=5_000)
     await billing.reserve(services, "cap-other", account, other, 5_000)
@@ -105,12 +106,12 @@ async def test_settling_frees_the_unused_part_of_the_cap(services: Services) -> 
     held = await billing.reserve(services, "cap-a", account, key, 5_000)
     with pytest.raises(ApiError):
         await billing.reserve(services, "cap-b", account, key, 100)
-    settlement = await billing.settle(services, held, PRICED, Usage(prompt_tokens=10,
+    settlement = await settle_paid(services, held, PRICED, Usage(prompt_tokens=10,
                                                                                        completion_tokens=10),
                                       served())
     assert settlement is not None
     async with services.engine.connect() as conn:
-        assert await ledger.key_window_spend(conn, key["id"], 0) == (settlement.cost, 0)
+        assert await key_window_spend(conn, key["id"], 0) == (settlement.cost, 0)
     await billing.reserve(services, "cap-c", account, key, 5_000 - settlement.cost)
     with pytest.raises(ApiError) as caught:
         await billing.reserve(services, "cap-d", account, key, 1)
@@ -119,7 +120,7 @@ async def test_settling_frees_the_unused_part_of_the_cap(services: Services) -> 
     assert await billing.refund(services, billing.Reservation("cap-c", account, key["id"], 5_000 - settlement.cost,
                                                               0))
     async with services.engine.connect() as conn:
-        assert await ledger.key_window_spend(conn, key["id"], 0) == (settlement.cost, 0)
+        assert await key_window_spend(conn, key["id"], 0) == (settlement.cost, 0)
 
 
 @pytest.mark.parametrize(("reset", "now", "start"), [
@@ -167,7 +168,7 @@ async def test_cap_resets_with_its_window(services: Services, monkeypatch: pytes
     clock["now"] = same_window[0]
     first = await billing.reserve(services, f"{reset}-1", account, key, 4_000)
     assert first.window_start == billing.spend_window_start(reset, same_window[0])
-    await billing.settle(services, first, PRICED, Usage(prompt_tokens=3_000, completion_tokens=0),
+    await settle_paid(services, first, PRICED, Usage(prompt_tokens=3_000, completion_tokens=0),
                          served())
     clock["now"] = same_window[1]
     with pytest.raises(ApiError) as caught:
@@ -193,7 +194,7 @@ async def test_cap_without_reset_never_resets(services: Services, monkeypatch: p
     key = await new_key(services, account, limit_micro_usd=4_000, limit_reset="none")
     clock["now"] = datetime(2024, 1, 1, tzinfo=UTC)
     held = await billing.reserve(services, "none-1", account, key, 4_000)
-    await billing.settle(services, held, PRICED, Usage(prompt_tokens=3_000, completion_tokens=0),
+    await settle_paid(services, held, PRICED, Usage(prompt_tokens=3_000, completion_tokens=0),
                          served())
     for later in (datetime(2024, 1, 2, tzinfo=UTC), datetime(2024, 2, 1, tzinfo=UTC), datetime(2029, 1, 1, tzinfo=UTC)):
         clock["now"] = later

@@ -1,4 +1,4 @@
-"""billing.settle and billing.refund: the cost from usage (CONTRACT §0), the split, idempotency, and
+"""billing.settle_bill (via settle_paid) and billing.refund: the cost from usage (CONTRACT §0), the split, idempotency, and
 the ledger from which every pocket can be recomputed."""
 
 from __future__ import annotations
@@ -11,16 +11,18 @@ from fractions import Fraction
 
 import pytest
 
-from darkbloom.catalog import CatalogModel
-from darkbloom.coordinator import billing
-from darkbloom.coordinator.errors import ApiError
+from darkbloom.wire.catalog import CatalogModel
+from darkbloom.coordinator.money import billing
+from darkbloom.wire.openai.errors import ApiError
 from darkbloom.coordinator.services import Services
-from darkbloom.protocol import Usage
-from darkbloom.store import accounts, ledger
+from darkbloom.wire.protocol import Usage
+from darkbloom.store import accounts
 from darkbloom.store.schema import PLATFORM_ACCOUNT_ID, ledger_entries, reservations, usage_records
 
 from tests.billing.conftest import (PRICED, MakeServices, check_ledger_consistency, counts, ledger_for, new_account,
                                     new_key, pockets, rows)
+from tests.support.store_queries import key_window_spend, ledger_sum
+from tests.support.money import settle_paid
 
 
 def expected_cost(model: CatalogModel, prompt: int, completion: int, min_charge: int = 100) -> int:
@@ -58,7 +60,7 @@ async def test_settle_charges_refunds_and_splits(make_services: MakeServices) ->
     held = await billing.reserve(services, "req-s", caller, key, 10_000)
     usage = Usage(prompt_tokens=100, completion_tokens=50)
 
-    settlement = await billing.settle(services, held, PRICED, usage, served(owner))
+    settlement = await settle_paid(services, held, PRICED, usage, served(owner))
 
     cost = expected_cost(PRICED, 100, 50)  # 134 + 234 = 368
     assert cost == 368
@@ -83,7 +85,7 @@ async def test_settle_charges_refunds_and_splits(make_services: MakeServices) ->
                        (caller, "charge", "balance", -cost), (PLATFORM_ACCOUNT_ID, "platform_fee", "withdrawable", fee),
                        (owner, "payout", "withdrawable", cost - fee)]
     async with services.engine.connect() as conn:
-        assert await ledger.key_window_spend(conn, key["id"], 0) == (cost, 0)
+        assert await key_window_spend(conn, key["id"], 0) == (cost, 0)
     await check_ledger_consistency(services.engine)
 
 
@@ -96,7 +98,7 @@ async def test_fee_rounds_down_and_the_payout_takes_the_rest(make_services: Make
     caller = await new_account(services, credit=cost)
     owner = await new_account(services)
     held = await billing.reserve(services, f"fee-{bps}-{cost}", caller, None, cost)
-    settlement = await billing.settle(services, held, model, Usage(prompt_tokens=cost,
+    settlement = await settle_paid(services, held, model, Usage(prompt_tokens=cost,
                                                                                 completion_tokens=0),
                                       served(owner))
     fee = cost * bps // 10_000
@@ -113,14 +115,14 @@ async def test_minimum_charge_applies_to_tiny_requests(make_services: MakeServic
     services = await make_services(min_charge_micro_usd=100)
     caller = await new_account(services, credit=1_000)
     held = await billing.reserve(services, "tiny", caller, None, 500)
-    settlement = await billing.settle(services, held, PRICED,
+    settlement = await settle_paid(services, held, PRICED,
                                       Usage(prompt_tokens=3, completion_tokens=2), served(None))
     assert expected_cost(PRICED, 3, 2, min_charge=0) == 14
     assert settlement is not None and settlement.cost == 100
     assert await pockets(services, caller) == (900, 0)
     # even a request that used nothing is charged the minimum when it is settled
     held = await billing.reserve(services, "nothing", caller, None, 500)
-    settlement = await billing.settle(services, held, PRICED,
+    settlement = await settle_paid(services, held, PRICED,
                                       Usage(prompt_tokens=0, completion_tokens=0), served(None))
     assert settlement is not None and settlement.cost == 100
 
@@ -131,7 +133,7 @@ async def test_settled_cost_never_exceeds_the_reservation(services: Services,
     owner = await new_account(services)
     held = await billing.reserve(services, "over", caller, None, 1_000)
     with caplog.at_level(logging.WARNING, logger="darkbloom.billing"):
-        settlement = await billing.settle(services, held, PRICED,
+        settlement = await settle_paid(services, held, PRICED,
                                           Usage(prompt_tokens=5_000, completion_tokens=5_000), served(owner))
     assert settlement is not None and settlement.cost == 1_000
     assert settlement.platform_fee == 1_000 * 500 // 10_000
@@ -145,7 +147,7 @@ async def test_settled_cost_never_exceeds_the_reservation(services: Services,
 async def test_unowned_provider_share_goes_to_the_platform(services: Services) -> None:
     caller = await new_account(services, credit=10_000)
     held = await billing.reserve(services, "unowned", caller, None, 5_000)
-    settlement = await billing.settle(services, held, PRICED,
+    settlement = await settle_paid(services, held, PRICED,
                                       Usage(prompt_tokens=100, completion_tokens=50), served(None))
     assert settlement is not None
     assert await pockets(services, PLATFORM_ACCOUNT_ID) == (0, settlement.cost)
@@ -161,13 +163,13 @@ async def test_second_settlement_is_a_no_op(services: Services) -> None:
     owner = await new_account(services)
     held = await billing.reserve(services, "twice", caller, None, 5_000)
     usage = Usage(prompt_tokens=100, completion_tokens=50)
-    first = await billing.settle(services, held, PRICED, usage, served(owner))
+    first = await settle_paid(services, held, PRICED, usage, served(owner))
     assert first is not None
     state = (await pockets(services, caller), await pockets(services, owner),
              await pockets(services, PLATFORM_ACCOUNT_ID), await counts(services.engine))
     # the duplicate inference_complete, a retried settlement, a different reported usage: all no-ops
-    assert await billing.settle(services, held, PRICED, usage, served(owner)) is None
-    assert await billing.settle(services, held, PRICED, Usage(prompt_tokens=1, completion_tokens=1),
+    assert await settle_paid(services, held, PRICED, usage, served(owner)) is None
+    assert await settle_paid(services, held, PRICED, Usage(prompt_tokens=1, completion_tokens=1),
                                 served(None)) is None
     assert await billing.refund(services, held) is False
     assert state == (await pockets(services, caller), await pockets(services, owner),
@@ -182,14 +184,14 @@ async def test_settle_after_refund_is_a_no_op(services: Services) -> None:
     held = await billing.reserve(services, "late", caller, key, 5_000)
     assert await billing.refund(services, held) is True
     state = await counts(services.engine)
-    assert await billing.settle(services, held, PRICED,
+    assert await settle_paid(services, held, PRICED,
                                 Usage(prompt_tokens=100, completion_tokens=50), served(owner)) is None
     assert await counts(services.engine) == state
     assert await pockets(services, caller) == (10_000, 0)
     assert await pockets(services, owner) == (0, 0)
     assert await rows(services, usage_records, usage_records.c.request_id == "late") == []
     async with services.engine.connect() as conn:
-        assert await ledger.key_window_spend(conn, key["id"], 0) == (0, 0)
+        assert await key_window_spend(conn, key["id"], 0) == (0, 0)
 
 
 async def test_refund_is_idempotent(services: Services) -> None:
@@ -208,7 +210,7 @@ async def test_refund_is_idempotent(services: Services) -> None:
                                                                                                 "refund-me")]
     assert entries == [("reservation", -4_000, 6_000), ("refund", 4_000, 10_000)]
     async with services.engine.connect() as conn:
-        assert await ledger.key_window_spend(conn, key["id"], held.window_start or 0) == (0, 0)
+        assert await key_window_spend(conn, key["id"], held.window_start or 0) == (0, 0)
     assert await rows(services, usage_records) == []
 
 
@@ -240,7 +242,7 @@ async def test_ledger_recomputes_every_pocket_after_a_mixed_sequence(make_servic
                 refused += 1
         elif action < 0.8:
             held = open_.pop(rng.randrange(len(open_)))
-            await billing.settle(services, held, PRICED,
+            await settle_paid(services, held, PRICED,
                                  Usage(prompt_tokens=rng.randrange(0, 2_000), completion_tokens=rng.randrange(0, 500)),
                                  served(rng.choice(owners)))
         elif action < 0.95:
@@ -260,8 +262,8 @@ async def test_ledger_recomputes_every_pocket_after_a_mixed_sequence(make_servic
     async with services.engine.connect() as conn:
         for account in [*callers, *[o for o in owners if o], PLATFORM_ACCOUNT_ID]:
             balance, withdrawable = await pockets(services, account)
-            assert await ledger.ledger_sum(conn, account, "balance") == balance
-            assert await ledger.ledger_sum(conn, account, "withdrawable") == withdrawable
+            assert await ledger_sum(conn, account, "balance") == balance
+            assert await ledger_sum(conn, account, "withdrawable") == withdrawable
     for held in open_:
         await billing.refund(services, held)
     await check_ledger_consistency(services.engine)
@@ -291,7 +293,7 @@ async def test_concurrent_crossing_settlements_neither_deadlock_nor_lose_money(m
         held.append((await billing.reserve(services, f"y-{n}", y, key_y, 2_000), x))
 
     async def settle(reservation: billing.Reservation, payee: str) -> None:
-        await billing.settle(services, reservation, PRICED, usage, served(payee))
+        await settle_paid(services, reservation, PRICED, usage, served(payee))
 
     async def reserve_and_refund(n: int) -> None:
         account, key = (x, key_x) if n % 2 else (y, key_y)

@@ -6,8 +6,8 @@ import json
 
 import pytest
 
-from darkbloom.coordinator.chat_request import parse_chat_request
-from darkbloom.coordinator.errors import ApiError
+from darkbloom.coordinator.inference.chat_request import parse_chat_request
+from darkbloom.wire.openai.errors import ApiError
 
 HELLO = [{"role": "user", "content": "hi"}]
 

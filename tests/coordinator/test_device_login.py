@@ -8,13 +8,13 @@ from typing import AsyncIterator
 
 import pytest
 
-from darkbloom.coordinator import device_login
+from darkbloom.coordinator.identity import device_login
 from darkbloom.coordinator.config import CoordinatorSettings
-from darkbloom.coordinator.errors import ApiError
-from darkbloom.coordinator.registry import Registry
-from darkbloom.coordinator.ratelimit import MemoryRateLimiter
+from darkbloom.wire.openai.errors import ApiError
+from darkbloom.coordinator.fleet.registry import Registry
+from darkbloom.coordinator.money.ratelimit import MemoryRateLimiter
 from darkbloom.coordinator.services import Services
-from darkbloom.crypto import token_hash
+from darkbloom.wire.crypto import token_hash
 from darkbloom.store import accounts, create_engine, devices, migrate
 
 

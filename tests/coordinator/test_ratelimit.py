@@ -15,7 +15,7 @@ from typing import Protocol
 import pytest
 import redis.asyncio as redis
 
-from darkbloom.coordinator.ratelimit import (
+from darkbloom.coordinator.money.ratelimit import (
     Bucket,
     Charge,
     Decision,

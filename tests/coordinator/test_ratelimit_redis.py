@@ -14,7 +14,7 @@ import time
 
 import pytest
 
-from darkbloom.coordinator.ratelimit import (
+from darkbloom.coordinator.money.ratelimit import (
     Bucket,
     Charge,
     RateLimiterUnavailable,
@@ -74,7 +74,7 @@ async def test_concurrent_multi_bucket_acquires_debit_every_bucket_once_per_admi
 
 _HAMMER = """
 import asyncio, json, sys, time
-from darkbloom.coordinator.ratelimit import Bucket, Charge, RedisRateLimiter
+from darkbloom.coordinator.money.ratelimit import Bucket, Charge, RedisRateLimiter
 
 async def main(url: str, prefix: str, attempts: int) -> None:
     limiters = [RedisRateLimiter(url, prefix=prefix) for _ in range(2)]

@@ -15,7 +15,7 @@ import pytest
 
 from darkbloom.client import (AsyncDirectFirstTransport, DirectFirstTransport, discover_local_endpoint,
                               direct_first_openai)
-from darkbloom.local_files import Discovery, write_discovery
+from darkbloom.wire.local_files import Discovery, write_discovery
 
 LOCAL = "http://127.0.0.1:8000/v1"
 TOKEN = "dk-local-abc"

@@ -19,12 +19,11 @@ import openai
 import pytest
 
 from darkbloom.client import async_direct_first_openai, direct_first_openai
-from darkbloom.local_files import Discovery, write_discovery
+from darkbloom.wire.local_files import Discovery, write_discovery
 from tests.direct.support import (MODEL, SHORT, balance, docs_snippet, run_chat, run_python, usage_rows,
                                   wait_discovery)
 from tests.support.accounts import Account, create_account, login_node, online_sessions
-from tests.support.processes import Coordinator, Process, darkbloom_cmd, free_port, spawn, start_coordinator, \
-    wait_until
+from tests.support.processes import Coordinator, Process, free_port, node_cmd, spawn, start_coordinator, wait_until
 
 pytestmark = pytest.mark.e2e
 
@@ -39,8 +38,8 @@ def coord(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Coordinator]:
         coordinator.stop()
 
 
-def start_node(coord: Coordinator, home: Path, *args: str, env: dict[str, str] | None = None) -> Process:
-    return spawn(darkbloom_cmd("serve", "--coordinator", coord.base_url, *args), home, "node.log", env)
+def start_node(coord: Coordinator, home: Path, *args: str, direct_fail: int | None = None) -> Process:
+    return spawn(node_cmd("serve", "--coordinator", coord.base_url, *args, direct_fail=direct_fail), home, "node.log")
 
 
 def wait_new_session(coord: Coordinator, owner: Account, previous: str | None = None) -> str:
@@ -125,8 +124,8 @@ def test_a_local_500_is_the_answer_and_is_not_rerouted(coord: Coordinator, tmp_p
     owner = create_account(coord)
     home = tmp_path / "node"
     login_node(coord, home, owner)
-    node = start_node(coord, home, "--local-endpoint", "--port", str(free_port()),
-                      env={"DARKBLOOM_TEST_LOCAL_FAIL": "500"})
+    # direct mode runs on a backend that answers 500 (tests/support/backends.py); fleet requests on the real one
+    node = start_node(coord, home, "--local-endpoint", "--port", str(free_port()), direct_fail=500)
     try:
         wait_new_session(coord, owner)
         wait_discovery(home)
@@ -136,7 +135,7 @@ def test_a_local_500_is_the_answer_and_is_not_rerouted(coord: Coordinator, tmp_p
                 client.chat.completions.create(model=MODEL, messages=SHORT, max_tokens=8, stream=stream)
             assert failure.value.status_code == 500
             assert failure.value.response.headers["X-Darkbloom-Via"] == "local"
-            assert failure.value.code == "test_hook"
+            assert failure.value.code == "server_error" and "test hook" in failure.value.message
         chat = run_chat(home, "--local-first", "--coordinator", coord.base_url, "Name one planet.",
                         env={"DARKBLOOM_API_KEY": owner.api_key})
         assert chat.returncode == 1 and chat.stdout == ""

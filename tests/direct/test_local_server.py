@@ -1,7 +1,8 @@
 """The direct-mode ASGI app in process: auth, OpenAI shapes, errors, the shared concurrency limit.
 
 Happy paths run on the real llama.cpp backend with the bundled model. The error paths use
-`ScriptedBackend`, a stand-in (not a model) that fails exactly where a test needs it to.
+`ScriptedBackend`, a stand-in (not a model) that fails exactly where a test needs it to, or sends
+exactly the chunks a test needs.
 """
 
 from __future__ import annotations
@@ -14,12 +15,13 @@ from typing import Any, AsyncIterator
 import httpx
 import pytest
 
-from darkbloom.models_bundled import bundled_gguf_path
+from darkbloom.provider.bundled_model import bundled_gguf_path
 from darkbloom.provider.backends import BackendError
 from darkbloom.provider.backends.base import UsageMeter, usage_chunk
 from darkbloom.provider.backends.llama_cpp import LlamaCppBackend
-from darkbloom.provider.local_server import create_app
+from darkbloom.provider.direct.server import create_app
 from darkbloom.provider.slots import Slots
+from tests.support.backends import FailingBackend
 
 TOKEN = "dk-local-test-token-0123456789abcdef"
 AUTH = {"Authorization": f"Bearer {TOKEN}"}
@@ -31,8 +33,9 @@ class ScriptedBackend:
     """Stand-in backend for error paths: yields `contents` as chunks, failing at index `fail_at`."""
 
     def __init__(self, contents: list[str], fail_at: int | None = None, status: int = 502,
-                 gate: asyncio.Event | None = None) -> None:
+                 gate: asyncio.Event | None = None, chunks: list[dict[str, Any]] | None = None) -> None:
         self.contents, self.fail_at, self.status, self.gate = contents, fail_at, status, gate
+        self.chunks = chunks  # given: these (the `choices` of each chunk) instead of `contents`
         self.calls = 0
 
     async def start(self) -> None: ...
@@ -44,12 +47,13 @@ class ScriptedBackend:
         self.calls += 1
         if self.gate is not None:
             await self.gate.wait()
-        for index, text in enumerate(self.contents):
+        choices = self.chunks or [{"index": 0, "delta": {"content": text}, "finish_reason": None}
+                                  for text in self.contents]
+        for index, choice in enumerate(choices):
             if index == self.fail_at:
                 raise BackendError(self.status, "scripted failure")
-            yield {"id": "x", "object": "chat.completion.chunk", "created": 1, "model": model_id,
-                   "choices": [{"index": 0, "delta": {"content": text}, "finish_reason": None}]}
-        if self.fail_at == len(self.contents):
+            yield {"id": "x", "object": "chat.completion.chunk", "created": 1, "model": model_id, "choices": [choice]}
+        if self.fail_at == len(choices):
             raise BackendError(self.status, "scripted failure")
         yield usage_chunk("x", model_id, 1, 3, len(self.contents))
 
@@ -155,7 +159,28 @@ async def test_request_errors_are_openai_envelopes() -> None:
                                        content=raw)
             assert response.status_code == status, (raw[:40], response.text)
             assert response.json()["error"]["type"] == type_ and response.json()["error"]["param"] == param
+        assert response.json()["error"]["message"] == "The request body is larger than 8 MiB."
         assert backend.calls == 0
+
+
+async def test_the_body_limit_is_the_configured_one() -> None:
+    backend = ScriptedBackend(["hi"])
+    app = create_app(backend, Slots(1), [MODEL], TOKEN, max_body_bytes=1024)
+    async with client(app) as http:
+        small = await http.post("/v1/chat/completions", headers=AUTH, json=HELLO)
+        assert small.status_code == 200
+        too_large = b'{"model": "' + b"x" * 1024 + b'"}'
+
+        async def unsized() -> AsyncIterator[bytes]:  # no Content-Length: the reader counts as it reads
+            yield too_large
+
+        for content in (too_large, unsized()):
+            large = await http.post("/v1/chat/completions", headers=AUTH, content=content)
+            assert large.status_code == 413
+            assert large.json()["error"] == {"message": "The request body is larger than 1 KiB.",
+                                             "type": "request_too_large", "code": "request_too_large",
+                                             "param": None}
+        assert backend.calls == 1
 
 
 @pytest.mark.parametrize("stream", [False, True])
@@ -182,15 +207,56 @@ async def test_a_failure_after_the_first_content_ends_the_stream_with_an_error_e
     await idle(slots)
 
 
-async def test_the_test_hook_answers_its_status_without_the_backend() -> None:
-    backend = ScriptedBackend(["hi"])
-    app = create_app(backend, Slots(1), [MODEL], TOKEN, fail_status=500)
+@pytest.mark.parametrize("stream", [False, True])
+async def test_the_failing_test_backend_answers_its_status(stream: bool) -> None:
+    """What the direct-first e2e test gives a node as its direct-mode backend."""
+    slots = Slots(1)
+    backend = FailingBackend(500)
+    app = create_app(backend, slots, [MODEL], TOKEN)
     async with client(app) as http:
-        response = await http.post("/v1/chat/completions", headers=AUTH, json=HELLO)
+        response = await http.post("/v1/chat/completions", headers=AUTH, json={**HELLO, "stream": stream})
         assert response.status_code == 500
-        assert response.json()["error"]["code"] == "test_hook"
+        error = response.json()["error"]
+        assert (error["type"], error["code"]) == ("server_error", "server_error") and "test hook" in error["message"]
         assert (await http.get("/v1/models", headers=AUTH)).status_code == 200
-    assert backend.calls == 0
+    assert backend.calls == 1
+    await idle(slots)
+
+
+ROLE = {"index": 0, "delta": {"role": "assistant", "content": ""}, "finish_reason": None}
+FINISH = {"index": 0, "delta": {}, "finish_reason": "stop"}
+TOOL_CALL = {"index": 0, "delta": {"tool_calls": [{"index": 0, "id": "call_1", "type": "function",
+                                                   "function": {"name": "f", "arguments": "{}"}}]},
+             "finish_reason": None}
+
+
+@pytest.mark.parametrize("choices, fail_at, status", [
+    ([ROLE, FINISH], 2, 400),  # role and finish reason only, then a failure: nothing was sent yet
+    ([ROLE, TOOL_CALL], 2, 200),  # a tool call is content (`has_content`): the stream has started
+])
+async def test_the_stream_starts_at_the_first_content(choices: list[dict[str, Any]], fail_at: int,
+                                                      status: int) -> None:
+    slots = Slots(1)
+    app = create_app(ScriptedBackend([], fail_at=fail_at, status=400, chunks=choices), slots, [MODEL], TOKEN)
+    async with client(app) as http:
+        response = await http.post("/v1/chat/completions", headers=AUTH, json={**HELLO, "stream": True})
+        assert response.status_code == status
+        if status == 200:
+            parts = events(response.text)
+            assert [p["choices"][0] for p in parts[:-1]] == choices and "error" in parts[-1]
+    await idle(slots)
+
+
+async def test_a_reply_without_content_streams_whole() -> None:
+    slots = Slots(1)
+    app = create_app(ScriptedBackend([], chunks=[ROLE, FINISH]), slots, [MODEL], TOKEN)
+    async with client(app) as http:
+        response = await http.post("/v1/chat/completions", headers=AUTH, json={**HELLO, "stream": True})
+        assert response.status_code == 200
+        parts = events(response.text)
+        assert [p["choices"][0] for p in parts[:2]] == [ROLE, FINISH]
+        assert parts[2]["usage"]["completion_tokens"] == 0 and parts[3] == "[DONE]"
+    await idle(slots)
 
 
 async def test_direct_requests_share_the_fleet_concurrency_limit() -> None:

@@ -14,7 +14,9 @@ from typing import AsyncIterator
 import httpx
 import pytest
 
-from darkbloom import crypto, paths, protocol
+from darkbloom import paths
+from darkbloom.wire import crypto
+from darkbloom.wire import protocol
 from darkbloom.provider.config import load_config
 from darkbloom.provider.node import ProviderNode
 from tests.provider.fake_coordinator import Conn, FakeCoordinator
@@ -29,7 +31,6 @@ def home(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     path = tmp_path / "home"
     path.mkdir()
     monkeypatch.setenv("DARKBLOOM_HOME", str(path))
-    monkeypatch.delenv("DARKBLOOM_TEST_LOCAL_FAIL", raising=False)
     return path
 
 
@@ -149,7 +150,7 @@ async def test_local_only_never_dials_the_coordinator(home: Path, fake: FakeCoor
 async def test_a_taken_port_fails_before_the_model_loads(home: Path) -> None:
     import socket
 
-    from darkbloom.provider.local_endpoint import LocalEndpointError
+    from darkbloom.provider.direct.endpoint import LocalEndpointError
 
     with socket.socket() as taken:
         taken.bind(("127.0.0.1", 0))
@@ -163,7 +164,7 @@ async def test_a_taken_port_fails_before_the_model_loads(home: Path) -> None:
 
 
 async def test_no_token_file_no_direct_mode(home: Path) -> None:
-    from darkbloom.provider.local_endpoint import LocalEndpointError
+    from darkbloom.provider.direct.endpoint import LocalEndpointError
 
     paths.local_token_path(home).mkdir()  # the token file cannot be created
     config = load_config(home, {"local_endpoint": True, "local_port": free_port(), "local_bind": "0.0.0.0"})

@@ -9,7 +9,7 @@ import httpx
 import pytest
 from websockets.exceptions import ConnectionClosed
 
-from darkbloom.protocol import MAX_FRAME_BYTES
+from darkbloom.wire.protocol import MAX_FRAME_BYTES
 from tests.e2e.conftest import Stack
 from tests.support.raw_provider import RawProvider
 

@@ -3,7 +3,7 @@ failover when a provider dies before first content, the speculative backup with 
 stalled provider, the trust floor, and the queue's 429s.
 
 Providers run the `openai` backend in front of bench/fixed_upstream.py (instant, deterministic
-answers); the test hook `DARKBLOOM_TEST_FIRST_TOKEN_DELAY` (provider/backends/test_hooks.py) makes
+answers); the test backend `FirstTokenDelayBackend` (tests/support/backends.py, via `node_cmd`) makes
 a provider slow to its first token so a test knows it is "before first content". Each test gets
 its own coordinator, because the knobs under test are coordinator flags.
 """
@@ -19,7 +19,7 @@ import httpx
 import pytest
 
 from tests.support.accounts import Account, create_account
-from tests.support.processes import (Coordinator, Process, darkbloom_cmd, spawn, start_coordinator,
+from tests.support.processes import (Coordinator, Process, node_cmd, spawn, start_coordinator,
                                      start_fixed_upstream, wait_until)
 
 pytestmark = pytest.mark.e2e
@@ -51,11 +51,10 @@ class Cluster:
 
     def node(self, name: str, *, first_token_delay: float = 0.0, max_concurrency: int = 1) -> tuple[Process, str]:
         """A provider node (unowned: the public fleet) and its session id once registered."""
-        env = {"DARKBLOOM_TEST_FIRST_TOKEN_DELAY": str(first_token_delay)} if first_token_delay else None
-        process = spawn(darkbloom_cmd("serve", "--coordinator", self.coordinator.base_url, "--backend", "openai",
-                                      "--upstream-url", self.upstream, "--model", MODEL,
-                                      "--max-concurrency", str(max_concurrency)),
-                        self.root / name, "node.log", env)
+        process = spawn(node_cmd("serve", "--coordinator", self.coordinator.base_url, "--backend", "openai",
+                                 "--upstream-url", self.upstream, "--model", MODEL,
+                                 "--max-concurrency", str(max_concurrency), first_token_delay=first_token_delay),
+                        self.root / name, "node.log")
         self.nodes.append(process)
 
         def registered() -> str | None:

@@ -9,7 +9,7 @@ import httpx
 import pytest
 from nacl.public import Box, PrivateKey
 
-from darkbloom.crypto import b64d, b64e, public_key_from_b64
+from darkbloom.wire.crypto import b64d, b64e, public_key_from_b64
 from tests.e2e.conftest import Stack
 
 pytestmark = pytest.mark.e2e

@@ -10,7 +10,7 @@ from typing import Iterator
 import httpx
 import pytest
 
-from darkbloom.models_bundled import bundled_gguf_path
+from darkbloom.provider.bundled_model import bundled_gguf_path
 
 
 @pytest.fixture(scope="session")

@@ -10,7 +10,7 @@ from typing import Any
 from pydantic import BaseModel
 from websockets.asyncio.server import Server, ServerConnection, serve
 
-from darkbloom import protocol
+from darkbloom.wire import protocol
 
 
 class Conn:

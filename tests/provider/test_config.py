@@ -20,6 +20,7 @@ def test_defaults_without_a_file(home: Path) -> None:
     assert config.models == [ModelSpec("smollm2-135m", "")]
     assert (config.local_endpoint, config.local_port, config.local_bind) == (False, 8000, "127.0.0.1")
     assert config.private_only is False
+    assert config.max_body_bytes == 8 * 1024 * 1024
     assert config.name
 
 
@@ -41,6 +42,7 @@ path = ""
 [local]
 port = 9000
 bind = "0.0.0.0"
+max_body_bytes = 65536
 [node]
 name = "studio"
 """)
@@ -51,6 +53,7 @@ name = "studio"
     assert config.max_concurrency == 3
     assert config.models == [ModelSpec("mine", str(gguf)), ModelSpec("smollm2-135m", "")]
     assert (config.local_port, config.local_bind, config.name) == (9000, "0.0.0.0", "studio")
+    assert config.max_body_bytes == 65536
 
 
 def test_overrides_win_over_the_file(home: Path, gguf: Path) -> None:
@@ -84,9 +87,16 @@ def test_openai_backend_takes_model_names_without_files(home: Path) -> None:
     ({"coordinator_url": "localhost:8080"}, "", "must look like http://host:port"),
     ({"local_port": 70000}, "", "not a valid TCP port"),
     ({}, "[coordinator\nurl=", "not valid TOML"),
-    ({}, "[backend]\nmax_concurrency = true\n", "max_concurrency must be of type int"),
-    ({}, "[coordinator]\nprivate_only = \"yes\"\n", "private_only must be of type bool"),
+    ({}, "[backend]\nmax_concurrency = true\n", "provider.toml: [backend] max_concurrency must be of type int, not True"),
+    ({}, "[backend]\nkind = 3\n", "[backend] kind must be of type str, not 3"),
+    ({}, "[coordinator]\nprivate_only = \"yes\"\n", "[coordinator] private_only must be of type bool, not 'yes'"),
+    ({}, "[coordinator]\nheartbeat_interval_secs = \"5\"\n", "heartbeat_interval_secs must be of type int or float"),
+    ({}, "[local]\nport = 80.5\n", "[local] port must be of type int, not 80.5"),
+    ({}, "[local]\nmax_body_bytes = 0\n", "[local] max_body_bytes must be at least 1"),
+    ({}, "local = 3\n", "provider.toml: [local] must be a table"),
     ({}, "models = 3\n", "[[models]] tables"),
+    ({}, "models = [3]\n", "[[models]] tables"),
+    ({}, "[[models]]\nid = \"a\"\n[[models]]\nid = 7\n", "[[models]] #2 id must be of type str, not 7"),
     ({"surprise": 1}, "", "unknown setting 'surprise'"),
 ])
 def test_invalid_settings_raise_a_sentence(home: Path, overrides: dict[str, object], toml: str,

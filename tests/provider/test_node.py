@@ -14,13 +14,15 @@ from typing import Any, AsyncIterator
 
 import pytest
 
-from darkbloom import crypto, paths, protocol
+from darkbloom import paths
+from darkbloom.wire import crypto
+from darkbloom.wire import protocol
 from darkbloom.provider.backends import create_backend
 from darkbloom.provider.backends.llama_cpp import LlamaCppBackend
 from darkbloom.provider.config import load_config
 from darkbloom.provider import node as node_module
 from darkbloom.provider.node import ProviderNode
-from darkbloom.runtime import runtime_hash
+from darkbloom.wire.runtime import runtime_hash
 from tests.provider.fake_coordinator import Conn, FakeCoordinator
 
 LONG_STORY = [{"role": "user", "content": "Write a very long story about a dragon and a lighthouse."}]
@@ -180,7 +182,7 @@ async def test_cancel_stops_generation_and_reports_the_tokens_used(harness: Harn
     assert record.cancelled
     assert report.usage.prompt_tokens == record.prompt_tokens > 5
     assert 2 <= report.usage.completion_tokens == record.completion_tokens < 400
-    assert "req_long" not in harness.node._jobs
+    assert "req_long" not in harness.node.fleet.jobs
     # The freed slot serves the next request; nothing else was ever sent for the cancelled one.
     report_at = conn.frames.index(report)
     _, envelope = seal_request(conn.frames[0].public_key, {**body, "max_tokens": 3})

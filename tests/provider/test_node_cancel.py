@@ -19,7 +19,8 @@ from typing import Any, AsyncIterator
 import httpx
 import pytest
 
-from darkbloom import crypto, protocol
+from darkbloom.wire import crypto
+from darkbloom.wire import protocol
 from darkbloom.provider.backends import Backend
 from darkbloom.provider.backends.base import UsageMeter
 from darkbloom.provider.backends.openai_upstream import OpenAIUpstreamBackend, _estimate_prompt_tokens
@@ -42,7 +43,7 @@ async def running_node(home: Path, backend: Backend, *, upstream_url: str = "htt
                                     "models": [MODEL]})
         config.heartbeat_interval_secs = 0.2
         node = ProviderNode(config, home, backend)
-        node.cancel_grace = cancel_grace
+        node.fleet.cancel_grace = cancel_grace
         stop = asyncio.Event()
         task = asyncio.create_task(node.run(stop))
         try:
@@ -132,7 +133,7 @@ async def test_cancel_before_any_output_reports_the_prompt_if_known(home: Path, 
         await conn.send(protocol.Cancel(request_id="req_1"))
         report = await settle(conn, "req_1")
         assert (report.usage.prompt_tokens, report.usage.completion_tokens) == expected
-        assert backend.closed.is_set() and node._jobs == {}
+        assert backend.closed.is_set() and node.fleet.jobs == {}
         await idle_heartbeat(conn)
 
 
@@ -144,7 +145,7 @@ async def test_cancel_before_the_request_task_ever_ran(home: Path) -> None:
         node._handle(protocol.Cancel(request_id="req_1"))
         report = await settle(conn, "req_1")
         assert (report.usage.prompt_tokens, report.usage.completion_tokens) == (0, 0)
-        assert not backend.entered.is_set() and node._jobs == {}  # the slot is free again
+        assert not backend.entered.is_set() and node.fleet.jobs == {}  # the slot is free again
         await idle_heartbeat(conn)
 
 
@@ -156,7 +157,7 @@ async def test_a_backend_that_does_not_stop_is_reported_after_the_grace(home: Pa
         for _ in range(3):
             await conn.recv_type((protocol.InferenceAccepted, protocol.InferenceResponseChunk))
         await backend.waiting.wait()
-        with caplog.at_level(logging.INFO, logger="darkbloom.provider.node"):
+        with caplog.at_level(logging.INFO, logger="darkbloom.provider"):
             started = time.monotonic()
             await conn.send(protocol.Cancel(request_id="req_1"))
             while not isinstance(frame := await conn.recv(), protocol.InferenceComplete):
@@ -166,7 +167,7 @@ async def test_a_backend_that_does_not_stop_is_reported_after_the_grace(home: Pa
         assert (frame.request_id, frame.usage.prompt_tokens, frame.usage.completion_tokens) == ("req_1", 42, 3)
         assert "request req_1 cancelled by the coordinator" in caplog.text  # the line the e2e test waits for
         assert "did not stop within" in caplog.text
-        assert node._jobs == {}
+        assert node.fleet.jobs == {}
 
 
 async def test_cancel_on_the_openai_backend_with_a_real_upstream(home: Path, upstream: str) -> None:

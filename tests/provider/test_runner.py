@@ -7,7 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from darkbloom import paths, protocol
+from darkbloom import paths
+from darkbloom.wire import protocol
 from darkbloom.provider.config import load_config
 from darkbloom.provider.runner import StartError, _serve_args, node_status, start_background, stop_background
 from tests.provider.fake_coordinator import FakeCoordinator

@@ -14,14 +14,18 @@ import json
 import time
 from typing import Any
 
-from darkbloom.catalog import BUNDLED_MODEL_ID, CatalogModel
-from darkbloom.coordinator.chat_request import ChatRequest, parse_chat_request
+from darkbloom.wire.catalog import BUNDLED_MODEL_ID, CatalogModel
+from darkbloom.coordinator.inference.chat_request import ChatRequest, parse_chat_request
 from darkbloom.coordinator.config import CoordinatorSettings
-from darkbloom.coordinator.registry import ProviderSession, Registry
-from darkbloom.coordinator.scheduler import RouteDecision
+from darkbloom.coordinator.fleet.registry import Registry
+from darkbloom.coordinator.fleet.slots import Slot, Slots
+from darkbloom.coordinator.fleet.session import ProviderSession
+from darkbloom.coordinator.routing.decision import RouteDecision
+from darkbloom.coordinator.http.auth import Caller
+from darkbloom.coordinator.inference.lifecycle import RequestLifecycle
 from darkbloom.coordinator.services import Services
-from darkbloom.crypto import NodeIdentity, Sealer, open_envelope, public_key_from_b64
-from darkbloom.protocol import Cancel, InferenceRequest, ModelInfo, Register, Usage, parse_coordinator_frame
+from darkbloom.wire.crypto import NodeIdentity, Sealer, open_envelope, public_key_from_b64
+from darkbloom.wire.protocol import Cancel, InferenceRequest, ModelInfo, Register, Usage, parse_coordinator_frame
 
 MODEL = CatalogModel(id=BUNDLED_MODEL_ID, aliases=["smollm2"], input_price=50_000, output_price=200_000)
 RUNTIME = "sha256:" + "ab" * 32
@@ -40,6 +44,18 @@ def services(registry: Registry, config: CoordinatorSettings | None = None) -> S
     """Everything ``Attempts`` and ``RequestQueues`` touch; no database, no rate limiter."""
     return Services(settings=config or settings(), engine=None, registry=registry,  # type: ignore[arg-type]
                     rate_limiter=None)  # type: ignore[arg-type]
+
+
+def lifecycle(svc: Services, request_id: str = "chatcmpl-sim") -> RequestLifecycle:
+    """A request's lifecycle with nothing taken yet (no rate charges, no reservation)."""
+    return RequestLifecycle(svc, Caller(account_id="acct_sim", kind="api_key"), request_id)
+
+
+async def end_as_gone(life: RequestLifecycle) -> None:
+    """End the request as the pipeline does when its client vanished, and wait for the bookkeeping."""
+    gone = asyncio.CancelledError()
+    await life.__aexit__(type(gone), gone, None)
+    await life.services.drain(timeout=5)
 
 
 def decision(**fields: Any) -> RouteDecision:
@@ -73,9 +89,18 @@ class SimProvider:
         self.session.challenge_passed_at = None if challenge_age is None else time.monotonic() - challenge_age
         self.session.untrusted_reason = untrusted
         self.session.decode_tps = decode_tps
-        self.session.active = active
+        self.held: list[Slot] = []  # slots claimed for the test (``set_active``), as busy work would
+        self._slots = Slots()
+        self.set_active(active)
         self._requests: dict[str, InferenceRequest] = {}
         self.seen: list[Any] = []  # every frame read from the outbox, in order
+
+    def set_active(self, count: int) -> None:
+        """Claim or release slots until ``count`` are in use (through the one slot API)."""
+        while len(self.held) > count:
+            self.held.pop().release()
+        while len(self.held) < count:
+            self.held.append(self._slots.claim(self.session))
 
     @property
     def id(self) -> str:
@@ -139,7 +164,12 @@ class SimProvider:
 
 
 def fleet(registry: Registry, count: int, **fields: Any) -> list[SimProvider]:
+    """Sessions in the registry; their busy slots come from the registry's slots, so releasing one
+    wakes the registry's queues as a real release does."""
+    active = fields.pop("active", 0)
     providers = [SimProvider(**fields) for _ in range(count)]
     for provider in providers:
         registry.add(provider.session)
+        provider._slots = registry.slots
+        provider.set_active(active)
     return providers

@@ -12,11 +12,13 @@ from typing import Any
 
 import pytest
 
-from darkbloom.coordinator.attempts import MAX_ATTEMPTS, Attempts
-from darkbloom.coordinator.registry import Registry
-from darkbloom.coordinator.relay import PendingRequest, ProviderFailure
-from darkbloom.coordinator.scheduler import RouteDecision, try_place
-from tests.scheduler.sim import SimProvider, chat, decision, fleet, services, settings
+from darkbloom.coordinator.inference.attempts import MAX_ATTEMPTS, Attempts
+from darkbloom.coordinator.fleet.registry import Registry
+from darkbloom.coordinator.inference.relay import ProviderFailure
+from darkbloom.coordinator.fleet.pending import PendingRequest
+from darkbloom.coordinator.routing.scheduler import try_place
+from darkbloom.coordinator.routing.decision import RouteDecision
+from tests.scheduler.sim import SimProvider, chat, decision, end_as_gone, fleet, lifecycle, services, settings
 
 REQUEST_ID = "chatcmpl-sim"
 OWNER = "acct_owner"
@@ -30,7 +32,7 @@ def start(registry: Registry, route: RouteDecision | None = None,
     svc = services(registry, settings(first_content_timeout=BUDGET, **settings_fields))
     placement = try_place(registry, route, svc.settings)
     assert placement is not None
-    attempts = Attempts(svc, route, chat(), REQUEST_ID, max_tokens=64)
+    attempts = Attempts(lifecycle(svc, REQUEST_ID), route, chat(), max_tokens=64)
     return attempts, asyncio.ensure_future(attempts.run(placement))
 
 
@@ -198,7 +200,7 @@ async def test_no_backup_when_no_other_session_is_idle() -> None:
     svc = services(registry, settings(first_content_timeout=BUDGET))
     placement = try_place(registry, route, svc.settings)
     assert placement is not None and placement.session is primary.session  # the idle one wins selection
-    run = asyncio.ensure_future(Attempts(svc, route, chat(), REQUEST_ID, max_tokens=64).run(placement))
+    run = asyncio.ensure_future(Attempts(lifecycle(svc, REQUEST_ID), route, chat(), max_tokens=64).run(placement))
     await primary.next_request()
     await asyncio.sleep(BUDGET * 0.75)  # past half the budget
     primary.reply(REQUEST_ID)
@@ -258,7 +260,7 @@ async def test_a_session_gone_before_dispatch_fails_over_at_once() -> None:
     placement = try_place(registry, route, svc.settings)
     assert placement is not None
     registry.remove(placement.session)  # what close_session does; it had no pending request yet
-    run = asyncio.ensure_future(Attempts(svc, route, chat(), REQUEST_ID, max_tokens=64).run(placement))
+    run = asyncio.ensure_future(Attempts(lifecycle(svc, REQUEST_ID), route, chat(), max_tokens=64).run(placement))
     other, = [p for p in providers if p.session is not placement.session]
     await other.next_request(timeout=2)
     other.reply(REQUEST_ID)
@@ -267,7 +269,7 @@ async def test_a_session_gone_before_dispatch_fails_over_at_once() -> None:
     assert placement.session.active == 0
 
 
-async def test_abandon_all_cancels_primary_and_backup() -> None:
+async def test_the_lifecycle_end_cancels_primary_and_backup() -> None:
     registry = Registry()
     providers = fleet(registry, 2)
     attempts, run = start(registry)
@@ -276,7 +278,7 @@ async def test_abandon_all_cancels_primary_and_backup() -> None:
     await backup.next_request(timeout=5 * BUDGET)
     run.cancel()  # the client went away
     await asyncio.gather(run, return_exceptions=True)
-    attempts.abandon_all()
+    await end_as_gone(attempts.life)
     assert primary.cancels() == [REQUEST_ID] and backup.cancels() == [REQUEST_ID]
     assert total_active(providers) == 0
 
@@ -291,7 +293,7 @@ async def test_a_cancel_racing_a_provider_event_is_not_swallowed() -> None:
     first.error(REQUEST_ID, 502)
     run.cancel()
     await asyncio.gather(run, return_exceptions=True)
-    attempts.abandon_all()
+    await end_as_gone(attempts.life)
     await asyncio.sleep(0.05)
     assert run.cancelled()
     other, = [p for p in providers if p is not first]

@@ -1,22 +1,21 @@
-"""The provider test hook the scheduling end-to-end tests use: DARKBLOOM_TEST_FIRST_TOKEN_DELAY."""
+"""The test backend the scheduling end-to-end tests give their nodes: `FirstTokenDelayBackend`, and
+`tests.support.node_main`, the entry point that passes it to a real `darkbloom serve` process."""
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 from pathlib import Path
 from typing import Any, AsyncIterator
 
 import pytest
 
-from darkbloom.provider.backends import create_backend
 from darkbloom.provider.backends.base import UsageMeter
 from darkbloom.provider.backends.openai_upstream import OpenAIUpstreamBackend
-from darkbloom.provider.backends.test_hooks import (
-    FIRST_TOKEN_DELAY_ENV,
-    FirstTokenDelayBackend,
-    parse_first_token_delay,
-)
-from darkbloom.provider.config import ConfigError, load_config
+from darkbloom.provider.config import load_config
+from tests.support.backends import FirstTokenDelayBackend
+from tests.support.node_main import node_backend, parse, seconds
+from tests.support.processes import darkbloom_cmd, node_cmd
 
 OPENAI = {"backend": "openai", "upstream_url": "http://127.0.0.1:9", "models": ["m"]}
 
@@ -43,33 +42,31 @@ class FakeBackend:
             self.streams_closed += 1
 
 
-def test_parse() -> None:
-    assert parse_first_token_delay(None) == 0.0
-    assert parse_first_token_delay(" ") == 0.0
-    assert parse_first_token_delay("2.5") == 2.5
-    assert parse_first_token_delay("0") == 0.0
+def test_the_delay_option() -> None:
+    assert seconds("2.5") == 2.5 and seconds("0") == 0.0
     for bad in ("-1", "soon", "nan", "inf"):
-        with pytest.raises(ValueError, match=FIRST_TOKEN_DELAY_ENV):
-            parse_first_token_delay(bad)
+        with pytest.raises(argparse.ArgumentTypeError, match="--first-token-delay"):
+            seconds(bad)
+    options = parse(["--first-token-delay", "3", "serve", "--coordinator", "http://h:1", "--model", "m"])
+    assert options.first_token_delay == 3.0 and options.direct_fail is None
+    assert options.cli_args == ["serve", "--coordinator", "http://h:1", "--model", "m"]
 
 
-def test_off_by_default(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.delenv(FIRST_TOKEN_DELAY_ENV, raising=False)
-    config = load_config(tmp_path, dict(OPENAI))
-    assert config.test_first_token_delay == 0.0
-    assert isinstance(create_backend(config), OpenAIUpstreamBackend)
+def test_node_cmd_uses_the_real_cli_unless_a_hook_is_on() -> None:
+    assert node_cmd("serve", "--model", "m") == darkbloom_cmd("serve", "--model", "m")
+    hooked = node_cmd("serve", "--model", "m", first_token_delay=3)
+    assert hooked[1:] == ["-m", "tests.support.node_main", "--first-token-delay", "3", "serve", "--model", "m"]
+    assert parse(hooked[3:]).first_token_delay == 3.0
 
 
-def test_read_from_the_environment(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv(FIRST_TOKEN_DELAY_ENV, "3")
-    config = load_config(tmp_path, dict(OPENAI))
-    assert config.test_first_token_delay == 3.0
-    backend = create_backend(config)
+def test_off_without_a_delay(tmp_path: Path) -> None:
+    assert isinstance(node_backend(load_config(tmp_path, dict(OPENAI)), 0.0), OpenAIUpstreamBackend)
+
+
+def test_wraps_the_backend_the_config_names(tmp_path: Path) -> None:
+    backend = node_backend(load_config(tmp_path, dict(OPENAI)), 3.0)
     assert isinstance(backend, FirstTokenDelayBackend) and backend.delay == 3.0
     assert isinstance(backend.inner, OpenAIUpstreamBackend)
-    monkeypatch.setenv(FIRST_TOKEN_DELAY_ENV, "later")
-    with pytest.raises(ConfigError, match=FIRST_TOKEN_DELAY_ENV):
-        load_config(tmp_path, dict(OPENAI))
 
 
 async def test_chunks_pass_through_after_the_delay() -> None:

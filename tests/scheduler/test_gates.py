@@ -10,18 +10,10 @@ from typing import Any
 import pytest
 from prometheus_client import REGISTRY
 
-from darkbloom.catalog import CatalogModel
-from darkbloom.coordinator.registry import Registry
-from darkbloom.coordinator.scheduler import (
-    GATES,
-    PRIVACY_GATES,
-    candidates,
-    choose,
-    first_failed_gate,
-    routable_public,
-    survey,
-    try_place,
-)
+from darkbloom.wire.catalog import CatalogModel
+from darkbloom.coordinator.fleet.registry import Registry
+from darkbloom.coordinator.routing.gates import GATES, PRIVACY_GATES, first_failed_gate
+from darkbloom.coordinator.routing.scheduler import candidates, choose, routable_public, survey, try_place
 from tests.scheduler.sim import MODEL, SimProvider, decision, fleet, settings
 
 OWNER = "acct_owner"
@@ -35,7 +27,7 @@ def reason_of(provider: SimProvider, **decision_fields: Any) -> str | None:
 
 
 def test_the_order_is_fixed() -> None:
-    assert [name for name, _ in GATES] == [
+    assert [gate.name for gate in GATES] == [
         "model_not_served", "untrusted", "private_only", "trust_below_floor", "runtime_not_verified",
         "no_encrypted_chunks", "challenge_stale", "capability_unsupported"]
     assert PRIVACY_GATES == {"runtime_not_verified", "no_encrypted_chunks", "challenge_stale"}
@@ -129,7 +121,7 @@ def test_no_free_slot_is_counted_after_the_gates() -> None:
     assert found.eligible == [busy.session] and found.available == []
     assert found.reasons == {"no_free_slot": 1}
     assert try_place(registry, decision(), settings()) is None
-    busy.session.active = 1
+    busy.set_active(1)
     assert survey(registry, decision(), settings()).available == [busy.session]
 
 
@@ -147,14 +139,14 @@ _BREAKERS: dict[str, dict[str, Any]] = {
 }
 
 
-@pytest.mark.parametrize("first,second", list(itertools.combinations([name for name, _ in GATES], 2)))
+@pytest.mark.parametrize("first,second", list(itertools.combinations([gate.name for gate in GATES], 2)))
 def test_a_session_failing_two_gates_reports_the_earlier(first: str, second: str) -> None:
     fields: dict[str, Any] = {"vision": True, **_BREAKERS[second], **_BREAKERS[first]}
     assert reason_of(SimProvider(**fields), needs_images=True) == first
 
 
 def test_every_gate_has_a_breaker() -> None:
-    assert set(_BREAKERS) == {name for name, _ in GATES}
+    assert set(_BREAKERS) == {gate.name for gate in GATES}
     for name, fields in _BREAKERS.items():
         assert reason_of(SimProvider(**{"vision": True, **fields}), needs_images=True) == name
 
@@ -199,8 +191,9 @@ def test_private_only_never_in_public_results() -> None:
     assert try_place(registry, public_decision, settings()) is None
     assert not routable_public(registry, MODEL, settings())
     # its owner does see it
-    assert try_place(registry, decision(owner_account_id=OWNER), settings()).session is private.session
-    private.session.active = 0
+    placement = try_place(registry, decision(owner_account_id=OWNER), settings())
+    assert placement is not None and placement.session is private.session
+    placement.slot.release()
     assert try_place(registry, decision(owner_account_id=OWNER, owned_only=True), settings()).session \
         is private.session
 
@@ -234,7 +227,7 @@ def test_owner_restricted_candidates_are_only_the_owners_sessions() -> None:
     found = survey(registry, exclusive, settings())
     assert set(found.eligible) == {p.session for p in owned}
     for p in owned:
-        p.session.active = 1
+        p.set_active(1)
     assert try_place(registry, exclusive, settings()) is None  # busy owned, idle public: never the fleet
     assert all(p.session.active == 0 for p in public + others)
 
@@ -282,7 +275,7 @@ def test_another_accounts_pin_finds_nothing() -> None:
 def test_selection_prefers_the_lower_expected_wait() -> None:
     registry = Registry()
     loaded, idle = fleet(registry, 2, max_concurrency=2)
-    loaded.session.active = 1
+    loaded.set_active(1)
     assert choose(survey(registry, decision(), settings()).available, decision()) is idle.session
     slow, fast = SimProvider(decode_tps=10.0), SimProvider(decode_tps=100.0)
     assert choose([slow.session, fast.session], decision()) is fast.session

@@ -10,10 +10,11 @@ from typing import Any, AsyncIterator
 
 import pytest
 
-from darkbloom.coordinator import queueing
-from darkbloom.coordinator.queueing import NoEligibleSession, QueueRefused, RequestQueues
-from darkbloom.coordinator.registry import Registry
-from darkbloom.coordinator.scheduler import Placement, RouteDecision
+from darkbloom.coordinator.routing import queue as queueing
+from darkbloom.coordinator.routing.queue import NoEligibleSession, QueueRefused, RequestQueues
+from darkbloom.coordinator.fleet.registry import Registry
+from darkbloom.coordinator.routing.scheduler import Placement
+from darkbloom.coordinator.routing.decision import RouteDecision
 from tests.scheduler.sim import MODEL, SimProvider, decision, fleet, settings
 
 OWNER = "acct_owner"
@@ -33,9 +34,8 @@ async def enqueue(q: RequestQueues, d: RouteDecision) -> asyncio.Task[Placement]
 
 
 def free(provider: SimProvider, q: RequestQueues) -> None:
-    """A slot frees, as when an attempt is released (the release path drains)."""
-    provider.session.active -= 1
-    q.drain()
+    """A slot frees, as when an attempt is released: the release itself wakes the queue."""
+    provider.held.pop().release()
 
 
 @contextlib.asynccontextmanager
@@ -128,7 +128,9 @@ async def test_drain_in_arrival_order() -> None:
     for index, waiter in enumerate(waiters):
         free(provider, q)
         assert q.depth(MODEL.id) == 2 - index
-        assert (await asyncio.wait_for(waiter, 1)).session is provider.session
+        placement = await asyncio.wait_for(waiter, 1)
+        assert placement.session is provider.session
+        provider.held.append(placement.slot)  # it now holds the one slot, until the next free()
         assert not any(later.done() for later in waiters[index + 1:])
 
 

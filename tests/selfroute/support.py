@@ -24,11 +24,11 @@ from urllib.parse import urlsplit
 
 import httpx
 
-from darkbloom.protocol import Heartbeat, InferenceRequest, dump
+from darkbloom.wire.protocol import Heartbeat, InferenceRequest, dump
 from darkbloom.store.schema import PLATFORM_ACCOUNT_ID
 
 from tests.support.accounts import Account, create_account
-from tests.support.processes import Coordinator, Process, darkbloom_cmd, spawn, start_coordinator, wait_until
+from tests.support.processes import Coordinator, Process, node_cmd, spawn, start_coordinator, wait_until
 from tests.support.processes import start_fixed_upstream
 from tests.support.raw_provider import RawProvider
 
@@ -127,8 +127,7 @@ class Stack:
             args += ["--backend", "openai", "--upstream-url", upstream]
         for model in models:
             args += ["--model", model]
-        env = {"DARKBLOOM_TEST_FIRST_TOKEN_DELAY": str(first_token_delay)} if first_token_delay else None
-        process = spawn(darkbloom_cmd(*args, *extra), home, "node.log", env)
+        process = spawn(node_cmd(*args, *extra, first_token_delay=first_token_delay), home, "node.log")
         self.processes.append(process)
 
         def registered() -> str | None:

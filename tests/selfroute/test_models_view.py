@@ -14,7 +14,7 @@ from typing import Iterator
 
 import pytest
 
-from darkbloom.models_bundled import bundled_gguf_path
+from darkbloom.provider.bundled_model import bundled_gguf_path
 from tests.selfroute.support import MODEL, SELF, Node, Stack, error_of, start_upstream, streamed_text
 from tests.support.accounts import Account
 

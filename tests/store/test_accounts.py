@@ -8,9 +8,8 @@ import pytest
 from sqlalchemy import update
 from sqlalchemy.ext.asyncio import AsyncEngine
 
-from darkbloom.crypto import token_hash
-from darkbloom.store import accounts
-from darkbloom.store.schema import console_sessions
+from darkbloom.wire.crypto import token_hash
+from darkbloom.store import accounts, console_sessions, schema
 
 
 async def test_create_account_and_read_it_back(engine: AsyncEngine) -> None:
@@ -46,38 +45,38 @@ async def test_accounts_without_email_do_not_collide(engine: AsyncEngine) -> Non
     assert a != b
 
 
-async def test_session_lookup_and_delete(engine: AsyncEngine) -> None:
+async def test_console_session_lookup_and_delete(engine: AsyncEngine) -> None:
     async with engine.begin() as conn:
         account_id = await accounts.create_account(conn, "s@example.com", "h")
-        await accounts.create_session(conn, account_id, token_hash("dks-one"))
+        await console_sessions.create(conn, account_id, token_hash("dks-one"))
     async with engine.connect() as conn:
-        assert await accounts.account_for_session(conn, token_hash("dks-one")) == account_id
-        assert await accounts.account_for_session(conn, token_hash("dks-other")) is None
+        assert await console_sessions.account_for(conn, token_hash("dks-one")) == account_id
+        assert await console_sessions.account_for(conn, token_hash("dks-other")) is None
     async with engine.begin() as conn:
-        await accounts.delete_session(conn, token_hash("dks-one"))
+        await console_sessions.delete(conn, token_hash("dks-one"))
     async with engine.connect() as conn:
-        assert await accounts.account_for_session(conn, token_hash("dks-one")) is None
+        assert await console_sessions.account_for(conn, token_hash("dks-one")) is None
 
 
-async def test_expired_session_finds_no_account(engine: AsyncEngine) -> None:
+async def test_expired_console_session_finds_no_account(engine: AsyncEngine) -> None:
     async with engine.begin() as conn:
         account_id = await accounts.create_account(conn, "e@example.com", "h")
-        await accounts.create_session(conn, account_id, token_hash("dks-live"))
-        await accounts.create_session(conn, account_id, token_hash("dks-old"))
-        await conn.execute(update(console_sessions)
-                           .where(console_sessions.c.token_hash == token_hash("dks-old"))
+        await console_sessions.create(conn, account_id, token_hash("dks-live"))
+        await console_sessions.create(conn, account_id, token_hash("dks-old"))
+        await conn.execute(update(schema.console_sessions)
+                           .where(schema.console_sessions.c.token_hash == token_hash("dks-old"))
                            .values(expires_at=int(time.time()) - 1))
     async with engine.connect() as conn:
-        assert await accounts.account_for_session(conn, token_hash("dks-old")) is None
-        assert await accounts.account_for_session(conn, token_hash("dks-live")) == account_id
+        assert await console_sessions.account_for(conn, token_hash("dks-old")) is None
+        assert await console_sessions.account_for(conn, token_hash("dks-live")) == account_id
 
 
-async def test_new_session_lives_for_the_session_ttl(engine: AsyncEngine) -> None:
+async def test_new_console_session_lives_for_the_ttl(engine: AsyncEngine) -> None:
     async with engine.begin() as conn:
         account_id = await accounts.create_account(conn, "ttl@example.com", "h")
-        await accounts.create_session(conn, account_id, token_hash("dks-ttl"))
-        row = (await conn.execute(console_sessions.select())).mappings().one()
-    assert row["expires_at"] - row["created_at"] == accounts.SESSION_TTL_SECONDS
+        await console_sessions.create(conn, account_id, token_hash("dks-ttl"))
+        row = (await conn.execute(schema.console_sessions.select())).mappings().one()
+    assert row["expires_at"] - row["created_at"] == console_sessions.TTL_SECONDS
 
 
 async def test_credit_is_idempotent_on_reference(engine: AsyncEngine) -> None:

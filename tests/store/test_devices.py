@@ -5,8 +5,10 @@ from __future__ import annotations
 import pytest
 from sqlalchemy.ext.asyncio import AsyncEngine
 
-from darkbloom.crypto import token_hash
+from darkbloom.wire.crypto import token_hash
 from darkbloom.store import accounts, devices, machines
+
+from tests.support.store_queries import has_linked
 
 
 @pytest.fixture
@@ -94,7 +96,7 @@ async def test_unlinked_machine_token_has_no_owner(engine: AsyncEngine, account:
 
 async def test_machine_list_and_record_seen(engine: AsyncEngine, account: str) -> None:
     async with engine.connect() as conn:
-        assert not await machines.has_linked(conn, account)
+        assert not await has_linked(conn, account)
     first = await _link(engine, account, "dkp-1")
     second = await _link(engine, account, "dkp-2")
     async with engine.begin() as conn:
@@ -103,7 +105,7 @@ async def test_machine_list_and_record_seen(engine: AsyncEngine, account: str) -
         await machines.unlink(conn, account, second)
     async with engine.connect() as conn:
         listed = await machines.list_for(conn, account)
-        assert await machines.has_linked(conn, account)
+        assert await has_linked(conn, account)
         unlinked = await machines.get(conn, second)
     assert [m["id"] for m in listed] == [first]
     row = listed[0]

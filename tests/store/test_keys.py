@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 from sqlalchemy.ext.asyncio import AsyncEngine
 
-from darkbloom.crypto import token_hash
+from darkbloom.wire.crypto import token_hash
 from darkbloom.store import accounts, keys
 
 

@@ -15,6 +15,7 @@ from typing import Any
 import httpx
 
 ADMIN_TOKEN = "test-admin-token"
+REPO_ROOT = Path(__file__).resolve().parents[2]
 
 
 def free_port() -> int:
@@ -33,6 +34,20 @@ def _env(home: Path, extra: dict[str, str] | None = None) -> dict[str, str]:
 
 def darkbloom_cmd(*args: str) -> list[str]:
     return [sys.executable, "-m", "darkbloom.cli", *args]
+
+
+def node_cmd(*args: str, first_token_delay: float = 0.0, direct_fail: int | None = None) -> list[str]:
+    """`darkbloom ARGS…` (a node: `serve …`); with a test backend (tests/support/node_main.py) when
+    ``first_token_delay`` (seconds before each request's first token) or ``direct_fail`` (the HTTP
+    status direct mode answers every chat completion with) is set."""
+    hooks: list[str] = []
+    if first_token_delay:
+        hooks += ["--first-token-delay", str(first_token_delay)]
+    if direct_fail is not None:
+        hooks += ["--direct-fail", str(direct_fail)]
+    if not hooks:
+        return darkbloom_cmd(*args)
+    return [sys.executable, "-m", "tests.support.node_main", *hooks, *args]
 
 
 @dataclass
@@ -60,7 +75,8 @@ def spawn(args: list[str], home: Path, log_name: str, env: dict[str, str] | None
     home.mkdir(parents=True, exist_ok=True)
     log_path = home / log_name
     handle = open(log_path, "wb")
-    proc = subprocess.Popen(args, env=_env(home, env), stdout=handle, stderr=subprocess.STDOUT)
+    proc = subprocess.Popen(args, env=_env(home, env), stdout=handle, stderr=subprocess.STDOUT,
+                            cwd=REPO_ROOT)  # `python -m tests.support…` needs the repository root
     return Process(proc, log_path)
 
 
@@ -120,9 +136,6 @@ def wait_until(predicate: Any, timeout: float = 60, interval: float = 0.1, what:
             return value
         time.sleep(interval)
     raise AssertionError(f"timed out waiting for {what}")
-
-
-REPO_ROOT = Path(__file__).resolve().parents[2]
 
 
 def start_fixed_upstream(home: Path, *args: str) -> tuple[Process, str]:

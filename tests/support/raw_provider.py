@@ -12,8 +12,8 @@ from typing import Any
 
 from websockets.asyncio.client import ClientConnection, connect
 
-from darkbloom.crypto import NodeIdentity, Sealer, challenge_message, open_envelope, public_key_from_b64
-from darkbloom.protocol import (
+from darkbloom.wire.crypto import NodeIdentity, Sealer, challenge_message, open_envelope, public_key_from_b64
+from darkbloom.wire.protocol import (
     MAX_FRAME_BYTES,
     AttestationChallenge,
     AttestationResponse,
@@ -27,7 +27,7 @@ from darkbloom.protocol import (
     dump,
     parse_coordinator_frame,
 )
-from darkbloom.runtime import runtime_hash
+from darkbloom.wire.runtime import runtime_hash
 
 
 CHALLENGE_ANSWERS = ("valid", "bad_signature", "changed_runtime", "ignore")

@@ -14,7 +14,7 @@ import pytest
 import uvicorn
 
 from darkbloom.coordinator.config import CoordinatorSettings
-from darkbloom.coordinator.registry import ProviderSession
+from darkbloom.coordinator.fleet.session import ProviderSession
 from darkbloom.coordinator.server import build_server
 from darkbloom.coordinator.services import Services
 from tests.support.accounts import Account, create_account

@@ -12,14 +12,14 @@ from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from cryptography.x509.oid import NameOID
 
-from darkbloom.coordinator.enrollment import (
+from darkbloom.coordinator.fleet.enrollment import (
     CA_COMMON_NAME,
     CertificateError,
     EnrollmentCA,
     load_ca,
     load_or_create_ca,
 )
-from darkbloom.crypto import NodeIdentity
+from darkbloom.wire.crypto import NodeIdentity
 from darkbloom.store import create_engine, migrate
 
 DAY = 86400

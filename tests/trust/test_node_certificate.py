@@ -10,7 +10,8 @@ from typing import Any, AsyncIterator
 
 import pytest
 
-from darkbloom import paths, protocol
+from darkbloom import paths
+from darkbloom.wire import protocol
 from darkbloom.provider.config import load_config
 from darkbloom.provider.node import ProviderNode
 from tests.provider.fake_coordinator import FakeCoordinator

@@ -12,9 +12,9 @@ from typer.testing import CliRunner
 
 from darkbloom import cli
 from darkbloom.coordinator.config import CoordinatorSettings
-from darkbloom.coordinator.enrollment import EnrollmentCA
-from darkbloom.coordinator.registry import ProviderSession
-from darkbloom.coordinator.trust import (
+from darkbloom.coordinator.fleet.enrollment import EnrollmentCA
+from darkbloom.coordinator.fleet.session import ProviderSession
+from darkbloom.coordinator.fleet.trust import (
     attestation_trust,
     certificate_problem,
     challenge_failure,
@@ -25,9 +25,9 @@ from darkbloom.coordinator.trust import (
     runtime_allowed,
     trust_at_least,
 )
-from darkbloom.crypto import NodeIdentity, b64d, challenge_message
-from darkbloom.protocol import AttestationResponse, ModelInfo, Register
-from darkbloom.runtime import runtime_hash
+from darkbloom.wire.crypto import NodeIdentity, b64d, challenge_message
+from darkbloom.wire.protocol import AttestationResponse, ModelInfo, Register
+from darkbloom.wire.runtime import runtime_hash
 
 RUNTIME = runtime_hash()
 

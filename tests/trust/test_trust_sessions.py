@@ -14,10 +14,10 @@ from typing import Any, Callable
 import httpx
 import pytest
 
-from darkbloom.coordinator.trust import challenge_fresh
-from darkbloom.crypto import NodeIdentity, b64d
-from darkbloom.protocol import AttestationChallenge, AttestationResponse, TrustStatus, dump
-from darkbloom.runtime import runtime_hash
+from darkbloom.coordinator.fleet.trust import challenge_fresh
+from darkbloom.wire.crypto import NodeIdentity, b64d
+from darkbloom.wire.protocol import AttestationChallenge, AttestationResponse, TrustStatus, dump
+from darkbloom.wire.runtime import runtime_hash
 from tests.support.raw_provider import RawProvider
 from tests.trust.conftest import LiveCoordinator, create_account, enroll, link_device, machine
 

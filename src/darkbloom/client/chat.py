@@ -10,7 +10,7 @@ from typing import Any, TextIO
 
 import httpx
 
-from darkbloom.catalog import BUNDLED_MODEL_ID
+from darkbloom.wire.catalog import BUNDLED_MODEL_ID
 from darkbloom.client.transport import VIA_HEADER, DirectFirstTransport
 
 

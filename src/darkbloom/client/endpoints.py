@@ -7,7 +7,7 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
-from darkbloom.local_files import read_discovery
+from darkbloom.wire.local_files import read_discovery
 
 
 @dataclass(frozen=True)

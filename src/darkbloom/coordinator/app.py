@@ -8,19 +8,21 @@ import logging
 from typing import AsyncIterator
 
 from fastapi import FastAPI, Request
-from starlette.requests import ClientDisconnect
 from fastapi.responses import JSONResponse
+from starlette.requests import ClientDisconnect
 
-from darkbloom.coordinator import instances, sessions
-from darkbloom.coordinator.catalog_store import load_catalog
-from darkbloom.coordinator.ratelimit import create_rate_limiter
-from darkbloom.coordinator.sealed_body import load_or_create_key
-from darkbloom.coordinator.body_limit import BodyLimitMiddleware
-from darkbloom.coordinator.completions import ClientDisconnected
 from darkbloom.coordinator.config import CoordinatorSettings
-from darkbloom.coordinator.errors import install_handlers
-from darkbloom.coordinator.registry import Registry
-from darkbloom.coordinator.routes import account, admin, console, device, health, inference, keys, payments, provider_ws
+from darkbloom.coordinator.console import routes as console_routes
+from darkbloom.coordinator.fleet import session_lifecycle
+from darkbloom.coordinator.fleet.registry import Registry
+from darkbloom.coordinator.http.body_limit import BodyLimitMiddleware
+from darkbloom.coordinator.http.disconnect import ClientDisconnected
+from darkbloom.coordinator.http.errors import install_handlers
+from darkbloom.coordinator.http.routes import account, admin, device, health, inference, keys, payments, provider_ws
+from darkbloom.coordinator.http.sealed_body import load_or_create_key
+from darkbloom.coordinator.money import reconciliation
+from darkbloom.coordinator.money.ratelimit import create_rate_limiter
+from darkbloom.coordinator.routing.live_catalog import load_catalog
 from darkbloom.coordinator.services import Services
 from darkbloom.store import create_engine, migrate
 
@@ -37,10 +39,10 @@ def create_app(settings: CoordinatorSettings) -> FastAPI:
         app.state.services = services
         await load_catalog(services)
         services.consumer_key = await load_or_create_key(engine)
-        await instances.register_instance(services)
-        await instances.reconcile_abandoned(services)
-        background = [asyncio.create_task(sessions.evict_silent(services)),
-                      asyncio.create_task(instances.heartbeat_forever(services)),
+        await reconciliation.register_instance(services)
+        await reconciliation.reconcile_abandoned(services)
+        background = [asyncio.create_task(session_lifecycle.evict_silent(services)),
+                      asyncio.create_task(reconciliation.heartbeat_forever(services)),
                       asyncio.create_task(services.queues.drain_forever())]
         log.info("coordinator ready on %s (database %s)", settings.base_url, engine.url.render_as_string())
         try:
@@ -49,7 +51,7 @@ def create_app(settings: CoordinatorSettings) -> FastAPI:
             for task in background:
                 task.cancel()
             for session in services.registry.all():
-                await sessions.close_session(services, session)
+                await session_lifecycle.close_session(services, session)
                 session.close(1001)
             await services.drain(timeout=settings.cancel_grace + 5)
             await services.rate_limiter.close()
@@ -61,7 +63,7 @@ def create_app(settings: CoordinatorSettings) -> FastAPI:
     install_handlers(app)
     app.add_exception_handler(ClientDisconnected, _client_gone)
     app.add_exception_handler(ClientDisconnect, _client_gone)
-    for module in (health, inference, account, payments, keys, device, admin, provider_ws, console):
+    for module in (health, inference, account, payments, keys, device, admin, provider_ws, console_routes):
         app.include_router(module.router)
     return app
 

@@ -1,57 +1,109 @@
-"""Coordinator settings: every flag of CONTRACT §1 plus the periods tests may shorten."""
+"""Coordinator settings: every flag of CONTRACT §1 plus the periods tests may shorten.
+
+This is the one place their defaults and help live; `darkbloom coordinator` builds its options from
+it. A setting not given as a keyword is read from ``DARKBLOOM_<FLAG_NAME>``, else its default.
+"""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Annotated, Any
 
-from darkbloom.catalog import Catalog
+from pydantic import Field, ValidationError, model_validator
+from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
+
 from darkbloom.paths import darkbloom_home
-from darkbloom.runtime import runtime_hash
+from darkbloom.wire.catalog import Catalog
+from darkbloom.wire.runtime import runtime_hash
 
 TRUST_LEVELS = ("none", "self_signed", "hardware")
+ENV_PREFIX = "DARKBLOOM_"
 
 
 def default_database_url() -> str:
     return f"sqlite+aiosqlite:///{darkbloom_home() / 'coordinator.db'}"
 
 
-@dataclass
-class CoordinatorSettings:
-    host: str = "127.0.0.1"
-    port: int = 8080
-    database_url: str = field(default_factory=default_database_url)
-    redis_url: str | None = None
-    admin_token: str | None = None
-    min_trust: str = "hardware"
-    platform_fee_bps: int = 500
-    queue_max_wait: float = 120.0
-    queue_depth: int = 32
-    catalog: Catalog = field(default_factory=Catalog.default)
+class CoordinatorSettings(BaseSettings):
+    # A field whose flag differs from its name carries the flag's env var as its alias.
+    model_config = SettingsConfigDict(env_prefix=ENV_PREFIX, env_ignore_empty=True, populate_by_name=True,
+                                      loc_by_alias=False)
+
+    host: str = Field("127.0.0.1", description="Address to bind.")
+    port: int = Field(8080, description="Port to bind.")
+    database_url: str = Field(
+        default_factory=default_database_url,
+        description="SQLAlchemy URL; default sqlite+aiosqlite:///$DARKBLOOM_HOME/coordinator.db; "
+                    "postgresql+asyncpg://… selects Postgres.")
+    redis_url: str | None = Field(
+        None, description="Redis for rate limits shared across replicas (default: in memory).")
+    admin_token: str | None = Field(
+        None, description="Bearer token for /v1/admin/*; admin API disabled when unset.")
+    min_trust: str = Field(
+        "hardware",
+        description="Trust floor for public routing: none|self_signed|hardware (relaxed only for your own machines).")
+    platform_fee_bps: int = Field(500, description="Platform fee in basis points of each paid request's cost.")
+    queue_max_wait: float = Field(120.0, description="Seconds a request may wait in a busy model's queue.")
+    queue_depth: int = Field(32, description="Waiting requests per model queue.")
+    # a path (the --catalog flag) is loaded into the live catalog and sets catalog_from_file
+    catalog: Annotated[Catalog, NoDecode] = Field(
+        default_factory=Catalog.default, description="Model catalog file (JSON or TOML).")
     catalog_from_file: bool = False
-    public_url: str | None = None
+    public_url: str | None = Field(None, description="Base URL users reach (default: http://host:port).")
+
     # periods (seconds); configurable so that tests can shorten them
-    heartbeat_timeout: float = 30.0
+    heartbeat_timeout: float = Field(30.0, description="Evict a provider silent this many seconds.")
     eviction_interval: float = 1.0
-    device_code_ttl: int = 900
+    device_code_ttl: int = Field(900, description="Lifetime of a device login code in seconds.")
     device_poll_interval: int = 5
     max_body_bytes: int = 8 * 1024 * 1024
-    first_content_timeout: float = 30.0
-    challenge_freshness: float = 960.0   # a session is routable while its last passed challenge is this recent
-    challenge_interval: float = 300.0    # a new attestation challenge per session this often
-    challenge_deadline: float = 30.0     # a challenge unanswered this long makes the session untrusted
-    cancel_grace: float = 5.0            # wait this long for a cancelled provider's final usage
-    instance_stale_after: float = 30.0   # an instance silent this long is dead: its reservations refunded
+    first_content_timeout: float = Field(30.0, description="Seconds a provider may take to its first content.")
+    challenge_freshness: float = Field(
+        960.0, description="A provider is routable while its last passed challenge is at most this many seconds old.")
+    challenge_interval: float = Field(300.0, description="Seconds between attestation challenges to each provider.")
+    challenge_deadline: float = Field(
+        30.0, description="Seconds a provider has to answer a challenge before it is untrusted.")
+    cancel_grace: float = Field(5.0, description="Seconds to wait for a cancelled provider's usage report.")
+    instance_stale_after: float = Field(
+        30.0, description="A coordinator instance silent this long is dead; its open reservations are refunded.")
+
     # billing and account-level rate limits (per minute; None = unlimited)
-    min_charge_micro_usd: int = 100
-    account_rpm: int | None = None
-    account_itpm: int | None = None
-    account_otpm: int | None = None
+    min_charge_micro_usd: int = Field(100, validation_alias="darkbloom_min_charge",
+                                      description="Minimum charge of a paid request, µUSD.")
+    account_rpm: int | None = Field(
+        None, description="Default requests per minute per account (unset: no limit).")
+    account_itpm: int | None = Field(None, description="Default input tokens per minute per account.")
+    account_otpm: int | None = Field(None, description="Default output tokens per minute per account.")
+
     # trust (CONTRACT §7): runtime hashes accepted as verified (default: this release's own)
-    runtime_allow_list: frozenset[str] = field(default_factory=lambda: frozenset({runtime_hash()}))
+    runtime_allow_list: frozenset[str] = Field(default_factory=lambda: frozenset({runtime_hash()}))
+    runtime_allow: Annotated[tuple[str, ...], NoDecode] = Field(
+        default_factory=tuple,
+        description="A provider runtime hash to accept as verified, besides this release's own; may repeat.")
     enrollment_cert_days: float = 365.0  # validity of a hardware-trust certificate
 
-    def __post_init__(self) -> None:
+    def __init__(self, **values: Any) -> None:
+        try:
+            super().__init__(**values)
+        except ValidationError as exc:
+            raise ValueError(_one_line(exc)) from None
+
+    @model_validator(mode="before")
+    @classmethod
+    def _read_flag_values(cls, data: Any) -> Any:
+        """A catalog path (--catalog or its env var) becomes the loaded catalog; DARKBLOOM_RUNTIME_ALLOW
+        holds hashes separated by spaces, as the repeated flag would."""
+        if not isinstance(data, dict):
+            return data
+        data = dict(data)
+        if isinstance(data.get("catalog"), (str, Path)):
+            data["catalog"], data["catalog_from_file"] = _load_catalog(Path(data["catalog"])), True
+        if isinstance(data.get("runtime_allow"), str):
+            data["runtime_allow"] = data["runtime_allow"].split()
+        return data
+
+    @model_validator(mode="after")
+    def _check(self) -> CoordinatorSettings:
         if self.min_trust not in TRUST_LEVELS:
             raise ValueError(f"--min-trust must be one of {', '.join(TRUST_LEVELS)}")
         if not 0 <= self.platform_fee_bps <= 10_000:
@@ -59,18 +111,47 @@ class CoordinatorSettings:
         for name in ("account_rpm", "account_itpm", "account_otpm"):
             value = getattr(self, name)
             if value is not None and value < 1:
-                raise ValueError(f"--{name.replace('_', '-')} must be at least 1 (omit it for no limit)")
+                raise ValueError(f"{flag_name(name)} must be at least 1 (omit it for no limit)")
         if self.queue_max_wait < 0 or self.queue_depth < 0:
             raise ValueError("--queue-max-wait and --queue-depth must not be negative")
         for name in ("challenge_interval", "challenge_deadline", "challenge_freshness", "enrollment_cert_days"):
             if getattr(self, name) <= 0:
-                raise ValueError(f"--{name.replace('_', '-')} must be positive")
-        self.runtime_allow_list = frozenset(self.runtime_allow_list)
+                raise ValueError(f"{flag_name(name)} must be positive")
+        self.runtime_allow_list = self.runtime_allow_list | frozenset(self.runtime_allow)
+        return self
 
     @property
     def base_url(self) -> str:
         return self.public_url or f"http://{self.host}:{self.port}"
 
-    @staticmethod
-    def load_catalog(path: Path | None) -> Catalog:
-        return Catalog.load(path) if path else Catalog.default()
+
+def flag_name(field: str) -> str:
+    """The command-line flag of a setting: its alias (an env var name) without the prefix, else its name."""
+    alias = CoordinatorSettings.model_fields[field].validation_alias
+    name = alias.removeprefix(ENV_PREFIX.lower()) if isinstance(alias, str) else field
+    return "--" + name.replace("_", "-")
+
+
+def env_var(field: str) -> str:
+    return ENV_PREFIX + flag_name(field).removeprefix("--").replace("-", "_").upper()
+
+
+def _load_catalog(path: Path) -> Catalog:
+    try:
+        return Catalog.load(path)
+    except (OSError, ValueError) as exc:
+        raise ValueError(f"--catalog: cannot load {path}: {' '.join(str(exc).split())}") from None
+
+
+def _one_line(exc: ValidationError) -> str:
+    """Our own checks keep their sentence; a value of the wrong type names its flag and env var."""
+    messages = []
+    for error in exc.errors():
+        if error["type"] == "value_error":
+            messages.append(str(error["ctx"]["error"]))
+        elif error["loc"] and str(error["loc"][0]) in CoordinatorSettings.model_fields:
+            field = str(error["loc"][0])
+            messages.append(f"{flag_name(field)} (or {env_var(field)}): {error['msg']}")
+        else:
+            messages.append(error["msg"])
+    return "; ".join(messages)

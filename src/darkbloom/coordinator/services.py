@@ -10,10 +10,10 @@ from fastapi import Request
 from sqlalchemy.ext.asyncio import AsyncEngine
 
 from darkbloom.coordinator.config import CoordinatorSettings
-from darkbloom.coordinator.queueing import RequestQueues
-from darkbloom.coordinator.ratelimit import RateLimiter
-from darkbloom.coordinator.registry import Registry
-from darkbloom.crypto import new_id
+from darkbloom.coordinator.routing.queue import RequestQueues
+from darkbloom.coordinator.money.ratelimit import RateLimiter
+from darkbloom.coordinator.fleet.registry import Registry
+from darkbloom.wire.crypto import new_id
 
 
 @dataclass

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 import socket
 import tomllib
 from dataclasses import dataclass, field
@@ -10,10 +9,14 @@ from pathlib import Path
 from typing import Any, NamedTuple
 from urllib.parse import urlsplit, urlunsplit
 
-from darkbloom.catalog import BUNDLED_MODEL_ID
-from darkbloom.models_bundled import BundledModelMissing, bundled_gguf_path
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic_core import ErrorDetails
+
+from darkbloom.wire.catalog import BUNDLED_MODEL_ID
+from darkbloom.wire.openai.body import DEFAULT_MAX_BODY_BYTES
+from darkbloom.provider.bundled_model import BundledModelMissing, bundled_gguf_path
 from darkbloom.paths import provider_config_path
-from darkbloom.protocol import PROVIDER_WS_PATH
+from darkbloom.wire.protocol import PROVIDER_WS_PATH
 
 BACKENDS = ("llama-cpp", "openai")
 DEFAULT_COORDINATOR_URL = "http://127.0.0.1:8080"
@@ -43,8 +46,7 @@ class ProviderConfig:
     name: str = field(default_factory=socket.gethostname)
     context_length: int = 2048  # llama-cpp n_ctx per instance
     threads: int = 0  # llama-cpp threads per instance; 0 = cores / max_concurrency
-    # TEST HOOK (backends/test_hooks.py), from DARKBLOOM_TEST_FIRST_TOKEN_DELAY only; 0 = off
-    test_first_token_delay: float = 0.0
+    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES  # direct mode: larger request bodies get 413
 
     @property
     def model_ids(self) -> list[str]:
@@ -63,17 +65,7 @@ def load_config(home: Path, overrides: dict[str, object]) -> ProviderConfig:
         _apply_toml(config, data, path)
     _apply_overrides(config, overrides)
     _validate(config)
-    config.test_first_token_delay = _test_first_token_delay()
     return config
-
-
-def _test_first_token_delay() -> float:
-    from darkbloom.provider.backends.test_hooks import FIRST_TOKEN_DELAY_ENV, parse_first_token_delay
-
-    try:
-        return parse_first_token_delay(os.environ.get(FIRST_TOKEN_DELAY_ENV))
-    except ValueError as exc:
-        raise ConfigError(str(exc)) from None
 
 
 def ws_url(config: ProviderConfig) -> str:
@@ -126,49 +118,81 @@ def _toml_string(text: str) -> str:
     return '"' + text.replace("\\", "\\\\").replace('"', '\\"') + '"'
 
 
+class _Table(BaseModel):
+    """A provider.toml table: values of the stated type only (no `true` for a number), unknown keys
+    ignored, and a key left out (None) keeps the value it had."""
+
+    model_config = ConfigDict(strict=True, extra="ignore", frozen=True)
+
+    def settings(self) -> dict[str, Any]:
+        return self.model_dump(exclude_none=True)
+
+
+class _CoordinatorTable(_Table):
+    coordinator_url: str | None = Field(None, validation_alias="url")
+    private_only: bool | None = None
+    heartbeat_interval_secs: float | None = None
+
+
+class _BackendTable(_Table):
+    backend: str | None = Field(None, validation_alias="kind")
+    upstream_url: str | None = None
+    max_concurrency: int | None = None
+    context_length: int | None = None
+    threads: int | None = None
+
+
+class _LocalTable(_Table):
+    local_port: int | None = Field(None, validation_alias="port")
+    local_bind: str | None = Field(None, validation_alias="bind")
+    local_endpoint: bool | None = Field(None, validation_alias="enabled")
+    max_body_bytes: int | None = None
+
+
+class _NodeTable(_Table):
+    name: str | None = None
+
+
+class _ModelTable(_Table):
+    id: str = ""
+    path: str = ""
+
+
+class _ProviderFile(_Table):
+    coordinator: _CoordinatorTable = _CoordinatorTable()
+    backend: _BackendTable = _BackendTable()
+    local: _LocalTable = _LocalTable()
+    node: _NodeTable = _NodeTable()
+    models: list[_ModelTable] | None = None
+
+
+_TYPE_NAMES = {"int_type": "int", "float_type": "int or float", "bool_type": "bool", "string_type": "str"}
+
+
 def _apply_toml(config: ProviderConfig, data: dict[str, Any], path: Path) -> None:
-    coordinator = _table(data, "coordinator", path)
-    backend = _table(data, "backend", path)
-    local = _table(data, "local", path)
-    node = _table(data, "node", path)
-    where = f"{path}"
-    config.coordinator_url = _get(coordinator, "url", str, config.coordinator_url, where)
-    config.private_only = _get(coordinator, "private_only", bool, config.private_only, where)
-    config.heartbeat_interval_secs = float(_get(coordinator, "heartbeat_interval_secs", (int, float),
-                                                config.heartbeat_interval_secs, where))
-    config.backend = _get(backend, "kind", str, config.backend, where)
-    config.upstream_url = _get(backend, "upstream_url", str, config.upstream_url, where)
-    config.max_concurrency = _get(backend, "max_concurrency", int, config.max_concurrency, where)
-    config.context_length = _get(backend, "context_length", int, config.context_length, where)
-    config.threads = _get(backend, "threads", int, config.threads, where)
-    config.local_port = _get(local, "port", int, config.local_port, where)
-    config.local_bind = _get(local, "bind", str, config.local_bind, where)
-    config.local_endpoint = _get(local, "enabled", bool, config.local_endpoint, where)
-    config.name = _get(node, "name", str, config.name, where)
-    if "models" in data:
-        models = data["models"]
-        if not isinstance(models, list) or not all(isinstance(m, dict) for m in models):
-            raise ConfigError(f"{path}: models must be [[models]] tables with id and path")
-        config.models = [ModelSpec(_get(m, "id", str, "", where).strip(), _get(m, "path", str, "", where).strip())
-                         for m in models]
+    try:
+        file = _ProviderFile.model_validate(data)
+    except ValidationError as exc:
+        raise ConfigError(f"{path}: {_problem(exc.errors()[0])}") from None
+    for table in (file.coordinator, file.backend, file.local, file.node):
+        for name, value in table.settings().items():
+            setattr(config, name, value)
+    if file.models is not None:
+        config.models = [ModelSpec(m.id.strip(), m.path.strip()) for m in file.models]
 
 
-def _table(data: dict[str, Any], name: str, path: Path) -> dict[str, Any]:
-    value = data.get(name, {})
-    if not isinstance(value, dict):
-        raise ConfigError(f"{path}: [{name}] must be a table")
-    return value
-
-
-def _get(table: dict[str, Any], key: str, kind: type | tuple[type, ...], default: Any, where: str) -> Any:
-    if key not in table:
-        return default
-    value = table[key]
-    # bool is an int in Python; do not let `max_concurrency = true` through.
-    if not isinstance(value, kind) or (isinstance(value, bool) and kind is not bool):
-        names = kind.__name__ if isinstance(kind, type) else " or ".join(k.__name__ for k in kind)
-        raise ConfigError(f"{where}: {key} must be of type {names}, not {value!r}")
-    return value
+def _problem(error: ErrorDetails) -> str:
+    """One sentence for the first thing wrong in the file: which key, what it must be."""
+    loc = error["loc"]
+    if loc[0] == "models" and len(loc) <= 2:
+        return "models must be [[models]] tables with id and path"
+    if len(loc) == 1:
+        return f"[{loc[0]}] must be a table"
+    where = f"[[models]] #{int(loc[1]) + 1} {loc[2]}" if loc[0] == "models" else f"[{loc[0]}] {loc[1]}"
+    expected = _TYPE_NAMES.get(error["type"])
+    if expected is None:
+        return f"{where}: {error['msg']}"
+    return f"{where} must be of type {expected}, not {error['input']!r}"
 
 
 _OVERRIDE_FIELDS = {"coordinator_url", "backend", "upstream_url", "private_only", "max_concurrency",
@@ -206,6 +230,8 @@ def _validate(config: ProviderConfig) -> None:
         raise ConfigError("[backend] context_length must be at least 64")
     if config.threads < 0:
         raise ConfigError("[backend] threads must be 0 (automatic) or more")
+    if config.max_body_bytes < 1:
+        raise ConfigError("[local] max_body_bytes must be at least 1")
     if not 0 < config.local_port < 65536:
         raise ConfigError(f"local port {config.local_port} is not a valid TCP port")
     if not config.models:

@@ -12,7 +12,8 @@ from typing import Any, Callable
 import httpx
 from rich.console import Console
 
-from darkbloom import crypto, paths
+from darkbloom import paths
+from darkbloom.wire import crypto
 from darkbloom.provider.config import default_toml
 
 

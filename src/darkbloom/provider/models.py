@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any, BinaryIO
 
 from darkbloom.paths import darkbloom_home
-from darkbloom.protocol import ModelInfo
+from darkbloom.wire.protocol import ModelInfo
 from darkbloom.provider.config import ProviderConfig, resolve_model_path
 
 log = logging.getLogger(__name__)

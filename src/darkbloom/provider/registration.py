@@ -8,7 +8,9 @@ import logging
 import os
 from pathlib import Path
 
-from darkbloom import crypto, paths, protocol
+from darkbloom import paths
+from darkbloom.wire import crypto
+from darkbloom.wire import protocol
 from darkbloom.provider.config import ProviderConfig
 
 log = logging.getLogger(__name__)

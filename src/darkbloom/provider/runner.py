@@ -12,9 +12,9 @@ import time
 from pathlib import Path
 
 from darkbloom import paths
-from darkbloom.provider.backends import BackendError
+from darkbloom.provider.backends import Backend, BackendError
 from darkbloom.provider.config import ConfigError, ProviderConfig, load_config
-from darkbloom.provider.local_endpoint import LocalEndpointError
+from darkbloom.provider.direct.endpoint import LocalEndpointError
 from darkbloom.provider.state import read_state
 
 log = logging.getLogger(__name__)
@@ -26,11 +26,13 @@ class StartError(Exception):
     """The background node could not be started; the message says why and what to do."""
 
 
-def serve_forever(config: ProviderConfig, home: Path, local_only: bool = False) -> None:
-    """Run the node in the foreground until SIGINT / SIGTERM; `local_only`: direct mode, no coordinator."""
+def serve_forever(config: ProviderConfig, home: Path, local_only: bool = False, *, backend: Backend | None = None,
+                  direct_backend: Backend | None = None) -> None:
+    """Run the node in the foreground until SIGINT / SIGTERM; `local_only`: direct mode, no coordinator.
+    `backend` (default: the one `config` names) and `direct_backend` go to `ProviderNode`."""
     _configure_logging()
     try:
-        asyncio.run(_serve(config, home, local_only))
+        asyncio.run(_serve(config, home, local_only, backend, direct_backend))
     except KeyboardInterrupt:
         pass
     except (BackendError, ConfigError, LocalEndpointError, OSError) as exc:
@@ -38,7 +40,8 @@ def serve_forever(config: ProviderConfig, home: Path, local_only: bool = False) 
         raise SystemExit(1) from None
 
 
-async def _serve(config: ProviderConfig, home: Path, local_only: bool) -> None:
+async def _serve(config: ProviderConfig, home: Path, local_only: bool, backend: Backend | None,
+                 direct_backend: Backend | None) -> None:
     from darkbloom.provider.node import ProviderNode
 
     stop = asyncio.Event()
@@ -48,7 +51,7 @@ async def _serve(config: ProviderConfig, home: Path, local_only: bool) -> None:
             loop.add_signal_handler(signum, stop.set)
         except (NotImplementedError, RuntimeError):  # not the main thread, or no signals here
             pass
-    await ProviderNode(config, home, local_only=local_only).run(stop)
+    await ProviderNode(config, home, backend, local_only=local_only, direct_backend=direct_backend).run(stop)
 
 
 def _configure_logging() -> None:

@@ -1,19 +1,17 @@
-"""Accounts, console sessions and admin credits."""
+"""Accounts and admin credits."""
 
 from __future__ import annotations
 
 import time
 from typing import Any
 
-from sqlalchemy import insert, select
+from sqlalchemy import select
 from sqlalchemy.ext.asyncio import AsyncConnection
 
-from darkbloom.crypto import new_id
+from darkbloom.wire.crypto import new_id
 from darkbloom.store import ledger
 from darkbloom.store.db import insert_ignore
-from darkbloom.store.schema import accounts, admin_credits, console_sessions
-
-SESSION_TTL_SECONDS = 30 * 24 * 3600
+from darkbloom.store.schema import accounts, admin_credits
 
 
 class EmailTaken(Exception):
@@ -39,24 +37,6 @@ async def get_by_email(conn: AsyncConnection, email: str) -> dict[str, Any] | No
 async def get(conn: AsyncConnection, account_id: str) -> dict[str, Any] | None:
     row = (await conn.execute(select(accounts).where(accounts.c.id == account_id))).mappings().first()
     return dict(row) if row else None
-
-
-async def create_session(conn: AsyncConnection, account_id: str, token_hash: str) -> None:
-    now = int(time.time())
-    await conn.execute(insert(console_sessions).values(
-        token_hash=token_hash, account_id=account_id, created_at=now, expires_at=now + SESSION_TTL_SECONDS))
-
-
-async def account_for_session(conn: AsyncConnection, token_hash: str) -> str | None:
-    row = (await conn.execute(
-        select(console_sessions.c.account_id)
-        .where(console_sessions.c.token_hash == token_hash, console_sessions.c.expires_at > int(time.time()))
-    )).first()
-    return row[0] if row else None
-
-
-async def delete_session(conn: AsyncConnection, token_hash: str) -> None:
-    await conn.execute(console_sessions.delete().where(console_sessions.c.token_hash == token_hash))
 
 
 async def credit(conn: AsyncConnection, account_id: str, amount: int, reference: str) -> int | None:

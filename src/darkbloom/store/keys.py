@@ -8,7 +8,7 @@ from typing import Any
 from sqlalchemy import insert, select, update
 from sqlalchemy.ext.asyncio import AsyncConnection
 
-from darkbloom.crypto import new_id
+from darkbloom.wire.crypto import new_id
 from darkbloom.store.schema import api_keys
 
 EDITABLE_FIELDS = ("name", "self_route_only", "limit_micro_usd", "limit_reset", "rpm_limit",

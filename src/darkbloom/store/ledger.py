@@ -88,12 +88,6 @@ async def release_key_spend(conn: AsyncConnection, key_id: str, window_start: in
                 spent_micro_usd=key_spend.c.spent_micro_usd + spent))
 
 
-async def key_window_spend(conn: AsyncConnection, key_id: str, window_start: int) -> tuple[int, int]:
-    row = (await conn.execute(select(key_spend.c.spent_micro_usd, key_spend.c.reserved_micro_usd).where(
-        key_spend.c.key_id == key_id, key_spend.c.window_start == window_start))).first()
-    return (int(row[0]), int(row[1])) if row else (0, 0)
-
-
 async def record_usage(conn: AsyncConnection, **values: Any) -> bool:
     """One usage row per request id; a second attempt is a no-op."""
     return await insert_ignore(conn, usage_records, created_at=int(time.time()), **values)
@@ -116,10 +110,4 @@ async def usage_page(conn: AsyncConnection, *, account_id: str | None = None,
 async def total_payouts(conn: AsyncConnection, provider_account_id: str) -> int:
     total = (await conn.execute(select(func.coalesce(func.sum(usage_records.c.provider_payout_micro_usd), 0))
                                 .where(usage_records.c.provider_account_id == provider_account_id))).scalar()
-    return int(total or 0)
-
-
-async def ledger_sum(conn: AsyncConnection, account_id: str, pocket: Pocket) -> int:
-    total = (await conn.execute(select(func.coalesce(func.sum(ledger_entries.c.amount_micro_usd), 0)).where(
-        ledger_entries.c.account_id == account_id, ledger_entries.c.pocket == pocket))).scalar()
     return int(total or 0)

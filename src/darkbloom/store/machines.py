@@ -8,7 +8,7 @@ from typing import Any
 from sqlalchemy import insert, select, update
 from sqlalchemy.ext.asyncio import AsyncConnection
 
-from darkbloom.crypto import new_id
+from darkbloom.wire.crypto import new_id
 from darkbloom.store.schema import machines
 
 
@@ -30,12 +30,6 @@ async def list_for(conn: AsyncConnection, account_id: str) -> list[dict[str, Any
         machines.c.account_id == account_id, machines.c.unlinked_at.is_(None)).order_by(machines.c.created_at,
                                                                                        machines.c.id))
     return [dict(r) for r in rows.mappings()]
-
-
-async def has_linked(conn: AsyncConnection, account_id: str) -> bool:
-    row = (await conn.execute(select(machines.c.id).where(
-        machines.c.account_id == account_id, machines.c.unlinked_at.is_(None)).limit(1))).first()
-    return row is not None
 
 
 async def ever_linked(conn: AsyncConnection, account_id: str) -> bool:

@@ -11,12 +11,7 @@ __all__ = ["Backend", "BackendError", "create_backend"]
 
 
 def create_backend(config: ProviderConfig) -> Backend:
-    from darkbloom.provider.backends.test_hooks import with_test_hooks
-
-    return with_test_hooks(_create_backend(config), config.test_first_token_delay)
-
-
-def _create_backend(config: ProviderConfig) -> Backend:
+    """The backend `config` names; a node given a backend object of its own does not call this."""
     if config.backend == "openai":
         from darkbloom.provider.backends.openai_upstream import OpenAIUpstreamBackend
 

@@ -7,6 +7,8 @@ import time
 import uuid
 from typing import Any, AsyncIterator, Protocol
 
+from darkbloom.wire.protocol import Usage
+
 
 class BackendError(Exception):
     """A request the backend rejected (4xx) or could not serve (5xx)."""
@@ -90,3 +92,10 @@ def usage_chunk(completion_id: str, model_id: str, created: int | None,
 
 def is_usage_chunk(chunk: dict[str, Any]) -> bool:
     return not chunk.get("choices") and isinstance(chunk.get("usage"), dict)
+
+
+def chunk_usage(chunk: dict[str, Any]) -> Usage:
+    """The token counts of a backend's final usage chunk (see `is_usage_chunk`)."""
+    usage = chunk["usage"]
+    return Usage(prompt_tokens=int(usage.get("prompt_tokens", 0)),
+                 completion_tokens=int(usage.get("completion_tokens", 0)))

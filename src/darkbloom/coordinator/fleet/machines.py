@@ -1,0 +1,86 @@
+"""An account's linked machines: stored records joined with live sessions; admin enrollment."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from typing import Any
+
+from darkbloom.coordinator.fleet import session_lifecycle
+from darkbloom.coordinator.fleet.enrollment import CertificateError, load_or_create_ca
+from darkbloom.wire.openai.errors import ApiError
+from darkbloom.coordinator.fleet.session import ProviderSession
+from darkbloom.coordinator.services import Services
+from darkbloom.coordinator.fleet.trust import effective_trust
+from darkbloom.store import devices, machines
+
+
+async def linked_machines(services: Services, account_id: str) -> list[dict[str, Any]]:
+    async with services.engine.connect() as conn:
+        rows = await machines.list_for(conn, account_id)
+    result = []
+    for row in rows:
+        live = [s for s in services.registry.for_machine(row["id"]) if s.online]
+        session = max(live, key=lambda s: s.connected_at) if live else None
+        result.append({
+            "id": row["id"],
+            "session_id": session.id if session else None,
+            "name": row["name"],
+            "online": session is not None,
+            "models": sorted(session.advertised_models) if session else list(row["models"] or []),
+            "trust_level": effective_trust(session) if session else row["trust_level"],
+            "private_only": session.private_only if session else bool(row["private_only"]),
+            "last_seen": row["last_seen"],
+        })
+    return result
+
+
+UNLINK_DRAIN_LIMIT = 600.0
+
+
+async def unlink_machine(services: Services, account_id: str, machine_id: str) -> None:
+    """Unlink and revoke the machine's device token at once. Its sessions stop being anyone's own
+    machine and take no new work; each disconnects once its in-flight requests end (those settle
+    as paid: the serving session no longer belongs to the caller)."""
+    async with services.engine.begin() as conn:
+        if not await machines.unlink(conn, account_id, machine_id):
+            raise ApiError(404, "machine_not_found", "No linked machine with this id on your account.")
+        await devices.revoke_for_machine(conn, machine_id)
+    for session in services.registry.for_machine(machine_id):
+        services.registry.disown(session)
+        session.draining = True
+        services.spawn(_close_when_idle(services, session))
+
+
+async def _close_when_idle(services: Services, session: ProviderSession) -> None:
+    deadline = time.monotonic() + UNLINK_DRAIN_LIMIT
+    while session.pending and time.monotonic() < deadline:
+        await asyncio.sleep(0.1)
+    await session_lifecycle.close_session(services, session)
+    session.close(1000)
+
+
+async def enroll_machine(services: Services, machine_id: str) -> dict[str, Any]:
+    """Grant ``hardware`` trust (CONTRACT §7): the enrollment CA certifies the Ed25519 identity key
+    the machine registered with; the certificate is stored on the machine and handed to its live
+    sessions, and the node presents it at every later registration."""
+    async with services.engine.connect() as conn:
+        row = await machines.get(conn, machine_id)
+    if row is None or row["unlinked_at"] is not None:
+        raise ApiError(404, "machine_not_found", "No linked machine with this id.")
+    identity_key = row["identity_key"]
+    if not identity_key:
+        raise ApiError(409, "machine_not_registered",
+                       f"Machine {machine_id} has never connected to this coordinator, so its identity key is "
+                       "unknown. Start its node (darkbloom serve) once, then enroll it.")
+    ca = await load_or_create_ca(services.engine)
+    try:
+        certificate = ca.issue(identity_key, machine_id, services.settings.enrollment_cert_days)
+    except CertificateError as exc:
+        raise ApiError(409, "invalid_identity_key",
+                       f"Machine {machine_id} registered an identity key that cannot be certified: {exc}.") from None
+    async with services.engine.begin() as conn:
+        await machines.set_certificate(conn, machine_id, certificate)
+    for session in services.registry.for_machine(machine_id):
+        await session_lifecycle.on_enrolled(services, session, certificate, ca)
+    return {"machine_id": machine_id, "trust_level": "hardware", "certificate": certificate}

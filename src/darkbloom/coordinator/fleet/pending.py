@@ -1,0 +1,88 @@
+"""One attempt of one request on one provider session, as the socket reader and the relay share it.
+
+The provider socket reader pushes events in (``on_chunk``, ``on_complete``, ``on_error``,
+``on_provider_gone``); the relay pulls them out of ``events``. The attempt holds the session's
+slot until the relay releases it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+from dataclasses import dataclass
+from typing import Any, Union
+
+from darkbloom.coordinator.fleet.slots import Slot
+from darkbloom.wire.crypto import DecryptionError, ReplyKey
+from darkbloom.wire.protocol import Envelope, Usage
+
+log = logging.getLogger("darkbloom.relay")
+
+
+@dataclass(frozen=True)
+class Chunk:
+    data: dict[str, Any]
+
+
+@dataclass(frozen=True)
+class Completed:
+    usage: Usage
+
+
+@dataclass(frozen=True)
+class Failed:
+    status: int
+    message: str
+    reason: str  # provider_error | provider_unavailable | provider_timeout | untrusted_chunk
+
+
+Event = Union[Chunk, Completed, Failed]
+
+
+class PendingRequest:
+    def __init__(self, request_id: str, slot: Slot) -> None:
+        self.request_id = request_id
+        self.slot = slot
+        self.session = slot.session
+        self.reply_key = ReplyKey()
+        self.events: asyncio.Queue[Event] = asyncio.Queue()
+        self.finished = False
+        self.usage: Usage | None = None
+        self.failure: Failed | None = None
+        self.head: list[dict[str, Any]] = []  # chunks received before the first content
+        self.first_content_at: float | None = None
+
+    # called by the provider socket reader
+
+    def on_chunk(self, envelope: Envelope) -> bool:
+        """Open a sealed chunk; False when it does not open (the caller distrusts the provider)."""
+        try:
+            data = json.loads(self.reply_key.open(envelope))
+            if not isinstance(data, dict):
+                raise ValueError("chunk is not a JSON object")
+        except (DecryptionError, ValueError) as exc:
+            log.warning("request %s: chunk from %s does not open: %s", self.request_id, self.session.id, exc)
+            self._finish(Failed(502, "The provider sent a response chunk that failed decryption.",
+                                "untrusted_chunk"))
+            return False
+        self.events.put_nowait(Chunk(data))
+        return True
+
+    def on_complete(self, usage: Usage) -> None:
+        self.usage = usage
+        self._finish(Completed(usage))
+
+    def on_error(self, status: int, message: str) -> None:
+        self._finish(Failed(status, message or "The provider failed to serve the request.", "provider_error"))
+
+    def on_provider_gone(self) -> None:
+        self._finish(Failed(502, "The provider disconnected before finishing the request.",
+                            "provider_unavailable"))
+
+    def _finish(self, event: Event) -> None:
+        if not self.finished:
+            self.finished = True
+            self.events.put_nowait(event)
+            if isinstance(event, Failed):
+                self.failure = event

@@ -1,0 +1,44 @@
+"""Exception handlers: every error the HTTP layer can raise answers with the OpenAI envelope (the
+shared handlers of ``wire.openai`` plus the coordinator's own: request validation, database errors)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from fastapi import Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from sqlalchemy.exc import DBAPIError
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from darkbloom.wire.openai.errors import ApiError, error_body, invalid_request
+from darkbloom.wire.openai.handlers import api_error_handler, http_error_handler
+
+async def _validation_handler(_request: Request, exc: Exception) -> JSONResponse:
+    assert isinstance(exc, RequestValidationError)
+    first = exc.errors()[0] if exc.errors() else {}
+    loc = [str(p) for p in first.get("loc", ()) if p not in ("body", "query", "path")]
+    param = ".".join(loc) or None
+    message = f"{param}: {first.get('msg', 'invalid value')}" if param else str(first.get("msg", "invalid request"))
+    if first.get("type") == "json_invalid":
+        message = "The request body is not valid JSON."
+        param = None
+    return JSONResponse(error_body("invalid_request_error", message, param=param), status_code=400)
+
+
+_PG_CHARACTER_NOT_IN_REPERTOIRE = "22021"  # e.g. a NUL character, which Postgres text cannot hold
+NUL_MESSAGE = "Text in the request must not contain NUL (\\u0000) characters."
+
+
+async def _database_error_handler(_request: Request, exc: Exception) -> JSONResponse:
+    assert isinstance(exc, DBAPIError)
+    if getattr(exc.orig, "sqlstate", None) == _PG_CHARACTER_NOT_IN_REPERTOIRE:
+        return invalid_request(NUL_MESSAGE).response()
+    raise exc
+
+
+def install_handlers(app: Any) -> None:
+    app.add_exception_handler(ApiError, api_error_handler)
+    app.add_exception_handler(StarletteHTTPException, http_error_handler)
+    app.add_exception_handler(RequestValidationError, _validation_handler)
+    app.add_exception_handler(DBAPIError, _database_error_handler)

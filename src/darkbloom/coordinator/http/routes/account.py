@@ -1,0 +1,52 @@
+"""Sign-up, log-in, balance and the caller's linked machines."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from fastapi import APIRouter, Depends, Request
+from fastapi.responses import JSONResponse
+
+from darkbloom.coordinator.identity import console_login
+from darkbloom.coordinator.http.auth import Caller, bearer_token, require_caller
+from darkbloom.coordinator.http.json_body import json_object
+from darkbloom.coordinator.fleet.machines import linked_machines, unlink_machine
+from darkbloom.coordinator.services import Services, get_services
+
+router = APIRouter()
+
+
+@router.post("/v1/auth/signup", status_code=201)
+async def signup(request: Request, services: Services = Depends(get_services)) -> dict[str, str]:
+    body = await json_object(request)
+    account_id, token = await console_login.signup(services, body.get("email"), body.get("password"))
+    return {"account_id": account_id, "token": token}
+
+
+@router.post("/v1/auth/login")
+async def login(request: Request, services: Services = Depends(get_services)) -> dict[str, str]:
+    body = await json_object(request)
+    account_id, token = await console_login.login(services, body.get("email"), body.get("password"))
+    return {"account_id": account_id, "token": token}
+
+
+@router.post("/v1/auth/logout")
+async def logout(request: Request, caller: Caller = Depends(require_caller),
+                 services: Services = Depends(get_services)) -> dict[str, str]:
+    token = bearer_token(request)
+    if caller.kind == "console_session" and token:
+        await console_login.logout(services, token)
+    return {"status": "logged_out"}
+
+
+@router.get("/v1/me/providers")
+async def my_providers(caller: Caller = Depends(require_caller),
+                       services: Services = Depends(get_services)) -> dict[str, Any]:
+    return {"object": "list", "data": await linked_machines(services, caller.account_id), "next_cursor": None}
+
+
+@router.delete("/v1/me/providers/{machine_id}")
+async def unlink(machine_id: str, caller: Caller = Depends(require_caller),
+                 services: Services = Depends(get_services)) -> JSONResponse:
+    await unlink_machine(services, caller.account_id, machine_id)
+    return JSONResponse({"id": machine_id, "deleted": True})

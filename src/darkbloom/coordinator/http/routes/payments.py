@@ -1,0 +1,68 @@
+"""Balance, usage rows and provider earnings of the calling account."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from fastapi import APIRouter, Depends, Query
+
+from darkbloom.coordinator.http.auth import Caller, require_caller
+from darkbloom.wire.openai.errors import invalid_request
+from darkbloom.coordinator.services import Services, get_services
+from darkbloom.store import accounts, ledger
+
+router = APIRouter()
+
+
+@router.get("/v1/payments/balance")
+async def balance(caller: Caller = Depends(require_caller),
+                  services: Services = Depends(get_services)) -> dict[str, int]:
+    async with services.engine.connect() as conn:
+        row = await accounts.get(conn, caller.account_id)
+    assert row is not None
+    return {"balance_micro_usd": int(row["balance_micro_usd"]),
+            "withdrawable_micro_usd": int(row["withdrawable_micro_usd"])}
+
+
+def _cursor(cursor: str | None) -> int | None:
+    if cursor is None:
+        return None
+    if not cursor.isdigit() or len(cursor) > 18:
+        raise invalid_request("'cursor' must be the next_cursor value of a previous page.", param="cursor")
+    return int(cursor)
+
+
+def _page(rows: list[dict[str, Any]], limit: int) -> tuple[list[dict[str, Any]], str | None]:
+    page = rows[:limit]
+    return page, (str(page[-1]["id"]) if len(rows) > limit else None)
+
+
+@router.get("/v1/payments/usage")
+async def usage(limit: int = Query(50, ge=1, le=500), cursor: str | None = None,
+                caller: Caller = Depends(require_caller),
+                services: Services = Depends(get_services)) -> dict[str, Any]:
+    async with services.engine.connect() as conn:
+        rows = await ledger.usage_page(conn, account_id=caller.account_id, limit=limit + 1,
+                                       before_id=_cursor(cursor))
+    page, next_cursor = _page(rows, limit)
+    return {"object": "list", "next_cursor": next_cursor, "data": [{
+        "request_id": r["request_id"], "created_at": r["created_at"], "model": r["model"],
+        "provider_id": r["provider_id"], "prompt_tokens": r["prompt_tokens"],
+        "completion_tokens": r["completion_tokens"], "cost_micro_usd": r["cost_micro_usd"],
+        "self_routed": bool(r["self_routed"]), "routed": r["routed"]} for r in page]}
+
+
+@router.get("/v1/provider/earnings")
+async def earnings(limit: int = Query(50, ge=1, le=500), cursor: str | None = None,
+                   caller: Caller = Depends(require_caller),
+                   services: Services = Depends(get_services)) -> dict[str, Any]:
+    async with services.engine.connect() as conn:
+        rows = await ledger.usage_page(conn, provider_account_id=caller.account_id, limit=limit + 1,
+                                       before_id=_cursor(cursor))
+        total = await ledger.total_payouts(conn, caller.account_id)
+    page, next_cursor = _page(rows, limit)
+    return {"object": "list", "next_cursor": next_cursor, "total_micro_usd": total, "data": [{
+        "request_id": r["request_id"], "created_at": r["created_at"], "model": r["model"],
+        "provider_id": r["provider_id"], "prompt_tokens": r["prompt_tokens"],
+        "completion_tokens": r["completion_tokens"], "payout_micro_usd": r["provider_payout_micro_usd"]}
+        for r in page]}

@@ -1,0 +1,156 @@
+"""WebSocket endpoint the provider nodes dial into (CONTRACT §5)."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+
+from fastapi import APIRouter, WebSocket, WebSocketDisconnect
+
+from darkbloom.coordinator.fleet import session_lifecycle
+from darkbloom.coordinator.fleet.session import ProviderSession
+from darkbloom.coordinator.services import Services
+from darkbloom.wire.protocol import (
+    AttestationResponse,
+    ErrorFrame,
+    FrameError,
+    Heartbeat,
+    InferenceComplete,
+    InferenceError,
+    InferenceResponseChunk,
+    Register,
+    dump,
+    parse_provider_frame,
+)
+
+router = APIRouter()
+log = logging.getLogger("darkbloom.provider_ws")
+
+MAX_BAD_FRAMES = 3
+POLICY_VIOLATION = 1008
+REGISTER_TIMEOUT = 30.0
+
+
+class _Strikes:
+    """Counts bad frames and knows how to answer them (directly before registration, through
+    the session's single writer after it)."""
+
+    def __init__(self, websocket: WebSocket) -> None:
+        self.count = 0
+        self.session: ProviderSession | None = None
+        self._websocket = websocket
+
+    async def reply(self, frame: str) -> None:
+        if self.session is not None:
+            self.session.send(frame)
+        else:
+            await self._websocket.send_text(frame)
+
+    async def strike(self, code: str, message: str) -> None:
+        self.count += 1
+        await self.reply(dump(ErrorFrame(code=code, message=message)))
+        if self.count >= MAX_BAD_FRAMES:
+            raise _TooManyBadFrames()
+
+
+@router.websocket("/ws/provider")
+async def provider_socket(websocket: WebSocket) -> None:
+    services: Services = websocket.app.state.services
+    await websocket.accept()
+    strikes = _Strikes(websocket)
+    try:
+        registration = await asyncio.wait_for(_first_register(websocket, strikes), REGISTER_TIMEOUT)
+    except (TimeoutError, WebSocketDisconnect, _TooManyBadFrames):
+        await _close_quietly(websocket, POLICY_VIOLATION)
+        return
+    session = await session_lifecycle.open_session(services, registration)
+    strikes.session = session
+    writer = asyncio.create_task(_write_frames(websocket, session))
+    # The first challenge, then `registered`, then periodic challenges: beside the reader, never in its way.
+    trust = asyncio.create_task(session_lifecycle.run_trust(services, session))
+    try:
+        await _read_frames(websocket, services, session, strikes)
+    except (WebSocketDisconnect, _TooManyBadFrames):
+        pass
+    finally:
+        trust.cancel()
+        await session_lifecycle.close_session(services, session)
+        session.close(POLICY_VIOLATION if strikes.count >= MAX_BAD_FRAMES else 1000)
+        try:
+            await asyncio.wait_for(writer, timeout=2)
+        except (TimeoutError, asyncio.CancelledError):
+            writer.cancel()
+
+
+class _TooManyBadFrames(Exception):
+    pass
+
+
+async def _receive(websocket: WebSocket, strikes: _Strikes) -> object:
+    """The next well-formed frame; bad frames get an error frame, the third one closes (1008)."""
+    while True:
+        message = await websocket.receive()
+        if message["type"] == "websocket.disconnect":
+            raise WebSocketDisconnect(message.get("code", 1000))
+        raw = message.get("text")
+        if raw is None:
+            raw = message.get("bytes") or b""
+        try:
+            return parse_provider_frame(raw)
+        except FrameError as exc:
+            await strikes.strike(exc.code, exc.message)
+
+
+async def _first_register(websocket: WebSocket, strikes: _Strikes) -> Register:
+    while True:
+        frame = await _receive(websocket, strikes)
+        if isinstance(frame, Register):
+            return frame
+        await strikes.strike("not_registered", "the first frame must be 'register'")
+
+
+async def _read_frames(websocket: WebSocket, services: Services, session: ProviderSession,
+                       strikes: _Strikes) -> None:
+    while True:
+        frame = await _receive(websocket, strikes)
+        session.last_frame_at = time.monotonic()
+        if isinstance(frame, InferenceResponseChunk):
+            pending = session.pending.get(frame.request_id)
+            if pending is not None and not pending.on_chunk(frame.encrypted_data):
+                session_lifecycle.distrust(session, "a response chunk failed decryption", services)
+        elif isinstance(frame, InferenceComplete):
+            pending = session.pending.get(frame.request_id)
+            if pending is not None:
+                pending.on_complete(frame.usage)
+        elif isinstance(frame, InferenceError):
+            pending = session.pending.get(frame.request_id)
+            if pending is not None:
+                pending.on_error(frame.status_code, frame.message)
+        elif isinstance(frame, Heartbeat):
+            await session_lifecycle.on_heartbeat(services, session, frame)
+        elif isinstance(frame, AttestationResponse):
+            session_lifecycle.on_attestation_response(services, session, frame)
+        elif isinstance(frame, Register):
+            await strikes.strike("already_registered", "this session is already registered")
+        # inference_accepted needs no action: the request is already counted on the session
+
+
+async def _write_frames(websocket: WebSocket, session: ProviderSession) -> None:
+    """The session's only writer; a ``None`` in the outbox closes the socket with its code."""
+    while True:
+        frame = await session.outbox.get()
+        if frame is None:
+            await _close_quietly(websocket, session.close_code or 1000)
+            return
+        try:
+            await websocket.send_text(frame)
+        except Exception:  # noqa: BLE001 - a dead socket ends the writer; the reader cleans up
+            return
+
+
+async def _close_quietly(websocket: WebSocket, code: int) -> None:
+    try:
+        await websocket.close(code=code)
+    except Exception:  # noqa: BLE001 - already closed
+        pass

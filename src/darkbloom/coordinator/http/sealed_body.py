@@ -1,0 +1,108 @@
+"""Optional consumer → coordinator sealing (CONTRACT §6, "sealed body").
+
+A client fetches ``GET /v1/encryption-key`` and posts ``Content-Type: application/darkbloom-sealed+json``
+with ``{kid, ephemeral_public_key, ciphertext}``: a NaCl box from its ephemeral key to the
+coordinator's key. The response — each SSE ``data:`` event when streaming — is sealed back to that
+ephemeral key as ``{"ciphertext": …}`` (the client opens it with its ephemeral private key and the
+coordinator's public key). Errors before any answer stay plain OpenAI envelopes. ``[DONE]`` is the
+stream's plain terminator. The key pair is stored in the database so replicas share it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import dataclass
+from typing import Any, AsyncIterator
+
+from fastapi.responses import JSONResponse, StreamingResponse
+from nacl.exceptions import CryptoError
+from nacl.public import Box, PrivateKey
+from sqlalchemy.ext.asyncio import AsyncEngine
+
+from darkbloom.wire.openai.errors import ApiError
+from darkbloom.wire.crypto import DecryptionError, b64d, b64e, public_key_from_b64
+from darkbloom.store import stored_settings
+
+SEALED_CONTENT_TYPE = "application/darkbloom-sealed+json"
+ALGORITHM = "x25519-nacl-box"
+_STORED_NAME = "consumer_encryption_key"
+
+
+@dataclass(frozen=True)
+class CoordinatorKey:
+    private: PrivateKey
+
+    @property
+    def public_key_b64(self) -> str:
+        return b64e(bytes(self.private.public_key))
+
+    @property
+    def kid(self) -> str:
+        return "kid_" + hashlib.sha256(bytes(self.private.public_key)).hexdigest()[:16]
+
+    def public_view(self) -> dict[str, str]:
+        return {"kid": self.kid, "public_key": self.public_key_b64, "algorithm": ALGORITHM}
+
+
+async def load_or_create_key(engine: AsyncEngine) -> CoordinatorKey:
+    """The stored key pair, created once; replicas racing to create it all end up with the winner's."""
+    async with engine.begin() as conn:
+        await stored_settings.add(conn, _STORED_NAME, {"private_key": b64e(bytes(PrivateKey.generate()))})
+        stored = await stored_settings.get(conn, _STORED_NAME)
+    assert stored is not None
+    return CoordinatorKey(PrivateKey(b64d(stored["private_key"])))
+
+
+def is_sealed(content_type: str | None) -> bool:
+    return (content_type or "").split(";")[0].strip().lower() == SEALED_CONTENT_TYPE
+
+
+class Unsealed:
+    """The opened request body and the box that seals the answer back to the client."""
+
+    def __init__(self, plaintext: bytes, box: Box) -> None:
+        self.plaintext = plaintext
+        self._box = box
+
+    def seal(self, data: bytes) -> dict[str, str]:
+        return {"ciphertext": b64e(bytes(self._box.encrypt(data)))}
+
+    def seal_response(self, response: JSONResponse | StreamingResponse) -> JSONResponse | StreamingResponse:
+        if isinstance(response, StreamingResponse):
+            # sealed in place, so the response keeps its own end-of-request handling
+            response.body_iterator = self._sealed_events(response.body_iterator)
+            return response
+        headers = {k: v for k, v in response.headers.items() if k.lower() not in ("content-length", "content-type")}
+        return JSONResponse(self.seal(bytes(response.body)), status_code=response.status_code,
+                            headers={**headers, "Content-Type": SEALED_CONTENT_TYPE})
+
+    async def _sealed_events(self, events: AsyncIterator[Any]) -> AsyncIterator[bytes]:
+        async for event in events:
+            raw = event if isinstance(event, bytes) else str(event).encode()
+            if raw.startswith(b"data: ") and not raw.startswith(b"data: [DONE]"):
+                payload = raw[len(b"data: "):].rstrip(b"\n")
+                yield b"data: " + json.dumps(self.seal(payload), separators=(",", ":")).encode() + b"\n\n"
+            else:
+                yield raw
+
+
+def unseal(raw: bytes, key: CoordinatorKey) -> Unsealed:
+    try:
+        envelope = json.loads(raw)
+        kid, ephemeral, ciphertext = envelope["kid"], envelope["ephemeral_public_key"], envelope["ciphertext"]
+        if not all(isinstance(v, str) for v in (kid, ephemeral, ciphertext)):
+            raise TypeError("fields must be strings")
+        client_key = public_key_from_b64(ephemeral)
+    except (ValueError, KeyError, TypeError, DecryptionError) as exc:
+        raise ApiError(400, "invalid_sealed_envelope",
+                       f"A sealed body must be JSON {{kid, ephemeral_public_key, ciphertext}} ({exc}).") from None
+    if kid != key.kid:
+        raise ApiError(400, "kid_mismatch", "The body was sealed to another key: fetch GET /v1/encryption-key "
+                                            "and seal again.")
+    box = Box(key.private, client_key)
+    try:
+        plaintext = box.decrypt(b64d(ciphertext))
+    except (CryptoError, ValueError) as exc:
+        raise ApiError(400, "decryption_failed", f"The sealed body does not open with this key ({exc}).") from None
+    return Unsealed(plaintext, box)

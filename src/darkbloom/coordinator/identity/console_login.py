@@ -1,0 +1,69 @@
+"""Sign-up, log-in and log-out with an email and a password: each log-in is a new console session
+(a ``dks-`` token). Argon2id password hashes; tokens stored as SHA-256."""
+
+from __future__ import annotations
+
+import asyncio
+import re
+
+from argon2 import PasswordHasher
+from argon2.exceptions import InvalidHashError, VerificationError
+
+from darkbloom.wire.openai.errors import ApiError, invalid_request
+from darkbloom.coordinator.services import Services
+from darkbloom.wire.crypto import new_token, token_hash
+from darkbloom.store import accounts, console_sessions
+
+_hasher = PasswordHasher()  # argon2id with the library's recommended parameters
+_EMAIL = re.compile(r"^[^@\s]+@[^@\s]+\.[^@\s]+$")
+MIN_PASSWORD = 8
+
+
+def _validate(email: object, password: object) -> tuple[str, str]:
+    if not isinstance(email, str) or not _EMAIL.match(email.strip()) or len(email) > 320:
+        raise invalid_request("Enter a valid email address.", param="email")
+    if not isinstance(password, str) or len(password) < MIN_PASSWORD or len(password) > 1024:
+        raise invalid_request(f"The password must be {MIN_PASSWORD} to 1024 characters long.", param="password")
+    return email.strip().lower(), password
+
+
+async def signup(services: Services, email: object, password: object) -> tuple[str, str]:
+    email, password = _validate(email, password)
+    password_hash = await asyncio.to_thread(_hasher.hash, password)
+    try:
+        async with services.engine.begin() as conn:
+            account_id = await accounts.create_account(conn, email, password_hash)
+    except accounts.EmailTaken:
+        raise ApiError(409, "email_taken", "An account with this email already exists; log in instead.") from None
+    return account_id, await _new_console_session(services, account_id)
+
+
+async def login(services: Services, email: object, password: object) -> tuple[str, str]:
+    if not isinstance(email, str) or not isinstance(password, str):
+        raise _invalid_credentials()
+    async with services.engine.connect() as conn:
+        row = await accounts.get_by_email(conn, email.strip().lower())
+    if row is None or not row["password_hash"]:
+        await asyncio.to_thread(_hasher.hash, password)  # same work whether or not the email exists
+        raise _invalid_credentials()
+    try:
+        await asyncio.to_thread(_hasher.verify, row["password_hash"], password)
+    except (VerificationError, InvalidHashError):
+        raise _invalid_credentials() from None
+    return row["id"], await _new_console_session(services, row["id"])
+
+
+async def logout(services: Services, token: str) -> None:
+    async with services.engine.begin() as conn:
+        await console_sessions.delete(conn, token_hash(token))
+
+
+async def _new_console_session(services: Services, account_id: str) -> str:
+    token = new_token("dks-")
+    async with services.engine.begin() as conn:
+        await console_sessions.create(conn, account_id, token_hash(token))
+    return token
+
+
+def _invalid_credentials() -> ApiError:
+    return ApiError(401, "invalid_credentials", "The email or password is not correct.")

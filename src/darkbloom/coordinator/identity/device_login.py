@@ -1,0 +1,70 @@
+"""Device login (RFC 8628 shape, CONTRACT §3.4): a node gets a device token for an account."""
+
+from __future__ import annotations
+
+import secrets
+import time
+from typing import Any
+
+from darkbloom.wire.openai.errors import ApiError, invalid_request
+from darkbloom.coordinator.services import Services
+from darkbloom.wire.crypto import new_token, token_hash
+from darkbloom.store import devices, machines
+
+USER_CODE_ALPHABET = "ABCDEFGHJKMNPQRSTUVWXYZ23456789"
+
+
+def _user_code() -> str:
+    raw = "".join(secrets.choice(USER_CODE_ALPHABET) for _ in range(8))
+    return f"{raw[:4]}-{raw[4:]}"
+
+
+async def start(services: Services) -> dict[str, Any]:
+    settings = services.settings
+    device_code = secrets.token_urlsafe(32)
+    user_code = _user_code()
+    async with services.engine.begin() as conn:
+        await devices.create_code(conn, token_hash(device_code), user_code, settings.device_code_ttl)
+    link = f"{settings.base_url}/console/link"
+    return {"device_code": device_code, "user_code": user_code, "verification_uri": link,
+            "verification_uri_complete": f"{link}?code={user_code}",
+            "expires_in": settings.device_code_ttl, "interval": settings.device_poll_interval}
+
+
+async def approve(services: Services, account_id: str, user_code: object) -> None:
+    if not isinstance(user_code, str) or not user_code.strip():
+        raise invalid_request("'user_code' is required: the XXXX-XXXX code `darkbloom login` printed.",
+                              param="user_code")
+    code = user_code.strip().upper()
+    async with services.engine.begin() as conn:
+        row = await devices.by_user_code(conn, code)
+        if row is None:
+            raise ApiError(404, "invalid_code", "This code is not valid. Check it against what `darkbloom login` printed.")
+        if row["status"] != "pending":
+            raise ApiError(409, "already_used", "This code was already used. Run `darkbloom login` again for a new one.")
+        if row["expires_at"] <= time.time():
+            raise ApiError(410, "expired_code", "This code has expired. Run `darkbloom login` again for a new one.")
+        if not await devices.approve(conn, code, account_id):
+            raise ApiError(409, "already_used", "This code was already used. Run `darkbloom login` again for a new one.")
+
+
+async def exchange(services: Services, device_code: object) -> dict[str, Any]:
+    """Poll for the token: pending, or the device token exactly once (a new linked machine)."""
+    if not isinstance(device_code, str) or not device_code:
+        raise invalid_request("'device_code' is required.", param="device_code")
+    async with services.engine.begin() as conn:
+        row = await devices.by_device_code(conn, token_hash(device_code))
+        if row is None or row["status"] == "issued":
+            raise ApiError(404, "invalid_grant", "Unknown or already used device code. Run `darkbloom login` again.")
+        if row["status"] == "pending":
+            if row["expires_at"] <= time.time():
+                raise ApiError(410, "expired_token", "The login code expired before it was approved. "
+                                                     "Run `darkbloom login` again.")
+            return {"status": "authorization_pending"}
+        if not await devices.mark_issued(conn, row["device_code_hash"]):
+            raise ApiError(404, "invalid_grant", "Unknown or already used device code. Run `darkbloom login` again.")
+        account_id = row["account_id"]
+        token = new_token("dkp-")
+        machine_id = await machines.create(conn, account_id, name="machine " + row["user_code"])
+        await devices.create_token(conn, token_hash(token), machine_id, account_id)
+    return {"status": "authorized", "token": token, "account_id": account_id, "machine_id": machine_id}

@@ -1,0 +1,209 @@
+"""One request's lifecycle: everything it takes, and the one place that gives back what it did not use.
+
+A request takes, in order: rate charges (RPM before the body, ITPM/OTPM after), a reservation
+(paid and prefer requests), and provider slots (the first placement, retries, a backup). The
+``RequestLifecycle`` records each as it is taken and, when the request ends, gives back exactly
+what was not used — once, on every end:
+
+- refused before admission completed (bad body, unknown model, 429, 402): every rate charge back;
+- admitted but never served (no provider, queue refused, every attempt failed, client gone or
+  task cancelled before first content): every slot and the reservation back, the token charges
+  back; the request keeps its RPM charge;
+- served: the winning attempt settles (charge on success; refund when the provider failed after
+  first content), token charges reconciled with the real counts; a vanished client or a cancel
+  stops the provider and charges what it reported (``charge_partial``).
+
+Use it as ``async with RequestLifecycle(...) as life:``. A streamed answer takes the end over with
+``hand_off()``: its stream calls ``finish`` before its last event, and the response runs inside
+``streaming()``, which ends a stream that stopped early (the client went away) with a partial charge.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from typing import Any, AsyncIterator
+
+from darkbloom.coordinator.fleet.pending import PendingRequest
+from darkbloom.coordinator.fleet.slots import Slot
+from darkbloom.coordinator.http.auth import Caller
+from darkbloom.coordinator.inference import relay
+from darkbloom.coordinator.http.disconnect import ClientDisconnected
+from darkbloom.coordinator.money import admission, billing
+from darkbloom.coordinator.money.ratelimit import Charge
+from darkbloom.coordinator.services import Services
+from darkbloom.wire.catalog import CatalogModel
+
+log = logging.getLogger("darkbloom.completions")
+SETTLE_ATTEMPTS = 4
+DECODE_SPEED_WEIGHT = 0.2
+_GONE = (asyncio.CancelledError, ClientDisconnected, GeneratorExit)
+
+
+class RequestLifecycle:
+    def __init__(self, services: Services, caller: Caller, request_id: str) -> None:
+        self.services = services
+        self.caller = caller
+        self.request_id = request_id
+        self.started = time.monotonic()
+        self.rate_charges: list[Charge] = []
+        self.rate_headers: dict[str, str] = {}
+        self.reservation: billing.Reservation | None = None
+        self.admitted = False
+        self.model: CatalogModel | None = None
+        self.self_routed = False
+        self.serving: PendingRequest | None = None  # the attempt whose content goes to the client
+        self._slots: list[Slot] = []
+        self._attempts: list[PendingRequest] = []
+        self._handed_off = False
+        self._ended = False
+
+    # taking
+
+    async def charge_rates(self, charges: list[Charge]) -> None:
+        """Take every charge or raise the 429 (then nothing more was taken)."""
+        decision = await admission.acquire(self.services, charges)
+        if decision is not None:
+            self.rate_charges.extend(charges)
+            self.rate_headers.update(decision.headers)
+
+    async def admit(self, model: CatalogModel, prompt_bound: int, output_bound: int, *, self_routed: bool,
+                    reserve: bool) -> None:
+        """ITPM/OTPM with the estimates, then the worst-case reservation (402 when it cannot be held)."""
+        self.model, self.self_routed = model, self_routed
+        await self.charge_rates(admission.token_charges(self.services, self.caller, prompt_bound, output_bound))
+        if reserve:
+            amount = billing.worst_case(model, prompt_bound, output_bound,
+                                        self.services.settings.min_charge_micro_usd)
+            self.reservation = await billing.reserve(self.services, self.request_id, self.caller.account_id,
+                                                     self.caller.key, amount)
+        self.admitted = True
+
+    def hold(self, slot: Slot) -> None:
+        """A claimed slot is the lifecycle's until an attempt is dispatched on it (or the end)."""
+        self._slots.append(slot)
+
+    def track(self, pending: PendingRequest) -> None:
+        """A dispatched attempt: cancelled and released at the end unless it is the one serving."""
+        self._attempts.append(pending)
+
+    def serve_with(self, pending: PendingRequest) -> None:
+        self.serving = pending
+
+    def hand_off(self) -> None:
+        """The response stream ends this request from now on (the handler's ``async with`` exits early)."""
+        self._handed_off = True
+
+    # ending
+
+    async def __aenter__(self) -> "RequestLifecycle":
+        return self
+
+    async def __aexit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
+                        _tb: Any) -> None:
+        if self._ended or (exc is None and self._handed_off):
+            return
+        gone = isinstance(exc, _GONE)
+        if self.serving is None:
+            end = self._give_back(refused=not self.admitted)
+        elif exc is None:
+            end = self._settle("ok", charge_partial=False)
+        elif gone:
+            end = self._settle("client_disconnected", charge_partial=True)
+        else:
+            failure = self.serving.failure
+            end = self._settle(failure.reason if failure else "error", charge_partial=False)
+        self._ended = True
+        task = self.services.spawn(end)
+        if not gone:
+            await asyncio.shield(task)  # the answer waits for its bookkeeping; a vanished client cannot cut it
+
+    async def finish(self, outcome: str) -> None:
+        """End a served request now (before the stream's last event), shielded from the client."""
+        if not self._ended:
+            self._ended = True
+            await asyncio.shield(self.services.spawn(self._settle(outcome, charge_partial=False)))
+
+    @contextlib.asynccontextmanager
+    async def streaming(self) -> AsyncIterator[None]:
+        """Around a handed-off response: a stream that ends without ``finish`` lost its client."""
+        try:
+            yield
+        finally:
+            if not self._ended:
+                self._ended = True
+                self.services.spawn(self._settle("client_disconnected", charge_partial=True))
+
+    def _release_attempts(self, keep: PendingRequest | None = None) -> None:
+        for pending in self._attempts:
+            if pending is not keep:
+                relay.abandon(pending)
+        for slot in self._slots:
+            slot.release()  # a no-op for the slots an attempt already released
+
+    async def _give_back(self, *, refused: bool) -> None:
+        self._release_attempts()
+        if self.reservation is not None:
+            await billing.refund(self.services, self.reservation)
+        if refused:
+            charges, self.rate_charges = self.rate_charges, []
+        else:
+            charges = admission.unused_token_charges(self.rate_charges, 0, 0)
+        if charges:
+            await self.services.rate_limiter.refund(charges)
+
+    async def _settle(self, outcome: str, *, charge_partial: bool) -> None:
+        services, pending = self.services, self.serving
+        assert pending is not None and self.model is not None
+        if charge_partial:
+            await relay.stop(pending, services.settings.cancel_grace)
+        relay.release(pending)
+        self._release_attempts(keep=pending)
+        _measure_decode_speed(pending)
+        usage = pending.usage if (outcome == "ok" or charge_partial) else None
+        session = pending.session
+        # the owner is re-read from the serving session object, even if it has disconnected since
+        served = billing.Served(provider_id=session.id, provider_account_id=session.account_id)
+        bill = billing.Bill(self.request_id, self.caller.account_id, self.caller.key_id, self.model,
+                            self.reservation, self.self_routed)
+        for attempt in range(1, SETTLE_ATTEMPTS + 1):
+            try:
+                # both steps are idempotent on the request id, so a retry after a transient error is safe
+                if usage is not None:
+                    await billing.settle_bill(services, bill, usage, served)
+                elif self.reservation is not None:
+                    await billing.refund(services, self.reservation)
+                break
+            except Exception:  # noqa: BLE001 - retried, then left to the reconciler at the next restart
+                log.exception("request %s: settlement attempt %d failed", self.request_id, attempt)
+                await asyncio.sleep(0.2 * 2 ** attempt)
+        unused = admission.unused_token_charges(self.rate_charges, usage.prompt_tokens if usage else 0,
+                                                usage.completion_tokens if usage else 0)
+        if unused:
+            await services.rate_limiter.refund(unused)
+        self._log(outcome if usage is not None or outcome != "client_disconnected"
+                  else "client_disconnected_unbilled")
+
+    def _log(self, outcome: str) -> None:
+        assert self.serving is not None and self.model is not None
+        usage = self.serving.usage
+        log.info("request_id=%s account=%s key=%s model=%s provider=%s outcome=%s prompt_tokens=%s "
+                 "completion_tokens=%s ms=%d", self.request_id, self.caller.account_id, self.caller.key_id,
+                 self.model.id, self.serving.session.id, outcome, usage.prompt_tokens if usage else None,
+                 usage.completion_tokens if usage else None, (time.monotonic() - self.started) * 1000)
+
+
+def _measure_decode_speed(pending: PendingRequest) -> None:
+    """Keep an EWMA of the session's completion tokens per second (used to rank sessions)."""
+    usage, started = pending.usage, pending.first_content_at
+    if usage is None or started is None or usage.completion_tokens < 2:
+        return
+    elapsed = time.monotonic() - started
+    if elapsed <= 0:
+        return
+    observed = usage.completion_tokens / elapsed
+    session = pending.session
+    session.decode_tps = observed if session.decode_tps <= 0 else (
+        (1 - DECODE_SPEED_WEIGHT) * session.decode_tps + DECODE_SPEED_WEIGHT * observed)

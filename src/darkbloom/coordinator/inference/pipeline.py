@@ -1,0 +1,95 @@
+"""One chat completion through the coordinator:
+resolve policy and model → admit (rate limits, reservation) → place → attempts (seal, dispatch) →
+relay → settle. The request's ``RequestLifecycle`` owns every undo along the way."""
+
+from __future__ import annotations
+
+import secrets
+from typing import AsyncIterator
+
+from fastapi import Request
+from fastapi.responses import JSONResponse, StreamingResponse
+from starlette.types import Receive, Scope, Send
+
+from darkbloom.coordinator.fleet.pending import PendingRequest
+from darkbloom.coordinator.http.auth import Caller
+from darkbloom.coordinator.http.disconnect import until_disconnect
+from darkbloom.coordinator.inference import relay
+from darkbloom.coordinator.inference.attempts import Attempts
+from darkbloom.coordinator.inference.chat_request import ChatRequest
+from darkbloom.coordinator.inference.lifecycle import RequestLifecycle
+from darkbloom.coordinator.money.estimation import output_token_bound, prompt_token_bound
+from darkbloom.coordinator.routing import placement
+from darkbloom.coordinator.routing.policy import Policy
+from darkbloom.coordinator.services import Services
+from darkbloom.wire.openai.chunks import SSE_DONE, sse
+from darkbloom.wire.openai.shaping import ChunkShaper
+
+
+def new_request_id() -> str:
+    return "chatcmpl-" + secrets.token_hex(12)
+
+
+async def chat_completion(life: RequestLifecycle, chat: ChatRequest, policy: Policy,
+                          request: Request) -> StreamingResponse | JSONResponse:
+    """Serve ``chat`` inside ``life`` (already charged for RPM); ``life``'s exit gives back the rest."""
+    services, caller = life.services, life.caller
+    model = placement.resolve_model(services, caller, chat.model, policy)
+    decision = placement.decide(services, policy, model, needs_images=chat.uses_images,
+                                needs_tools=chat.uses_tools)
+    output_bound = output_token_bound(chat, model)
+    # exclusive self-route never spends: no reservation, no key spend cap (rate limits still apply)
+    await life.admit(model, prompt_token_bound(chat), output_bound, self_routed=policy.self_routed,
+                     reserve=not policy.exclusive)
+    first = await until_disconnect(request, placement.place(services, decision, policy))
+    life.hold(first.slot)
+    attempts = Attempts(life, decision, chat, output_bound)
+    try:
+        pending, completed = await until_disconnect(request, attempts.run(first))
+    except relay.ProviderFailure as failure:
+        raise await placement.unserved_error(services, decision, failure.as_api_error()) from None
+    headers = _routing_headers(life, caller, pending, policy)
+    shaper = ChunkShaper(life.request_id, chat.model)
+    if chat.stream:
+        life.hand_off()
+        return LifecycleStreamingResponse(life, _streamed(life, pending, completed, shaper), headers)
+    try:
+        body = await until_disconnect(request, relay.collect(pending, completed, shaper))
+    except relay.ProviderFailure as failure:
+        raise failure.as_api_error() from None
+    return JSONResponse(body, headers=headers)
+
+
+def _routing_headers(life: RequestLifecycle, caller: Caller, pending: PendingRequest,
+                     policy: Policy) -> dict[str, str]:
+    owned = pending.session.account_id == caller.account_id
+    return {"X-Request-Id": life.request_id, "X-Provider-Id": pending.session.id,
+            "X-Darkbloom-Routed": "owned" if owned else "fleet",
+            "X-Darkbloom-Billing": "free" if owned and policy.self_routed else "charged", **life.rate_headers}
+
+
+async def _streamed(life: RequestLifecycle, pending: PendingRequest, completed: bool,
+                    shaper: ChunkShaper) -> AsyncIterator[bytes]:
+    async for part in relay.relay_chunks(pending, completed, shaper):
+        yield part
+    failure = pending.failure
+    await life.finish(failure.reason if failure else "ok")  # settled before the client sees the end
+    if failure is not None:
+        yield relay.failure_event(failure)
+        return
+    assert pending.usage is not None
+    yield sse(shaper.usage_chunk(pending.usage))
+    yield SSE_DONE
+
+
+class LifecycleStreamingResponse(StreamingResponse):
+    """A streamed answer that ends its request's lifecycle however the response ends."""
+
+    def __init__(self, life: RequestLifecycle, content: AsyncIterator[bytes], headers: dict[str, str]) -> None:
+        super().__init__(content, media_type="text/event-stream",
+                         headers={**headers, "Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        self.life = life
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        async with self.life.streaming():
+            await super().__call__(scope, receive, send)

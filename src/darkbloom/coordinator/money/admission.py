@@ -1,0 +1,74 @@
+"""Admission checks: rate limits (RPM before the body is read, ITPM/OTPM after, with the
+estimates) and the reservation amount. What a request took is kept — and given back — by its
+``RequestLifecycle``; these functions only decide and raise the named errors."""
+
+from __future__ import annotations
+
+from darkbloom.coordinator.http.auth import Caller
+from darkbloom.coordinator.money.ratelimit import Bucket, Charge, Decision, Dimension, RateLimiterUnavailable
+from darkbloom.coordinator.services import Services
+from darkbloom.wire.openai.errors import ApiError
+
+_DIMENSION_NAMES = {"requests": "requests per minute", "input_tokens": "input tokens per minute",
+                    "output_tokens": "output tokens per minute"}
+
+
+def _buckets(services: Services, caller: Caller, dimension: Dimension) -> list[Bucket]:
+    settings = services.settings
+    account_limit = {"requests": settings.account_rpm, "input_tokens": settings.account_itpm,
+                     "output_tokens": settings.account_otpm}[dimension]
+    key_field = {"requests": "rpm_limit", "input_tokens": "itpm_limit", "output_tokens": "otpm_limit"}[dimension]
+    buckets = []
+    if caller.key and caller.key.get(key_field):
+        buckets.append(Bucket(f"key:{caller.key['id']}", dimension, int(caller.key[key_field])))
+    if account_limit:
+        buckets.append(Bucket(f"acct:{caller.account_id}", dimension, int(account_limit)))
+    return buckets
+
+
+def request_charges(services: Services, caller: Caller) -> list[Charge]:
+    """One request against every RPM bucket of the caller."""
+    return [Charge(b, 1) for b in _buckets(services, caller, "requests")]
+
+
+def token_charges(services: Services, caller: Caller, prompt_bound: int, output_bound: int) -> list[Charge]:
+    """The estimated tokens against every ITPM and OTPM bucket of the caller."""
+    return ([Charge(b, prompt_bound) for b in _buckets(services, caller, "input_tokens")]
+            + [Charge(b, output_bound) for b in _buckets(services, caller, "output_tokens")])
+
+
+async def acquire(services: Services, charges: list[Charge]) -> Decision | None:
+    """Take every charge or none; a refusal is a 429 naming the bucket (nothing was taken)."""
+    if not charges:
+        return None
+    try:
+        decision = await services.rate_limiter.acquire(charges)
+    except RateLimiterUnavailable:
+        raise ApiError(503, "service_unavailable",
+                       "Rate limiting is temporarily unavailable; retry in a few seconds.",
+                       headers={"Retry-After": "5"}) from None
+    if not decision.allowed:
+        failed = decision.failed
+        assert failed is not None
+        scope = "API key" if failed.scope.startswith("key:") else "account"
+        asked = max(c.amount for c in charges if c.bucket == failed)
+        advice = (f"This request alone needs {asked}; lower max_tokens or shorten the prompt, or raise the limit."
+                  if asked > failed.limit_per_minute else f"Retry after {decision.retry_after_seconds} s.")
+        raise ApiError(429, "rate_limit_exceeded",
+                       f"Rate limit reached: your {scope} allows {failed.limit_per_minute} "
+                       f"{_DIMENSION_NAMES[failed.dimension]}. {advice}",
+                       param=failed.dimension,
+                       headers={"Retry-After": str(decision.retry_after_seconds), **decision.headers})
+    return decision
+
+
+def unused_token_charges(charges: list[Charge], prompt_tokens: int, completion_tokens: int) -> list[Charge]:
+    """The part of the token charges the request did not use, once the real counts are known
+    (request charges are never unused: an admitted request counts against RPM)."""
+    unused = []
+    for charge in charges:
+        if charge.bucket.dimension == "input_tokens" and charge.amount > prompt_tokens:
+            unused.append(Charge(charge.bucket, charge.amount - prompt_tokens))
+        elif charge.bucket.dimension == "output_tokens" and charge.amount > completion_tokens:
+            unused.append(Charge(charge.bucket, charge.amount - completion_tokens))
+    return unused

@@ -1,0 +1,56 @@
+"""Coordinator instances: each process heartbeats a row; reservations left open by an instance
+that stopped heartbeating (a crash) are refunded, at start and then periodically."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+
+from sqlalchemy import insert, select, update
+
+from darkbloom.coordinator.money.billing import refund_in
+from darkbloom.coordinator.services import Services
+from darkbloom.store import ledger
+from darkbloom.store.schema import coordinator_instances
+
+log = logging.getLogger("darkbloom.instances")
+
+
+async def register_instance(services: Services) -> None:
+    now = int(time.time())
+    async with services.engine.begin() as conn:
+        await conn.execute(insert(coordinator_instances).values(id=services.instance_id, started_at=now,
+                                                                last_seen=now))
+
+
+async def reconcile_abandoned(services: Services) -> int:
+    """Refund open reservations whose instance is not this one and has not been seen lately."""
+    stale_before = int(time.time() - services.settings.instance_stale_after)
+    async with services.engine.connect() as conn:
+        live = [row[0] for row in await conn.execute(
+            select(coordinator_instances.c.id).where(coordinator_instances.c.last_seen >= stale_before))]
+        live.append(services.instance_id)
+        abandoned = [r for r in await ledger.open_reservations(conn) if r["instance_id"] not in live]
+    refunded = 0
+    for reservation in abandoned:
+        async with services.engine.begin() as conn:
+            if await refund_in(conn, reservation["request_id"]):
+                refunded += 1
+                log.warning("reconciled reservation %s (%d µUSD) left open by instance %s: refunded",
+                            reservation["request_id"], reservation["amount_micro_usd"], reservation["instance_id"])
+    return refunded
+
+
+async def heartbeat_forever(services: Services) -> None:
+    interval = max(1.0, services.settings.instance_stale_after / 3)
+    while True:
+        await asyncio.sleep(interval)
+        try:
+            async with services.engine.begin() as conn:
+                await conn.execute(update(coordinator_instances)
+                                   .where(coordinator_instances.c.id == services.instance_id)
+                                   .values(last_seen=int(time.time())))
+            await reconcile_abandoned(services)
+        except Exception:  # noqa: BLE001 - keep heartbeating through transient database errors
+            log.exception("instance heartbeat failed")

@@ -1,0 +1,91 @@
+"""The scheduler's gates: named checks in a fixed order, each a reason in logs, metrics and the
+Self-Route errors (CONTRACT §4, §7)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, Optional
+
+from darkbloom.coordinator.config import CoordinatorSettings
+from darkbloom.coordinator.fleet.session import ProviderSession
+from darkbloom.coordinator.fleet.trust import challenge_fresh, trust_at_least
+from darkbloom.coordinator.routing.decision import RouteDecision
+
+
+Check = Callable[[ProviderSession, RouteDecision, CoordinatorSettings, float], bool]
+
+
+def _serves_model(s: ProviderSession, d: RouteDecision, _c: CoordinatorSettings, _n: float) -> bool:
+    if not any(name in s.advertised_models for name in d.names):
+        return False
+    pinned_hash = d.model.weight_hash
+    if pinned_hash:
+        hashes = {m.weight_hash for m in s.registration.models if m.id in d.names}
+        return pinned_hash in hashes
+    return True
+
+
+def _trusted(s: ProviderSession, _d: RouteDecision, _c: CoordinatorSettings, _n: float) -> bool:
+    return s.online and s.untrusted_reason is None and not s.draining
+
+
+def _private_only(s: ProviderSession, d: RouteDecision, _c: CoordinatorSettings, _n: float) -> bool:
+    return not s.private_only or d.owns(s)
+
+
+def _trust_floor(s: ProviderSession, d: RouteDecision, c: CoordinatorSettings, _n: float) -> bool:
+    return d.owns(s) or trust_at_least(s.trust_level, c.min_trust)
+
+
+def _runtime_verified(s: ProviderSession, _d: RouteDecision, _c: CoordinatorSettings, _n: float) -> bool:
+    return s.runtime_verified
+
+
+def _encrypted_chunks(s: ProviderSession, _d: RouteDecision, _c: CoordinatorSettings, _n: float) -> bool:
+    return s.registration.encrypted_response_chunks and s.public_key is not None
+
+
+def _challenge_fresh(s: ProviderSession, _d: RouteDecision, c: CoordinatorSettings, now: float) -> bool:
+    return challenge_fresh(s, c, now)
+
+
+def _capabilities(s: ProviderSession, d: RouteDecision, _c: CoordinatorSettings, _n: float) -> bool:
+    if d.needs_images:
+        return any(m.is_vision for m in s.registration.models if m.id in d.names)
+    return True
+
+
+@dataclass(frozen=True)
+class Gate:
+    """A named check; ``blocker`` is what an owner is told when only this gate keeps their own
+    machine from serving them privately (the privacy gates and ``untrusted``)."""
+
+    name: str
+    check: Check
+    blocker: str | None = None
+
+
+# The fixed order; the names are the reasons in logs, metrics and self-route errors.
+GATES: tuple[Gate, ...] = (
+    Gate("model_not_served", _serves_model),
+    Gate("untrusted", _trusted,
+         blocker="it failed an integrity check (restart the node; if it persists, reinstall it)"),
+    Gate("private_only", _private_only),
+    Gate("trust_below_floor", _trust_floor),
+    Gate("runtime_not_verified", _runtime_verified,
+         blocker="its Darkbloom runtime is not a verified release (update the node to this release)"),
+    Gate("no_encrypted_chunks", _encrypted_chunks, blocker="it cannot encrypt its responses (update the node)"),
+    Gate("challenge_stale", _challenge_fresh,
+         blocker="it has not passed a recent attestation challenge (restart the node)"),
+    Gate("capability_unsupported", _capabilities),
+)
+PRIVACY_GATES = frozenset({"runtime_not_verified", "no_encrypted_chunks", "challenge_stale"})
+NO_FREE_SLOT = "no_free_slot"
+
+
+def first_failed_gate(session: ProviderSession, decision: RouteDecision, settings: CoordinatorSettings,
+                      now: float) -> Optional[str]:
+    for gate in GATES:
+        if not gate.check(session, decision, settings, now):
+            return gate.name
+    return None

@@ -1,0 +1,84 @@
+"""From a request to a claimed slot, with every routing decision in one place: which model, which
+sessions may serve it (the route policy, the owner-only rule), where it waits, and the named
+error when it cannot be placed or its owned machines can no longer serve it."""
+
+from __future__ import annotations
+
+import dataclasses
+
+from darkbloom.coordinator.http.auth import Caller
+from darkbloom.coordinator.routing import selfroute
+from darkbloom.coordinator.routing.decision import RouteDecision
+from darkbloom.coordinator.routing.policy import Policy
+from darkbloom.coordinator.routing.queue import NoEligibleSession, QueueRefused
+from darkbloom.coordinator.routing.scheduler import Placement, survey
+from darkbloom.coordinator.services import Services
+from darkbloom.wire.catalog import CatalogModel
+from darkbloom.wire.openai.errors import ApiError
+
+
+def resolve_model(services: Services, caller: Caller, name: str, policy: Policy) -> CatalogModel:
+    """The catalog entry; for self-routed requests also a model only the caller's machines serve
+    (free to the owner, so it has no price)."""
+    model = services.settings.catalog.resolve(name)
+    if model is None and policy.self_routed:
+        advertised = policy.exclusive or any(name in s.advertised_models
+                                             for s in services.registry.owned_by(caller.account_id))
+        if advertised:
+            model = CatalogModel(id=name, input_price=0, output_price=0)
+    if model is None:
+        raise ApiError(404, "model_not_found",
+                       f"The model '{name}' does not exist. GET /v1/models lists the models you can use.",
+                       param="model")
+    allowed = caller.key.get("allowed_models") if caller.key else None
+    if allowed is not None and model.id not in allowed and name not in allowed:
+        raise ApiError(403, "model_not_allowed",
+                       f"This API key may not use '{name}'. Edit the key's allowed models or use another key.",
+                       param="model")
+    return model
+
+
+def decide(services: Services, policy: Policy, model: CatalogModel, *, needs_images: bool,
+           needs_tools: bool) -> RouteDecision:
+    # a model outside the catalog is reachable only on the caller's own machines, even with prefer:
+    # another account's machine advertising the same name is not public fleet for it
+    owner_only_model = services.settings.catalog.resolve(model.id) is None
+    return RouteDecision(model=model, needs_images=needs_images, needs_tools=needs_tools,
+                         owner_account_id=policy.owner_account_id,
+                         owned_only=policy.exclusive or (policy.self_routed and owner_only_model),
+                         pinned=policy.pinned)
+
+
+async def place(services: Services, decision: RouteDecision, policy: Policy) -> Placement:
+    """A claimed slot now or after the queue; otherwise the named error of why not."""
+    try:
+        return await services.queues.place(decision)
+    except NoEligibleSession as exc:
+        if decision.owned_only:
+            await selfroute.preflight(services, decision, exc.survey)
+        raise ApiError(503, "model_unavailable",
+                       f"No provider is serving '{decision.model.id}' right now. Try again later or pick "
+                       "another model.") from None
+    except QueueRefused as exc:
+        if policy.exclusive:
+            raise selfroute.machine_busy(exc.retry_after) from None
+        why = "the queue is full" if exc.code == "queue_full" else "no slot freed up in time"
+        raise ApiError(429, "rate_limit_exceeded",
+                       f"Every provider serving '{decision.model.id}' is busy and {why}. "
+                       f"Retry after {exc.retry_after} s.",
+                       code=exc.code, headers={"Retry-After": str(exc.retry_after)}) from None
+
+
+async def unserved_error(services: Services, decision: RouteDecision, failure: ApiError) -> ApiError:
+    """Every attempt failed before first content. For an exclusive request whose owned machines can
+    no longer serve at all (the one serving it died), the named pre-flight error of that state
+    (e.g. ``machine_offline``, Retry-After 30) says what to do; otherwise the provider's failure."""
+    if decision.owned_only:
+        fresh = dataclasses.replace(decision, excluded=set())
+        found = survey(services.registry, fresh, services.settings)
+        if not found.eligible:
+            try:
+                await selfroute.preflight(services, fresh, found)
+            except ApiError as named:
+                return named
+    return failure

@@ -1,0 +1,130 @@
+"""Per-model queues for requests whose eligible sessions are all busy (CONTRACT §3.1 "Capacity").
+
+A waiter keeps its own ``RouteDecision``; each drain re-evaluates every waiter in arrival order
+with its own rules, and a waiter that cannot be placed keeps its place. Drains run whenever a
+slot is released (the queues listen on the registry's slots) and on a short tick, which also
+covers new registrations, heartbeats and trust changes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import math
+import time
+from collections import deque
+from dataclasses import dataclass, field
+
+from darkbloom.coordinator.config import CoordinatorSettings
+from darkbloom.coordinator.fleet.registry import Registry
+from darkbloom.coordinator.routing.scheduler import Placement, Survey, survey, try_place
+from darkbloom.coordinator.routing.decision import RouteDecision
+
+log = logging.getLogger("darkbloom.queue")
+DRAIN_TICK = 0.25
+
+
+class NoEligibleSession(Exception):
+    """Nothing could serve this request at all: fail at once, never wait."""
+
+    def __init__(self, found: Survey) -> None:
+        super().__init__("no eligible session")
+        self.survey = found
+
+
+class QueueRefused(Exception):
+    def __init__(self, code: str, retry_after: int, survey: Survey | None = None) -> None:
+        super().__init__(code)
+        self.code = code  # queue_full | queue_timeout
+        self.retry_after = retry_after
+        self.survey = survey
+
+
+@dataclass(eq=False)
+class _Waiter:
+    decision: RouteDecision
+    future: asyncio.Future[Placement]
+    enqueued_at: float = field(default_factory=time.monotonic)
+
+
+class RequestQueues:
+    def __init__(self, registry: Registry, settings: CoordinatorSettings) -> None:
+        self.registry = registry
+        self.settings = settings
+        self._queues: dict[str, deque[_Waiter]] = {}
+        self._recent_wait: dict[str, float] = {}
+        self._draining = False
+        registry.slots.on_release(self.drain)
+
+    def depth(self, model_id: str) -> int:
+        return len(self._queues.get(model_id, ()))
+
+    async def place(self, decision: RouteDecision) -> Placement:
+        """A claimed slot now, or after waiting in the model's queue; raises NoEligibleSession or QueueRefused."""
+        found = survey(self.registry, decision, self.settings)
+        if not found.eligible:
+            raise NoEligibleSession(found)
+        queue = self._queues.setdefault(decision.model.id, deque())
+        if not queue:
+            placement = try_place(self.registry, decision, self.settings, found)
+            if placement is not None:
+                return placement
+        if len(queue) >= self.settings.queue_depth:
+            raise QueueRefused("queue_full", self._retry_after(decision.model.id), found)
+        waiter = _Waiter(decision, asyncio.get_running_loop().create_future())
+        queue.append(waiter)
+        self.drain()
+        try:
+            # not wait_for: on Python 3.11 it swallows a cancel that races with the placement and
+            # returns the claimed slot to a caller that has gone away (the slot would leak)
+            await asyncio.wait({waiter.future}, timeout=self.settings.queue_max_wait)
+        except asyncio.CancelledError:
+            self._leave(decision.model.id, waiter)
+            if waiter.future.done() and not waiter.future.cancelled():
+                waiter.future.result().slot.release()  # placed as we left: give it to the next waiter
+            waiter.future.cancel()
+            raise
+        if not waiter.future.done():
+            self._leave(decision.model.id, waiter)
+            waiter.future.cancel()
+            raise QueueRefused("queue_timeout", self._retry_after(decision.model.id),
+                               survey(self.registry, decision, self.settings))
+        self._recent_wait[decision.model.id] = time.monotonic() - waiter.enqueued_at
+        return waiter.future.result()
+
+    def drain(self) -> None:
+        if self._draining or not self._queues:
+            return  # re-entered (or nothing waits): the running drain sees every waiter
+        self._draining = True
+        try:
+            self._drain()
+        finally:
+            self._draining = False
+
+    def _drain(self) -> None:
+        for model_id, queue in list(self._queues.items()):
+            for waiter in list(queue):
+                if waiter.future.done():
+                    self._leave(model_id, waiter)
+                    continue
+                placement = try_place(self.registry, waiter.decision, self.settings)
+                if placement is not None:
+                    self._leave(model_id, waiter)
+                    waiter.future.set_result(placement)
+            if not queue:
+                self._queues.pop(model_id, None)
+
+    async def drain_forever(self) -> None:
+        while True:
+            await asyncio.sleep(DRAIN_TICK)
+            self.drain()
+
+    def _leave(self, model_id: str, waiter: _Waiter) -> None:
+        queue = self._queues.get(model_id)
+        if queue is not None and waiter in queue:
+            queue.remove(waiter)
+
+    def _retry_after(self, model_id: str) -> int:
+        """Seconds until a retry likely finds a slot: the most recent time a waiter needed to be placed."""
+        return max(1, math.ceil(self._recent_wait.get(model_id, 1.0)))
+

@@ -1,0 +1,93 @@
+"""Self-Route's errors (CONTRACT §4 pre-flight table): why an exclusive request for the caller's
+own machine cannot be served, each as a named error with a sentence that says what to do."""
+
+from __future__ import annotations
+
+from darkbloom.coordinator.routing.decision import RouteDecision
+from darkbloom.coordinator.routing.gates import GATES
+from darkbloom.coordinator.routing.scheduler import Survey
+from darkbloom.coordinator.services import Services
+from darkbloom.store import machines
+from darkbloom.wire.openai.errors import ApiError
+
+# ``untrusted`` first, then the privacy gates (never relaxed for owners) in name order
+_BLOCKING_GATES = sorted((g for g in GATES if g.blocker), key=lambda g: (g.name != "untrusted", g.name))
+
+
+def machine_not_found() -> ApiError:
+    return ApiError(404, "machine_not_found",
+                    "No machine with this id is linked to your account. GET /v1/me/providers lists yours.")
+
+
+def machine_offline(pinned: bool) -> ApiError:
+    which = "That machine is" if pinned else "Your machine is"
+    return ApiError(503, "machine_offline",
+                    f"{which} offline — start your Darkbloom node (`darkbloom serve`) and retry.",
+                    headers={"Retry-After": "30"})
+
+
+def no_linked_machine() -> ApiError:
+    return ApiError(409, "no_linked_machine",
+                    "No machine is linked to your account. Run `darkbloom login` on your machine to link it, "
+                    "then `darkbloom serve`.")
+
+
+def model_not_loaded(model: str) -> ApiError:
+    return ApiError(503, "model_not_loaded",
+                    f"Your machine is online but does not serve '{model}'. Start your node with "
+                    f"`darkbloom serve --model {model}` or pick a model it serves (GET /v1/me/self-route-models).",
+                    headers={"Retry-After": "15"})
+
+
+def machine_busy(retry_after: int) -> ApiError:
+    return ApiError(429, "machine_busy",
+                    f"Your machine is busy with other requests. Retry in {retry_after} s, or raise its "
+                    "max_concurrency.", headers={"Retry-After": str(max(1, retry_after))})
+
+
+def preflight_error(decision: RouteDecision, found: Survey, *, ever_linked: bool, pinned_owned: bool,
+                    owned_online: int) -> ApiError:
+    """Why an exclusive request cannot be served, in the order of the CONTRACT §4 table."""
+    if decision.pinned and not pinned_owned:
+        return machine_not_found()
+    if decision.pinned and owned_online == 0:
+        return machine_offline(pinned=True)
+    if not ever_linked:
+        return no_linked_machine()
+    if owned_online == 0:
+        return machine_offline(pinned=False)
+    reasons = found.reasons
+    if reasons.get("capability_unsupported"):
+        return ApiError(503, "model_unavailable",
+                        f"Your machine serves '{decision.model.id}' but not for this kind of request "
+                        "(images or tools). Send a plain text request or load a model that supports it.",
+                        code="model_capability_unsupported")
+    blockers = [gate.blocker for gate in _BLOCKING_GATES if reasons.get(gate.name)]
+    if blockers:
+        why = "; ".join(blockers)
+        return ApiError(503, "model_routing_blocked",
+                        f"Your machine serves '{decision.model.id}' but cannot be used privately right now: {why}.")
+    return model_not_loaded(decision.model.id)
+
+
+async def preflight(services: Services, decision: RouteDecision, found: Survey) -> None:
+    """For an exclusive request with no eligible owned session: raise the right named error."""
+    account_id = decision.owner_account_id
+    assert account_id is not None
+    owned = services.registry.owned_by(account_id)
+    pinned_owned = False
+    if decision.pinned:
+        pinned = decision.pinned
+        live = [s for s in owned if pinned in (s.id, s.machine_id)]
+        if live:
+            pinned_owned = True
+        elif pinned.startswith("mach_"):
+            async with services.engine.connect() as conn:
+                row = await machines.get(conn, pinned)
+            pinned_owned = row is not None and row["account_id"] == account_id and row["unlinked_at"] is None
+        owned = set(live)
+    async with services.engine.connect() as conn:
+        ever_linked = await machines.ever_linked(conn, account_id)
+    online = sum(1 for s in owned if s.online)
+    raise preflight_error(decision, found, ever_linked=ever_linked, pinned_owned=pinned_owned,
+                          owned_online=online)

@@ -1,0 +1,136 @@
+"""Direct mode (CONTRACT §8): an OpenAI-compatible server on the node itself.
+
+`GET /health` (open), `GET /v1/models`, `GET /v1/models/{id}` and `POST /v1/chat/completions`
+(streamed or not, `usage` always included), every route but `/health` behind
+`Authorization: Bearer dk-local-…`. Requests run on the node's own backend and take a slot of the
+node's one `max_concurrency` (`Slots`), shared with fleet requests; a direct request waits up to
+`queue_wait` seconds for one, then gets 429. Nothing here knows about accounts or billing, and no
+byte of a direct request leaves the machine. Logs carry request ids and token counts only.
+
+The OpenAI edge (error envelope, body reading, chunk shaping) is the coordinator's, from
+`wire.openai`; streams follow its rules too (see `generation`).
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from starlette.applications import Starlette
+from starlette.datastructures import Headers
+from starlette.exceptions import HTTPException
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+from starlette.routing import Route
+from starlette.types import ASGIApp, Receive, Scope, Send
+
+from darkbloom.wire import crypto
+from darkbloom.wire.openai.body import DEFAULT_MAX_BODY_BYTES, read_json_object
+from darkbloom.wire.openai.errors import ApiError, invalid_request, unauthorized
+from darkbloom.wire.openai.handlers import api_error_handler, http_error_handler
+from darkbloom.provider.backends import Backend, BackendError
+from darkbloom.provider.direct.errors import from_backend, model_not_found, node_failed
+from darkbloom.provider.direct.generation import Generation, GenerationResponse
+from darkbloom.provider.slots import Slots
+
+log = logging.getLogger(__name__)
+
+QUEUE_WAIT = 120.0  # seconds a direct request may wait for a free slot
+MODEL_CREATED = 1735689600
+
+
+def create_app(backend: Backend, slots: Slots, model_ids: list[str], token: str, *,
+               queue_wait: float = QUEUE_WAIT, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES) -> ASGIApp:
+    api = _LocalApi(backend, slots, list(model_ids), queue_wait, max_body_bytes)
+    app = Starlette(routes=[
+        Route("/health", api.health, methods=["GET"]),
+        Route("/v1/models", api.models, methods=["GET"]),
+        Route("/v1/models/{model_id:path}", api.model, methods=["GET"]),
+        Route("/v1/chat/completions", api.chat_completions, methods=["POST"]),
+    ], exception_handlers={ApiError: api_error_handler, HTTPException: http_error_handler,
+                           Exception: _server_error})
+    return _BearerAuth(app, token)
+
+
+class _BearerAuth:
+    """401 `invalid_api_key` on every path but /health unless the bearer token matches."""
+
+    def __init__(self, app: ASGIApp, token: str) -> None:
+        self.app = app
+        self.token = token
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http" and scope["path"] != "/health":
+            message = self._refusal(Headers(scope=scope).get("authorization", ""))
+            if message:
+                await unauthorized(message).response()(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
+
+    def _refusal(self, authorization: str) -> str:
+        scheme, _, given = authorization.partition(" ")
+        given = given.strip()
+        if scheme.lower() != "bearer" or not given:
+            return ("Missing direct-mode token. Pass 'Authorization: Bearer dk-local-…'; the token is "
+                    "in $DARKBLOOM_HOME/local_token (and local.json) on the node.")
+        if not crypto.constant_time_equal(given, self.token):
+            return ("Invalid direct-mode token. Use the token in $DARKBLOOM_HOME/local_token "
+                    "(or local.json) on the node.")
+        return ""
+
+
+async def _server_error(_request: Request, exc: Exception) -> Response:
+    log.error("direct-mode request failed", exc_info=exc)
+    return node_failed().response()
+
+
+class _LocalApi:
+    def __init__(self, backend: Backend, slots: Slots, model_ids: list[str], queue_wait: float,
+                 max_body_bytes: int) -> None:
+        self.backend, self.slots, self.model_ids = backend, slots, model_ids
+        self.queue_wait, self.max_body_bytes = queue_wait, max_body_bytes
+
+    async def health(self, _request: Request) -> Response:
+        return JSONResponse({"status": "ok"})
+
+    async def models(self, _request: Request) -> Response:
+        return JSONResponse({"object": "list", "data": [_model_entry(m) for m in self.model_ids]})
+
+    async def model(self, request: Request) -> Response:
+        model_id = request.path_params["model_id"]
+        if model_id not in self.model_ids:
+            raise model_not_found(model_id)
+        return JSONResponse(_model_entry(model_id))
+
+    async def chat_completions(self, request: Request) -> Response:
+        body = await read_json_object(request, self.max_body_bytes)
+        model = body.get("model")
+        if not isinstance(model, str) or not model:
+            raise invalid_request("model is required: a model id from GET /v1/models.", param="model")
+        if model not in self.model_ids:
+            raise model_not_found(model)
+        stream = body.get("stream", False)
+        if not isinstance(stream, bool):
+            raise invalid_request("stream must be true or false.", param="stream")
+        if not await self.slots.acquire(self.queue_wait):
+            raise ApiError(429, "rate_limit_exceeded",
+                           f"This node is busy (all {self.slots.limit} slots in use) and no slot freed up "
+                           f"within {self.queue_wait:g} s. Retry shortly.", headers={"Retry-After": "5"})
+        generation = Generation(self.backend, model, body, self.slots)
+        headers = {"X-Request-Id": generation.request_id}
+        handed_off = False
+        try:
+            if stream:
+                head = await generation.head()
+                handed_off = True
+                return GenerationResponse(generation, head, headers=headers)
+            return JSONResponse(await generation.collect(), headers=headers)
+        except BackendError as exc:
+            raise from_backend(exc) from None
+        finally:
+            if not handed_off:
+                generation.finish_soon()
+
+
+def _model_entry(model_id: str) -> dict[str, Any]:
+    return {"id": model_id, "object": "model", "created": MODEL_CREATED, "owned_by": "self"}

@@ -1,0 +1,181 @@
+"""The coordinator's requests on the node: take a slot, open the sealed body, stream sealed chunks
+back, report usage; and the `cancel` that stops one.
+
+A request that finds no free slot (`Slots.try_acquire`) is refused with 429 so the coordinator
+places it elsewhere. A `cancel` from the coordinator (its client went away) stops the request, and
+once the backend has stopped generating (waited for at most `cancel_grace` seconds) the node reports
+the tokens used so far in one `inference_complete`, so the coordinator can settle the partial work.
+That report is the only frame sent for the request after the cancel; every other frame for it is
+dropped, including any already queued for the writer. Logs carry request ids and token counts,
+never prompt or completion text.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+from dataclasses import dataclass, field
+from typing import Any, AsyncIterator
+
+from darkbloom.wire import crypto
+from darkbloom.wire import protocol
+from darkbloom.provider.backends import Backend, BackendError
+from darkbloom.provider.backends.base import UsageMeter, chunk_usage, is_usage_chunk
+from darkbloom.provider.config import ProviderConfig
+from darkbloom.provider.outbox import Outbox
+from darkbloom.provider.slots import Slots
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(eq=False)
+class Job:
+    request_id: str
+    outbox: Outbox = field(repr=False)  # the connection the request came on
+    meter: UsageMeter = field(default_factory=UsageMeter, repr=False)  # the backend's counts so far
+    task: asyncio.Task[None] | None = field(default=None, repr=False)
+    settling: asyncio.Task[None] | None = field(default=None, repr=False)  # after a cancel: the usage report
+    cancelled: bool = False  # once set, nothing more is sent for this request but the usage report on cancel
+
+
+class FleetRequests:
+    cancel_grace = 5.0  # after a cancel, how long to wait for the backend to stop before reporting usage
+
+    def __init__(self, config: ProviderConfig, backend: Backend, slots: Slots) -> None:
+        self.config = config
+        self.backend = backend
+        self.slots = slots
+        self.identity: crypto.NodeIdentity | None = None  # set by the node before it connects
+        self.jobs: dict[str, Job] = {}
+
+    def accept(self, frame: protocol.InferenceRequest, outbox: Outbox) -> None:
+        request_id = frame.request_id
+        if request_id in self.jobs:
+            log.warning("request %s is already running; duplicate ignored", request_id)
+            return
+        if not self.slots.try_acquire():
+            log.info("request %s refused: at max_concurrency %d", request_id, self.config.max_concurrency)
+            outbox.send(protocol.InferenceError(
+                request_id=request_id, status_code=429,
+                message=f"this node is busy (max_concurrency {self.config.max_concurrency}); retry elsewhere"))
+            return
+        job = Job(request_id, outbox)
+        self.jobs[request_id] = job
+        job.task = asyncio.create_task(self._serve(job, frame), name=f"request-{request_id}")
+
+    def cancel(self, request_id: str) -> None:
+        job = self.jobs.get(request_id)
+        if job is not None and job.task is not None and not job.cancelled:
+            log.info("request %s cancelled by the coordinator", request_id)
+            job.cancelled = True
+            job.task.cancel()
+            job.settling = asyncio.create_task(self._settle_cancelled(job), name=f"settle-{request_id}")
+
+    async def cancel_all(self) -> None:
+        """The connection is gone: stop every request, usage reports included (nowhere to send them)."""
+        jobs = list(self.jobs.values())
+        tasks = [task for job in jobs for task in (job.task, job.settling) if task is not None]
+        for job in jobs:
+            job.cancelled = True
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        for job in jobs:  # a task cancelled before it ever ran did not free its slot
+            self._free(job)
+
+    async def _settle_cancelled(self, job: Job) -> None:
+        """After the coordinator's cancel: let the request task end, wait (bounded) for the backend to
+        stop generating, then report the tokens used so far. The job keeps its slot until then."""
+        assert job.task is not None
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.cancel_grace
+        try:
+            await asyncio.wait({job.task}, timeout=self.cancel_grace)
+            stopped = job.task.done() and await job.meter.stopped(max(0.0, deadline - loop.time()))
+            if not stopped:
+                log.warning("request %s: the backend did not stop within %.0f s; reporting the usage so far",
+                            job.request_id, self.cancel_grace)
+            usage = protocol.Usage(prompt_tokens=job.meter.prompt_tokens,
+                                   completion_tokens=job.meter.completion_tokens)
+            # Queued without its job, so the writer sends it although the job is cancelled; dropped if
+            # the connection the cancel came on is gone.
+            job.outbox.send(protocol.InferenceComplete(request_id=job.request_id, usage=usage))
+            log.info("request %s cancelled after %d prompt + %d completion tokens", job.request_id,
+                     usage.prompt_tokens, usage.completion_tokens)
+        finally:
+            self._free(job)
+
+    async def _serve(self, job: Job, frame: protocol.InferenceRequest) -> None:
+        request_id = job.request_id
+        try:
+            body, sealer = self._open_request(frame)
+            model_id = body.get("model")
+            if model_id not in self.config.model_ids:
+                raise BackendError(404, f"model {model_id!r} is not served by this node")
+            job.outbox.send(protocol.InferenceAccepted(request_id=request_id), job)
+            log.info("request %s accepted for %s", request_id, model_id)
+            usage = await self._relay(job, sealer, self.backend.stream_chat(model_id, body, job.meter))
+            job.outbox.send(protocol.InferenceComplete(request_id=request_id, usage=usage), job)
+            log.info("request %s complete: %d prompt + %d completion tokens", request_id,
+                     usage.prompt_tokens, usage.completion_tokens)
+        except BackendError as exc:
+            log.warning("request %s failed with status %d", request_id, exc.status_code)
+            # inference_error is not sealed: backends put only sentences of their own in exc.message,
+            # never prompt or completion text, nor an upstream's or a library's free-text error.
+            job.outbox.send(protocol.InferenceError(request_id=request_id, status_code=exc.status_code,
+                                                    message=exc.message), job)
+        except asyncio.CancelledError:
+            job.cancelled = True
+            log.info("request %s stopped", request_id)
+            raise
+        except Exception:
+            log.exception("request %s failed", request_id)
+            job.outbox.send(protocol.InferenceError(request_id=request_id, status_code=500,
+                                                    message="the provider failed while serving this request"),
+                            job)
+        finally:
+            if job.settling is None:  # else the settle frees the slot
+                self._free(job)
+
+    def _open_request(self, frame: protocol.InferenceRequest) -> tuple[dict[str, Any], crypto.Sealer]:
+        """The plaintext OpenAI body, and a sealer to the request's ephemeral key for every reply chunk."""
+        assert self.identity is not None
+        try:
+            plaintext = crypto.open_envelope(frame.encrypted_body, self.identity.encryption_key)
+            sealer = crypto.Sealer(crypto.public_key_from_b64(frame.encrypted_body.ephemeral_public_key))
+        except crypto.DecryptionError:
+            raise BackendError(400, "the request body does not open with this node's key") from None
+        try:
+            body = json.loads(plaintext)
+        except ValueError:
+            body = None
+        if not isinstance(body, dict):
+            raise BackendError(400, "the request body must be a JSON object")
+        return body, sealer
+
+    async def _relay(self, job: Job, sealer: crypto.Sealer,
+                     stream: AsyncIterator[dict[str, Any]]) -> protocol.Usage:
+        """Seal and send every content chunk; return the usage from the final chunk."""
+        usage: protocol.Usage | None = None
+        try:
+            async for chunk in stream:
+                if is_usage_chunk(chunk):
+                    usage = chunk_usage(chunk)
+                    continue
+                sealed = sealer.seal(json.dumps(chunk, separators=(",", ":")).encode())
+                job.outbox.send(protocol.InferenceResponseChunk(request_id=job.request_id, encrypted_data=sealed),
+                                job)
+        finally:
+            aclose = getattr(stream, "aclose", None)
+            if aclose is not None:
+                await aclose()  # stops generation when we leave early (cancel, error)
+        if usage is None:
+            raise BackendError(502, "the backend finished without reporting token usage")
+        return usage
+
+    def _free(self, job: Job) -> None:
+        """The job is over: forget it and hand its slot back (once, however many paths get here)."""
+        if self.jobs.get(job.request_id) is job:
+            del self.jobs[job.request_id]
+            self.slots.release()

@@ -1,0 +1,44 @@
+"""The caller's view of an answer: our completion id, the model id they asked for, OpenAI's usage
+object, and the non-streaming ``chat.completion`` assembled from chunks. Used by the coordinator's
+relay and by the node's direct mode alike."""
+
+from __future__ import annotations
+
+import time
+from typing import Any, Protocol
+
+from darkbloom.wire.openai.chunks import MessageBuilder
+
+
+class TokenCounts(Protocol):
+    prompt_tokens: int
+    completion_tokens: int
+
+
+def usage_dict(usage: TokenCounts) -> dict[str, int]:
+    return {"prompt_tokens": usage.prompt_tokens, "completion_tokens": usage.completion_tokens,
+            "total_tokens": usage.prompt_tokens + usage.completion_tokens}
+
+
+class ChunkShaper:
+    """Rewrites backend chunks into the caller's view: our completion id, the model they asked for."""
+
+    def __init__(self, request_id: str, model: str) -> None:
+        self.request_id = request_id
+        self.model = model
+        self.created = int(time.time())
+
+    def chunk(self, data: dict[str, Any]) -> dict[str, Any]:
+        data["id"] = self.request_id
+        data["model"] = self.model
+        data["object"] = "chat.completion.chunk"
+        data.setdefault("created", self.created)
+        return data
+
+    def usage_chunk(self, usage: TokenCounts) -> dict[str, Any]:
+        return {"id": self.request_id, "object": "chat.completion.chunk", "created": self.created,
+                "model": self.model, "choices": [], "usage": usage_dict(usage)}
+
+    def completion(self, message: MessageBuilder, usage: TokenCounts) -> dict[str, Any]:
+        return {"id": self.request_id, "object": "chat.completion", "created": self.created,
+                "model": self.model, "choices": [message.choice()], "usage": usage_dict(usage)}

@@ -1,0 +1,205 @@
+"""The request lifecycle gives back exactly what a request did not use, on every end: refused,
+success, failure before first content, failure after it, client disconnect, cancellation.
+
+Each test takes real rate charges (a memory limiter with key RPM/ITPM/OTPM limits), a real
+reservation on the test database and a real slot on a simulated provider session, then ends the
+request one way and checks the buckets, the ledger and the slot.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections import Counter
+from typing import Any, Sequence
+
+import pytest
+from sqlalchemy import select
+
+from darkbloom.coordinator.http.auth import Caller
+from darkbloom.coordinator.http.disconnect import ClientDisconnected
+from darkbloom.coordinator.inference import relay
+from darkbloom.coordinator.inference.attempts import Attempts
+from darkbloom.coordinator.inference.lifecycle import RequestLifecycle
+from darkbloom.coordinator.money.admission import request_charges
+from darkbloom.coordinator.money.ratelimit import Charge, Decision, MemoryRateLimiter
+from darkbloom.coordinator.routing.scheduler import try_place
+from darkbloom.coordinator.services import Services
+from darkbloom.store.schema import reservations, usage_records
+from darkbloom.wire.openai.errors import ApiError
+from darkbloom.wire.openai.shaping import ChunkShaper
+from tests.billing.conftest import MakeServices, new_account, new_key, pockets
+from tests.scheduler.sim import MODEL, RUNTIME, SimProvider, chat, decision, fleet
+
+CREDIT = 1_000_000
+PROMPT_BOUND, OUTPUT_BOUND = 400, 64
+
+
+class CountingLimiter(MemoryRateLimiter):
+    """A real memory limiter that also keeps the net amount held per dimension."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.held: Counter[str] = Counter()
+
+    async def acquire(self, charges: Sequence[Charge]) -> Decision:
+        decision_ = await super().acquire(charges)
+        if decision_.allowed:
+            for charge in charges:
+                self.held[charge.bucket.dimension] += charge.amount
+        return decision_
+
+    async def refund(self, charges: Sequence[Charge]) -> None:
+        await super().refund(charges)
+        for charge in charges:
+            self.held[charge.bucket.dimension] -= charge.amount
+
+
+class World:
+    def __init__(self, services: Services, caller: Caller, provider: SimProvider) -> None:
+        self.services, self.caller, self.provider = services, caller, provider
+        self.limiter: CountingLimiter = services.rate_limiter  # type: ignore[assignment]
+
+    def lifecycle(self, request_id: str) -> RequestLifecycle:
+        return RequestLifecycle(self.services, self.caller, request_id)
+
+    async def admit_and_place(self, life: RequestLifecycle) -> Attempts:
+        await life.charge_rates(request_charges(self.services, self.caller))
+        await life.admit(MODEL, PROMPT_BOUND, OUTPUT_BOUND, self_routed=False, reserve=True)
+        placement = try_place(self.services.registry, decision(), self.services.settings)
+        assert placement is not None
+        life.hold(placement.slot)
+        self.first = placement
+        return Attempts(life, decision(), chat(), OUTPUT_BOUND)
+
+    async def reservation_state(self, request_id: str) -> str | None:
+        async with self.services.engine.connect() as conn:
+            return (await conn.execute(select(reservations.c.status)
+                                       .where(reservations.c.request_id == request_id))).scalar()
+
+    async def usage_rows(self, request_id: str) -> list[Any]:
+        async with self.services.engine.connect() as conn:
+            return list((await conn.execute(select(usage_records)
+                                            .where(usage_records.c.request_id == request_id))).mappings())
+
+
+@pytest.fixture
+async def world(make_services: MakeServices) -> World:
+    services = await make_services(min_trust="self_signed", runtime_allow_list=frozenset({RUNTIME}),
+                                   first_content_timeout=5.0, cancel_grace=2.0)
+    services.rate_limiter = CountingLimiter()
+    account = await new_account(services, credit=CREDIT)
+    key = await new_key(services, account, rpm_limit=100, itpm_limit=100_000, otpm_limit=100_000)
+    provider, = fleet(services.registry, 1)
+    return World(services, Caller(account_id=account, kind="api_key", key=key), provider)
+
+
+async def _end(life: RequestLifecycle) -> None:
+    await life.services.drain(timeout=10)
+
+
+async def test_refused_gives_back_every_rate_charge(world: World) -> None:
+    life = world.lifecycle("req-refused")
+    with pytest.raises(ApiError):
+        async with life:
+            await life.charge_rates(request_charges(world.services, world.caller))
+            assert world.limiter.held["requests"] == 1
+            raise ApiError(400, "invalid_request_error", "bad body")
+    assert world.limiter.held == Counter({"requests": 0})
+    assert await world.reservation_state("req-refused") is None
+
+
+async def test_success_settles_and_frees_the_slot(world: World) -> None:
+    life = world.lifecycle("req-ok")
+    async with life:
+        attempts = await world.admit_and_place(life)
+        run = asyncio.ensure_future(attempts.run(world.first))
+        await world.provider.next_request()
+        world.provider.reply("req-ok")
+        world.provider.complete("req-ok")  # 3 prompt + 1 completion tokens
+        pending, completed = await run
+        await relay.collect(pending, completed, ChunkShaper("req-ok", MODEL.id))
+        assert world.provider.session.active == 1
+    assert world.provider.session.active == 0
+    assert await world.reservation_state("req-ok") == "settled"
+    rows = await world.usage_rows("req-ok")
+    assert len(rows) == 1 and rows[0]["prompt_tokens"] == 3 and rows[0]["cost_micro_usd"] > 0
+    assert world.limiter.held == Counter({"requests": 1, "input_tokens": 3, "output_tokens": 1})
+    balance, _ = await pockets(world.services, world.caller.account_id)
+    assert balance == CREDIT - rows[0]["cost_micro_usd"]
+
+
+async def test_failure_before_first_content_refunds_and_keeps_the_rpm_charge(world: World) -> None:
+    life = world.lifecycle("req-unserved")
+    with pytest.raises(relay.ProviderFailure):
+        async with life:
+            attempts = await world.admit_and_place(life)
+            run = asyncio.ensure_future(attempts.run(world.first))
+            await world.provider.next_request()
+            world.provider.error("req-unserved", 400, "bad request")  # not retryable
+            await run
+    assert world.provider.session.active == 0
+    assert await world.reservation_state("req-unserved") == "refunded"
+    assert await world.usage_rows("req-unserved") == []
+    assert world.limiter.held == Counter({"requests": 1, "input_tokens": 0, "output_tokens": 0})
+    assert (await pockets(world.services, world.caller.account_id))[0] == CREDIT
+
+
+async def test_failure_after_first_content_refunds_the_reservation(world: World) -> None:
+    life = world.lifecycle("req-broke")
+    with pytest.raises(relay.ProviderFailure):
+        async with life:
+            attempts = await world.admit_and_place(life)
+            run = asyncio.ensure_future(attempts.run(world.first))
+            await world.provider.next_request()
+            world.provider.reply("req-broke")
+            pending, completed = await run
+            world.provider.error("req-broke", 500, "crashed")
+            await relay.collect(pending, completed, ChunkShaper("req-broke", MODEL.id))
+    assert world.provider.session.active == 0
+    assert await world.reservation_state("req-broke") == "refunded"
+    assert await world.usage_rows("req-broke") == []
+    assert world.limiter.held == Counter({"requests": 1, "input_tokens": 0, "output_tokens": 0})
+
+
+async def test_client_disconnect_after_first_content_stops_the_provider_and_charges_its_usage(
+        world: World) -> None:
+    life = world.lifecycle("req-gone")
+    with pytest.raises(ClientDisconnected):
+        async with life:
+            attempts = await world.admit_and_place(life)
+            run = asyncio.ensure_future(attempts.run(world.first))
+            await world.provider.next_request()
+            world.provider.reply("req-gone")
+            await run
+            raise ClientDisconnected()
+    cancel = await world.provider.next_frame()  # the lifecycle told the provider to stop …
+    assert type(cancel).__name__ == "Cancel" and cancel.request_id == "req-gone"
+    world.provider.complete("req-gone")  # … and it reports what it used
+    await _end(life)
+    assert world.provider.session.active == 0
+    assert await world.reservation_state("req-gone") == "settled"
+    assert len(await world.usage_rows("req-gone")) == 1
+
+
+async def test_cancellation_before_first_content_releases_every_attempt(world: World) -> None:
+    life = world.lifecycle("req-cancelled")
+    second, = fleet(world.services.registry, 1)
+
+    async def request() -> None:
+        async with life:
+            attempts = await world.admit_and_place(life)
+            await attempts.run(world.first)
+
+    task = asyncio.ensure_future(request())
+    while not (world.provider.requests() or second.requests()):  # bounded by the test timeout
+        await asyncio.sleep(0.01)
+    primary = world.provider if world.provider.requests() else second
+    assert world.first.session is primary.session
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    await _end(life)
+    assert world.provider.session.active == second.session.active == 0
+    assert primary.cancels() == ["req-cancelled"]
+    assert await world.reservation_state("req-cancelled") == "refunded"
+    assert world.limiter.held == Counter({"requests": 1, "input_tokens": 0, "output_tokens": 0})
