@@ -19,7 +19,7 @@ from darkbloom.wire.crypto import NodeIdentity, b64d
 from darkbloom.wire.protocol import AttestationChallenge, AttestationResponse, TrustStatus, dump
 from darkbloom.wire.runtime import runtime_hash
 from tests.support.raw_provider import RawProvider
-from tests.trust.conftest import LiveCoordinator, create_account, enroll, link_device, machine
+from tests.coordinator.fleet.conftest import LiveCoordinator, create_account, enroll, link_device, machine
 
 pytestmark = pytest.mark.e2e
 

@@ -27,8 +27,8 @@ from darkbloom.coordinator.services import Services
 from darkbloom.store.schema import reservations, usage_records
 from darkbloom.wire.openai.errors import ApiError
 from darkbloom.wire.openai.shaping import ChunkShaper
-from tests.billing.conftest import MakeServices, new_account, new_key, pockets
-from tests.scheduler.sim import MODEL, RUNTIME, SimProvider, chat, decision, fleet
+from tests.coordinator.money.conftest import MakeServices, make_services, new_account, new_key, pockets  # noqa: F401 (fixture)
+from tests.coordinator.routing.sim import MODEL, RUNTIME, SimProvider, chat, decision, fleet
 
 CREDIT = 1_000_000
 PROMPT_BOUND, OUTPUT_BOUND = 400, 64

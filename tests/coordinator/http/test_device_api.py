@@ -6,7 +6,7 @@ import re
 
 import pytest
 
-from tests.coordinator.conftest import Account, Api, assert_error, bearer
+from tests.coordinator.http.conftest import Account, Api, assert_error, bearer
 
 USER_CODE = re.compile(r"^[ABCDEFGHJKMNPQRSTUVWXYZ23456789]{4}-[ABCDEFGHJKMNPQRSTUVWXYZ23456789]{4}$")
 

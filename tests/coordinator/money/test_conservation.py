@@ -26,7 +26,7 @@ from darkbloom.store.schema import PLATFORM_ACCOUNT_ID
 
 from tests.support.processes import start_fixed_upstream
 from tests.support.databases import database_for
-from tests.billing.stack import (billing_coordinator, credit, link_token, money_snapshot, new_key,
+from tests.coordinator.money.stack import (billing_coordinator, credit, link_token, money_snapshot, new_key,
                                  node_home, read_db, signup, start_serve, wait_registered,
                                  wait_settled, write_catalog)
 from tests.support.accounts import Account

@@ -15,7 +15,7 @@ from darkbloom.coordinator.services import Services
 from darkbloom.wire.protocol import Usage
 from darkbloom.store.schema import key_spend, ledger_entries, reservations
 
-from tests.billing.conftest import PRICED, counts, ledger_for, new_account, new_key, pockets, rows
+from tests.coordinator.money.conftest import PRICED, counts, ledger_for, new_account, new_key, pockets, rows
 from tests.support.store_queries import key_window_spend
 from tests.support.money import settle_paid
 

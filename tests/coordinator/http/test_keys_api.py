@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.coordinator.conftest import Account, Api, assert_error, bearer
+from tests.coordinator.http.conftest import Account, Api, assert_error, bearer
 
 
 def test_create_shows_the_secret_once(api: Api) -> None:

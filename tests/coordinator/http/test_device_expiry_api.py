@@ -7,7 +7,7 @@ from typing import Iterator
 
 import pytest
 
-from tests.coordinator.conftest import Api, assert_error
+from tests.coordinator.http.conftest import Api, assert_error
 from tests.support.processes import start_coordinator
 
 

@@ -14,7 +14,7 @@ from darkbloom.wire.catalog import CatalogModel
 from darkbloom.coordinator.fleet.registry import Registry
 from darkbloom.coordinator.routing.gates import GATES, PRIVACY_GATES, first_failed_gate
 from darkbloom.coordinator.routing.scheduler import candidates, choose, routable_public, survey, try_place
-from tests.scheduler.sim import MODEL, SimProvider, decision, fleet, settings
+from tests.coordinator.routing.sim import MODEL, SimProvider, decision, fleet, settings
 
 OWNER = "acct_owner"
 OTHER = "acct_other"

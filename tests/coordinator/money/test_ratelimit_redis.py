@@ -20,7 +20,7 @@ from darkbloom.coordinator.money.ratelimit import (
     RateLimiterUnavailable,
     RedisRateLimiter,
 )
-from tests.coordinator.test_ratelimit import REDIS_URL, redis_prefix
+from tests.coordinator.money.test_ratelimit import REDIS_URL, redis_prefix
 
 LIMIT = 50
 

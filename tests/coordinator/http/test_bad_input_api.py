@@ -8,7 +8,7 @@ from typing import Iterator
 import httpx
 import pytest
 
-from tests.coordinator.conftest import Account, Api, assert_error, bearer
+from tests.coordinator.http.conftest import Account, Api, assert_error, bearer
 
 EIGHT_MIB = 8 * 1024 * 1024
 HELLO = [{"role": "user", "content": "hello"}]

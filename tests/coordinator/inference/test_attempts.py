@@ -18,7 +18,7 @@ from darkbloom.coordinator.inference.relay import ProviderFailure
 from darkbloom.coordinator.fleet.pending import PendingRequest
 from darkbloom.coordinator.routing.scheduler import try_place
 from darkbloom.coordinator.routing.decision import RouteDecision
-from tests.scheduler.sim import SimProvider, chat, decision, end_as_gone, fleet, lifecycle, services, settings
+from tests.coordinator.routing.sim import SimProvider, chat, decision, end_as_gone, fleet, lifecycle, services, settings
 
 REQUEST_ID = "chatcmpl-sim"
 OWNER = "acct_owner"

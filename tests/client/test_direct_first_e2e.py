@@ -20,7 +20,7 @@ import pytest
 
 from darkbloom.client import async_direct_first_openai, direct_first_openai
 from darkbloom.wire.local_files import Discovery, write_discovery
-from tests.direct.support import (MODEL, SHORT, balance, docs_snippet, run_chat, run_python, usage_rows,
+from tests.provider.direct.support import (MODEL, SHORT, balance, docs_snippet, run_chat, run_python, usage_rows,
                                   wait_discovery)
 from tests.support.accounts import Account, create_account, login_node, online_sessions
 from tests.support.processes import Coordinator, Process, free_port, node_cmd, spawn, start_coordinator, wait_until

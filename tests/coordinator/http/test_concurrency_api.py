@@ -8,7 +8,7 @@ from collections import Counter
 
 import httpx
 
-from tests.coordinator.conftest import Api, bearer, unique_email
+from tests.coordinator.http.conftest import Api, bearer, unique_email
 
 PARALLEL = 8
 

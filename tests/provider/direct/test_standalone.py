@@ -13,7 +13,7 @@ import pytest
 
 from darkbloom.client import direct_first_openai
 from darkbloom.provider.config import default_toml
-from tests.direct.support import MODEL, SHORT, docs_snippet, run_chat, run_python, wait_discovery
+from tests.provider.direct.support import MODEL, SHORT, docs_snippet, run_chat, run_python, wait_discovery
 from tests.support.processes import _env, darkbloom_cmd, free_port
 
 pytestmark = pytest.mark.e2e

@@ -6,7 +6,7 @@ import uuid
 
 import pytest
 
-from tests.coordinator.conftest import Account, Api, assert_error, bearer
+from tests.coordinator.http.conftest import Account, Api, assert_error, bearer
 
 
 def _balance(api: Api, token: str) -> int:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from prometheus_client.parser import text_string_to_metric_families
 
-from tests.coordinator.conftest import Api
+from tests.coordinator.http.conftest import Api
 
 
 def test_health(api: Api) -> None:

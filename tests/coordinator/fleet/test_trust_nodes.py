@@ -14,7 +14,7 @@ import pytest
 
 from tests.support.accounts import create_account, login_node, start_node
 from tests.support.processes import Coordinator, start_coordinator, wait_until
-from tests.trust.conftest import enroll, machines
+from tests.coordinator.fleet.conftest import enroll, machines
 
 pytestmark = pytest.mark.e2e
 

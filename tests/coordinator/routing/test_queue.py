@@ -15,7 +15,7 @@ from darkbloom.coordinator.routing.queue import NoEligibleSession, QueueRefused,
 from darkbloom.coordinator.fleet.registry import Registry
 from darkbloom.coordinator.routing.scheduler import Placement
 from darkbloom.coordinator.routing.decision import RouteDecision
-from tests.scheduler.sim import MODEL, SimProvider, decision, fleet, settings
+from tests.coordinator.routing.sim import MODEL, SimProvider, decision, fleet, settings
 
 OWNER = "acct_owner"
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.coordinator.conftest import Api, assert_error, bearer, unique_email
+from tests.coordinator.http.conftest import Api, assert_error, bearer, unique_email
 
 
 def test_signup_returns_account_and_session(api: Api) -> None:
