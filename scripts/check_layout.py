@@ -3,7 +3,17 @@
 - no import cycle between modules (imports under ``if TYPE_CHECKING:`` do not count);
 - the coordinator and the provider never import each other (both import ``darkbloom.wire``);
 - no module over MAX_LINES lines;
-- production code reads no ``DARKBLOOM_TEST_*`` variable (test hooks live under tests/).
+- production code reads no ``DARKBLOOM_TEST_*`` variable (test hooks live under tests/);
+- every module (``__init__.py`` and migrations aside) has its line in the source tree that opens
+  docs/architecture.md, and every ``.py`` that tree names exists.
+
+The tree is the first fenced code block of docs/architecture.md. Each line is one entry, indented
+two spaces per level under the folder it belongs to (a name ending in ``/``), then a ``#`` and what
+the entry is for; a line that starts with ``#`` after its indent continues the description above.
+The root entry is ``src/darkbloom/``, so ``lifecycle.py`` indented six spaces, below
+``    inference/`` below ``  coordinator/``, names src/darkbloom/coordinator/inference/lifecycle.py.
+Adding a module means adding its line there (with its one job); renaming or deleting one means
+changing or removing its line.
 
 Exit status 1 with one line per problem.
 """
@@ -18,6 +28,8 @@ ROOT = Path(__file__).resolve().parent.parent / "src"
 PACKAGE = "darkbloom"
 MAX_LINES = 300
 SEPARATE = ("darkbloom.coordinator", "darkbloom.provider")
+ARCHITECTURE = ROOT.parent / "docs" / "architecture.md"
+TREE_INDENT = 2
 
 
 def module_name(path: Path) -> str:
@@ -90,6 +102,56 @@ def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
     return found
 
 
+def documented_tree(text: str) -> tuple[dict[str, str], list[str]]:
+    """The entries of the first fenced block of ``text`` (path from the repository root → its
+    description), and the problems found reading it."""
+    lines = text.splitlines()
+    fences = [number for number, line in enumerate(lines) if line.lstrip().startswith("```")]
+    if len(fences) < 2:
+        return {}, ["docs/architecture.md: no source tree (it must open with a fenced block of src/darkbloom/)"]
+    entries: dict[str, str] = {}
+    problems: list[str] = []
+    folders: list[str] = []  # folders[d] is the path of the open folder at depth d
+    for number in range(fences[0] + 1, fences[1]):
+        line = lines[number].rstrip()
+        body = line.lstrip(" ")
+        if not body or body.startswith("#"):
+            continue  # blank, or the description above continues
+        indent = len(line) - len(body)
+        where = f"docs/architecture.md:{number + 1}"
+        if indent % TREE_INDENT or indent // TREE_INDENT > len(folders):
+            problems.append(f"{where}: '{body.split()[0]}' is not indented {TREE_INDENT} spaces under a folder")
+            continue
+        depth = indent // TREE_INDENT
+        name, _, description = body.partition(" ")
+        path = (folders[depth - 1] if depth else "") + name
+        del folders[depth:]
+        if name.endswith("/"):
+            folders.append(path)
+        entries[path] = description.strip().removeprefix("#").strip()
+    return entries, problems
+
+
+def tree_problems(paths: list[Path], text: str) -> list[str]:
+    """Every module has a described line in the tree; every .py the tree names exists."""
+    entries, problems = documented_tree(text)
+    repository = ROOT.parent
+    for path in paths:
+        name = path.relative_to(repository).as_posix()
+        if path.name == "__init__.py":
+            continue
+        if name not in entries:
+            problems.append(f"{path.relative_to(ROOT)}: no line in the tree of docs/architecture.md "
+                            "(add one saying its one job)")
+        elif not entries[name]:
+            problems.append(f"{path.relative_to(ROOT)}: its line in docs/architecture.md says nothing "
+                            "(add '# its one job')")
+    for name in sorted(entries):
+        if name.endswith(".py") and not (repository / name).is_file():
+            problems.append(f"docs/architecture.md names {name}, which does not exist (update the tree)")
+    return problems
+
+
 def main() -> int:
     paths = sorted(p for p in (ROOT / PACKAGE).rglob("*.py") if "migrations" not in p.parts)
     modules = {module_name(p) for p in paths}
@@ -112,10 +174,12 @@ def main() -> int:
                         problems.append(f"{name} imports {target}: {mine} and {theirs} never import each other")
     for component in cycles(graph):
         problems.append("import cycle: " + " → ".join(component))
+    problems += tree_problems(paths, ARCHITECTURE.read_text() if ARCHITECTURE.is_file() else "")
     for problem in problems:
         print(problem)
     if not problems:
-        print(f"layout ok: {len(modules)} modules, no import cycle, none over {MAX_LINES} lines")
+        print(f"layout ok: {len(modules)} modules, no import cycle, none over {MAX_LINES} lines, "
+              "each in the tree of docs/architecture.md")
     return 1 if problems else 0
 
 
