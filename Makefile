@@ -4,15 +4,16 @@ PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed-stamp
 PYTEST_ARGS ?=
 
-.PHONY: install chromium demo test services layout bench clean
+.PHONY: install chromium wrk demo test services layout bench clean
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || python3 -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip wheel
-	$(PY) -m pip install -q -e '.[test]'
+	@echo "Installing darkbloom and its test/bench extras into $(VENV) (first run: a few minutes)…"
+	$(PY) -m pip install -q -e '.[test,bench]'
 	touch $(STAMP)
 
-install: $(STAMP) chromium
+install: $(STAMP) chromium tshark
 
 # The console's browser tests drive Debian's Chromium (never a browser Playwright downloads).
 CHROMIUM_HINT := Chromium is missing (/usr/bin/chromium): the console browser tests (tests/console) need it. Install it with 'sudo apt-get install -y chromium', or point DARKBLOOM_TEST_CHROMIUM at a Chromium binary.
@@ -23,6 +24,19 @@ chromium:
 	elif command -v sudo >/dev/null 2>&1; then \
 		sudo apt-get install -y chromium || { sudo apt-get update && sudo apt-get install -y chromium; } || echo "$(CHROMIUM_HINT)"; \
 	else echo "$(CHROMIUM_HINT)"; fi
+
+# tests/reliability/test_capture.py captures the coordinator's port on loopback with Debian's tshark;
+# noninteractive answers wireshark-common's debconf question (setuid dumpcap) with its default, no.
+TSHARK_HINT := tshark is missing (/usr/bin/tshark): the capture test (tests/reliability/test_capture.py) skips without it. Install it with 'sudo DEBIAN_FRONTEND=noninteractive apt-get install -y tshark' (capturing needs root or CAP_NET_RAW).
+tshark:
+	@if command -v tshark >/dev/null 2>&1; then :; \
+	elif [ "$$(id -u)" = 0 ]; then \
+		echo "Installing tshark (apt-get)…"; \
+		DEBIAN_FRONTEND=noninteractive apt-get install -y -q tshark || { apt-get update -q && DEBIAN_FRONTEND=noninteractive apt-get install -y -q tshark; } || echo "$(TSHARK_HINT)"; \
+	elif command -v sudo >/dev/null 2>&1; then \
+		echo "Installing tshark (sudo apt-get)…"; \
+		sudo DEBIAN_FRONTEND=noninteractive apt-get install -y tshark || { sudo apt-get update && sudo DEBIAN_FRONTEND=noninteractive apt-get install -y tshark; } || echo "$(TSHARK_HINT)"; \
+	else echo "$(TSHARK_HINT)"; fi
 
 demo: $(STAMP)
 	$(VENV)/bin/darkbloom demo
@@ -37,8 +51,23 @@ layout:
 test: install services layout
 	$(PY) -m pytest -q $(PYTEST_ARGS)
 
-bench: install
-	$(PY) bench/relay_overhead.py
+# bench/relay_overhead.py drives every path with Debian's wrk (a Python load generator saturates
+# long before the relay does); py-spy, for its profiles, comes from the bench extra (pip).
+WRK_HINT := wrk is missing (/usr/bin/wrk): bench/relay_overhead.py needs it. Install it with 'sudo apt-get install -y wrk'.
+wrk:
+	@if command -v wrk >/dev/null 2>&1; then :; \
+	elif [ "$$(id -u)" = 0 ]; then \
+		echo "Installing wrk (apt-get)…"; \
+		DEBIAN_FRONTEND=noninteractive apt-get install -y -q wrk || { apt-get update -q && DEBIAN_FRONTEND=noninteractive apt-get install -y -q wrk; } || echo "$(WRK_HINT)"; \
+	elif command -v sudo >/dev/null 2>&1; then \
+		echo "Installing wrk (sudo apt-get)…"; \
+		sudo apt-get install -y wrk || { sudo apt-get update && sudo apt-get install -y wrk; } || echo "$(WRK_HINT)"; \
+	else echo "$(WRK_HINT)"; fi
+
+BENCH_ARGS ?=
+bench: $(STAMP) wrk
+	@echo "Running bench/relay_overhead.py: upstream, coordinator and node on 127.0.0.1, wrk on every path (several minutes)…"
+	$(PY) bench/relay_overhead.py $(BENCH_ARGS)
 
 clean:
 	rm -rf $(VENV) build src/*.egg-info .pytest_cache

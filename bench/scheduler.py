@@ -1,17 +1,20 @@
-"""Selection time of the scheduler with 10, 1,000 and 100,000 registered simulated sessions.
+"""Selection time of the scheduler with 10 to 100,000 registered simulated sessions of one model.
 
-Two requests, both through the real code path (`scheduler.try_place`: candidates → the gates in
-order → free slot → lowest expected wait → claim):
+Requests through the real code path (`scheduler.try_place`: the request's view of sessions with a
+free slot, in expected-wait order → the gates on the sessions reached → claim, which moves the
+session within its views):
 - public: a request for the model every session serves, so every session is a candidate;
+- public, distinct speeds: the same with every session's measured decode speed different (as real
+  EWMAs are), so no two sessions share a rank;
 - owner-restricted: an exclusive self-route request (`RouteDecision(owner_account_id=…,
-  owned_only=True)`) from an account with 2 sessions. Its candidates come from the registry's
-  per-account index, so its time must not grow with the fleet.
+  owned_only=True)`) from an account with 2 sessions; its time must not grow with the fleet.
 
 Sessions are in-memory `ProviderSession`s (no sockets) sharing one `Register` frame and one X25519
 key, each under its own account, with 4 slots and 0–2 of them busy. Each measured call claims a slot;
-the slot is handed back outside the timed region, so every call sees the same fleet.
+the slot is handed back outside the timed region, so every call sees the same fleet. The first
+public call opens the model's view (one pass over its sessions); it is reported apart as "first".
 
-Run: .venv/bin/python bench/scheduler.py [--sizes 10,1000,100000]
+Run: .venv/bin/python bench/scheduler.py [--sizes 10,100,1000,10000,100000]
 Prints a table; record it in bench/RESULTS.md with the date and machine.
 """
 
@@ -41,9 +44,10 @@ from darkbloom.wire.protocol import ModelInfo, Register  # noqa: E402
 MODEL = CatalogModel(id=BUNDLED_MODEL_ID, input_price=50_000, output_price=200_000)
 RUNTIME = "sha256:" + "ab" * 32
 OWNER = "acct_bench_owner"
+CALLS = 5000
 
 
-def build_fleet(size: int, owned: int = 2, seed: int = 7) -> Registry:
+def build_fleet(size: int, owned: int = 2, seed: int = 7, distinct_speeds: bool = False) -> Registry:
     rng = random.Random(seed)
     key = PrivateKey.generate().public_key
     register = Register(models=[ModelInfo(id=BUNDLED_MODEL_ID)], public_key=b64e(bytes(key)), runtime_hash=RUNTIME,
@@ -57,7 +61,7 @@ def build_fleet(size: int, owned: int = 2, seed: int = 7) -> Registry:
         session.online = True
         session.runtime_verified = True
         session.challenge_passed_at = now
-        session.decode_tps = rng.choice([0.0, 20.0, 40.0, 80.0])
+        session.decode_tps = rng.uniform(5.0, 90.0) if distinct_speeds else rng.choice([0.0, 20.0, 40.0, 80.0])
         registry.add(session)
         for _ in range(rng.randint(0, 2)):
             registry.slots.claim(session)  # busy work already on it
@@ -88,15 +92,9 @@ def percentile(values: list[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, int(round(q * (len(ordered) - 1))))]
 
 
-def iterations_for(size: int, owner_restricted: bool) -> int:
-    if owner_restricted:
-        return 5000
-    return max(30, min(5000, 2_000_000 // max(size, 1)))
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--sizes", default="10,1000,100000", help="comma-separated fleet sizes")
+    parser.add_argument("--sizes", default="10,100,1000,10000,100000", help="comma-separated fleet sizes")
     args = parser.parse_args()
     sizes = [int(s) for s in args.sizes.split(",")]
     config = settings()
@@ -104,19 +102,23 @@ def main() -> None:
     owner_restricted = RouteDecision(model=MODEL, owner_account_id=OWNER, owned_only=True)
     print(f"# scheduler selection time, {platform.machine()}, {platform.python_implementation()} "
           f"{platform.python_version()}")
-    print("| sessions | request | calls | p50 µs | p99 µs |")
-    print("|---|---|---|---|---|")
+    print("| sessions | request | calls | first µs | p50 µs | p99 µs |")
+    print("|---|---|---|---|---|---|")
     owner_p50: dict[int, float] = {}
+    rows = (("public", public, False), ("public, distinct speeds", public, True),
+            ("owner-restricted (2 owned)", owner_restricted, False))
     for size in sizes:
-        registry = build_fleet(size)
-        for name, decision in (("public", public), ("owner-restricted (2 owned)", owner_restricted)):
-            restricted = decision is owner_restricted
-            calls = iterations_for(size, restricted)
-            time_selection(registry, decision, config, min(calls, 20))  # warm-up
-            samples = time_selection(registry, decision, config, calls)
-            if restricted:
+        fleets: dict[bool, Registry] = {}
+        for name, decision, distinct in rows:
+            if distinct not in fleets:
+                fleets[distinct] = build_fleet(size, distinct_speeds=distinct)
+            registry = fleets[distinct]
+            first = time_selection(registry, decision, config, 1)[0]
+            time_selection(registry, decision, config, 20)  # warm-up
+            samples = time_selection(registry, decision, config, CALLS)
+            if decision is owner_restricted:
                 owner_p50[size] = percentile(samples, 0.5)
-            print(f"| {size:,} | {name} | {calls} | {percentile(samples, 0.5):,.1f} | "
+            print(f"| {size:,} | {name} | {CALLS} | {first:,.1f} | {percentile(samples, 0.5):,.1f} | "
                   f"{percentile(samples, 0.99):,.1f} |", flush=True)
     smallest, largest = min(owner_p50), max(owner_p50)
     ratio = owner_p50[largest] / owner_p50[smallest]

@@ -30,8 +30,17 @@ def test_non_streaming_answer_has_real_usage(stack: Stack) -> None:
     assert raw.headers["x-provider-id"].startswith("prov_")
 
 
-def test_streaming_answer_assembles_from_chunks(stack: Stack) -> None:
+def test_streaming_without_include_usage_has_choices_in_every_chunk(stack: Stack) -> None:
+    """The classic loop ``c.choices[0].delta.content`` works: no final ``choices: []`` chunk unless asked."""
     stream = client(stack).chat.completions.create(model=MODEL, messages=PROMPT, max_tokens=16, stream=True)
+    chunks = list(stream)
+    assert "".join(c.choices[0].delta.content or "" for c in chunks).strip()
+    assert all(c.usage is None for c in chunks)
+
+
+def test_streaming_answer_assembles_from_chunks(stack: Stack) -> None:
+    stream = client(stack).chat.completions.create(model=MODEL, messages=PROMPT, max_tokens=16, stream=True,
+                                                   stream_options={"include_usage": True})
     chunks = list(stream)
     text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
     assert text.strip()

@@ -50,7 +50,7 @@ def test_sealed_request_and_sealed_answer(stack: Stack) -> None:
 
 
 def test_sealed_stream_seals_every_event(stack: Stack) -> None:
-    envelope, box = _seal(stack, {**BODY, "stream": True})
+    envelope, box = _seal(stack, {**BODY, "stream": True, "stream_options": {"include_usage": True}})
     response = _post(stack, envelope, {"X-Darkbloom-Route": "self"})
     assert response.status_code == 200, response.text
     assert response.headers["x-darkbloom-routed"] == "owned"

@@ -233,3 +233,48 @@ async def test_meter_after_an_early_close(usage_per_chunk: bool) -> None:
     assert upstream_stream.closed
     expected = (21, 6) if usage_per_chunk else (_estimate_prompt_tokens(HELLO), 3)
     assert (meter.prompt_tokens, meter.completion_tokens) == expected
+
+
+# One pool of keep-alive connections for the backend's lifetime: a real HTTP/1.1 server that counts them.
+
+async def _counting_upstream(connections: list[int]) -> asyncio.AbstractServer:
+    events = [_chunk("Hel"), _chunk("lo", "stop"), "[DONE]"]
+    body = b"".join(events_as_bytes(events))
+
+    async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        connections.append(1)
+        try:
+            while True:
+                head = await reader.readuntil(b"\r\n\r\n")
+                length = next(int(line.split(b":")[1]) for line in head.split(b"\r\n")
+                              if line.lower().startswith(b"content-length:"))
+                await reader.readexactly(length)
+                writer.write(b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ntransfer-encoding: chunked\r\n\r\n")
+                for event in (body[:40], body[40:]):  # [DONE] first, the end of the body in its own write
+                    writer.write(b"%x\r\n%s\r\n" % (len(event), event))
+                    await writer.drain()
+                writer.write(b"0\r\n\r\n")
+                await writer.drain()
+        except (asyncio.IncompleteReadError, ConnectionError):
+            pass
+        finally:
+            writer.close()
+
+    return await asyncio.start_server(serve, "127.0.0.1", 0)
+
+
+async def test_requests_reuse_one_pooled_connection() -> None:
+    connections: list[int] = []
+    server = await _counting_upstream(connections)
+    port = server.sockets[0].getsockname()[1]
+    backend = OpenAIUpstreamBackend(f"http://127.0.0.1:{port}", ["m"], max_concurrency=4)
+    await backend.start()
+    try:
+        for _ in range(5):
+            assert (await stream(backend, HELLO, "m"))[-1]["usage"]["completion_tokens"] == 2
+        await asyncio.gather(*(stream(backend, HELLO, "m") for _ in range(4)))
+    finally:
+        await backend.close()
+        server.close()
+        await server.wait_closed()
+    assert 1 <= len(connections) <= 4  # one for the sequential requests, at most max_concurrency at once

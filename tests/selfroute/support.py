@@ -152,8 +152,9 @@ class Stack:
                           headers={"Authorization": f"Bearer {token}", **(headers or {})}, timeout=timeout)
 
     def stream(self, token: str, headers: dict[str, str] | None = None, **fields: object) -> tuple[httpx.Response, str]:
-        """A streamed chat completion: the response (headers) and its whole SSE text."""
-        with httpx.stream("POST", self.url + "/chat/completions", json={**BODY, "stream": True, **fields},
+        """A streamed chat completion (with the final usage chunk): the response and its whole SSE text."""
+        body = {**BODY, "stream": True, "stream_options": {"include_usage": True}, **fields}
+        with httpx.stream("POST", self.url + "/chat/completions", json=body,
                           headers={"Authorization": f"Bearer {token}", **(headers or {})}, timeout=90) as response:
             text = response.read().decode()
         return response, text

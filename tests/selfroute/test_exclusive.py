@@ -258,6 +258,7 @@ def test_openai_sdk_with_extra_headers(world: World) -> None:
     assert completion.usage is not None and completion.usage.completion_tokens > 0
 
     stream = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=16, stream=True,
+                                            stream_options={"include_usage": True},
                                             extra_headers={"X-Darkbloom-Route": "self"})
     parts, usage = [], None
     for chunk in stream:

@@ -4,7 +4,7 @@ the account mid-flight (settlement re-reads the owner of the session that served
 the charge cannot be collected nobody is paid).
 
 Acceptance points 11 and 14 of issue 5. The owner's machines delay their first token
-(DARKBLOOM_TEST_FIRST_TOKEN_DELAY) so the test knows they are before first content when it acts.
+(tests/support/backends.py FirstTokenDelayBackend, via tests.support.node_main) so the test knows they are before first content when it acts.
 Another account's machine serves the same model to the public fleet throughout.
 """
 

@@ -18,6 +18,7 @@ from darkbloom.wire.protocol import (
     AttestationChallenge,
     AttestationResponse,
     InferenceComplete,
+    InferenceError,
     InferenceRequest,
     InferenceResponseChunk,
     ModelInfo,
@@ -37,7 +38,7 @@ class RawProvider:
     def __init__(self, base_url: str, auth_token: str | None = None, models: tuple[str, ...] = ("smollm2-135m",),
                  max_concurrency: int = 1, challenge_answer: str = "valid", tamper_attestation: bool = False,
                  certificate: str | None = None, identity: NodeIdentity | None = None,
-                 runtime: str | None = None) -> None:
+                 runtime: str | None = None, max_request_frame_bytes: int | None = None) -> None:
         assert challenge_answer in CHALLENGE_ANSWERS, challenge_answer
         self.ws_url = base_url.replace("http://", "ws://") + "/ws/provider"
         self.identity = identity or NodeIdentity.generate()
@@ -48,11 +49,13 @@ class RawProvider:
         self.tamper_attestation = tamper_attestation
         self.certificate = certificate
         self.runtime = runtime or runtime_hash()
+        self.max_request_frame_bytes = max_request_frame_bytes  # None: not advertised (an older node)
         self.ws: ClientConnection | None = None
         self.provider_id: str | None = None
         self.registered: dict[str, Any] | None = None
         self.challenges: list[AttestationChallenge] = []
         self.trust_statuses: list[TrustStatus] = []
+        self.seen_requests: set[str] = set()  # ids of every inference_request received
 
     async def connect(self) -> ClientConnection:
         self.ws = await connect(self.ws_url, max_size=2 * MAX_FRAME_BYTES)
@@ -67,7 +70,9 @@ class RawProvider:
                         backend="raw-test", version="test", runtime_hash=rh,
                         public_key=self.identity.public_key_b64, identity_key=self.identity.identity_key_b64,
                         attestation=attestation, certificate=self.certificate,
-                        max_concurrency=self.max_concurrency)
+                        max_concurrency=self.max_concurrency,
+                        **({"max_request_frame_bytes": self.max_request_frame_bytes}
+                           if self.max_request_frame_bytes else {}))
 
     async def register(self) -> dict[str, Any]:
         """Send `register`, answer the registration challenge, return the `registered` frame."""
@@ -116,6 +121,7 @@ class RawProvider:
         while True:
             frame = await self.recv()
             if isinstance(frame, InferenceRequest):
+                self.seen_requests.add(frame.request_id)
                 body = json.loads(open_envelope(frame.encrypted_body, self.identity.encryption_key))
                 return frame, body
 
@@ -128,6 +134,24 @@ class RawProvider:
                                                        encrypted_data=sealer.seal(json.dumps(chunk).encode()))))
         await self.ws.send(dump(InferenceComplete(request_id=request.request_id,
                                                   usage=Usage(prompt_tokens=3, completion_tokens=1))))
+
+    async def send_chunk(self, request: InferenceRequest, text: str, finish_reason: str | None = None) -> None:
+        """One sealed content chunk, and nothing else (no completion)."""
+        assert self.ws is not None
+        sealer = Sealer(public_key_from_b64(request.encrypted_body.ephemeral_public_key))
+        chunk = {"id": "x", "object": "chat.completion.chunk", "created": 0, "model": "m",
+                 "choices": [{"index": 0, "delta": {"content": text}, "finish_reason": finish_reason}]}
+        await self.ws.send(dump(InferenceResponseChunk(request_id=request.request_id,
+                                                       encrypted_data=sealer.seal(json.dumps(chunk).encode()))))
+
+    async def send_complete(self, request: InferenceRequest, prompt_tokens: int, completion_tokens: int) -> None:
+        assert self.ws is not None
+        await self.ws.send(dump(InferenceComplete(request_id=request.request_id, usage=Usage(
+            prompt_tokens=prompt_tokens, completion_tokens=completion_tokens))))
+
+    async def send_error(self, request: InferenceRequest, status: int, message: str) -> None:
+        assert self.ws is not None
+        await self.ws.send(dump(InferenceError(request_id=request.request_id, status_code=status, message=message)))
 
     async def close(self) -> None:
         if self.ws is not None:

@@ -7,6 +7,7 @@ import json
 import pytest
 
 from darkbloom.wire.protocol import (
+    MAX_REQUEST_FRAME_BYTES,
     MAX_FRAME_BYTES,
     AttestationChallenge,
     AttestationResponse,
@@ -125,10 +126,11 @@ def test_provider_frames_are_unknown_to_the_coordinator_parser(data: dict) -> No
     assert caught.value.code == "unknown_type"
 
 
-@pytest.mark.parametrize("parse", [parse_provider_frame, parse_coordinator_frame])
-def test_oversized_frame(parse) -> None:  # type: ignore[no-untyped-def]
-    raw = json.dumps({"type": "heartbeat", "status": "x" * MAX_FRAME_BYTES})
-    assert len(raw) > MAX_FRAME_BYTES
+@pytest.mark.parametrize("parse,limit", [(parse_provider_frame, MAX_FRAME_BYTES),
+                                         (parse_coordinator_frame, MAX_REQUEST_FRAME_BYTES)])
+def test_oversized_frame(parse, limit: int) -> None:  # type: ignore[no-untyped-def]
+    raw = json.dumps({"type": "heartbeat", "status": "x" * limit})
+    assert len(raw) > limit
     with pytest.raises(FrameError) as caught:
         parse(raw)
     assert caught.value.code == "frame_too_large"
@@ -174,3 +176,19 @@ def test_coordinator_frame_with_bad_fields_is_malformed() -> None:
     with pytest.raises(FrameError) as caught:
         parse_coordinator_frame(json.dumps({"type": "attestation_challenge", "nonce": "n"}))
     assert caught.value.code == "malformed_frame"
+
+
+def test_a_sealed_request_of_an_8_mib_body_fits_the_nodes_frame_limit() -> None:
+    """The node accepts from the coordinator what an 8 MiB body becomes once sealed (issue 12, defect 1)."""
+    from nacl.public import PrivateKey
+
+    from darkbloom.wire.crypto import ReplyKey
+    from darkbloom.wire.protocol import MAX_REQUEST_FRAME_BYTES, InferenceRequest, dump, parse_coordinator_frame
+
+    body = b"x" * (8 * 1024 * 1024)
+    envelope = ReplyKey().seal_request(body, PrivateKey.generate().public_key)
+    frame = dump(InferenceRequest(request_id="chatcmpl-" + "a" * 24, encrypted_body=envelope))
+    assert MAX_FRAME_BYTES < len(frame) <= MAX_REQUEST_FRAME_BYTES
+    assert parse_coordinator_frame(frame).request_id.startswith("chatcmpl-")
+    with pytest.raises(FrameError):
+        parse_coordinator_frame('{"type":"cancel","request_id":"' + "x" * MAX_REQUEST_FRAME_BYTES + '"}')

@@ -17,9 +17,13 @@ from darkbloom.coordinator.fleet import session_lifecycle
 from darkbloom.coordinator.fleet.registry import Registry
 from darkbloom.coordinator.http.body_limit import BodyLimitMiddleware
 from darkbloom.coordinator.http.disconnect import ClientDisconnected
+from darkbloom.coordinator.http.cors import add_cors
 from darkbloom.coordinator.http.errors import install_handlers
+from darkbloom.coordinator.http.allowed_methods import install_allowed_methods
+from darkbloom.coordinator.http.openapi import install_openapi
 from darkbloom.coordinator.http.routes import account, admin, device, health, inference, keys, payments, provider_ws
 from darkbloom.coordinator.http.sealed_body import load_or_create_key
+from darkbloom.coordinator.identity import auth_invalidation
 from darkbloom.coordinator.money import reconciliation
 from darkbloom.coordinator.money.ratelimit import create_rate_limiter
 from darkbloom.coordinator.routing.live_catalog import load_catalog
@@ -44,6 +48,7 @@ def create_app(settings: CoordinatorSettings) -> FastAPI:
         background = [asyncio.create_task(session_lifecycle.evict_silent(services)),
                       asyncio.create_task(reconciliation.heartbeat_forever(services)),
                       asyncio.create_task(services.queues.drain_forever())]
+        background.append(auth_invalidation.start(services))  # cross-process auth changes (Postgres)
         log.info("coordinator ready on %s (database %s)", settings.base_url, engine.url.render_as_string())
         try:
             yield
@@ -55,12 +60,17 @@ def create_app(settings: CoordinatorSettings) -> FastAPI:
                 session.close(1001)
             await services.drain(timeout=settings.cancel_grace + 5)
             await services.rate_limiter.close()
+            await services.auth_cache.close()
+            await services.ledger.close()  # commits what is still queued
             await engine.dispose()
 
     app = FastAPI(title="Darkbloom coordinator", version="0.1.0", lifespan=lifespan,
                   docs_url=None, redoc_url=None)
     app.add_middleware(BodyLimitMiddleware, max_bytes=settings.max_body_bytes)
+    add_cors(app, settings.cors_origins)  # outermost: preflights never reach the body limit or routes
     install_handlers(app)
+    install_allowed_methods(app)  # OPTIONS → 204 and every 405 with the full Allow
+    install_openapi(app)  # GET /openapi.json: bodies, every response, Self-Route headers
     app.add_exception_handler(ClientDisconnected, _client_gone)
     app.add_exception_handler(ClientDisconnect, _client_gone)
     for module in (health, inference, account, payments, keys, device, admin, provider_ws, console_routes):

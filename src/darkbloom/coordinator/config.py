@@ -37,6 +37,8 @@ class CoordinatorSettings(BaseSettings):
                     "postgresql+asyncpg://… selects Postgres.")
     redis_url: str | None = Field(
         None, description="Redis for rate limits shared across replicas (default: in memory).")
+    cors_origins: str | None = Field(
+        None, description="Browser origins allowed to call the API, comma-separated ('*' for any; default none).")
     admin_token: str | None = Field(
         None, description="Bearer token for /v1/admin/*; admin API disabled when unset.")
     min_trust: str = Field(
@@ -58,6 +60,10 @@ class CoordinatorSettings(BaseSettings):
     device_poll_interval: int = 5
     max_body_bytes: int = 8 * 1024 * 1024
     first_content_timeout: float = Field(30.0, description="Seconds a provider may take to its first content.")
+    idle_timeout: float = Field(
+        60.0, description="Seconds a provider may stay silent between chunks once content has started.")
+    request_timeout: float = Field(
+        600.0, description="Seconds a request may take from dispatch to its last chunk, whatever the provider sends.")
     challenge_freshness: float = Field(
         960.0, description="A provider is routable while its last passed challenge is at most this many seconds old.")
     challenge_interval: float = Field(300.0, description="Seconds between attestation challenges to each provider.")
@@ -114,7 +120,8 @@ class CoordinatorSettings(BaseSettings):
                 raise ValueError(f"{flag_name(name)} must be at least 1 (omit it for no limit)")
         if self.queue_max_wait < 0 or self.queue_depth < 0:
             raise ValueError("--queue-max-wait and --queue-depth must not be negative")
-        for name in ("challenge_interval", "challenge_deadline", "challenge_freshness", "enrollment_cert_days"):
+        for name in ("challenge_interval", "challenge_deadline", "challenge_freshness", "enrollment_cert_days",
+                     "first_content_timeout", "idle_timeout", "request_timeout"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{flag_name(name)} must be positive")
         self.runtime_allow_list = self.runtime_allow_list | frozenset(self.runtime_allow)

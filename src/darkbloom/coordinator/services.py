@@ -10,8 +10,10 @@ from fastapi import Request
 from sqlalchemy.ext.asyncio import AsyncEngine
 
 from darkbloom.coordinator.config import CoordinatorSettings
+from darkbloom.coordinator.identity.auth_cache import AuthCache
 from darkbloom.coordinator.routing.queue import RequestQueues
 from darkbloom.coordinator.money.ratelimit import RateLimiter
+from darkbloom.coordinator.money.ledger_writer import LedgerWriter
 from darkbloom.coordinator.fleet.registry import Registry
 from darkbloom.wire.crypto import new_id
 
@@ -25,11 +27,15 @@ class Services:
     queues: RequestQueues = None  # type: ignore[assignment]  # built from registry + settings
     consumer_key: Any = None  # sealed_body.CoordinatorKey, loaded at start (GET /v1/encryption-key)
     instance_id: str = field(default_factory=lambda: new_id("inst_"))
+    auth_cache: AuthCache = field(default_factory=AuthCache)  # token hash → grant (identity/auth_cache.py)
+    ledger: LedgerWriter = None  # type: ignore[assignment]  # the group-commit ledger writer, on engine
     _tasks: set[asyncio.Task[Any]] = field(default_factory=set)
 
     def __post_init__(self) -> None:
         if self.queues is None:
             self.queues = RequestQueues(self.registry, self.settings)
+        if self.ledger is None:
+            self.ledger = LedgerWriter(self.engine)
 
     def spawn(self, work: Coroutine[Any, Any, Any]) -> asyncio.Task[Any]:
         """Run ``work`` to completion even if the request that started it goes away."""
@@ -43,6 +49,6 @@ class Services:
             await asyncio.wait(set(self._tasks), timeout=timeout)
 
 
-def get_services(request: Request) -> Services:
+async def get_services(request: Request) -> Services:  # async: FastAPI runs sync dependencies in a thread
     services: Services = request.app.state.services
     return services

@@ -7,7 +7,9 @@ once the backend has stopped generating (waited for at most `cancel_grace` secon
 the tokens used so far in one `inference_complete`, so the coordinator can settle the partial work.
 That report is the only frame sent for the request after the cancel; every other frame for it is
 dropped, including any already queued for the writer. Logs carry request ids and token counts,
-never prompt or completion text.
+never prompt or completion text. A served request logs two INFO lines (accepted, complete: what
+operators and the end-to-end tests follow); a refused, failed or cancelled one says so; nothing else
+per request is logged above DEBUG (nor is httpx's own line per upstream request, see the backend).
 """
 
 from __future__ import annotations
@@ -127,7 +129,7 @@ class FleetRequests:
                                                     message=exc.message), job)
         except asyncio.CancelledError:
             job.cancelled = True
-            log.info("request %s stopped", request_id)
+            log.debug("request %s stopped", request_id)  # its cancel (or the lost connection) is logged already
             raise
         except Exception:
             log.exception("request %s failed", request_id)
@@ -143,7 +145,7 @@ class FleetRequests:
         assert self.identity is not None
         try:
             plaintext = crypto.open_envelope(frame.encrypted_body, self.identity.encryption_key)
-            sealer = crypto.Sealer(crypto.public_key_from_b64(frame.encrypted_body.ephemeral_public_key))
+            sealer = crypto.Sealer.to(frame.encrypted_body.ephemeral_public_key)
         except crypto.DecryptionError:
             raise BackendError(400, "the request body does not open with this node's key") from None
         try:

@@ -133,7 +133,7 @@ class ProviderNode:
 
     async def _session(self) -> None:
         url = ws_url(self.config)
-        async with connect(url, max_size=protocol.MAX_FRAME_BYTES, compression=None, open_timeout=15,
+        async with connect(url, max_size=protocol.MAX_REQUEST_FRAME_BYTES, compression=None, open_timeout=15,
                            close_timeout=5, user_agent_header=f"darkbloom-provider/{version()}") as ws:
             log.info("connected to %s", url)
             outbox = self._outbox = Outbox()

@@ -23,7 +23,8 @@ def register_frame(config: ProviderConfig, home: Path, identity: crypto.NodeIden
         runtime_hash=runtime_hash, public_key=identity.public_key_b64, identity_key=identity.identity_key_b64,
         attestation=identity.attestation(runtime_hash), certificate=read_certificate(home),
         encrypted_response_chunks=True, private_only=config.private_only,
-        max_concurrency=config.max_concurrency, hardware=hardware(), name=config.name)
+        max_concurrency=config.max_concurrency, hardware=hardware(), name=config.name,
+        max_request_frame_bytes=protocol.MAX_REQUEST_FRAME_BYTES)
 
 
 def read_certificate(home: Path) -> str | None:

@@ -27,5 +27,14 @@ async def account_for(conn: AsyncConnection, token_hash: str) -> str | None:
     return row[0] if row else None
 
 
+async def session_for(conn: AsyncConnection, token_hash: str) -> tuple[str, int] | None:
+    """(account_id, expires_at) of an unexpired session, else None."""
+    row = (await conn.execute(
+        select(console_sessions.c.account_id, console_sessions.c.expires_at)
+        .where(console_sessions.c.token_hash == token_hash, console_sessions.c.expires_at > int(time.time()))
+    )).first()
+    return (row[0], int(row[1])) if row else None
+
+
 async def delete(conn: AsyncConnection, token_hash: str) -> None:
     await conn.execute(console_sessions.delete().where(console_sessions.c.token_hash == token_hash))

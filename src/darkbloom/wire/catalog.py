@@ -12,10 +12,13 @@ BUNDLED_MODEL_ID = "smollm2-135m"
 DEFAULT_MAX_OUTPUT_TOKENS = 4096
 
 
+MAX_MODEL_ID = 256  # the longest model id anything accepts (catalog, requests, what a node advertises)
+
+
 class CatalogModel(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
-    id: str = Field(min_length=1, max_length=256)
+    id: str = Field(min_length=1, max_length=MAX_MODEL_ID)
     aliases: list[str] = Field(default_factory=list)
     input_price: int = Field(ge=0, description="µUSD per 1M prompt tokens")
     output_price: int = Field(ge=0, description="µUSD per 1M completion tokens")

@@ -35,14 +35,27 @@ def b64d(text: str) -> bytes:
     return base64.b64decode(text.encode("ascii"), validate=True)
 
 
-def public_key_from_b64(text: str) -> PublicKey:
+def _decode_public_key(text: str) -> PublicKey:
     try:
         raw = b64d(text)
     except (ValueError, UnicodeEncodeError) as exc:
         raise DecryptionError(f"invalid public key: {exc}") from None
     if len(raw) != 32:
         raise DecryptionError("public key must be 32 bytes")
-    key = PublicKey(raw)
+    return PublicKey(raw)
+
+
+def box_with(private: PrivateKey, public_b64: str) -> Box:
+    """The box between our key and a base64 public key; libsodium refuses low-order points (an
+    all-zero shared secret), which is the check ``public_key_from_b64`` makes for keys kept for later."""
+    try:
+        return Box(private, _decode_public_key(public_b64))
+    except CryptoError:
+        raise DecryptionError("public key is a low-order point") from None
+
+
+def public_key_from_b64(text: str) -> PublicKey:
+    key = _decode_public_key(text)
     try:
         Box(PrivateKey.generate(), key)  # libsodium refuses low-order points (all-zero shared secret)
     except CryptoError:
@@ -57,6 +70,15 @@ class Sealer:
         self._ephemeral = PrivateKey.generate()
         self._box = Box(self._ephemeral, recipient)
         self.ephemeral_public_key = b64e(bytes(self._ephemeral.public_key))
+
+    @classmethod
+    def to(cls, recipient_b64: str) -> "Sealer":
+        """A sealer to a base64 key, checked by the one key agreement it needs (DecryptionError)."""
+        sealer = cls.__new__(cls)
+        sealer._ephemeral = PrivateKey.generate()
+        sealer._box = box_with(sealer._ephemeral, recipient_b64)
+        sealer.ephemeral_public_key = b64e(bytes(sealer._ephemeral.public_key))
+        return sealer
 
     def seal(self, plaintext: bytes) -> Envelope:
         return Envelope(ephemeral_public_key=self.ephemeral_public_key,
@@ -80,7 +102,7 @@ class ReplyKey:
     def open(self, envelope: Envelope) -> bytes:
         box = self._boxes.get(envelope.ephemeral_public_key)
         if box is None:
-            box = Box(self._private, public_key_from_b64(envelope.ephemeral_public_key))
+            box = box_with(self._private, envelope.ephemeral_public_key)
             self._boxes[envelope.ephemeral_public_key] = box
         return _open(box, envelope.ciphertext)
 
@@ -90,8 +112,7 @@ def seal(plaintext: bytes, recipient: PublicKey) -> Envelope:
 
 
 def open_envelope(envelope: Envelope, recipient: PrivateKey) -> bytes:
-    box = Box(recipient, public_key_from_b64(envelope.ephemeral_public_key))
-    return _open(box, envelope.ciphertext)
+    return _open(box_with(recipient, envelope.ephemeral_public_key), envelope.ciphertext)
 
 
 def _open(box: Box, ciphertext_b64: str) -> bytes:

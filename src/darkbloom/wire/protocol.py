@@ -3,6 +3,13 @@
 Both sides import this module and nothing else of each other. Frames are JSON text
 with a ``type`` discriminator; ``parse_provider_frame`` / ``parse_coordinator_frame``
 turn raw text into one of the models below or raise ``FrameError``.
+
+Every response chunk passes through here, so a frame is first parsed and validated in one pass
+by pydantic-core (``validate_json``, ~2× cheaper than ``json.loads`` then ``validate_python``);
+anything that pass refuses goes through ``json.loads`` and ``validate_python`` as before, which
+decide whether, and why, the frame is refused. The first pass accepts nothing the second refuses
+(stdlib ``json`` is the more lenient parser: UTF-16 bytes, a BOM, lone surrogates), and gives the
+same frame for what both accept.
 """
 
 from __future__ import annotations
@@ -12,7 +19,18 @@ from typing import Annotated, Any, Literal, Union
 
 from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError
 
-MAX_FRAME_BYTES = 8 * 1024 * 1024
+MAX_FRAME_BYTES = 8 * 1024 * 1024  # provider → coordinator (CONTRACT §5)
+
+
+def sealed_frame_bytes(body_bytes: int) -> int:
+    """The largest ``inference_request`` frame a body of ``body_bytes`` can become: base64 of nonce ‖
+    box (24 + 16 bytes around the body) inside the frame's JSON."""
+    return -(-(body_bytes + 40) // 3) * 4 + 1024
+
+
+# coordinator → provider: what a node of this release accepts, enough for an 8 MiB body (the contract's
+# body limit) once it is sealed; a node tells the coordinator in `register`
+MAX_REQUEST_FRAME_BYTES = sealed_frame_bytes(8 * 1024 * 1024)
 PROVIDER_WS_PATH = "/ws/provider"
 PROTOCOL_VERSION = "1"
 
@@ -67,6 +85,7 @@ class Register(_Frame):
     encrypted_response_chunks: bool = True
     private_only: bool = False
     max_concurrency: int = Field(default=1, ge=1, le=1024)
+    max_request_frame_bytes: int = Field(default=MAX_FRAME_BYTES, ge=1)  # the node's WebSocket max_size
     hardware: Hardware = Field(default_factory=Hardware)
     decode_tps: float = 0.0
     name: str = ""
@@ -187,9 +206,9 @@ class FrameError(ValueError):
         self.message = message
 
 
-def _decode(raw: str | bytes, known_types: frozenset[str] | None) -> dict[str, Any]:
-    if len(raw) > MAX_FRAME_BYTES:
-        raise FrameError("frame_too_large", f"frame exceeds {MAX_FRAME_BYTES} bytes")
+def _decode(raw: str | bytes, known_types: frozenset[str] | None, limit: int = MAX_FRAME_BYTES) -> dict[str, Any]:
+    if len(raw) > limit:
+        raise FrameError("frame_too_large", f"frame exceeds {limit} bytes")
     try:
         data = json.loads(raw)
     except (ValueError, UnicodeDecodeError) as exc:
@@ -202,6 +221,11 @@ def _decode(raw: str | bytes, known_types: frozenset[str] | None) -> dict[str, A
 
 
 def parse_provider_frame(raw: str | bytes) -> Any:
+    if len(raw) <= MAX_FRAME_BYTES:
+        try:
+            return _provider_adapter.validate_json(raw)  # one pass: the well-formed frame, every chunk
+        except ValidationError:
+            pass  # the two-step path below says why, exactly as it always has
     data = _decode(raw, PROVIDER_TYPES)
     try:
         return _provider_adapter.validate_python(data)
@@ -210,7 +234,13 @@ def parse_provider_frame(raw: str | bytes) -> Any:
 
 
 def parse_coordinator_frame(raw: str | bytes) -> Any:
-    data = _decode(raw, None)
+    """A frame from the coordinator: up to MAX_REQUEST_FRAME_BYTES (a sealed request near the body limit)."""
+    if len(raw) <= MAX_REQUEST_FRAME_BYTES:
+        try:
+            return _coordinator_adapter.validate_json(raw)
+        except ValidationError:
+            pass
+    data = _decode(raw, None, MAX_REQUEST_FRAME_BYTES)
     try:
         return _coordinator_adapter.validate_python(data)
     except ValidationError as exc:

@@ -74,6 +74,8 @@ def test_credit_for_an_unknown_account_is_404(api: Api) -> None:
     ({"amount_micro_usd": "100"}, "amount_micro_usd"),
     ({"amount_micro_usd": True}, "amount_micro_usd"),
     ({"amount_micro_usd": 2**63}, "amount_micro_usd"),  # does not fit a BIGINT
+    ({"amount_micro_usd": 2**62}, "amount_micro_usd"),  # two of these summed past 2**63 - 1 (a REAL on SQLite)
+    ({"amount_micro_usd": 10**15 + 1}, "amount_micro_usd"),  # over the largest single credit
     ({"amount_micro_usd": 5, "reference": ""}, "reference"),
     ({"amount_micro_usd": 5, "reference": None}, "reference"),
 ])
@@ -84,6 +86,14 @@ def test_bad_credit_is_400(api: Api, shared_account: Account, body: dict, param:
                          400, "invalid_request_error")
     assert error["param"] == param
     assert _balance(api, account.token) == 0
+
+
+def test_credits_never_take_a_balance_out_of_the_integer_range(api: Api) -> None:
+    account = api.signup()
+    for _ in range(3):
+        assert api.credit(account, 10**15).status_code == 200
+    balance = api.get("/v1/payments/balance", headers=account.auth).json()["balance_micro_usd"]
+    assert balance == 3 * 10**15 and isinstance(balance, int)
 
 
 def test_admin_reads_the_catalog(api: Api) -> None:

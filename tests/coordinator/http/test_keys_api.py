@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 
 from tests.coordinator.http.conftest import Account, Api, assert_error, bearer
@@ -129,11 +131,14 @@ def test_bad_create_is_400(api: Api, shared_account: Account, body: dict, param:
     assert api.get("/v1/keys", params={"limit": 1000}, headers=shared_account.auth).json()["data"] == before
 
 
-@pytest.mark.parametrize("raw", [b'{"name": "k", "limit_usd": NaN}', b'{"name": "k", "limit_usd": Infinity}',
-                                 b'{"name": "k", "limit_usd": -Infinity}', b'{"name": "k", "limit_usd": 1e400}'])
-def test_non_finite_limit_is_400(api: Api, shared_account: Account, raw: bytes) -> None:
+@pytest.mark.parametrize("raw,param", [
+    (b'{"name": "k", "limit_usd": NaN}', None), (b'{"name": "k", "limit_usd": Infinity}', None),
+    (b'{"name": "k", "limit_usd": -Infinity}', None),  # not JSON at all: refused by the body reader
+    (b'{"name": "k", "limit_usd": 1e400}', "limit_usd"),  # JSON, but no finite number
+])
+def test_non_finite_limit_is_400(api: Api, shared_account: Account, raw: bytes, param: str | None) -> None:
     resp = api.post("/v1/keys", content=raw, headers={**shared_account.auth, "Content-Type": "application/json"})
-    assert assert_error(resp, 400, "invalid_request_error")["param"] == "limit_usd"
+    assert assert_error(resp, 400, "invalid_request_error")["param"] == param
 
 
 def test_largest_limits_are_stored_exactly(api: Api) -> None:
@@ -207,3 +212,36 @@ def test_a_key_can_delete_itself(api: Api) -> None:
     created = api.create_key(account)
     assert api.delete(f"/v1/keys/{created['id']}", headers=bearer(created["key"])).status_code == 200
     assert_error(api.get("/v1/keys", headers=bearer(created["key"])), 401, "invalid_api_key")
+
+
+@pytest.mark.parametrize("restriction", [
+    {"self_route_only": True}, {"limit_usd": 0.001}, {"allowed_models": ["smollm2-135m"]}, {"rpm_limit": 5},
+    {"itpm_limit": 1000}, {"otpm_limit": 1000},
+])
+def test_a_restricted_key_can_never_widen_itself_or_mint_another(api: Api, restriction: dict[str, Any]) -> None:
+    account = api.signup()
+    leaked = api.create_key(account, **restriction)
+    as_leaked = bearer(leaked["key"])
+    widen = api.patch(f"/v1/keys/{leaked['id']}", headers=as_leaked,
+                      json={"self_route_only": False, "limit_usd": None, "allowed_models": None, "rpm_limit": None})
+    assert_error(widen, 403, "key_restricted")
+    assert_error(api.post("/v1/keys", json={"name": "unrestricted"}, headers=as_leaked), 403, "key_restricted")
+    other = api.create_key(account)
+    assert_error(api.delete(f"/v1/keys/{other['id']}", headers=as_leaked), 403, "key_restricted")
+    code = api.post("/v1/device/code").json()
+    assert_error(api.post("/v1/device/approve", json={"user_code": code["user_code"]}, headers=as_leaked),
+                 403, "key_restricted")
+    # unchanged, and still readable by the key itself
+    again = api.get(f"/v1/keys/{leaked['id']}", headers=as_leaked)
+    assert again.status_code == 200
+    assert {k: again.json()[k] for k in ("self_route_only", "limit_micro_usd", "allowed_models", "rpm_limit")} == \
+        {k: leaked[k] for k in ("self_route_only", "limit_micro_usd", "allowed_models", "rpm_limit")}
+    assert len(api.get("/v1/keys", headers=account.auth).json()["data"]) == 2
+
+
+def test_an_unrestricted_key_manages_keys(api: Api) -> None:
+    account = api.signup()
+    admin_key = bearer(api.create_key(account)["key"])
+    created = api.post("/v1/keys", json={"name": "child", "self_route_only": True}, headers=admin_key)
+    assert created.status_code == 201
+    assert api.delete(f"/v1/keys/{created.json()['id']}", headers=admin_key).status_code == 200

@@ -32,6 +32,7 @@ from tests.coordinator.routing.sim import MODEL, RUNTIME, SimProvider, chat, dec
 
 CREDIT = 1_000_000
 PROMPT_BOUND, OUTPUT_BOUND = 400, 64
+DEADLINES = relay.Deadlines(idle=10.0, until=float("inf"))
 
 
 class CountingLimiter(MemoryRateLimiter):
@@ -117,7 +118,7 @@ async def test_success_settles_and_frees_the_slot(world: World) -> None:
         world.provider.reply("req-ok")
         world.provider.complete("req-ok")  # 3 prompt + 1 completion tokens
         pending, completed = await run
-        await relay.collect(pending, completed, ChunkShaper("req-ok", MODEL.id))
+        await relay.collect(pending, completed, ChunkShaper("req-ok", MODEL.id), DEADLINES)
         assert world.provider.session.active == 1
     assert world.provider.session.active == 0
     assert await world.reservation_state("req-ok") == "settled"
@@ -154,7 +155,7 @@ async def test_failure_after_first_content_refunds_the_reservation(world: World)
             world.provider.reply("req-broke")
             pending, completed = await run
             world.provider.error("req-broke", 500, "crashed")
-            await relay.collect(pending, completed, ChunkShaper("req-broke", MODEL.id))
+            await relay.collect(pending, completed, ChunkShaper("req-broke", MODEL.id), DEADLINES)
     assert world.provider.session.active == 0
     assert await world.reservation_state("req-broke") == "refunded"
     assert await world.usage_rows("req-broke") == []

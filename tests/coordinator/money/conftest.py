@@ -50,6 +50,7 @@ async def make_services(database_url: str) -> AsyncIterator[MakeServices]:
         yield make
     finally:
         for services in built:
+            await services.ledger.close()
             await services.engine.dispose()
 
 

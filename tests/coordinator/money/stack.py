@@ -23,7 +23,7 @@ from tests.support.accounts import Account
 from tests.support.processes import Coordinator, Process, darkbloom_cmd, spawn, start_coordinator, wait_until
 
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 
 
 def write_catalog(path: Path, *models: dict[str, Any]) -> Path:
@@ -150,3 +150,38 @@ def wait_log(process: Process, pattern: str, timeout: float = 30) -> re.Match[st
     return wait_until(lambda: re.search(pattern, process.log()), timeout=timeout, interval=0.1,
                       what=f"log line {pattern!r}")
 
+
+
+def check_trails(snapshot: dict[str, Any]) -> None:
+    """Every request's ledger entries form one legal trail, so nothing was charged (or refunded) twice:
+    ``reservation`` then ``refund`` for a refunded one; ``reservation``, ``refund`` and at most one
+    ``charge`` / ``platform_fee`` / ``payout`` matching its usage row for a settled one; just the
+    ``reservation`` while open; and without a reservation (exclusive self-route) only what its usage row says."""
+    reservations = {r["request_id"]: r for r in snapshot["reservations"]}
+    usage = {u["request_id"]: u for u in snapshot["usage"]}
+    assert len(usage) == len(snapshot["usage"])
+    trails: dict[str, list[dict[str, Any]]] = {}
+    for entry in sorted(snapshot["ledger"], key=lambda e: e["id"]):
+        if entry["request_id"] is not None:
+            trails.setdefault(entry["request_id"], []).append(entry)
+    for request_id in set(reservations) | set(usage):
+        trail = trails.get(request_id, [])
+        kinds = [e["kind"] for e in trail]
+        amounts = {e["kind"]: e["amount_micro_usd"] for e in trail}
+        assert len(kinds) == len(set(kinds)), (request_id, kinds)
+        held = reservations.get(request_id)
+        row = usage.get(request_id)
+        status = held["status"] if held else None
+        assert (status == "settled" or (held is None and row is not None)) == (row is not None), (request_id, status)
+        if held is not None:
+            expected = {"open": ["reservation"], "refunded": ["reservation", "refund"]}.get(status)
+            if expected is not None:
+                assert kinds == expected, (request_id, status, kinds)
+                continue
+            assert kinds[:2] == ["reservation", "refund"], (request_id, kinds)
+            assert amounts["reservation"] == -amounts["refund"] == -held["amount_micro_usd"]
+        assert row is not None
+        assert amounts.get("charge", 0) == -row["cost_micro_usd"], (request_id, kinds, row)
+        assert amounts.get("platform_fee", 0) == row["platform_fee_micro_usd"], (request_id, kinds, row)
+        assert amounts.get("payout", 0) == row["provider_payout_micro_usd"], (request_id, kinds, row)
+    assert set(trails) <= set(reservations) | set(usage)

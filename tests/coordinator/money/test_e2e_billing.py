@@ -72,7 +72,8 @@ def real(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactor
 def chat(real: Real, account: Account, content: str, max_tokens: int, stream: bool = False,
          key: str | None = None, **fields: Any) -> httpx.Response:
     body = {"model": MODEL, "messages": [{"role": "user", "content": content}], "max_tokens": max_tokens,
-            "stream": stream, "temperature": 0, **fields}
+            "stream": stream, "temperature": 0, **({"stream_options": {"include_usage": True}} if stream else {}),
+            **fields}
     return httpx.post(real.coord.api_url + "/chat/completions", json=body, headers=account.headers(key), timeout=120)
 
 
@@ -241,8 +242,8 @@ def test_admin_credit_is_idempotent_and_ledgered(real: Real) -> None:
 def test_request_failing_before_completion_is_fully_refunded(real: Real, stream: bool) -> None:
     consumer = create_account(real.coord, credit_micro_usd=50_000)
     owner_before = pockets(real.url, real.owner.account_id)
-    # the node's backend rejects the out-of-range temperature before generating anything
-    response = chat(real, consumer, "Hello", 16, stream=stream, temperature=5)
+    # the node's backend rejects the malformed `stop` (the coordinator passes it through) before generating
+    response = chat(real, consumer, "Hello", 16, stream=stream, stop=5)
     assert response.status_code == 400, response.text
     assert response.json()["error"]["type"] == "invalid_request_error"
     [reservation] = table(real.url, reservations, reservations.c.account_id == consumer.account_id)

@@ -107,7 +107,7 @@ MODEL = CatalogModel(id="m", input_price=1, output_price=1, max_output_tokens=30
     ({"max_tokens": 10_000}, 300),
     ({"max_completion_tokens": 20}, 20),
     ({"max_completion_tokens": 20, "max_tokens": 50}, 20),
-    ({"max_tokens": 0}, 0),
+    ({"max_tokens": 1}, 1),
     ({"max_tokens": None}, 300),
 ])
 def test_output_bound(fields: dict[str, Any], bound: int) -> None:

@@ -7,7 +7,6 @@ from datetime import datetime, timezone
 from typing import Any
 
 import pytest
-from sqlalchemy.exc import IntegrityError
 
 from darkbloom.coordinator.money import billing
 from darkbloom.wire.openai.errors import ApiError
@@ -44,15 +43,17 @@ async def test_reserve_debits_balance_writes_reservation_and_ledger_entry(servic
     assert await rows(services, key_spend) == []
 
 
-async def test_reserve_is_one_transaction(services: Services) -> None:
-    """The reservation row is written after the debit: when writing it fails (here: the request id is
-    taken), the debit, its ledger entry and the key's hold are rolled back with it."""
+async def test_a_reused_request_id_is_refused_and_leaves_no_trace(services: Services) -> None:
+    """A request id that already has a reservation cannot reserve again: no second debit, ledger
+    entry or key hold (the same reservation again, a retried batch whose commit did land, is a no-op)."""
     account = await new_account(services, credit=10_000)
     key = await new_key(services, account, limit_micro_usd=50_000, limit_reset="none")
     await billing.reserve(services, "req-dup", account, key, 1_000)
     before = await counts(services.engine)
-    with pytest.raises(IntegrityError):
+    with pytest.raises(billing.DuplicateReservation):
         await billing.reserve(services, "req-dup", account, key, 2_000)
+    assert await billing.reserve(services, "req-dup", account, key, 1_000) == billing.Reservation(
+        "req-dup", account, key["id"], 1_000, 0)
     assert await pockets(services, account) == (9_000, 0)
     assert await counts(services.engine) == before
     async with services.engine.connect() as conn:

@@ -14,7 +14,7 @@ import httpx
 from tests.support.accounts import Account
 from tests.support.processes import Coordinator, _env, darkbloom_cmd, wait_until
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 MODEL = "smollm2-135m"
 SHORT = [{"role": "user", "content": "Name one planet."}]
 

@@ -76,7 +76,8 @@ def test_the_openai_sdk_gets_answers_with_no_coordinator(standalone: tuple[Path,
     completion = raw.parse()
     assert raw.headers["X-Darkbloom-Via"] == "local"
     assert completion.choices[0].message.content and 0 < completion.usage.completion_tokens <= 16
-    stream = client.chat.completions.create(model=MODEL, messages=SHORT, max_tokens=16, stream=True)
+    stream = client.chat.completions.create(model=MODEL, messages=SHORT, max_tokens=16, stream=True,
+                                            stream_options={"include_usage": True})
     chunks = list(stream)
     assert stream.response.headers["X-Darkbloom-Via"] == "local"
     assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)

@@ -29,7 +29,7 @@ SECURITY_HEADERS = {
     "Cache-Control": "no-store",
 }
 
-router = APIRouter(include_in_schema=False)
+router = APIRouter(tags=["console"])  # in the OpenAPI document (schemathesis skips the HTML pages)
 templates = Jinja2Templates(directory=str(CONSOLE_DIR / "templates"))
 
 

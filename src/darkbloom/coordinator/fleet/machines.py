@@ -12,6 +12,8 @@ from darkbloom.wire.openai.errors import ApiError
 from darkbloom.coordinator.fleet.session import ProviderSession
 from darkbloom.coordinator.services import Services
 from darkbloom.coordinator.fleet.trust import effective_trust
+from darkbloom.coordinator.identity.auth_cache import machine_subject
+from darkbloom.coordinator.identity.auth_invalidation import changing
 from darkbloom.store import devices, machines
 
 
@@ -42,7 +44,7 @@ async def unlink_machine(services: Services, account_id: str, machine_id: str) -
     """Unlink and revoke the machine's device token at once. Its sessions stop being anyone's own
     machine and take no new work; each disconnects once its in-flight requests end (those settle
     as paid: the serving session no longer belongs to the caller)."""
-    async with services.engine.begin() as conn:
+    async with changing(services, machine_subject(machine_id)) as conn:  # its device token, everywhere
         if not await machines.unlink(conn, account_id, machine_id):
             raise ApiError(404, "machine_not_found", "No linked machine with this id on your account.")
         await devices.revoke_for_machine(conn, machine_id)

@@ -40,9 +40,22 @@ class Failed:
 Event = Union[Chunk, Completed, Failed]
 
 
+@dataclass(frozen=True)
+class UsageBounds:
+    """The most a provider can truthfully report for a request: the prompt's proven upper bound
+    and the ``max_tokens`` it was sent (CONTRACT §0 reservations are sized from the same two)."""
+
+    prompt_tokens: int
+    completion_tokens: int
+
+    def exceeded_by(self, usage: Usage) -> bool:
+        return usage.prompt_tokens > self.prompt_tokens or usage.completion_tokens > self.completion_tokens
+
+
 class PendingRequest:
-    def __init__(self, request_id: str, slot: Slot) -> None:
+    def __init__(self, request_id: str, slot: Slot, bounds: UsageBounds | None = None) -> None:
         self.request_id = request_id
+        self.bounds = bounds
         self.slot = slot
         self.session = slot.session
         self.reply_key = ReplyKey()
@@ -69,9 +82,19 @@ class PendingRequest:
         self.events.put_nowait(Chunk(data))
         return True
 
-    def on_complete(self, usage: Usage) -> None:
+    def on_complete(self, usage: Usage) -> bool:
+        """Record the provider's usage; False when it reports more than the request could have used
+        (the request fails unbilled and the caller distrusts the provider)."""
+        if self.bounds is not None and self.bounds.exceeded_by(usage):
+            log.warning("request %s: %s reported %d prompt + %d completion tokens, above the request's bounds "
+                        "%d + %d", self.request_id, self.session.id, usage.prompt_tokens, usage.completion_tokens,
+                        self.bounds.prompt_tokens, self.bounds.completion_tokens)
+            self._finish(Failed(502, "The provider reported impossible token usage for this request.",
+                                "untrusted_usage"))
+            return False
         self.usage = usage
         self._finish(Completed(usage))
+        return True
 
     def on_error(self, status: int, message: str) -> None:
         self._finish(Failed(status, message or "The provider failed to serve the request.", "provider_error"))

@@ -1,15 +1,57 @@
-"""Live provider sessions, indexed by model, by owner account and by machine; and their slots."""
+"""Live provider sessions, indexed by model, by owner account and by machine; their slots; and the
+views the scheduler selects from without scanning the fleet.
+
+A ``SessionView`` is the set of sessions one kind of request may use — a model (its names), an
+owner or the public, and an ``admits`` check the scheduler supplies (the gates that do not change
+with the clock) — with the free sessions in a ``FreeOrder`` and the busy ones aside. The registry
+opens a view on first use (one pass over the model's or the owner's sessions) and from then on keeps
+it exact: sessions join and leave as they are added, removed and disowned, and as they report
+(through ``ProviderSession._watch``) a change of their active count, decode speed, online, draining,
+trust or owner. A view of an account goes when the account's last session does.
+"""
 
 from __future__ import annotations
 
 import logging
 from collections import defaultdict
-from typing import Iterable
+from typing import Callable, Hashable, Iterable, Iterator
 
 from darkbloom.coordinator.fleet.session import ProviderSession
-from darkbloom.coordinator.fleet.slots import Slots
+from darkbloom.coordinator.fleet.slots import FreeOrder, Slots
 
 log = logging.getLogger("darkbloom.registry")
+_ORDER_ONLY = frozenset({"_active", "decode_tps"})  # they move a session within its views, never in or out
+
+
+class SessionView:
+    def __init__(self, key: Hashable, names: tuple[str, ...], account_id: str | None,
+                 admits: Callable[[ProviderSession], bool]) -> None:
+        self.key = key
+        self.names = names
+        self.account_id = account_id  # None: the public view of the model
+        self.admits = admits
+        self.free = FreeOrder()
+        self.busy: set[ProviderSession] = set()
+
+    def __len__(self) -> int:
+        return len(self.free) + len(self.busy)
+
+    def __iter__(self) -> Iterator[ProviderSession]:
+        """Every member, the busy ones first."""
+        yield from self.busy
+        yield from self.free
+
+    def _place(self, session: ProviderSession) -> None:
+        if session.has_free_slot:
+            self.busy.discard(session)
+            self.free.put(session)
+        else:
+            self.free.discard(session)
+            self.busy.add(session)
+
+    def _drop(self, session: ProviderSession) -> None:
+        self.free.discard(session)
+        self.busy.discard(session)
 
 
 class Registry:
@@ -19,6 +61,10 @@ class Registry:
         self._by_model: dict[str, set[ProviderSession]] = defaultdict(set)
         self._by_account: dict[str, set[ProviderSession]] = defaultdict(set)
         self._by_machine: dict[str, set[ProviderSession]] = defaultdict(set)
+        self._views: dict[Hashable, SessionView] = {}
+        self._public_views: dict[str, list[SessionView]] = defaultdict(list)  # by advertised name
+        self._account_views: dict[str, list[SessionView]] = defaultdict(list)
+        self._member_of: dict[ProviderSession, set[SessionView]] = {}
 
     def __len__(self) -> int:
         return len(self._sessions)
@@ -31,27 +77,36 @@ class Registry:
             self._by_account[session.account_id].add(session)
         if session.machine_id:
             self._by_machine[session.machine_id].add(session)
+        session._watch = self._changed
+        self._recheck(session)
 
     def remove(self, session: ProviderSession) -> bool:
         if self._sessions.pop(session.id, None) is None:
             return False
+        session._watch = None
         session.online = False
+        for view in self._member_of.pop(session, ()):
+            view._drop(session)
         for model_id in session.advertised_models:
             _discard(self._by_model, model_id, session)
         if session.account_id:
             _discard(self._by_account, session.account_id, session)
+            self._close_account_views(session.account_id)
         if session.machine_id:
             _discard(self._by_machine, session.machine_id, session)
         return True
 
     def disown(self, session: ProviderSession) -> None:
         """The session's machine was unlinked: it is no longer anyone's "own" machine."""
-        if session.account_id:
-            _discard(self._by_account, session.account_id, session)
+        account_id = session.account_id
+        if account_id:
+            _discard(self._by_account, account_id, session)
         if session.machine_id:
             _discard(self._by_machine, session.machine_id, session)
-        session.account_id = None
+        session.account_id = None  # leaves the account's views (reported through _watch)
         session.machine_id = None
+        if account_id:
+            self._close_account_views(account_id)
 
     def get(self, session_id: str) -> ProviderSession | None:
         return self._sessions.get(session_id)
@@ -74,6 +129,69 @@ class Registry:
 
     def silent_since(self, deadline: float) -> list[ProviderSession]:
         return [s for s in self._sessions.values() if s.last_frame_at < deadline]
+
+    # views
+
+    def view(self, key: Hashable) -> SessionView | None:
+        return self._views.get(key)
+
+    def open_view(self, key: Hashable, names: tuple[str, ...], account_id: str | None,
+                  admits: Callable[[ProviderSession], bool]) -> SessionView:
+        """The view under ``key``, made now from the sessions advertising one of ``names`` (of the
+        account, unless ``account_id`` is None). With no such session it is empty and not kept:
+        a request for a name nobody serves leaves nothing behind."""
+        view = SessionView(key, names, account_id, admits)
+        if account_id is None:
+            pool = {s for name in names for s in self._by_model.get(name, ())}
+        else:
+            pool = {s for s in self._by_account.get(account_id, ()) if not s.advertised_models.isdisjoint(names)}
+        if not pool:
+            return view
+        self._views[key] = view
+        if account_id is None:
+            for name in names:
+                self._public_views[name].append(view)
+        else:
+            self._account_views[account_id].append(view)
+        for session in pool:
+            self._fit(session, view)
+        return view
+
+    def _changed(self, session: ProviderSession, name: str) -> None:
+        if name in _ORDER_ONLY:
+            for view in self._member_of.get(session, ()):
+                view._place(session)
+        else:
+            self._recheck(session)
+
+    def _recheck(self, session: ProviderSession) -> None:
+        views = set(self._member_of.get(session, ()))
+        for name in session.advertised_models:
+            views.update(self._public_views.get(name, ()))
+        if session.account_id:
+            views.update(self._account_views.get(session.account_id, ()))
+        for view in views:
+            self._fit(session, view)
+
+    def _fit(self, session: ProviderSession, view: SessionView) -> None:
+        if view.admits(session) and (view.account_id is None or view.account_id == session.account_id):
+            view._place(session)
+            member_of = self._member_of.get(session)
+            if member_of is None:
+                member_of = self._member_of[session] = set()
+            member_of.add(view)
+        elif view in self._member_of.get(session, ()):
+            view._drop(session)
+            self._member_of[session].discard(view)
+
+    def _close_account_views(self, account_id: str) -> None:
+        if account_id in self._by_account:
+            return  # it still has sessions
+        for view in self._account_views.pop(account_id, ()):
+            self._views.pop(view.key, None)
+            for session in list(view):
+                view._drop(session)
+                self._member_of.get(session, set()).discard(view)
 
 
 def _discard(index: dict[str, set[ProviderSession]], key: str, session: ProviderSession) -> None:

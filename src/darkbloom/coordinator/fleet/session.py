@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any, Callable
 
 from nacl.public import PublicKey
 
@@ -13,6 +13,11 @@ from darkbloom.wire.protocol import Register
 
 if TYPE_CHECKING:
     from darkbloom.coordinator.fleet.pending import PendingRequest
+
+# what the registry's views of free sessions depend on: setting one of these calls the session's
+# ``_watch`` (the registry's, while the session is listed), whoever sets it
+WATCHED = frozenset({"_active", "decode_tps", "online", "draining", "untrusted_reason", "trust_level",
+                     "runtime_verified", "public_key", "account_id"})
 
 
 @dataclass(eq=False)
@@ -39,9 +44,17 @@ class ProviderSession:
     decode_tps: float = 0.0                  # measured completion tokens per second (EWMA)
     draining: bool = False                   # finishing in-flight work before it closes; takes nothing new
     machine_seen_at: float = 0.0
+    _watch: Callable[["ProviderSession", str], None] | None = field(default=None, init=False, repr=False)
 
     def __post_init__(self) -> None:
         self.advertised_models = frozenset(m.id for m in self.registration.models)
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        object.__setattr__(self, name, value)
+        if name in WATCHED:
+            watch = self.__dict__.get("_watch")
+            if watch is not None:
+                watch(self, name)
 
     @property
     def max_concurrency(self) -> int:

@@ -1,15 +1,27 @@
-"""Provider slots: the one place a session's ``active`` count changes.
+"""Provider slots: the one place a session's ``active`` count changes, and the order free slots are
+taken in.
 
 ``Slots.claim`` takes one of a session's ``max_concurrency`` slots and returns the ``Slot``; its
 ``release`` (idempotent) gives it back and wakes whoever waits for a free slot (the request
 queues subscribe with ``on_release``), so no caller has to remember to drain a queue.
+
+``FreeOrder`` holds sessions with a free slot ready to be taken in the scheduler's order without a
+scan of the fleet: grouped by (active, max_concurrency), i.e. by load ``(active + 1) /
+max_concurrency``, and within a group bucketed by measured decode speed, fastest first (a heap of
+speeds). The registry keeps one per view and moves a session between groups whenever its ``active``
+count or its speed changes.
 """
 
 from __future__ import annotations
 
-from typing import Callable
+import bisect
+import heapq
+import itertools
+from typing import Callable, Iterator
 
 from darkbloom.coordinator.fleet.session import ProviderSession
+
+Ties = list[list[ProviderSession]]  # the members of equally ranked buckets (one per group)
 
 
 class Slot:
@@ -34,10 +46,138 @@ class Slots:
         self._listeners.append(listener)
 
     def claim(self, session: ProviderSession) -> Slot:
-        session._active += 1
+        session._active += 1  # the session reports the change to the registry's views
         return Slot(session, self)
 
     def _give_back(self, slot: Slot) -> None:
         slot.session._active -= 1
         for listener in self._listeners:
             listener()
+
+
+def speed_of(session: ProviderSession) -> float:
+    speed = session.decode_tps
+    return speed if speed == speed else 0.0  # NaN would never find its bucket again
+
+
+class _Bucket:
+    """Sessions of one exact rank: add, remove and pick at random in O(1)."""
+
+    __slots__ = ("members", "_index")
+
+    def __init__(self) -> None:
+        self.members: list[ProviderSession] = []
+        self._index: dict[ProviderSession, int] = {}
+
+    def add(self, session: ProviderSession) -> None:
+        self._index[session] = len(self.members)
+        self.members.append(session)
+
+    def remove(self, session: ProviderSession) -> None:
+        index = self._index.pop(session)
+        last = self.members.pop()
+        if last is not session:
+            self.members[index] = last
+            self._index[last] = index
+
+
+class _Group:
+    """Free sessions with one (active, max_concurrency), bucketed by decode speed."""
+
+    __slots__ = ("buckets", "_heap")
+
+    def __init__(self) -> None:
+        self.buckets: dict[float, _Bucket] = {}
+        self._heap: list[float] = []  # negated speeds; entries of emptied buckets are dropped lazily
+
+    def add(self, session: ProviderSession, speed: float) -> None:
+        bucket = self.buckets.get(speed)
+        if bucket is None:
+            bucket = self.buckets[speed] = _Bucket()
+            heapq.heappush(self._heap, -speed)
+            if len(self._heap) > 2 * len(self.buckets) + 8:
+                self._heap = [-known for known in self.buckets]
+                heapq.heapify(self._heap)
+        bucket.add(session)
+
+    def remove(self, session: ProviderSession, speed: float) -> None:
+        bucket = self.buckets[speed]
+        bucket.remove(session)
+        if not bucket.members:
+            del self.buckets[speed]
+
+    def fastest(self) -> float:
+        heap = self._heap
+        while -heap[0] not in self.buckets:
+            heapq.heappop(heap)
+        return -heap[0]
+
+
+class FreeOrder:
+    """Sessions with a free slot; ``by_expected_wait`` and ``by_active`` yield them as ties, best first."""
+
+    def __init__(self) -> None:
+        self._groups: dict[tuple[int, int], _Group] = {}
+        self._loads: list[tuple[float, int, int]] = []  # (load, active, max_concurrency) per group, sorted
+        self._at: dict[ProviderSession, tuple[tuple[int, int], float]] = {}
+
+    def __len__(self) -> int:
+        return len(self._at)
+
+    def __contains__(self, session: object) -> bool:
+        return session in self._at
+
+    def __iter__(self) -> Iterator[ProviderSession]:
+        return iter(self._at)
+
+    def put(self, session: ProviderSession) -> None:
+        """Add the session, or move it to the group and bucket of its current load and speed."""
+        where = ((session.active, session.max_concurrency), speed_of(session))
+        old = self._at.get(session)
+        if old == where:
+            return
+        if old is not None:
+            self._take(session, old)
+        key, speed = where
+        group = self._groups.get(key)
+        if group is None:
+            group = self._groups[key] = _Group()
+            bisect.insort(self._loads, ((key[0] + 1) / key[1], *key))
+        group.add(session, speed)
+        self._at[session] = where
+
+    def discard(self, session: ProviderSession) -> None:
+        old = self._at.pop(session, None)
+        if old is not None:
+            self._take(session, old)
+
+    def _take(self, session: ProviderSession, where: tuple[tuple[int, int], float]) -> None:
+        key, speed = where
+        group = self._groups[key]
+        group.remove(session, speed)
+        if not group.buckets:
+            del self._groups[key]
+            self._loads.pop(bisect.bisect_left(self._loads, ((key[0] + 1) / key[1], *key)))
+
+    def by_expected_wait(self) -> Iterator[Ties]:
+        """The scheduler's order: lowest ``(active + 1) / max_concurrency``, then the fastest
+        measured decode speed; each item is one rank (ties are broken by the caller)."""
+        loads = list(self._loads)
+        for _, same in itertools.groupby(loads, key=lambda entry: entry[0]):
+            yield from _by_speed([self._groups[(active, slots)] for _, active, slots in same])
+
+    def by_active(self, idle_only: bool = False) -> Iterator[Ties]:
+        """Retries and backups: the fewest active requests (only idle sessions if asked), then the fastest."""
+        keys = sorted(key for key in self._groups if not idle_only or key[0] == 0)
+        for _, same in itertools.groupby(keys, key=lambda key: key[0]):
+            yield from _by_speed([self._groups[key] for key in same])
+
+
+def _by_speed(groups: list[_Group]) -> Iterator[Ties]:
+    """Equally loaded groups merged by speed, fastest first; the full sort only if the first rank
+    is not enough."""
+    best = max(group.fastest() for group in groups)
+    yield [group.buckets[best].members for group in groups if best in group.buckets]
+    rest = sorted({speed for group in groups for speed in group.buckets if speed != best}, reverse=True)
+    for speed in rest:
+        yield [group.buckets[speed].members for group in groups if speed in group.buckets]

@@ -1,7 +1,7 @@
 """Trust (CONTRACT §7): what a node proves at registration and keeps proving through challenges.
 
 Everything here is a pure function of a registration, a session, the settings and a clock; the
-lifecycle that sends challenges and applies the results lives in ``sessions``.
+lifecycle that sends challenges and applies the results lives in ``session_lifecycle``.
 
 - ``trust_level`` of a session is what it proved at registration: ``none`` < ``self_signed``
   (the attestation blob verifies under its Ed25519 identity key) < ``hardware`` (additionally a

@@ -1,4 +1,5 @@
-"""Who is calling: consumer API keys (dk-), console sessions (dks-), device tokens (dkp-), admin."""
+"""Who is calling: consumer API keys (dk-), console sessions (dks-), device tokens (dkp-), admin.
+Tokens resolve through the process's AuthCache (coordinator/identity/auth_cache.py)."""
 
 from __future__ import annotations
 
@@ -6,9 +7,11 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 from fastapi import Depends, Request
+from sqlalchemy.ext.asyncio import AsyncEngine
 
-from darkbloom.wire.openai.errors import ApiError, unauthorized
+from darkbloom.coordinator.identity.auth_cache import Grant, key_subject, machine_subject, session_subject
 from darkbloom.coordinator.services import Services, get_services
+from darkbloom.wire.openai.errors import ApiError, unauthorized
 from darkbloom.wire.crypto import constant_time_equal, token_hash
 from darkbloom.store import console_sessions, devices, keys
 
@@ -36,19 +39,39 @@ def bearer_token(request: Request) -> str | None:
 
 
 async def resolve_token(services: Services, token: str) -> Caller | None:
-    """Look a token up by its SHA-256 hash; the lookup by hash is the constant-time part."""
+    """The caller a token stands for: from memory when this process has seen the token lately,
+    else looked up by its SHA-256 hash (the lookup by hash is the constant-time part)."""
+    kind = _token_kind(token)
+    if kind is None:
+        return None
     digest = token_hash(token)
-    async with services.engine.connect() as conn:
-        if token.startswith("dk-") and not token.startswith("dk-local-"):
-            row = await keys.by_hash(conn, digest)
-            return Caller(row["account_id"], "api_key", key=row) if row else None
-        if token.startswith("dks-"):
-            account_id = await console_sessions.account_for(conn, digest)
-            return Caller(account_id, "console_session") if account_id else None
-        if token.startswith("dkp-"):
-            owner = await devices.token_owner(conn, digest)
-            return Caller(owner[0], "device", machine_id=owner[1]) if owner else None
+    grant = await services.auth_cache.get(digest, lambda: _load_grant(services.engine, kind, digest))
+    return grant.value if grant is not None else None
+
+
+def _token_kind(token: str) -> CallerKind | None:
+    if token.startswith("dk-") and not token.startswith("dk-local-"):
+        return "api_key"
+    if token.startswith("dks-"):
+        return "console_session"
+    if token.startswith("dkp-"):
+        return "device"
     return None
+
+
+async def _load_grant(engine: AsyncEngine, kind: CallerKind, digest: str) -> Grant | None:
+    async with engine.connect() as conn:
+        if kind == "api_key":
+            row = await keys.by_hash(conn, digest)
+            return Grant(Caller(row["account_id"], "api_key", key=row),
+                         (key_subject(row["id"]),)) if row else None
+        if kind == "console_session":
+            session = await console_sessions.session_for(conn, digest)
+            return Grant(Caller(session[0], "console_session"), (session_subject(digest),),
+                         expires_at=session[1]) if session else None
+        owner = await devices.token_owner(conn, digest)
+        return Grant(Caller(owner[0], "device", machine_id=owner[1]),
+                     (machine_subject(owner[1]),)) if owner else None
 
 
 async def require_caller(request: Request, services: Services = Depends(get_services)) -> Caller:
@@ -61,11 +84,25 @@ async def require_caller(request: Request, services: Services = Depends(get_serv
     return caller
 
 
-async def require_account_manager(caller: Caller = Depends(require_caller)) -> Caller:
-    """Key management and device approval: a console session or an API key, not a device token."""
+RESTRICTING_KEY_FIELDS = ("limit_micro_usd", "allowed_models", "rpm_limit", "itpm_limit", "otpm_limit")
+
+
+def restricted(key: dict[str, Any]) -> bool:
+    """A key someone chose to limit (self-route only, a spend cap, a model list, rate limits): if it
+    leaks, it must not be able to widen itself, mint an unrestricted key or link a machine."""
+    return bool(key.get("self_route_only")) or any(key.get(name) is not None for name in RESTRICTING_KEY_FIELDS)
+
+
+async def require_account_writer(caller: Caller = Depends(require_caller)) -> Caller:
+    """Account writes (keys, device approval, unlinking): a console session or an unrestricted API
+    key. Device tokens may do inference and account reads only (CONTRACT §3.2)."""
     if caller.kind == "device":
-        raise ApiError(403, "permission_denied",
-                       "A device token cannot manage keys or approve devices; use a console session or an API key.")
+        raise ApiError(403, "forbidden", "A device token can run inference and read the account, not change it; "
+                                         "use a console session or an unrestricted API key.")
+    if caller.key is not None and restricted(caller.key):
+        raise ApiError(403, "key_restricted", "This API key is restricted (self-route only, a spend limit, allowed "
+                                              "models or rate limits), so it cannot manage keys or machines; use a "
+                                              "console session or an unrestricted API key.")
     return caller
 
 

@@ -23,10 +23,18 @@ class BodyLimitMiddleware:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
-        declared = dict(scope.get("headers") or ()).get(b"content-length")
-        if declared is not None and declared.isdigit() and int(declared) > self.max_bytes:
-            await _reject(send, self.max_bytes)
+        declared, chunked = _framing(scope["headers"])
+        if declared is not None and not chunked:
+            # The HTTP parser delivers exactly Content-Length bytes, so a declared length within
+            # the limit needs no counting on the way in (the common case: every SDK declares it).
+            if declared > self.max_bytes:
+                await _reject(send, self.max_bytes)
+            else:
+                await self.app(scope, receive, send)
             return
+        await self._counted(scope, receive, send)
+
+    async def _counted(self, scope: Scope, receive: Receive, send: Send) -> None:
         seen = 0
         started = False
 
@@ -50,6 +58,17 @@ class BodyLimitMiddleware:
         except _TooLarge:
             if not started:
                 await _reject(send, self.max_bytes)
+
+
+def _framing(headers: list[tuple[bytes, bytes]]) -> tuple[int | None, bool]:
+    """(declared Content-Length if it is a plain number, whether Transfer-Encoding is present)."""
+    declared, chunked = None, False
+    for name, value in headers:
+        if name == b"content-length":
+            declared = int(value) if value.isdigit() else None
+        elif name == b"transfer-encoding":
+            chunked = True
+    return declared, chunked
 
 
 async def _reject(send: Send, max_bytes: int) -> None:

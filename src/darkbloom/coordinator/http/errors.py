@@ -11,7 +11,7 @@ from fastapi.responses import JSONResponse
 from sqlalchemy.exc import DBAPIError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from darkbloom.wire.openai.errors import ApiError, error_body, invalid_request
+from darkbloom.wire.openai.errors import ApiError, error_body, invalid_request, retry_headers
 from darkbloom.wire.openai.handlers import api_error_handler, http_error_handler
 
 async def _validation_handler(_request: Request, exc: Exception) -> JSONResponse:
@@ -23,7 +23,8 @@ async def _validation_handler(_request: Request, exc: Exception) -> JSONResponse
     if first.get("type") == "json_invalid":
         message = "The request body is not valid JSON."
         param = None
-    return JSONResponse(error_body("invalid_request_error", message, param=param), status_code=400)
+    return JSONResponse(error_body("invalid_request_error", message, param=param), status_code=400,
+                        headers=retry_headers(400))
 
 
 _PG_CHARACTER_NOT_IN_REPERTOIRE = "22021"  # e.g. a NUL character, which Postgres text cannot hold

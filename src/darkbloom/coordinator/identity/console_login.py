@@ -10,6 +10,8 @@ from argon2 import PasswordHasher
 from argon2.exceptions import InvalidHashError, VerificationError
 
 from darkbloom.wire.openai.errors import ApiError, invalid_request
+from darkbloom.coordinator.identity.auth_cache import session_subject
+from darkbloom.coordinator.identity.auth_invalidation import changing
 from darkbloom.coordinator.services import Services
 from darkbloom.wire.crypto import new_token, token_hash
 from darkbloom.store import accounts, console_sessions
@@ -54,8 +56,9 @@ async def login(services: Services, email: object, password: object) -> tuple[st
 
 
 async def logout(services: Services, token: str) -> None:
-    async with services.engine.begin() as conn:
-        await console_sessions.delete(conn, token_hash(token))
+    digest = token_hash(token)
+    async with changing(services, session_subject(digest)) as conn:
+        await console_sessions.delete(conn, digest)
 
 
 async def _new_console_session(services: Services, account_id: str) -> str:

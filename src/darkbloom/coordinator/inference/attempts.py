@@ -20,15 +20,15 @@ from darkbloom.coordinator.inference.chat_request import ChatRequest
 from darkbloom.coordinator.inference.lifecycle import RequestLifecycle
 from darkbloom.coordinator.inference.relay import ProviderFailure
 from darkbloom.coordinator.routing.decision import RouteDecision
-from darkbloom.coordinator.routing.scheduler import Placement, claim, survey
+from darkbloom.coordinator.routing.scheduler import Placement, claim, select_idle_or_free
 
 log = logging.getLogger("darkbloom.attempts")
 MAX_ATTEMPTS = 3
 
 
 def retryable(failure: ProviderFailure) -> bool:
-    event = failure.failure
-    return event.reason != "provider_error" or event.status >= 500 or event.status == 429
+    """A failure caused by the request itself fails that request only; any other may be retried."""
+    return not failure.request_fault
 
 
 class Attempts:
@@ -82,13 +82,10 @@ class Attempts:
 
     def _idle_or_free(self, *, require_idle: bool, owned_only: bool = False) -> Placement | None:
         decision = dataclasses.replace(self.decision, owned_only=True) if owned_only else self.decision
-        found = survey(self.services.registry, decision, self.services.settings)
-        pool = [s for s in found.available if not require_idle or s.active == 0]
-        owned = [s for s in pool if decision.owns(s)]
-        pool = owned or ([] if decision.owned_only else pool)
-        if not pool:
+        session = select_idle_or_free(self.services.registry, decision, self.services.settings, require_idle)
+        if session is None:
             return None
-        placement = claim(self.services.registry, min(pool, key=lambda s: (s.active, -s.decode_tps)), decision)
+        placement = claim(self.services.registry, session, decision)
         self.life.hold(placement.slot)
         return placement
 

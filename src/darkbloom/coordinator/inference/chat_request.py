@@ -39,6 +39,7 @@ def parse_chat_request(raw: bytes) -> ChatRequest:
         if not isinstance(message, dict) or not isinstance(message.get("role"), str):
             raise invalid_request(f"messages[{index}] must be an object with a string 'role'.",
                                   param=f"messages[{index}]")
+        _check_content(message.get("content"), f"messages[{index}].content")
     stream = body.get("stream", False)
     if stream is None:
         stream = False
@@ -51,11 +52,34 @@ def parse_chat_request(raw: bytes) -> ChatRequest:
         raise invalid_request("Only n=1 is supported: ask for one choice per request.", param="n")
     for field in ("max_tokens", "max_completion_tokens"):
         value = body.get(field)
-        if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 0):
-            raise invalid_request(f"'{field}' must be a non-negative integer.", param=field)
+        if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
+            raise invalid_request(f"'{field}' must be a positive integer.", param=field)
+    for field, (low, high) in _NUMBER_RANGES.items():
+        value = body.get(field)
+        if value is not None and (not isinstance(value, (int, float)) or isinstance(value, bool)
+                                  or not low <= value <= high):
+            raise invalid_request(f"'{field}' must be a number from {low:g} to {high:g}.", param=field)
     return ChatRequest(body=body, model=model.strip(), stream=stream,
                        uses_tools=bool(body.get("tools") or body.get("functions")),
                        uses_images=_has_images(messages))
+
+
+_NUMBER_RANGES = {"temperature": (0.0, 2.0), "top_p": (0.0, 1.0), "presence_penalty": (-2.0, 2.0),
+                  "frequency_penalty": (-2.0, 2.0)}
+
+
+def _check_content(content: Any, param: str) -> None:
+    """A message's content: text, null, or a list of typed parts whose text parts hold text."""
+    if content is None or isinstance(content, str):
+        return
+    if not isinstance(content, list):
+        raise invalid_request(f"'{param}' must be a string or an array of content parts.", param=param)
+    for index, part in enumerate(content):
+        where = f"{param}[{index}]"
+        if not isinstance(part, dict) or not isinstance(part.get("type"), str):
+            raise invalid_request(f"'{where}' must be an object with a string 'type'.", param=where)
+        if part["type"] in ("text", "input_text") and not isinstance(part.get("text"), str):
+            raise invalid_request(f"'{where}.text' must be a string.", param=f"{where}.text")
 
 
 def _has_images(messages: list[Any]) -> bool:

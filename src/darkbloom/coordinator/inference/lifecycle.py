@@ -24,7 +24,7 @@ import asyncio
 import contextlib
 import logging
 import time
-from typing import Any, AsyncIterator
+from typing import Any, AsyncIterator, Awaitable, Callable
 
 from darkbloom.coordinator.fleet.pending import PendingRequest
 from darkbloom.coordinator.fleet.slots import Slot
@@ -145,8 +145,9 @@ class RequestLifecycle:
 
     async def _give_back(self, *, refused: bool) -> None:
         self._release_attempts()
-        if self.reservation is not None:
-            await billing.refund(self.services, self.reservation)
+        reservation = self.reservation
+        if reservation is not None:
+            await self._money("refund", lambda: billing.refund(self.services, reservation))
         if refused:
             charges, self.rate_charges = self.rate_charges, []
         else:
@@ -168,23 +169,30 @@ class RequestLifecycle:
         served = billing.Served(provider_id=session.id, provider_account_id=session.account_id)
         bill = billing.Bill(self.request_id, self.caller.account_id, self.caller.key_id, self.model,
                             self.reservation, self.self_routed)
-        for attempt in range(1, SETTLE_ATTEMPTS + 1):
-            try:
-                # both steps are idempotent on the request id, so a retry after a transient error is safe
-                if usage is not None:
-                    await billing.settle_bill(services, bill, usage, served)
-                elif self.reservation is not None:
-                    await billing.refund(services, self.reservation)
-                break
-            except Exception:  # noqa: BLE001 - retried, then left to the reconciler at the next restart
-                log.exception("request %s: settlement attempt %d failed", self.request_id, attempt)
-                await asyncio.sleep(0.2 * 2 ** attempt)
+        reservation = self.reservation
+        if usage is not None:
+            await self._money("settlement", lambda: billing.settle_bill(services, bill, usage, served))
+        elif reservation is not None:
+            await self._money("refund", lambda: billing.refund(services, reservation))
         unused = admission.unused_token_charges(self.rate_charges, usage.prompt_tokens if usage else 0,
                                                 usage.completion_tokens if usage else 0)
         if unused:
             await services.rate_limiter.refund(unused)
         self._log(outcome if usage is not None or outcome != "client_disconnected"
                   else "client_disconnected_unbilled")
+
+    async def _money(self, what: str, step: Callable[[], Awaitable[Any]]) -> None:
+        """A settlement or refund through the ledger writer, which retries a failed batch itself; this
+        retries a step that still failed (idempotent on the request id), then leaves the reservation to
+        the reconciler of the next start. Awaited: the answer's last byte follows its commit."""
+        for attempt in range(1, SETTLE_ATTEMPTS + 1):
+            try:
+                await step()
+                return
+            except Exception:  # noqa: BLE001 - retried, then left to the reconciler at the next restart
+                log.exception("request %s: %s attempt %d failed", self.request_id, what, attempt)
+                if attempt < SETTLE_ATTEMPTS:
+                    await asyncio.sleep(0.2 * 2 ** attempt)
 
     def _log(self, outcome: str) -> None:
         assert self.serving is not None and self.model is not None

@@ -22,7 +22,7 @@ from darkbloom.coordinator.money.estimation import output_token_bound, prompt_to
 from darkbloom.coordinator.routing import placement
 from darkbloom.coordinator.routing.policy import Policy
 from darkbloom.coordinator.services import Services
-from darkbloom.wire.openai.chunks import SSE_DONE, sse
+from darkbloom.wire.openai.chunks import SSE_DONE, sse, wants_usage_chunk
 from darkbloom.wire.openai.shaping import ChunkShaper
 
 
@@ -50,11 +50,12 @@ async def chat_completion(life: RequestLifecycle, chat: ChatRequest, policy: Pol
         raise await placement.unserved_error(services, decision, failure.as_api_error()) from None
     headers = _routing_headers(life, caller, pending, policy)
     shaper = ChunkShaper(life.request_id, chat.model)
+    deadlines = relay.Deadlines.from_settings(services.settings, life.started)
     if chat.stream:
         life.hand_off()
-        return LifecycleStreamingResponse(life, _streamed(life, pending, completed, shaper), headers)
+        return LifecycleStreamingResponse(life, _streamed(life, pending, completed, shaper, deadlines, wants_usage_chunk(chat.body)), headers)
     try:
-        body = await until_disconnect(request, relay.collect(pending, completed, shaper))
+        body = await until_disconnect(request, relay.collect(pending, completed, shaper, deadlines))
     except relay.ProviderFailure as failure:
         raise failure.as_api_error() from None
     return JSONResponse(body, headers=headers)
@@ -68,9 +69,9 @@ def _routing_headers(life: RequestLifecycle, caller: Caller, pending: PendingReq
             "X-Darkbloom-Billing": "free" if owned and policy.self_routed else "charged", **life.rate_headers}
 
 
-async def _streamed(life: RequestLifecycle, pending: PendingRequest, completed: bool,
-                    shaper: ChunkShaper) -> AsyncIterator[bytes]:
-    async for part in relay.relay_chunks(pending, completed, shaper):
+async def _streamed(life: RequestLifecycle, pending: PendingRequest, completed: bool, shaper: ChunkShaper,
+                    deadlines: relay.Deadlines, include_usage: bool) -> AsyncIterator[bytes]:
+    async for part in relay.relay_chunks(pending, completed, shaper, deadlines):
         yield part
     failure = pending.failure
     await life.finish(failure.reason if failure else "ok")  # settled before the client sees the end
@@ -78,7 +79,8 @@ async def _streamed(life: RequestLifecycle, pending: PendingRequest, completed: 
         yield relay.failure_event(failure)
         return
     assert pending.usage is not None
-    yield sse(shaper.usage_chunk(pending.usage))
+    if include_usage:
+        yield sse(shaper.usage_chunk(pending.usage))
     yield SSE_DONE
 
 

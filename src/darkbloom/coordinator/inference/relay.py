@@ -8,15 +8,27 @@ from __future__ import annotations
 
 import asyncio
 import time
+from dataclasses import dataclass
 from typing import Any, AsyncIterator
 
-from darkbloom.coordinator.fleet.pending import Chunk, Completed, Failed, PendingRequest
+from darkbloom.coordinator.config import CoordinatorSettings
+from darkbloom.coordinator.fleet.pending import Chunk, Completed, Event, Failed, PendingRequest, UsageBounds
 from darkbloom.coordinator.fleet.slots import Slot
 from darkbloom.coordinator.inference.chat_request import ChatRequest
+from darkbloom.coordinator.money.estimation import prompt_token_bound
 from darkbloom.wire.openai.chunks import MessageBuilder, has_content, sse
 from darkbloom.wire.openai.errors import ApiError, error_body
 from darkbloom.wire.openai.shaping import ChunkShaper
 from darkbloom.wire.protocol import Cancel, InferenceRequest, dump
+
+
+# A provider's status says whose fault a failure is; its own text never reaches the consumer.
+_REQUEST_FAULT = frozenset({400, 404, 413, 422})
+_TOO_LARGE_MESSAGE = ("The request is too large for the provider serving this model once sealed; shorten "
+                      "the prompt.")
+_REQUEST_FAULT_MESSAGE = ("The model's server refused this request as invalid for it (for example longer than "
+                          "its context, or a parameter it does not support). Change the request and retry.")
+_PROVIDER_FAULT_MESSAGE = "The provider failed to serve the request. Retry; another provider may serve it."
 
 
 class ProviderFailure(Exception):
@@ -26,20 +38,42 @@ class ProviderFailure(Exception):
         super().__init__(failure.message)
         self.failure = failure
 
+    @property
+    def request_fault(self) -> bool:
+        """The provider refused the request itself: no other provider would serve it either."""
+        return self.failure.reason == "provider_error" and self.failure.status in _REQUEST_FAULT
+
     def as_api_error(self) -> ApiError:
         failure = self.failure
-        if 400 <= failure.status < 500 and failure.status != 429 and failure.reason == "provider_error":
-            return ApiError(failure.status, "invalid_request_error", failure.message)
+        if self.request_fault and failure.status == 413:
+            return ApiError(413, "request_too_large", _TOO_LARGE_MESSAGE)
+        if self.request_fault:
+            return ApiError(400, "invalid_request_error", _REQUEST_FAULT_MESSAGE)
         if failure.reason == "provider_timeout":
             return ApiError(504, "provider_timeout", failure.message)
+        if failure.reason == "provider_error":
+            return ApiError(502, "provider_error", _PROVIDER_FAULT_MESSAGE)
         return ApiError(502, failure.reason, failure.message)
+
+
+@dataclass(frozen=True)
+class Deadlines:
+    """After first content: at most ``idle`` seconds between provider events, and the whole request
+    over by ``until`` (monotonic). A provider that misses either is stopped and the request fails."""
+
+    idle: float
+    until: float
+
+    @classmethod
+    def from_settings(cls, settings: CoordinatorSettings, started: float) -> "Deadlines":
+        return cls(idle=settings.idle_timeout, until=started + settings.request_timeout)
 
 
 def dispatch(slot: Slot, chat: ChatRequest, provider_model_id: str, request_id: str,
              max_tokens: int) -> PendingRequest:
     """Send a sealed request on a claimed slot; the attempt holds the slot until ``release``."""
     session = slot.session
-    pending = PendingRequest(request_id, slot)
+    pending = PendingRequest(request_id, slot, UsageBounds(prompt_token_bound(chat), max_tokens))
     session.pending[request_id] = pending
     if not session.online:
         # It disconnected after the slot was claimed (close_session already failed what it had):
@@ -48,7 +82,13 @@ def dispatch(slot: Slot, chat: ChatRequest, provider_model_id: str, request_id: 
         return pending
     assert session.public_key is not None, "only sessions with an encryption key are routable"
     envelope = pending.reply_key.seal_request(chat.for_provider(provider_model_id, max_tokens), session.public_key)
-    session.send(dump(InferenceRequest(request_id=request_id, encrypted_body=envelope)))
+    frame = dump(InferenceRequest(request_id=request_id, encrypted_body=envelope))
+    limit = session.registration.max_request_frame_bytes
+    if len(frame) > limit:
+        # never sent: a frame over the node's limit would close its socket and every stream on it
+        pending.on_error(413, f"The sealed request is {len(frame)} bytes; this provider accepts at most {limit}.")
+        return pending
+    session.send(frame)
     return pending
 
 
@@ -108,13 +148,32 @@ def timed_out(budget: float) -> ProviderFailure:
     return ProviderFailure(Failed(504, f"The provider produced no output within {budget:g} s.", "provider_timeout"))
 
 
-async def relay_chunks(pending: PendingRequest, completed: bool, shaper: ChunkShaper) -> AsyncIterator[bytes]:
-    """SSE lines for the buffered head and every later chunk, until the provider finishes or fails
-    (then ``pending.usage`` or ``pending.failure`` says which)."""
+async def _next_event(pending: PendingRequest, deadlines: Deadlines) -> Event:
+    """The provider's next event, or — when it stays silent past a deadline — a timeout failure
+    (the provider is told to stop)."""
+    remaining = deadlines.until - time.monotonic()
+    wait = min(deadlines.idle, remaining)
+    try:
+        async with asyncio.timeout(max(wait, 0.0)):
+            return await pending.events.get()
+    except TimeoutError:
+        why = (f"sent nothing for {deadlines.idle:g} s" if wait == deadlines.idle and remaining > deadlines.idle
+               else "did not finish within the request deadline")
+        failure = Failed(504, f"The provider {why}; the answer is incomplete.", "provider_timeout")
+        if not pending.finished:
+            pending.session.send(dump(Cancel(request_id=pending.request_id)))
+        pending.finished, pending.failure = True, failure
+        return failure
+
+
+async def relay_chunks(pending: PendingRequest, completed: bool, shaper: ChunkShaper,
+                       deadlines: Deadlines) -> AsyncIterator[bytes]:
+    """SSE lines for the buffered head and every later chunk, until the provider finishes, fails or
+    misses a deadline (then ``pending.usage`` or ``pending.failure`` says which)."""
     for data in pending.head:
         yield sse(shaper.chunk(data))
     while not completed:
-        event = await pending.events.get()
+        event = await _next_event(pending, deadlines)
         if isinstance(event, Chunk):
             yield sse(shaper.chunk(event.data))
         elif isinstance(event, Failed):
@@ -128,13 +187,14 @@ def failure_event(failure: Failed) -> bytes:
     return sse(error_body("provider_error", failure.message, code=failure.reason))
 
 
-async def collect(pending: PendingRequest, completed: bool, shaper: ChunkShaper) -> dict[str, Any]:
+async def collect(pending: PendingRequest, completed: bool, shaper: ChunkShaper,
+                  deadlines: Deadlines) -> dict[str, Any]:
     """Assemble a non-streaming chat.completion from the chunks."""
     message = MessageBuilder()
     for data in pending.head:
         message.add(data)
     while not completed:
-        event = await pending.events.get()
+        event = await _next_event(pending, deadlines)
         if isinstance(event, Chunk):
             message.add(event.data)
         elif isinstance(event, Failed):

@@ -1,5 +1,6 @@
-"""Prices → cost, reservation, settlement and refund. Each step is one database transaction and
-is keyed by the request id, so a repeated step (duplicate completion, retry, crash) is a no-op.
+"""Prices → cost, reservation, settlement and refund. Each step goes through the process's ledger
+writer (``services.ledger``: group commit, see ``ledger_writer``), is atomic, and is keyed by the
+request id, so a repeated step (duplicate completion, retry, crash) is a no-op.
 
 Ledger view of a paid request: ``reservation −R`` at admission; at settlement ``refund +R`` and
 ``charge −C`` on the caller, ``platform_fee +F`` to the platform and ``payout +(C−F)`` to the
@@ -8,17 +9,18 @@ serving provider's owner (the platform when the provider is unowned), both as wi
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from dataclasses import dataclass
 from datetime import datetime, timedelta, timezone
-from typing import Any
+from typing import Any, Callable
 
 from darkbloom.wire.catalog import CatalogModel
 from darkbloom.wire.openai.errors import ApiError
+from darkbloom.coordinator.money import ledger_plan
+from darkbloom.coordinator.money.ledger_writer import LedgerUnavailable
 from darkbloom.coordinator.services import Services
 from darkbloom.wire.protocol import Usage
-from darkbloom.store import ledger
-from darkbloom.store.schema import PLATFORM_ACCOUNT_ID
 
 log = logging.getLogger("darkbloom.billing")
 
@@ -77,23 +79,56 @@ def worst_case(model: CatalogModel, prompt_tokens: int, output_bound: int, min_c
 
 async def reserve(services: Services, request_id: str, account_id: str, key: dict[str, Any] | None,
                   amount: int) -> Reservation:
-    """Hold ``amount`` against the key's cap and debit it from the balance, atomically, or raise 402."""
+    """Hold ``amount`` against the key's cap and debit it from the balance, atomically, or raise 402.
+    Returns once the reservation is committed (the request may then be dispatched)."""
     cap = key.get("limit_micro_usd") if key else None
     window = spend_window_start(key["limit_reset"]) if key and cap is not None else None
-    async with services.engine.begin() as conn:
-        if key is not None and cap is not None and window is not None:
-            if not await ledger.reserve_key_spend(conn, key["id"], window, int(cap), amount):
-                raise ApiError(402, "spend_cap_exceeded",
-                               "This API key has reached its spend limit for the current period. Raise the key's "
-                               "limit or wait for it to reset.")
-        if await ledger.move(conn, account_id, "balance", -amount, "reservation", request_id=request_id,
-                             require_funds=True) is None:
-            raise ApiError(402, "insufficient_funds",
-                           f"Your balance cannot cover this request (it needs up to {amount} µUSD). "
-                           "Add credit, or lower max_tokens.", code="insufficient_quota")
-        await ledger.open_reservation(conn, request_id, account_id, key["id"] if key else None, amount, window,
-                                      services.instance_id)
-    return Reservation(request_id, account_id, key["id"] if key else None, amount, window)
+    key_id = key["id"] if key else None
+    step = ledger_plan.Reserve(request_id, account_id, key_id, amount, None if cap is None else int(cap), window,
+                               services.instance_id)
+    future = services.ledger.submit(step)
+    try:
+        result = await asyncio.shield(future)
+    except asyncio.CancelledError:  # the caller went away: a hold that commits anyway is given back
+        future.add_done_callback(lambda done: _refund_orphan(services, request_id, done))
+        raise
+    except LedgerUnavailable:
+        log.exception("request %s: the reservation could not be written", request_id)
+        raise ApiError(503, "service_unavailable", "Billing is temporarily unavailable; retry in a few seconds.",
+                       headers={"Retry-After": "5"}) from None
+    if result == ledger_plan.SPEND_CAP_EXCEEDED:
+        raise ApiError(402, "spend_cap_exceeded",
+                       "This API key has reached its spend limit for the current period. Raise the key's "
+                       "limit or wait for it to reset.")
+    if result == ledger_plan.INSUFFICIENT_FUNDS:
+        raise ApiError(402, "insufficient_funds",
+                       f"Your balance cannot cover this request (it needs up to {amount} µUSD). "
+                       "Add credit, or lower max_tokens.", code="insufficient_quota")
+    if result == ledger_plan.DUPLICATE:
+        raise DuplicateReservation(f"request {request_id} already has a reservation")
+    return Reservation(request_id, account_id, key_id, amount, window)
+
+
+class DuplicateReservation(Exception):
+    """A request id that already has a (different) reservation: ids are unique per request."""
+
+
+def _refund_orphan(services: Services, request_id: str, done: asyncio.Future[Any]) -> None:
+    if done.cancelled() or done.exception() is not None or done.result() != ledger_plan.RESERVED:
+        return
+    log.info("request %s: its caller went away while the reservation committed; refunding it", request_id)
+    try:
+        services.ledger.submit(ledger_plan.Refund(request_id)).add_done_callback(_log_failure(request_id))
+    except LedgerUnavailable:
+        log.error("request %s: reservation left open (the ledger writer is closed); the reconciler of the "
+                  "next start refunds it", request_id)
+
+
+def _log_failure(request_id: str) -> Callable[[asyncio.Future[Any]], None]:
+    def check(done: asyncio.Future[Any]) -> None:
+        if not done.cancelled() and done.exception() is not None:
+            log.error("request %s: refund failed: %r", request_id, done.exception())
+    return check
 
 
 @dataclass(frozen=True)
@@ -108,15 +143,12 @@ class Bill:
     self_routed: bool                # the caller asked for their own machine (exclusive or prefer)
 
 
-class _AlreadySettled(Exception):
-    pass
-
-
 async def settle_bill(services: Services, bill: Bill, usage: Usage, served: Served) -> Settlement | None:
-    """Settle a completed request once. Free only when the caller asked for their own machine and
-    the session that actually served belongs to them (re-read from that session object);
-    otherwise paid: from the reservation when there is one, else straight from the balance —
-    and when that charge cannot be collected, nobody is paid."""
+    """Settle a completed request once (None if it was settled or refunded before). Free only when
+    the caller asked for their own machine and the session that actually served belongs to them
+    (re-read from that session object); otherwise paid: from the reservation when there is one,
+    else straight from the balance — and when that charge cannot be collected, nobody is paid.
+    An exclusive request (no reservation) writes its usage row through the same writer."""
     settings = services.settings
     owned = served.provider_account_id == bill.account_id
     free = bill.self_routed and owned
@@ -126,62 +158,22 @@ async def settle_bill(services: Services, bill: Bill, usage: Usage, served: Serv
         log.warning("request %s: reported usage costs %d µUSD, above its reservation %d; charging the reservation",
                     bill.request_id, cost, reservation.amount)
         cost = reservation.amount
-    payee = served.provider_account_id or PLATFORM_ACCOUNT_ID
-    request_id = bill.request_id
-    try:
-        async with services.engine.begin() as conn:
-            # locks in the global order (see ledger.lock_accounts): reservation, key window, accounts by id
-            if reservation is not None:
-                if await ledger.close_reservation(conn, request_id, "settled") is None:
-                    return None
-                if reservation.key_id and reservation.window_start is not None:
-                    await ledger.release_key_spend(conn, reservation.key_id, reservation.window_start,
-                                                   reserved=reservation.amount, spent=cost)
-            await ledger.lock_accounts(conn, {bill.account_id, PLATFORM_ACCOUNT_ID, payee})
-            collected = cost
-            if reservation is not None:
-                await ledger.move(conn, bill.account_id, "balance", reservation.amount, "refund",
-                                  request_id=request_id)
-                if cost:
-                    await ledger.move(conn, bill.account_id, "balance", -cost, "charge", request_id=request_id)
-            elif cost and await ledger.move(conn, bill.account_id, "balance", -cost, "charge",
-                                            request_id=request_id, require_funds=True) is None:
-                log.warning("request %s: served by a machine the caller does not own and the charge of %d µUSD "
-                            "cannot be collected; the provider is not paid", request_id, cost)
-                collected = 0
-            fee = collected * settings.platform_fee_bps // 10_000
-            payout = collected - fee
-            if fee:
-                await ledger.move(conn, PLATFORM_ACCOUNT_ID, "withdrawable", fee, "platform_fee", request_id=request_id)
-            if payout:
-                await ledger.move(conn, payee, "withdrawable", payout, "payout", request_id=request_id)
-            if not await ledger.record_usage(
-                    conn, request_id=request_id, account_id=bill.account_id, key_id=bill.key_id,
-                    model=bill.model.id, provider_id=served.provider_id,
-                    provider_account_id=served.provider_account_id, prompt_tokens=usage.prompt_tokens,
-                    completion_tokens=usage.completion_tokens, cost_micro_usd=collected,
-                    platform_fee_micro_usd=fee, provider_payout_micro_usd=payout, self_routed=free,
-                    routed="owned" if owned else "fleet"):
-                raise _AlreadySettled()
-    except _AlreadySettled:
+    result = await services.ledger.run(ledger_plan.Settle(
+        bill.request_id, bill.account_id, bill.key_id, bill.model.id, served.provider_id,
+        served.provider_account_id, usage.prompt_tokens, usage.completion_tokens, cost, settings.platform_fee_bps,
+        reserved=reservation is not None, self_routed=free, routed="owned" if owned else "fleet"))
+    if result is None:
         return None
-    return Settlement(collected, fee, payout)
+    if result.uncollected:
+        log.warning("request %s: served by a machine the caller does not own and the charge of %d µUSD "
+                    "cannot be collected; the provider is not paid", bill.request_id, result.uncollected)
+    return Settlement(result.cost, result.platform_fee, result.payout)
 
 
 async def refund(services: Services, reservation: Reservation) -> bool:
     """Return the whole reservation (failure, or nothing reported in time). False if already closed."""
-    async with services.engine.begin() as conn:
-        return await refund_in(conn, reservation.request_id)
+    return await refund_request(services, reservation.request_id)
 
 
-async def refund_in(conn: Any, request_id: str) -> bool:
-    row = await ledger.close_reservation(conn, request_id, "refunded")
-    if row is None:
-        return False
-    # the key's window before the account: the lock order of reserve and settle (see ledger.lock_accounts)
-    if row["key_id"] and row["window_start"] is not None:
-        await ledger.release_key_spend(conn, row["key_id"], int(row["window_start"]),
-                                       reserved=int(row["amount_micro_usd"]), spent=0)
-    await ledger.move(conn, row["account_id"], "balance", int(row["amount_micro_usd"]), "refund",
-                      request_id=request_id)
-    return True
+async def refund_request(services: Services, request_id: str) -> bool:
+    return bool(await services.ledger.run(ledger_plan.Refund(request_id)))

@@ -9,7 +9,7 @@ import time
 
 from sqlalchemy import insert, select, update
 
-from darkbloom.coordinator.money.billing import refund_in
+from darkbloom.coordinator.money.billing import refund_request
 from darkbloom.coordinator.services import Services
 from darkbloom.store import ledger
 from darkbloom.store.schema import coordinator_instances
@@ -25,21 +25,20 @@ async def register_instance(services: Services) -> None:
 
 
 async def reconcile_abandoned(services: Services) -> int:
-    """Refund open reservations whose instance is not this one and has not been seen lately."""
+    """Refund open reservations whose instance is not this one and has not been seen lately, through
+    the ledger writer (one batch for all of them; a reservation another replica closes first is skipped)."""
     stale_before = int(time.time() - services.settings.instance_stale_after)
     async with services.engine.connect() as conn:
         live = [row[0] for row in await conn.execute(
             select(coordinator_instances.c.id).where(coordinator_instances.c.last_seen >= stale_before))]
         live.append(services.instance_id)
         abandoned = [r for r in await ledger.open_reservations(conn) if r["instance_id"] not in live]
-    refunded = 0
-    for reservation in abandoned:
-        async with services.engine.begin() as conn:
-            if await refund_in(conn, reservation["request_id"]):
-                refunded += 1
-                log.warning("reconciled reservation %s (%d µUSD) left open by instance %s: refunded",
-                            reservation["request_id"], reservation["amount_micro_usd"], reservation["instance_id"])
-    return refunded
+    done = await asyncio.gather(*(refund_request(services, r["request_id"]) for r in abandoned))
+    for reservation, refunded in zip(abandoned, done):
+        if refunded:
+            log.warning("reconciled reservation %s (%d µUSD) left open by instance %s: refunded",
+                        reservation["request_id"], reservation["amount_micro_usd"], reservation["instance_id"])
+    return sum(done)
 
 
 async def heartbeat_forever(services: Services) -> None:

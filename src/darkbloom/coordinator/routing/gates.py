@@ -58,11 +58,14 @@ def _capabilities(s: ProviderSession, d: RouteDecision, _c: CoordinatorSettings,
 @dataclass(frozen=True)
 class Gate:
     """A named check; ``blocker`` is what an owner is told when only this gate keeps their own
-    machine from serving them privately (the privacy gates and ``untrusted``)."""
+    machine from serving them privately (the privacy gates and ``untrusted``). A ``lasting`` gate's
+    answer changes only when the session, the settings or the request's model, owner or traits do,
+    never with the clock, so the registry's views can keep it (``passes_lasting_gates``)."""
 
     name: str
     check: Check
     blocker: str | None = None
+    lasting: bool = True
 
 
 # The fixed order; the names are the reasons in logs, metrics and self-route errors.
@@ -76,10 +79,11 @@ GATES: tuple[Gate, ...] = (
          blocker="its Darkbloom runtime is not a verified release (update the node to this release)"),
     Gate("no_encrypted_chunks", _encrypted_chunks, blocker="it cannot encrypt its responses (update the node)"),
     Gate("challenge_stale", _challenge_fresh,
-         blocker="it has not passed a recent attestation challenge (restart the node)"),
+         blocker="it has not passed a recent attestation challenge (restart the node)", lasting=False),
     Gate("capability_unsupported", _capabilities),
 )
 PRIVACY_GATES = frozenset({"runtime_not_verified", "no_encrypted_chunks", "challenge_stale"})
+LASTING_GATES = tuple(gate for gate in GATES if gate.lasting)
 NO_FREE_SLOT = "no_free_slot"
 
 
@@ -89,3 +93,10 @@ def first_failed_gate(session: ProviderSession, decision: RouteDecision, setting
         if not gate.check(session, decision, settings, now):
             return gate.name
     return None
+
+
+def passes_lasting_gates(session: ProviderSession, decision: RouteDecision, settings: CoordinatorSettings) -> bool:
+    for gate in LASTING_GATES:
+        if not gate.check(session, decision, settings, 0.0):
+            return False
+    return True

@@ -6,7 +6,7 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from darkbloom.wire.catalog import CatalogModel
+from darkbloom.wire.catalog import MAX_MODEL_ID, CatalogModel
 from darkbloom.coordinator.http.auth import Caller
 from darkbloom.wire.openai.errors import ApiError
 from darkbloom.coordinator.routing.scheduler import routable_public
@@ -34,6 +34,8 @@ def owned_models(services: Services, account_id: str) -> dict[str, str]:
     now = time.monotonic()
     for session in services.registry.owned_by(account_id):
         for advertised in session.advertised_models:
+            if len(advertised) > MAX_MODEL_ID:
+                continue  # nobody can ask for it; never a model entry
             model = catalog.resolve(advertised) or CatalogModel(id=advertised, input_price=0, output_price=0)
             decision = RouteDecision(model=model, owner_account_id=account_id, owned_only=True)
             if first_failed_gate(session, decision, services.settings, now) is None:

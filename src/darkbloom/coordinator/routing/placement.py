@@ -13,7 +13,7 @@ from darkbloom.coordinator.routing.policy import Policy
 from darkbloom.coordinator.routing.queue import NoEligibleSession, QueueRefused
 from darkbloom.coordinator.routing.scheduler import Placement, survey
 from darkbloom.coordinator.services import Services
-from darkbloom.wire.catalog import CatalogModel
+from darkbloom.wire.catalog import MAX_MODEL_ID, CatalogModel
 from darkbloom.wire.openai.errors import ApiError
 
 
@@ -21,14 +21,15 @@ def resolve_model(services: Services, caller: Caller, name: str, policy: Policy)
     """The catalog entry; for self-routed requests also a model only the caller's machines serve
     (free to the owner, so it has no price)."""
     model = services.settings.catalog.resolve(name)
-    if model is None and policy.self_routed:
+    if model is None and policy.self_routed and len(name) <= MAX_MODEL_ID:
         advertised = policy.exclusive or any(name in s.advertised_models
                                              for s in services.registry.owned_by(caller.account_id))
         if advertised:
             model = CatalogModel(id=name, input_price=0, output_price=0)
     if model is None:
+        shown = name if len(name) <= MAX_MODEL_ID else name[:MAX_MODEL_ID] + "…"
         raise ApiError(404, "model_not_found",
-                       f"The model '{name}' does not exist. GET /v1/models lists the models you can use.",
+                       f"The model '{shown}' does not exist. GET /v1/models lists the models you can use.",
                        param="model")
     allowed = caller.key.get("allowed_models") if caller.key else None
     if allowed is not None and model.id not in allowed and name not in allowed:

@@ -4,6 +4,10 @@ A waiter keeps its own ``RouteDecision``; each drain re-evaluates every waiter i
 with its own rules, and a waiter that cannot be placed keeps its place. Drains run whenever a
 slot is released (the queues listen on the registry's slots) and on a short tick, which also
 covers new registrations, heartbeats and trust changes.
+
+Placing and draining select from the registry's views (``scheduler.select``); the full survey runs
+only when nothing is eligible (its reasons go into ``NoEligibleSession``), or when a refusal's
+``survey`` is read.
 """
 
 from __future__ import annotations
@@ -14,10 +18,11 @@ import math
 import time
 from collections import deque
 from dataclasses import dataclass, field
+from typing import Callable
 
 from darkbloom.coordinator.config import CoordinatorSettings
 from darkbloom.coordinator.fleet.registry import Registry
-from darkbloom.coordinator.routing.scheduler import Placement, Survey, survey, try_place
+from darkbloom.coordinator.routing.scheduler import Placement, Survey, any_eligible, survey, try_place
 from darkbloom.coordinator.routing.decision import RouteDecision
 
 log = logging.getLogger("darkbloom.queue")
@@ -33,11 +38,19 @@ class NoEligibleSession(Exception):
 
 
 class QueueRefused(Exception):
-    def __init__(self, code: str, retry_after: int, survey: Survey | None = None) -> None:
+    def __init__(self, code: str, retry_after: int, surveyed: Callable[[], Survey] | None = None) -> None:
         super().__init__(code)
         self.code = code  # queue_full | queue_timeout
         self.retry_after = retry_after
-        self.survey = survey
+        self._surveyed = surveyed
+        self._survey: Survey | None = None
+
+    @property
+    def survey(self) -> Survey | None:
+        """What the gates say about the request, surveyed when first read (the request path never does)."""
+        if self._survey is None and self._surveyed is not None:
+            self._survey = self._surveyed()
+        return self._survey
 
 
 @dataclass(eq=False)
@@ -61,16 +74,17 @@ class RequestQueues:
 
     async def place(self, decision: RouteDecision) -> Placement:
         """A claimed slot now, or after waiting in the model's queue; raises NoEligibleSession or QueueRefused."""
-        found = survey(self.registry, decision, self.settings)
-        if not found.eligible:
-            raise NoEligibleSession(found)
-        queue = self._queues.setdefault(decision.model.id, deque())
-        if not queue:
-            placement = try_place(self.registry, decision, self.settings, found)
+        if not self._queues.get(decision.model.id):
+            placement = try_place(self.registry, decision, self.settings)
             if placement is not None:
                 return placement
+        if not any_eligible(self.registry, decision, self.settings):
+            found = survey(self.registry, decision, self.settings)
+            if not found.eligible:
+                raise NoEligibleSession(found)
+        queue = self._queues.setdefault(decision.model.id, deque())
         if len(queue) >= self.settings.queue_depth:
-            raise QueueRefused("queue_full", self._retry_after(decision.model.id), found)
+            raise QueueRefused("queue_full", self._retry_after(decision.model.id), self._surveyor(decision))
         waiter = _Waiter(decision, asyncio.get_running_loop().create_future())
         queue.append(waiter)
         self.drain()
@@ -87,8 +101,7 @@ class RequestQueues:
         if not waiter.future.done():
             self._leave(decision.model.id, waiter)
             waiter.future.cancel()
-            raise QueueRefused("queue_timeout", self._retry_after(decision.model.id),
-                               survey(self.registry, decision, self.settings))
+            raise QueueRefused("queue_timeout", self._retry_after(decision.model.id), self._surveyor(decision))
         self._recent_wait[decision.model.id] = time.monotonic() - waiter.enqueued_at
         return waiter.future.result()
 
@@ -123,6 +136,9 @@ class RequestQueues:
         queue = self._queues.get(model_id)
         if queue is not None and waiter in queue:
             queue.remove(waiter)
+
+    def _surveyor(self, decision: RouteDecision) -> Callable[[], Survey]:
+        return lambda: survey(self.registry, decision, self.settings)
 
     def _retry_after(self, model_id: str) -> int:
         """Seconds until a retry likely finds a slot: the most recent time a waiter needed to be placed."""

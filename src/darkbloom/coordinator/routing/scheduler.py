@@ -3,6 +3,13 @@
 A ``RouteDecision`` is made once per request and carried through first dispatch, sequential
 retries, the speculative backup and the queue, so all four honour the same rules (which
 sessions may be used, what is relaxed for the owner, which sessions already failed).
+
+Selection does not scan the fleet: ``select`` walks the registry's views (the request's owned view,
+then the model's public one) in expected-wait order and puts only the sessions it reaches through
+the gates, taking the first rank with a session that passes them (at random within the rank). The
+full ``survey`` — every candidate through every gate, with the reasons — runs only when that finds
+nothing: for ``NoEligibleSession`` and the Self-Route pre-flight. The rejection counter therefore
+counts the sessions a selection examined and turned away, plus every rejection of a full survey.
 """
 
 from __future__ import annotations
@@ -11,17 +18,17 @@ import logging
 import random
 import time
 from dataclasses import dataclass, field
-from typing import Iterable, Optional
+from typing import Callable, Iterable, Iterator, Optional
 
 from prometheus_client import Counter
 
 from darkbloom.wire.catalog import CatalogModel
 from darkbloom.coordinator.config import CoordinatorSettings
-from darkbloom.coordinator.fleet.registry import Registry
+from darkbloom.coordinator.fleet.registry import Registry, SessionView
 from darkbloom.coordinator.fleet.session import ProviderSession
-from darkbloom.coordinator.fleet.slots import Slot
+from darkbloom.coordinator.fleet.slots import FreeOrder, Slot, Ties
 from darkbloom.coordinator.routing.decision import RouteDecision
-from darkbloom.coordinator.routing.gates import NO_FREE_SLOT, first_failed_gate
+from darkbloom.coordinator.routing.gates import NO_FREE_SLOT, first_failed_gate, passes_lasting_gates
 
 log = logging.getLogger("darkbloom.scheduler")
 REJECTIONS = Counter("darkbloom_scheduler_rejections_total", "Sessions a gate turned away", ["reason"])
@@ -47,6 +54,10 @@ class Survey:
     eligible: list[ProviderSession] = field(default_factory=list)
     available: list[ProviderSession] = field(default_factory=list)
     reasons: dict[str, int] = field(default_factory=dict)
+
+
+Order = Callable[[FreeOrder], Iterator[Ties]]
+_PROBES = 8  # random draws within a rank before it is walked whole
 
 
 def candidates(registry: Registry, decision: RouteDecision) -> Iterable[ProviderSession]:
@@ -106,13 +117,111 @@ def claim(registry: Registry, session: ProviderSession, decision: RouteDecision)
 
 def try_place(registry: Registry, decision: RouteDecision, settings: CoordinatorSettings,
               found: Survey | None = None) -> Placement | None:
-    found = found or survey(registry, decision, settings)
-    session = choose(found.available, decision)
+    """Select and claim; from ``found`` (a survey already made) when given."""
+    session = choose(found.available, decision) if found is not None else select(registry, decision, settings)
     return claim(registry, session, decision) if session is not None else None
+
+
+def select(registry: Registry, decision: RouteDecision, settings: CoordinatorSettings,
+           order: Order = FreeOrder.by_expected_wait) -> Optional[ProviderSession]:
+    """What ``choose`` would pick from a full survey: owned sessions first (prefer and exclusive),
+    the model's public sessions after (never for ``owned_only``), each view in ``order``."""
+    now = time.monotonic()
+    owner = decision.owner_account_id
+    if owner is not None:
+        found = _first(order(_view(registry, decision, settings, owner).free), decision, settings, now, False)
+        if found is not None or decision.owned_only:
+            return found
+    elif decision.owned_only:
+        return None
+    return _first(order(_view(registry, decision, settings, None).free), decision, settings, now, owner is not None)
+
+
+def select_idle_or_free(registry: Registry, decision: RouteDecision, settings: CoordinatorSettings,
+                        idle_only: bool) -> Optional[ProviderSession]:
+    """For a retry or the backup: owned first, then the fewest active requests, then the fastest."""
+    return select(registry, decision, settings, lambda free: free.by_active(idle_only))
+
+
+def any_eligible(registry: Registry, decision: RouteDecision, settings: CoordinatorSettings) -> bool:
+    """Whether a survey would find an eligible session (busy or not), stopping at the first; one
+    that has no free slot is counted as ``no_free_slot``."""
+    found = _first_eligible(registry, decision, settings)
+    if found is not None and not found.has_free_slot:
+        REJECTIONS.labels(NO_FREE_SLOT).inc()
+    return found is not None
 
 
 def routable_public(registry: Registry, model: CatalogModel, settings: CoordinatorSettings) -> bool:
     """Whether at least one public session could serve the model (for /v1/models)."""
-    decision = RouteDecision(model=model)
+    return _first_eligible(registry, RouteDecision(model=model), settings) is not None
+
+
+def _first_eligible(registry: Registry, decision: RouteDecision,
+                    settings: CoordinatorSettings) -> Optional[ProviderSession]:
     now = time.monotonic()
-    return any(first_failed_gate(s, decision, settings, now) is None for s in registry.serving(decision.names))
+    owner = decision.owner_account_id
+    views = [] if owner is None else [(_view(registry, decision, settings, owner), False)]
+    if not decision.owned_only or owner is None:  # (owned_only without an owner: the survey's candidates)
+        views.append((_view(registry, decision, settings, None), owner is not None))
+    for view, skip_owned in views:
+        for session in view:
+            if _usable(session, decision, settings, now, skip_owned, count=False):
+                return session
+    return None
+
+
+def _view(registry: Registry, decision: RouteDecision, settings: CoordinatorSettings,
+          owner: str | None) -> SessionView:
+    """The sessions of the decision's model (the owner's, or the public's) that pass the lasting gates."""
+    model = decision.model
+    key = (decision.names, model.weight_hash, decision.needs_images, owner, settings.min_trust)
+    view = registry.view(key)
+    if view is None:
+        shape = RouteDecision(model=model, needs_images=decision.needs_images, owner_account_id=owner)
+        view = registry.open_view(key, decision.names, owner,
+                                  lambda session: passes_lasting_gates(session, shape, settings))
+    return view
+
+
+def _usable(session: ProviderSession, decision: RouteDecision, settings: CoordinatorSettings, now: float,
+            skip_owned: bool, count: bool = True) -> bool:
+    if session.id in decision.excluded or (skip_owned and decision.owns(session)):
+        return False  # excluded, or owned and already looked at in the owned view
+    if decision.pinned and decision.pinned not in (session.id, session.machine_id):
+        return False
+    reason = first_failed_gate(session, decision, settings, now)
+    if reason is not None and count:
+        REJECTIONS.labels(reason).inc()
+        log.debug("session %s rejected for %s: %s", session.id, decision.model.id, reason)
+    return reason is None
+
+
+def _first(ranks: Iterator[Ties], decision: RouteDecision, settings: CoordinatorSettings, now: float,
+           skip_owned: bool) -> Optional[ProviderSession]:
+    """The first rank holding a usable session, and a uniformly random usable one of that rank:
+    random draws first, then (only if those all fail) the whole rank in random order."""
+    for rank in ranks:
+        size = sum(len(members) for members in rank)
+        turned_away: set[ProviderSession] = set()
+        if size > _PROBES:
+            for _ in range(_PROBES):
+                session = _nth(rank, random.randrange(size))
+                if session not in turned_away:
+                    if _usable(session, decision, settings, now, skip_owned):
+                        return session
+                    turned_away.add(session)
+        everyone = [session for members in rank for session in members if session not in turned_away]
+        random.shuffle(everyone)
+        for session in everyone:
+            if _usable(session, decision, settings, now, skip_owned):
+                return session
+    return None
+
+
+def _nth(rank: Ties, index: int) -> ProviderSession:
+    for members in rank:
+        if index < len(members):
+            return members[index]
+        index -= len(members)
+    raise IndexError(index)

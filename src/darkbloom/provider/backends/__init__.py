@@ -17,7 +17,8 @@ def create_backend(config: ProviderConfig) -> Backend:
 
         # An upstream that needs a key (a hosted vLLM, say) gets it from the environment, never a file.
         return OpenAIUpstreamBackend(config.upstream_url, config.model_ids,
-                                     api_key=os.environ.get("DARKBLOOM_UPSTREAM_API_KEY") or None)
+                                     api_key=os.environ.get("DARKBLOOM_UPSTREAM_API_KEY") or None,
+                                     max_concurrency=config.max_concurrency)
     from darkbloom.provider.backends.llama_cpp import LlamaCppBackend
 
     return LlamaCppBackend({spec.id: resolve_model_path(spec) for spec in config.models},

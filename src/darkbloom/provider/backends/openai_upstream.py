@@ -2,7 +2,10 @@
 
 The node always streams from the upstream with `stream_options.include_usage`, passes the
 content chunks through and takes the token counts from the upstream's final usage chunk.
-Bounding concurrency is the node's job, not this module's.
+Bounding concurrency is the node's job, not this module's; the backend keeps one pool of keep-alive
+connections to its upstream for its lifetime, as many as the node's `max_concurrency`, and reads
+each answer to its end (past `[DONE]`) so that its connection goes back to the pool for the next
+request instead of being closed.
 
 Partial usage (a request stopped early): the `UsageMeter` always holds what the final usage chunk
 would say if the stream ended now — the upstream's own counts once a usage object has arrived
@@ -18,6 +21,7 @@ status and its error `type`/`code` identifiers inside a sentence of our own, nev
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 import math
@@ -29,6 +33,10 @@ import httpx
 from darkbloom.provider.backends.base import BackendError, UsageMeter, new_completion_id, usage_chunk
 
 log = logging.getLogger(__name__)
+KEEPALIVE_EXPIRY = 4.0  # seconds an idle connection is kept: under uvicorn's 5 s (vLLM, llama.cpp's server)
+POOL_TIMEOUT = 30.0     # waiting this long for a free connection means one leaked: fail, never hang
+END_OF_BODY_LINES = 8   # what may follow [DONE] before the connection is dropped instead
+END_OF_BODY_WAIT = 1.0
 
 
 def chat_completions_url(upstream_url: str) -> str:
@@ -41,16 +49,24 @@ def chat_completions_url(upstream_url: str) -> str:
 
 class OpenAIUpstreamBackend:
     def __init__(self, upstream_url: str, model_ids: list[str], *, api_key: str | None = None,
-                 transport: httpx.AsyncBaseTransport | None = None, read_timeout: float = 300.0) -> None:
+                 max_concurrency: int = 2, transport: httpx.AsyncBaseTransport | None = None,
+                 read_timeout: float = 300.0) -> None:
         self.url = chat_completions_url(upstream_url)
         self.model_ids = list(model_ids)
         self._headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         self._transport = transport
-        self._timeout = httpx.Timeout(connect=10.0, read=read_timeout, write=30.0, pool=None)
+        self._timeout = httpx.Timeout(connect=10.0, read=read_timeout, write=30.0, pool=POOL_TIMEOUT)
+        self._limits = httpx.Limits(max_connections=max_concurrency, max_keepalive_connections=max_concurrency,
+                                    keepalive_expiry=KEEPALIVE_EXPIRY)
         self._client: httpx.AsyncClient | None = None
 
     async def start(self) -> None:
-        self._client = httpx.AsyncClient(timeout=self._timeout, transport=self._transport, headers=self._headers)
+        if not log.isEnabledFor(logging.DEBUG):
+            # httpx logs every request at INFO ("HTTP Request: POST …"): one line per request on the
+            # node's hot path. Kept at DEBUG level (DARKBLOOM_LOG_LEVEL=DEBUG shows them again).
+            logging.getLogger("httpx").setLevel(logging.WARNING)
+        self._client = httpx.AsyncClient(timeout=self._timeout, limits=self._limits, transport=self._transport,
+                                         headers=self._headers)
 
     async def close(self) -> None:
         if self._client is not None:
@@ -105,11 +121,13 @@ class OpenAIUpstreamBackend:
 
 
 async def _sse_chunks(response: httpx.Response) -> AsyncIterator[dict[str, Any]]:
-    async for line in response.aiter_lines():
+    lines = response.aiter_lines()
+    async for line in lines:
         if not line.startswith("data:"):
             continue
         data = line[5:].strip()
         if data == "[DONE]":
+            await _read_to_the_end(lines)
             return
         try:
             chunk = json.loads(data)
@@ -125,6 +143,18 @@ async def _sse_chunks(response: httpx.Response) -> AsyncIterator[dict[str, Any]]
     # Without [DONE] the upstream failed after sending its headers (some servers report a
     # too-long prompt this way); a truncated answer must not pass for a complete one.
     raise BackendError(502, "upstream closed the stream before it was complete")
+
+
+async def _read_to_the_end(lines: AsyncIterator[str]) -> None:
+    """Read the (empty) rest of the body after [DONE]: a response read to its end gives its connection
+    back to the pool, one closed early takes it down. An upstream that keeps sending loses the
+    connection instead of delaying the answer."""
+    try:
+        async with asyncio.timeout(END_OF_BODY_WAIT):
+            for _ in range(END_OF_BODY_LINES):
+                await anext(lines)
+    except (StopAsyncIteration, TimeoutError):
+        pass
 
 
 def _valid_usage(usage: dict[str, Any]) -> bool:

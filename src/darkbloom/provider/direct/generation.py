@@ -18,7 +18,7 @@ from typing import Any, AsyncIterator
 from starlette.responses import StreamingResponse
 from starlette.types import Receive, Scope, Send
 
-from darkbloom.wire.openai.chunks import SSE_DONE, MessageBuilder, has_content, sse
+from darkbloom.wire.openai.chunks import SSE_DONE, MessageBuilder, has_content, sse, wants_usage_chunk
 from darkbloom.wire.openai.shaping import ChunkShaper
 from darkbloom.wire.protocol import Usage
 from darkbloom.provider.backends import Backend, BackendError
@@ -40,6 +40,7 @@ class Generation:
         self.slots = slots
         self.usage: Usage | None = None
         self.started = time.monotonic()
+        self.include_usage = wants_usage_chunk(body)
         self._stream = backend.stream_chat(model, body, self.meter)
         self._finishing = False
 
@@ -124,7 +125,8 @@ async def events(generation: Generation, head: list[dict[str, Any]]) -> AsyncIte
         log.exception("direct request %s failed mid-stream", generation.request_id)
         yield sse(node_failed().body())
         return
-    yield sse(final)
+    if generation.include_usage:
+        yield sse(final)
     yield SSE_DONE
 
 

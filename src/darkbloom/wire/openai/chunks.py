@@ -17,6 +17,14 @@ def has_content(chunk: dict[str, Any]) -> bool:
     return False
 
 
+def wants_usage_chunk(body: dict[str, Any]) -> bool:
+    """Whether a streamed answer ends with the ``choices: []`` usage chunk: only when asked for with
+    ``stream_options.include_usage: true``, as OpenAI does (clients indexing ``choices[0]`` on every
+    chunk break otherwise)."""
+    options = body.get("stream_options")
+    return isinstance(options, dict) and options.get("include_usage") is True
+
+
 def sse(data: dict[str, Any]) -> bytes:
     return b"data: " + json.dumps(data, separators=(",", ":")).encode() + b"\n\n"
 

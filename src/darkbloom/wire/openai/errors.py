@@ -8,6 +8,18 @@ from typing import Any
 from starlette.responses import JSONResponse
 
 
+# Errors a retry cannot fix (CONTRACT §3.1): SDKs read this header and stop retrying them.
+NOT_RETRYABLE = frozenset({400, 401, 402, 403, 404, 409})
+
+
+def retry_headers(status: int, headers: dict[str, str] | None = None) -> dict[str, str]:
+    """``headers`` plus ``x-should-retry: false`` when a retry of this status cannot succeed."""
+    merged = dict(headers or {})
+    if status in NOT_RETRYABLE:
+        merged.setdefault("x-should-retry", "false")
+    return merged
+
+
 class ApiError(Exception):
     def __init__(self, status: int, type_: str, message: str, *, code: str | None = None,
                  param: str | None = None, headers: dict[str, str] | None = None) -> None:
@@ -23,7 +35,7 @@ class ApiError(Exception):
         return error_body(self.type, self.message, self.code, self.param)
 
     def response(self) -> JSONResponse:
-        return JSONResponse(self.body(), status_code=self.status, headers=self.headers)
+        return JSONResponse(self.body(), status_code=self.status, headers=retry_headers(self.status, self.headers))
 
 
 def error_body(type_: str, message: str, code: str | None = None, param: str | None = None) -> dict[str, Any]:

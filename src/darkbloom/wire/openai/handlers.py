@@ -6,7 +6,7 @@ from starlette.exceptions import HTTPException
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
-from darkbloom.wire.openai.errors import ApiError, error_body
+from darkbloom.wire.openai.errors import ApiError, error_body, retry_headers
 
 _ROUTING_ERRORS = {
     404: ("not_found", "No route matches {path}."),
@@ -24,4 +24,5 @@ async def http_error_handler(request: Request, exc: Exception) -> Response:
     assert isinstance(exc, HTTPException)
     type_, template = _ROUTING_ERRORS.get(exc.status_code, ("invalid_request_error", "{detail}"))
     message = template.format(path=request.url.path, method=request.method, detail=exc.detail)
-    return JSONResponse(error_body(type_, message), status_code=exc.status_code, headers=exc.headers)
+    return JSONResponse(error_body(type_, message), status_code=exc.status_code,
+                        headers=retry_headers(exc.status_code, exc.headers))

@@ -8,7 +8,7 @@ from fastapi import APIRouter, Depends, Request
 from fastapi.responses import JSONResponse
 
 from darkbloom.coordinator.identity import console_login
-from darkbloom.coordinator.http.auth import Caller, bearer_token, require_caller
+from darkbloom.coordinator.http.auth import Caller, bearer_token, require_account_writer, require_caller
 from darkbloom.coordinator.http.json_body import json_object
 from darkbloom.coordinator.fleet.machines import linked_machines, unlink_machine
 from darkbloom.coordinator.services import Services, get_services
@@ -46,7 +46,7 @@ async def my_providers(caller: Caller = Depends(require_caller),
 
 
 @router.delete("/v1/me/providers/{machine_id}")
-async def unlink(machine_id: str, caller: Caller = Depends(require_caller),
+async def unlink(machine_id: str, caller: Caller = Depends(require_account_writer),
                  services: Services = Depends(get_services)) -> JSONResponse:
     await unlink_machine(services, caller.account_id, machine_id)
     return JSONResponse({"id": machine_id, "deleted": True})

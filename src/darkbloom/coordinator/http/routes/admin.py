@@ -17,14 +17,17 @@ from darkbloom.coordinator.services import Services, get_services
 from darkbloom.store import accounts
 
 router = APIRouter(prefix="/v1/admin", dependencies=[Depends(require_admin)])
+MAX_CREDIT = 10**15        # µUSD in one credit: a billion dollars
+MAX_BALANCE = 2**62        # far below the 64-bit columns' limit, so no sum of pockets can overflow
 
 
 @router.post("/credit")
 async def credit(request: Request, services: Services = Depends(get_services)) -> dict[str, Any]:
     body = await json_object(request)
     amount, reference = body.get("amount_micro_usd"), body.get("reference")
-    if not isinstance(amount, int) or isinstance(amount, bool) or not 0 < amount < 2**63:
-        raise invalid_request("'amount_micro_usd' must be a positive integer (µUSD).", param="amount_micro_usd")
+    if not isinstance(amount, int) or isinstance(amount, bool) or not 0 < amount <= MAX_CREDIT:
+        raise invalid_request(f"'amount_micro_usd' must be a positive integer (µUSD), at most {MAX_CREDIT}.",
+                              param="amount_micro_usd")
     if not isinstance(reference, str) or not reference.strip() or len(reference) > 200:
         raise invalid_request("'reference' must be a non-empty string (it makes the credit idempotent).",
                               param="reference")
@@ -35,6 +38,10 @@ async def credit(request: Request, services: Services = Depends(get_services)) -
             account_id = row["id"] if row else None
         if not isinstance(account_id, str):
             raise ApiError(404, "account_not_found", "No account with this id or email.")
+        row = await accounts.get(conn, account_id)
+        if row is not None and int(row["balance_micro_usd"]) + amount > MAX_BALANCE:
+            raise invalid_request(f"This credit would take the balance past {MAX_BALANCE} µUSD.",
+                                  param="amount_micro_usd")
         balance = await accounts.credit(conn, account_id, amount, reference.strip())
     if balance is None:
         raise ApiError(404, "account_not_found", "No account with this id or email.")

@@ -7,7 +7,7 @@ from typing import Any
 from fastapi import APIRouter, Depends, Request
 
 from darkbloom.coordinator.identity import device_login
-from darkbloom.coordinator.http.auth import Caller, require_account_manager
+from darkbloom.coordinator.http.auth import Caller, require_account_writer
 from darkbloom.coordinator.http.json_body import json_object
 from darkbloom.coordinator.services import Services, get_services
 
@@ -20,7 +20,7 @@ async def device_code(services: Services = Depends(get_services)) -> dict[str, A
 
 
 @router.post("/v1/device/approve")
-async def approve(request: Request, caller: Caller = Depends(require_account_manager),
+async def approve(request: Request, caller: Caller = Depends(require_account_writer),
                   services: Services = Depends(get_services)) -> dict[str, str]:
     body = await json_object(request)
     await device_login.approve(services, caller.account_id, body.get("user_code"))

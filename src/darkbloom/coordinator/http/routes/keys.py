@@ -7,7 +7,9 @@ from typing import Any
 from fastapi import APIRouter, Depends, Query, Request
 
 from darkbloom.coordinator.identity.api_keys import key_fields, key_view
-from darkbloom.coordinator.http.auth import Caller, require_account_manager
+from darkbloom.coordinator.identity.auth_cache import key_subject
+from darkbloom.coordinator.identity.auth_invalidation import changing
+from darkbloom.coordinator.http.auth import Caller, require_account_writer, require_caller
 from darkbloom.wire.openai.errors import ApiError
 from darkbloom.coordinator.http.json_body import json_object
 from darkbloom.coordinator.services import Services, get_services
@@ -22,7 +24,7 @@ def _missing(key_id: str) -> ApiError:
 
 
 @router.post("/v1/keys", status_code=201)
-async def create_key(request: Request, caller: Caller = Depends(require_account_manager),
+async def create_key(request: Request, caller: Caller = Depends(require_account_writer),
                      services: Services = Depends(get_services)) -> dict[str, Any]:
     fields = key_fields(await json_object(request), creating=True)
     secret = new_token("dk-")
@@ -33,7 +35,7 @@ async def create_key(request: Request, caller: Caller = Depends(require_account_
 
 @router.get("/v1/keys")
 async def list_keys(limit: int = Query(100, ge=1, le=1000), cursor: str | None = None,
-                    caller: Caller = Depends(require_account_manager),
+                    caller: Caller = Depends(require_caller),
                     services: Services = Depends(get_services)) -> dict[str, Any]:
     async with services.engine.connect() as conn:
         rows = await keys.list_for(conn, caller.account_id, limit + 1, cursor)
@@ -43,7 +45,7 @@ async def list_keys(limit: int = Query(100, ge=1, le=1000), cursor: str | None =
 
 
 @router.get("/v1/keys/{key_id}")
-async def get_key(key_id: str, caller: Caller = Depends(require_account_manager),
+async def get_key(key_id: str, caller: Caller = Depends(require_caller),
                   services: Services = Depends(get_services)) -> dict[str, Any]:
     async with services.engine.connect() as conn:
         row = await keys.get(conn, caller.account_id, key_id)
@@ -53,10 +55,10 @@ async def get_key(key_id: str, caller: Caller = Depends(require_account_manager)
 
 
 @router.patch("/v1/keys/{key_id}")
-async def update_key(key_id: str, request: Request, caller: Caller = Depends(require_account_manager),
+async def update_key(key_id: str, request: Request, caller: Caller = Depends(require_account_writer),
                      services: Services = Depends(get_services)) -> dict[str, Any]:
     fields = key_fields(await json_object(request), creating=False)
-    async with services.engine.begin() as conn:
+    async with changing(services, key_subject(key_id)) as conn:  # cached grants carry the old row
         row = await keys.update_fields(conn, caller.account_id, key_id, fields)
     if row is None:
         raise _missing(key_id)
@@ -64,9 +66,9 @@ async def update_key(key_id: str, request: Request, caller: Caller = Depends(req
 
 
 @router.delete("/v1/keys/{key_id}")
-async def delete_key(key_id: str, caller: Caller = Depends(require_account_manager),
+async def delete_key(key_id: str, caller: Caller = Depends(require_account_writer),
                      services: Services = Depends(get_services)) -> dict[str, Any]:
-    async with services.engine.begin() as conn:
+    async with changing(services, key_subject(key_id)) as conn:
         if not await keys.revoke(conn, caller.account_id, key_id):
             raise _missing(key_id)
     return {"id": key_id, "object": "api_key", "deleted": True}

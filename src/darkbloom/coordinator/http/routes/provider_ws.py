@@ -121,8 +121,8 @@ async def _read_frames(websocket: WebSocket, services: Services, session: Provid
                 session_lifecycle.distrust(session, "a response chunk failed decryption", services)
         elif isinstance(frame, InferenceComplete):
             pending = session.pending.get(frame.request_id)
-            if pending is not None:
-                pending.on_complete(frame.usage)
+            if pending is not None and not pending.on_complete(frame.usage):
+                session_lifecycle.distrust(session, "it reported impossible token usage", services)
         elif isinstance(frame, InferenceError):
             pending = session.pending.get(frame.request_id)
             if pending is not None:

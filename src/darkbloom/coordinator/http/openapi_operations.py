@@ -1,0 +1,183 @@
+"""What each route of the coordinator takes and answers, for the OpenAPI document: its request body,
+its successful answers and every error status it can return with the ``code``s behind it (the
+routes and the modules they call raise them; CONTRACT §3, §4 and §6 name them)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+from darkbloom.coordinator.http.sealed_body import SEALED_CONTENT_TYPE
+from darkbloom.wire.catalog import BUNDLED_MODEL_ID
+
+Auth = Literal["caller", "manager", "admin"]
+
+
+@dataclass(frozen=True)
+class Answer:
+    """A successful (or otherwise non-envelope) response: media type → schema name."""
+
+    description: str
+    content: dict[str, str] = field(default_factory=dict)
+    headers: tuple[str, ...] = ()  # names in openapi.HEADERS
+
+
+def json_answer(schema: str, description: str) -> Answer:
+    return Answer(description, {"application/json": schema})
+
+
+@dataclass(frozen=True)
+class Operation:
+    tag: str
+    summary: str
+    answers: dict[int, Answer]
+    auth: Auth | None = None
+    body: dict[str, str] | None = None       # media type → schema name
+    body_required: bool = True
+    errors: dict[int, tuple[str, ...]] = field(default_factory=dict)  # status → error codes
+    route_headers: tuple[str, ...] = ()      # Self-Route request headers the route reads
+    description: str | None = None
+    examples: dict[str, Any] = field(default_factory=dict)  # named JSON request bodies
+
+
+def _json_body(schema: str) -> dict[str, str]:
+    return {"application/json": schema}
+
+
+INVALID = ("invalid_request_error",)
+_HELLO = [{"role": "user", "content": "Say hello."}]
+_CHAT_EXAMPLES = {
+    "plain": {"model": BUNDLED_MODEL_ID, "messages": _HELLO, "max_tokens": 16},
+    "streamed": {"model": BUNDLED_MODEL_ID, "messages": _HELLO, "stream": True,
+                 "stream_options": {"include_usage": True}},
+    "parts": {"model": BUNDLED_MODEL_ID, "temperature": 0.2,
+              "messages": [{"role": "system", "content": "Be brief."},
+                           {"role": "user", "content": [{"type": "text", "text": "Say hello."}]}]},
+}
+_CHAT_ERRORS = {
+    400: ("invalid_request_error", "invalid_sealed_envelope", "kid_mismatch", "decryption_failed",
+          "context_length_exceeded", "model_capability_unsupported"),
+    402: ("insufficient_quota (type insufficient_funds)", "spend_cap_exceeded"),
+    403: ("model_not_allowed",),
+    404: ("model_not_found", "machine_not_found"),
+    409: ("no_linked_machine",),
+    429: ("rate_limit_exceeded", "queue_full (type rate_limit_exceeded)",
+          "queue_timeout (type rate_limit_exceeded)", "machine_busy"),
+    502: ("provider_error", "provider_unavailable", "untrusted_chunk", "untrusted_usage"),
+    503: ("model_unavailable", "model_capability_unsupported (type model_unavailable)", "model_routing_blocked",
+          "model_not_loaded", "machine_offline", "service_unavailable"),
+    504: ("provider_timeout",),
+}
+
+OPERATIONS: dict[tuple[str, str], Operation] = {
+    ("get", "/health"): Operation("public", "Liveness", {200: json_answer("HealthStatus", "The process is up.")}),
+    ("get", "/readyz"): Operation("public", "Readiness (the database is reachable)", {
+        200: json_answer("ReadyStatus", "Ready to serve."),
+        503: json_answer("ReadyStatus", "The database is unreachable.")}),
+    ("get", "/metrics"): Operation("public", "Prometheus metrics", {
+        200: Answer("Prometheus text exposition format.", {"text/plain": "MetricsText"})}),
+    ("get", "/v1/encryption-key"): Operation("public", "The key a request body may be sealed to", {
+        200: json_answer("EncryptionKey", "The coordinator's X25519 public key (CONTRACT §6).")}),
+    ("get", "/openapi.json"): Operation("public", "This document", {
+        200: json_answer("OpenApiDocument", "The OpenAPI document of the coordinator.")}),
+    ("post", "/v1/chat/completions"): Operation(
+        "inference", "Create a chat completion", auth="caller",
+        body={**_json_body("ChatCompletionRequest"), SEALED_CONTENT_TYPE: "SealedRequest"},
+        route_headers=("X-Darkbloom-Route", "X-Darkbloom-Machine"), errors=_CHAT_ERRORS, examples=_CHAT_EXAMPLES,
+        answers={200: Answer("The completion (`stream: false`), or its server-sent events (`stream: true`); "
+                             "sealed back when the request was sealed.",
+                             {"application/json": "ChatCompletion", "text/event-stream": "ChatCompletionEvent",
+                              SEALED_CONTENT_TYPE: "SealedResponse"},
+                             ("X-Request-Id", "X-Provider-Id", "X-Darkbloom-Routed", "X-Darkbloom-Billing"))},
+        description="OpenAI chat completions through the fleet or, with Self-Route, on your own machines."),
+    ("get", "/v1/models"): Operation(
+        "inference", "List the models you can use", {200: json_answer("ModelList", "OpenAI list shape.")},
+        auth="caller", route_headers=("X-Darkbloom-Route",),
+        description="The public catalog of routable models, or with an exclusive self-route policy "
+                    "(`X-Darkbloom-Route: self` or a self_route_only key) your own machines' models."),
+    ("get", "/v1/models/{model_id}"): Operation(
+        "inference", "One model", {200: json_answer("Model", "The model, under the id you asked for.")},
+        auth="caller", route_headers=("X-Darkbloom-Route",), errors={404: ("model_not_found",)}),
+    ("get", "/v1/me/self-route-models"): Operation(
+        "inference", "What your own online machines can serve",
+        {200: json_answer("SelfRouteModels", "Sorted model ids.")}, auth="caller"),
+    ("post", "/v1/auth/signup"): Operation(
+        "accounts", "Create an account", {201: json_answer("Session", "The account and a console session.")},
+        body=_json_body("Credentials"), errors={400: INVALID, 409: ("email_taken",)}),
+    ("post", "/v1/auth/login"): Operation(
+        "accounts", "Log in", {200: json_answer("Session", "A new console session (dks-).")},
+        body=_json_body("Credentials"), errors={400: INVALID, 401: ("invalid_credentials",)}),
+    ("post", "/v1/auth/logout"): Operation(
+        "accounts", "End this console session", {200: json_answer("Status", "`{\"status\": \"logged_out\"}`.")},
+        auth="caller", errors={403: ("forbidden",)}),
+    ("get", "/v1/me/providers"): Operation(
+        "accounts", "Your linked machines", {200: json_answer("MachineList", "Every linked machine.")},
+        auth="caller"),
+    ("delete", "/v1/me/providers/{machine_id}"): Operation(
+        "accounts", "Unlink a machine (revokes its device token)",
+        {200: json_answer("Unlinked", "Unlinked.")}, auth="caller",
+        errors={400: INVALID, 403: ("forbidden",), 404: ("machine_not_found",)}),
+    ("get", "/v1/payments/balance"): Operation(
+        "payments", "Your balance", {200: json_answer("Balance", "µUSD.")}, auth="caller"),
+    ("get", "/v1/payments/usage"): Operation(
+        "payments", "Your usage rows, newest first", {200: json_answer("UsagePage", "One page.")},
+        auth="caller", errors={400: INVALID}),
+    ("get", "/v1/provider/earnings"): Operation(
+        "payments", "Payouts to your machines", {200: json_answer("EarningsPage", "One page and the total.")},
+        auth="caller", errors={400: INVALID}),
+    ("post", "/v1/keys"): Operation(
+        "keys", "Create an API key", {201: json_answer("ApiKeyWithSecret", "The key; `key` is shown only here.")},
+        auth="manager", body=_json_body("ApiKeyCreate"), errors={400: INVALID}, examples={
+            "my_machine_only": {"name": "laptop", "self_route_only": True},
+            "capped": {"name": "ci", "limit_usd": 5, "limit_reset": "monthly", "rpm_limit": 60,
+                       "allowed_models": [BUNDLED_MODEL_ID]}}),
+    ("get", "/v1/keys"): Operation(
+        "keys", "List your API keys", {200: json_answer("ApiKeyList", "One page (never the secrets).")},
+        auth="manager", errors={400: INVALID}),
+    ("get", "/v1/keys/{key_id}"): Operation(
+        "keys", "One API key", {200: json_answer("ApiKey", "The key (never the secret).")},
+        auth="manager", errors={400: INVALID, 404: ("key_not_found",)}),
+    ("patch", "/v1/keys/{key_id}"): Operation(
+        "keys", "Edit an API key", {200: json_answer("ApiKey", "The edited key.")}, auth="manager",
+        body=_json_body("ApiKeyUpdate"), body_required=False, errors={400: INVALID, 404: ("key_not_found",)}),
+    ("delete", "/v1/keys/{key_id}"): Operation(
+        "keys", "Delete an API key", {200: json_answer("ApiKeyDeleted", "Deleted.")}, auth="manager",
+        errors={400: INVALID, 404: ("key_not_found",)}),
+    ("post", "/v1/device/code"): Operation(
+        "device", "Start a device login", {200: json_answer("DeviceCode", "Show user_code; poll with device_code.")}),
+    ("post", "/v1/device/approve"): Operation(
+        "device", "Approve a device's user_code", {200: json_answer("Status", "`{\"status\": \"approved\"}`.")},
+        auth="manager", body=_json_body("DeviceApprove"),
+        errors={400: INVALID, 404: ("invalid_code",), 409: ("already_used",), 410: ("expired_code",)}),
+    ("post", "/v1/device/token"): Operation(
+        "device", "Poll for the device token", {200: json_answer("DeviceToken", "Pending, or the token (once).")},
+        body=_json_body("DeviceTokenRequest"),
+        errors={400: INVALID, 404: ("invalid_grant",), 410: ("expired_token",)}),
+    ("post", "/v1/admin/credit"): Operation(
+        "admin", "Credit an account (idempotent on reference)", {200: json_answer("CreditResult", "New balance.")},
+        auth="admin", body=_json_body("CreditRequest"), errors={400: INVALID, 404: ("account_not_found",)}),
+    ("get", "/v1/admin/catalog"): Operation(
+        "admin", "The model catalog", {200: json_answer("Catalog", "The catalog in force.")}, auth="admin"),
+    ("put", "/v1/admin/catalog"): Operation(
+        "admin", "Replace the model catalog", {200: json_answer("Catalog", "The stored catalog.")},
+        auth="admin", body=_json_body("Catalog"), errors={400: INVALID}),
+    ("post", "/v1/admin/machines/{machine_id}/enroll"): Operation(
+        "admin", "Grant a machine hardware trust", {200: json_answer("Enrollment", "The certificate.")},
+        auth="admin", errors={400: INVALID, 404: ("machine_not_found",),
+                              409: ("machine_not_registered", "invalid_identity_key")}),
+    ("get", "/console"): Operation("console", "Redirect to /console/", {308: Answer("To /console/.")}),
+    ("get", "/console/"): Operation("console", "The console's chat page", {200: Answer("HTML.", {"text/html": "Html"})}),
+    ("get", "/console/{page}"): Operation(
+        "console", "A console page", {200: Answer("HTML.", {"text/html": "Html"})}, errors={404: ("not_found",)}),
+    ("get", "/console/static/{name}"): Operation(
+        "console", "A console script or stylesheet",
+        {200: Answer("The file (ETag for revalidation).", {"*/*": "Binary"}),
+         304: Answer("Not modified (If-None-Match matched the ETag).")}, errors={404: ("not_found",)}),
+}
+
+
+def extra_schemas() -> dict[str, Any]:
+    """Bodies that are not JSON objects of ours."""
+    return {"MetricsText": {"type": "string"}, "Html": {"type": "string"},
+            "Binary": {"type": "string", "format": "binary"},
+            "OpenApiDocument": {"type": "object", "required": ["openapi", "info", "paths"]}}

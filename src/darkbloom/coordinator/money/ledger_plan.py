@@ -1,0 +1,246 @@
+"""The money rules of one batch, as a pure function: the ledger writer reads (and locks) the rows a
+batch touches into a ``State``, ``plan`` applies the batch's steps to it in arrival order and
+returns each step's result plus the row changes to write, and the writer writes them in the same
+transaction. No I/O here, so SQLite and Postgres share every rule.
+
+Steps: ``Reserve`` (key cap, then balance, both checked against the state left by the steps
+before it), ``Settle`` (close the reservation once: refund the hold, charge, fee, payout, key
+window, usage row; or, without a reservation, charge straight from the balance), ``Refund`` (close
+the reservation once, give the hold back). A refused or repeated step changes nothing and is a
+result for its caller only.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Iterable, Union
+
+from darkbloom.store.schema import PLATFORM_ACCOUNT_ID
+
+RESERVED = "reserved"
+SPEND_CAP_EXCEEDED = "spend_cap_exceeded"
+INSUFFICIENT_FUNDS = "insufficient_funds"
+DUPLICATE = "duplicate"  # the request id already has a different reservation
+
+
+@dataclass(frozen=True)
+class Reserve:
+    request_id: str
+    account_id: str
+    key_id: str | None
+    amount: int
+    cap: int | None          # the key's spend cap, when it has one
+    window_start: int | None  # the cap's current window (None without a cap)
+    instance_id: str
+
+
+@dataclass(frozen=True)
+class Settle:
+    request_id: str
+    account_id: str
+    key_id: str | None
+    model: str
+    provider_id: str
+    provider_account_id: str | None
+    prompt_tokens: int
+    completion_tokens: int
+    cost: int                # what the caller owes (0 when free); never more than the reservation
+    fee_bps: int
+    reserved: bool           # closes an open reservation; False: exclusive, charged from the balance
+    self_routed: bool        # free on the caller's own machine (the usage row's flag)
+    routed: str              # owned | fleet
+
+
+@dataclass(frozen=True)
+class Refund:
+    request_id: str
+
+
+Step = Union[Reserve, Settle, Refund]
+
+
+@dataclass(frozen=True)
+class Settled:
+    cost: int                # collected from the caller
+    platform_fee: int
+    payout: int
+    uncollected: int = 0     # an exclusive request's charge the balance could not cover
+
+
+@dataclass
+class State:
+    """The rows a batch reads, as they are when its transaction holds their locks."""
+
+    reservations: dict[str, dict[str, Any]] = field(default_factory=dict)
+    windows: dict[tuple[str, int], list[int]] = field(default_factory=dict)   # [spent, reserved]
+    accounts: dict[str, list[int]] = field(default_factory=dict)              # [balance, withdrawable]
+    used: set[str] = field(default_factory=set)   # request ids that already have a usage row
+
+
+@dataclass
+class Changes:
+    """What ``plan`` leaves to write: final values of the touched rows, and the new rows in order."""
+
+    now: int
+    accounts: dict[str, list[int]] = field(default_factory=dict)
+    windows: dict[tuple[str, int], list[int]] = field(default_factory=dict)
+    new_windows: set[tuple[str, int]] = field(default_factory=set)
+    new_reservations: dict[str, dict[str, Any]] = field(default_factory=dict)
+    closed: dict[str, str] = field(default_factory=dict)   # existing reservation → settled | refunded
+    entries: list[tuple[str, str, str, int, int, str]] = field(default_factory=list)
+    usage: list[tuple[Any, ...]] = field(default_factory=list)
+
+    def empty(self) -> bool:
+        return not (self.accounts or self.windows or self.new_reservations or self.closed or self.usage)
+
+
+# what to read, in the lock order: reservations, then key windows, then accounts
+
+def reservation_ids(steps: Iterable[Step]) -> list[str]:
+    return sorted({s.request_id for s in steps if not isinstance(s, Settle) or s.reserved})
+
+
+def window_keys(steps: Iterable[Step], reservations: dict[str, dict[str, Any]]) -> list[tuple[str, int]]:
+    keys = {(s.key_id, s.window_start) for s in steps
+            if isinstance(s, Reserve) and s.cap is not None and s.key_id and s.window_start is not None}
+    keys |= {(r["key_id"], int(r["window_start"])) for r in reservations.values()
+             if r["key_id"] and r["window_start"] is not None}
+    return sorted(keys)  # type: ignore[arg-type]
+
+
+def account_ids(steps: Iterable[Step], reservations: dict[str, dict[str, Any]]) -> list[str]:
+    ids = {PLATFORM_ACCOUNT_ID}
+    for step in steps:
+        if isinstance(step, Settle):
+            ids.add(step.account_id)
+            if step.provider_account_id:
+                ids.add(step.provider_account_id)
+        elif isinstance(step, Reserve):
+            ids.add(step.account_id)
+    ids |= {r["account_id"] for r in reservations.values()}
+    return sorted(ids)
+
+
+def usage_ids(steps: Iterable[Step]) -> list[str]:
+    return sorted({s.request_id for s in steps if isinstance(s, Settle) and not s.reserved})
+
+
+def plan(steps: list[Step], state: State, now: int) -> tuple[list[Any], Changes]:
+    """Each step's result (in order) and the changes that make them true."""
+    planner = _Planner(state, Changes(now))
+    return [planner.apply(step) for step in steps], planner.changes
+
+
+class _Planner:
+    def __init__(self, state: State, changes: Changes) -> None:
+        self.state, self.changes = state, changes
+
+    def apply(self, step: Step) -> Any:
+        if isinstance(step, Reserve):
+            return self._reserve(step)
+        if isinstance(step, Settle):
+            return self._settle(step)
+        return self._refund(step.request_id)
+
+    def _move(self, account_id: str, pocket: str, amount: int, kind: str, request_id: str) -> None:
+        values = self.state.accounts[account_id]
+        index = 0 if pocket == "balance" else 1
+        values[index] += amount
+        self.changes.accounts[account_id] = values
+        self.changes.entries.append((account_id, kind, pocket, amount, values[index], request_id))
+
+    def _window(self, key: tuple[str, int]) -> list[int]:
+        window = self.state.windows.get(key)
+        if window is None:
+            window = self.state.windows[key] = [0, 0]
+            self.changes.new_windows.add(key)
+        self.changes.windows[key] = window
+        return window
+
+    def _reserve(self, step: Reserve) -> str:
+        existing = self.state.reservations.get(step.request_id)
+        if existing is not None:  # a retried batch whose first commit did land, or a reused id
+            same = (existing["status"] == "open" and existing["account_id"] == step.account_id
+                    and int(existing["amount_micro_usd"]) == step.amount
+                    and existing["instance_id"] == step.instance_id)
+            return RESERVED if same else DUPLICATE
+        key = (step.key_id, step.window_start) if step.cap is not None and step.key_id else None
+        if key is not None:
+            spent, held = self.state.windows.get(key, (0, 0))  # type: ignore[arg-type]
+            if spent + held + step.amount > step.cap:  # type: ignore[operator]
+                return SPEND_CAP_EXCEEDED
+        account = self.state.accounts.get(step.account_id)
+        if account is None or account[0] < step.amount:
+            return INSUFFICIENT_FUNDS
+        if key is not None:
+            self._window(key)[1] += step.amount  # type: ignore[arg-type]
+        self._move(step.account_id, "balance", -step.amount, "reservation", step.request_id)
+        row = {"request_id": step.request_id, "account_id": step.account_id, "key_id": step.key_id,
+               "amount_micro_usd": step.amount, "window_start": key[1] if key else None, "status": "open",
+               "instance_id": step.instance_id, "created_at": self.changes.now, "closed_at": None}
+        self.state.reservations[step.request_id] = row
+        self.changes.new_reservations[step.request_id] = row
+        return RESERVED
+
+    def _close(self, request_id: str, status: str) -> dict[str, Any] | None:
+        """open → settled | refunded, once; the reservation, its key window released."""
+        row = self.state.reservations.get(request_id)
+        if row is None or row["status"] != "open":
+            return None
+        row["status"] = status
+        if request_id in self.changes.new_reservations:
+            row["closed_at"] = self.changes.now
+        else:
+            self.changes.closed[request_id] = status
+        return row
+
+    def _release(self, row: dict[str, Any], spent: int) -> None:
+        if row["key_id"] and row["window_start"] is not None:
+            window = self._window((row["key_id"], int(row["window_start"])))
+            window[0] += spent
+            window[1] -= int(row["amount_micro_usd"])
+
+    def _refund(self, request_id: str) -> bool:
+        row = self._close(request_id, "refunded")
+        if row is None:
+            return False
+        self._release(row, 0)
+        self._move(row["account_id"], "balance", int(row["amount_micro_usd"]), "refund", request_id)
+        return True
+
+    def _settle(self, step: Settle) -> Settled | None:
+        request_id, uncollected = step.request_id, 0
+        if step.reserved:
+            row = self._close(request_id, "settled")
+            if row is None:
+                return None
+            held = int(row["amount_micro_usd"])
+            collected = min(step.cost, held)
+            self._release(row, collected)
+            self._move(row["account_id"], "balance", held, "refund", request_id)
+            if collected:
+                self._move(row["account_id"], "balance", -collected, "charge", request_id)
+        else:
+            if request_id in self.state.used:
+                return None
+            collected = step.cost
+            account = self.state.accounts.get(step.account_id)
+            if collected and (account is None or account[0] < collected):
+                uncollected, collected = collected, 0
+            elif collected:
+                self._move(step.account_id, "balance", -collected, "charge", request_id)
+        fee = collected * step.fee_bps // 10_000
+        payout = collected - fee
+        payee = step.provider_account_id or PLATFORM_ACCOUNT_ID
+        if payee not in self.state.accounts:
+            payee = PLATFORM_ACCOUNT_ID  # a deleted owner: the share stays with the platform, not lost
+        if fee:
+            self._move(PLATFORM_ACCOUNT_ID, "withdrawable", fee, "platform_fee", request_id)
+        if payout:
+            self._move(payee, "withdrawable", payout, "payout", request_id)
+        self.state.used.add(request_id)
+        self.changes.usage.append((
+            request_id, step.account_id, step.key_id, step.model, step.provider_id, step.provider_account_id,
+            step.prompt_tokens, step.completion_tokens, collected, fee, payout, step.self_routed, step.routed,
+            self.changes.now))
+        return Settled(collected, fee, payout, uncollected)

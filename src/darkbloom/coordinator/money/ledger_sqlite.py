@@ -1,0 +1,117 @@
+"""The ledger writer's SQLite side: one call into the writer's own thread applies a whole batch —
+``BEGIN IMMEDIATE``, point reads of the rows it touches, ``ledger_plan.plan``, ``executemany`` writes,
+``COMMIT`` — with prepared statements straight on a ``sqlite3`` connection (no SQLAlchemy, no hop
+back to the event loop between statements). SQLite serialises writers, so the lock order is moot."""
+
+from __future__ import annotations
+
+import asyncio
+import sqlite3
+import time
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+from darkbloom.coordinator.money import ledger_plan
+from darkbloom.coordinator.money.ledger_plan import Changes, State, Step
+
+_RESERVATION = ("SELECT request_id, account_id, key_id, amount_micro_usd, window_start, status, instance_id "
+                "FROM reservations WHERE request_id = ?")
+_WINDOW = "SELECT spent_micro_usd, reserved_micro_usd FROM key_spend WHERE key_id = ? AND window_start = ?"
+_ACCOUNT = "SELECT balance_micro_usd, withdrawable_micro_usd FROM accounts WHERE id = ?"
+_USED = "SELECT 1 FROM usage_records WHERE request_id = ?"
+_RESERVATION_COLUMNS = ("request_id", "account_id", "key_id", "amount_micro_usd", "window_start", "status",
+                        "instance_id", "created_at", "closed_at")
+
+
+class SqliteLedger:
+    def __init__(self, path: str) -> None:
+        self._path = path
+        self._conn: sqlite3.Connection | None = None
+        self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ledger-writer")
+
+    async def apply(self, steps: list[Step]) -> list[Any]:
+        return await asyncio.get_running_loop().run_in_executor(self._thread, self._apply, steps)
+
+    async def close(self) -> None:
+        await asyncio.get_running_loop().run_in_executor(self._thread, self._close)
+        self._thread.shutdown(wait=False)
+
+    def _close(self) -> None:
+        if self._conn is not None:
+            self._conn.close()
+            self._conn = None
+
+    def _connect(self) -> sqlite3.Connection:
+        if self._conn is None:
+            conn = sqlite3.connect(self._path, timeout=30, isolation_level=None, check_same_thread=False,
+                                   cached_statements=64)
+            conn.execute("PRAGMA journal_mode=WAL")
+            conn.execute("PRAGMA foreign_keys=ON")
+            conn.execute("PRAGMA busy_timeout=30000")
+            self._conn = conn
+        return self._conn
+
+    def _apply(self, steps: list[Step]) -> list[Any]:
+        conn = self._connect()
+        try:
+            conn.execute("BEGIN IMMEDIATE")
+            state = _read(conn, steps)
+            results, changes = ledger_plan.plan(steps, state, int(time.time()))
+            _write(conn, changes)
+            conn.execute("COMMIT")
+        except BaseException:
+            if conn.in_transaction:
+                conn.execute("ROLLBACK")
+            raise
+        return results
+
+
+def _read(conn: sqlite3.Connection, steps: list[Step]) -> State:
+    state = State()
+    names = ("request_id", "account_id", "key_id", "amount_micro_usd", "window_start", "status", "instance_id")
+    for request_id in ledger_plan.reservation_ids(steps):
+        row = conn.execute(_RESERVATION, (request_id,)).fetchone()
+        if row is not None:
+            state.reservations[request_id] = dict(zip(names, row))
+    for key in ledger_plan.window_keys(steps, state.reservations):
+        row = conn.execute(_WINDOW, key).fetchone()
+        if row is not None:
+            state.windows[key] = [int(row[0]), int(row[1])]
+    for account_id in ledger_plan.account_ids(steps, state.reservations):
+        row = conn.execute(_ACCOUNT, (account_id,)).fetchone()
+        if row is not None:
+            state.accounts[account_id] = [int(row[0]), int(row[1])]
+    for request_id in ledger_plan.usage_ids(steps):
+        if conn.execute(_USED, (request_id,)).fetchone() is not None:
+            state.used.add(request_id)
+    return state
+
+
+def _write(conn: sqlite3.Connection, changes: Changes) -> None:
+    if changes.accounts:
+        conn.executemany("UPDATE accounts SET balance_micro_usd = ?, withdrawable_micro_usd = ? WHERE id = ?",
+                         [(v[0], v[1], k) for k, v in changes.accounts.items()])
+    new = [(k[0], k[1], v[0], v[1]) for k, v in changes.windows.items() if k in changes.new_windows]
+    if new:
+        conn.executemany("INSERT INTO key_spend (key_id, window_start, spent_micro_usd, reserved_micro_usd) "
+                         "VALUES (?, ?, ?, ?)", new)
+    changed = [(v[0], v[1], k[0], k[1]) for k, v in changes.windows.items() if k not in changes.new_windows]
+    if changed:
+        conn.executemany("UPDATE key_spend SET spent_micro_usd = ?, reserved_micro_usd = ? "
+                         "WHERE key_id = ? AND window_start = ?", changed)
+    if changes.new_reservations:
+        conn.executemany(f"INSERT INTO reservations ({', '.join(_RESERVATION_COLUMNS)}) "
+                         f"VALUES ({', '.join('?' * len(_RESERVATION_COLUMNS))})",
+                         [tuple(r[c] for c in _RESERVATION_COLUMNS) for r in changes.new_reservations.values()])
+    if changes.closed:
+        conn.executemany("UPDATE reservations SET status = ?, closed_at = ? WHERE request_id = ?",
+                         [(status, changes.now, rid) for rid, status in changes.closed.items()])
+    if changes.entries:
+        conn.executemany("INSERT INTO ledger_entries (account_id, kind, pocket, amount_micro_usd, balance_after, "
+                         "request_id, created_at) VALUES (?, ?, ?, ?, ?, ?, ?)",
+                         [(*entry, changes.now) for entry in changes.entries])
+    if changes.usage:
+        conn.executemany("INSERT INTO usage_records (request_id, account_id, key_id, model, provider_id, "
+                         "provider_account_id, prompt_tokens, completion_tokens, cost_micro_usd, "
+                         "platform_fee_micro_usd, provider_payout_micro_usd, self_routed, routed, created_at) "
+                         "VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)", changes.usage)

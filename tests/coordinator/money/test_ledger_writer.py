@@ -1,0 +1,244 @@
+"""The ledger writer (group commit), on SQLite and Postgres: steps queued together commit in one
+transaction, in arrival order; a refused step is a result for its caller only; a failed batch is
+retried without losing or repeating a step, and one bad step cannot sink the others; a caller that
+goes away mid-reservation gets the hold back; two writers on one database cross without deadlock."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from typing import Any
+
+import pytest
+from sqlalchemy import text
+from sqlalchemy.exc import OperationalError
+
+from darkbloom.coordinator.money import billing, ledger_plan
+from darkbloom.coordinator.money.ledger_writer import LedgerUnavailable, LedgerWriter, backend_for
+from darkbloom.coordinator.services import Services
+from darkbloom.store.schema import PLATFORM_ACCOUNT_ID, reservations, usage_records
+from darkbloom.wire.openai.errors import ApiError
+from darkbloom.wire.protocol import Usage
+
+from tests.coordinator.money.conftest import (PRICED, MakeServices, check_ledger_consistency, counts, new_account,
+                                              new_key, pockets, rows)
+from tests.support.money import settle_paid
+
+USAGE = Usage(prompt_tokens=100, completion_tokens=50)
+
+
+def served(owner: str | None) -> billing.Served:
+    return billing.Served(provider_id="prov_w", provider_account_id=owner)
+
+
+async def together(*work: Any) -> list[Any]:
+    """Start every call before any runs: they reach the writer in this order, as one batch."""
+    tasks = [asyncio.ensure_future(w) for w in work]
+    return list(await asyncio.gather(*tasks, return_exceptions=True))
+
+
+async def test_one_batch_refusals_are_results_for_their_callers_only(services: Services) -> None:
+    account = await new_account(services, credit=5_000)
+    key = await new_key(services, account, limit_micro_usd=3_000)
+    batches = services.ledger.batches
+    first, capped, second, poor = await together(
+        billing.reserve(services, "b-1", account, key, 2_000),
+        billing.reserve(services, "b-2", account, key, 2_000),    # 2,000 + 2,000 > the 3,000 cap
+        billing.reserve(services, "b-3", account, None, 3_000),   # no cap; takes the rest of the balance
+        billing.reserve(services, "b-4", account, None, 1))
+    assert services.ledger.batches == batches + 1
+    assert isinstance(first, billing.Reservation) and isinstance(second, billing.Reservation)
+    assert isinstance(capped, ApiError) and (capped.status, capped.type) == (402, "spend_cap_exceeded")
+    assert isinstance(poor, ApiError) and (poor.status, poor.type, poor.code) == (
+        402, "insufficient_funds", "insufficient_quota")
+    assert "up to 1 µUSD" in poor.message
+    assert await pockets(services, account) == (0, 0)
+    assert {r["request_id"] for r in await rows(services, reservations)} == {"b-1", "b-3"}
+    await check_ledger_consistency(services.engine)
+
+
+async def test_steps_apply_in_arrival_order(services: Services) -> None:
+    account = await new_account(services, credit=1_000)
+    held = billing.Reservation("o-1", account, None, 1_000, None)
+    results = await together(
+        billing.reserve(services, "o-1", account, None, 1_000),
+        billing.refund(services, held),                            # gives it back before o-2 asks
+        billing.reserve(services, "o-2", account, None, 1_000),
+        billing.reserve(services, "o-3", account, None, 1))        # after o-2 took everything
+    assert results[1] is True and isinstance(results[2], billing.Reservation)
+    assert isinstance(results[3], ApiError) and results[3].type == "insufficient_funds"
+    status = {r["request_id"]: r["status"] for r in await rows(services, reservations)}
+    assert status == {"o-1": "refunded", "o-2": "open"}
+    await check_ledger_consistency(services.engine)
+
+
+async def test_a_repeated_settlement_in_the_same_batch_is_a_no_op(services: Services) -> None:
+    caller = await new_account(services, credit=10_000)
+    owner = await new_account(services)
+    held = await billing.reserve(services, "twice", caller, None, 5_000)
+    first, second, late = await together(settle_paid(services, held, PRICED, USAGE, served(owner)),
+                                         settle_paid(services, held, PRICED, USAGE, served(owner)),
+                                         billing.refund(services, held))
+    assert isinstance(first, billing.Settlement) and second is None and late is False
+    assert await pockets(services, caller) == (10_000 - first.cost, 0)
+    assert len(await rows(services, usage_records)) == 1
+    await check_ledger_consistency(services.engine)
+
+
+async def test_a_crowd_commits_as_one_batch(services: Services) -> None:
+    account = await new_account(services, credit=1_000_000)
+    batches = services.ledger.batches
+    held = await together(*(billing.reserve(services, f"crowd-{n}", account, None, 1_000) for n in range(300)))
+    assert services.ledger.batches == batches + 1
+    assert await together(*(billing.refund(services, r) for r in held)) == [True] * 300
+    assert services.ledger.batches == batches + 2
+    assert await pockets(services, account) == (1_000_000, 0)
+
+
+class Flaky:
+    """A real backend that fails its next ``failures`` batches: before writing anything, or (with
+    ``after_commit``) after committing them — a connection lost while COMMIT's answer was on its way."""
+
+    def __init__(self, real: Any, failures: int, after_commit: bool = False) -> None:
+        self.real, self.failures, self.after_commit = real, failures, after_commit
+
+    async def apply(self, steps: list[ledger_plan.Step]) -> list[Any]:
+        if self.failures:
+            self.failures -= 1
+            if self.after_commit:
+                await self.real.apply(steps)
+            raise OperationalError("batch", {}, Exception("connection lost"))
+        return list(await self.real.apply(steps))
+
+    async def close(self) -> None:
+        await self.real.close()
+
+
+@pytest.mark.parametrize("after_commit", [False, True])
+async def test_a_failed_batch_is_retried_without_losing_or_repeating_a_step(
+        services: Services, after_commit: bool, caplog: pytest.LogCaptureFixture) -> None:
+    caller = await new_account(services, credit=10_000)
+    owner = await new_account(services)
+    key = await new_key(services, caller, limit_micro_usd=9_000)
+    held = await billing.reserve(services, "retry-1", caller, key, 4_000)
+    await services.ledger.close()
+    services.ledger = LedgerWriter(backend=Flaky(backend_for(services.engine), failures=2,
+                                                 after_commit=after_commit))
+    with caplog.at_level(logging.WARNING, logger="darkbloom.ledger"):
+        settled, reserved = await together(settle_paid(services, held, PRICED, USAGE, served(owner)),
+                                           billing.reserve(services, "retry-2", caller, key, 3_000))
+    assert "failed (attempt 1 of 4)" in caplog.text
+    # the retried settlement finds its own first commit and is a no-op; the reservation is itself again
+    assert (settled is None) == after_commit and isinstance(reserved, billing.Reservation)
+    [usage] = await rows(services, usage_records)
+    assert await pockets(services, caller) == (10_000 - usage["cost_micro_usd"] - 3_000, 0)
+    assert len(await rows(services, reservations)) == 2
+    await check_ledger_consistency(services.engine)
+
+
+async def test_one_bad_step_does_not_sink_its_batch(services: Services) -> None:
+    account = await new_account(services, credit=10_000)
+    bad = ledger_plan.Settle("ghost", "acct_missing", None, PRICED.id, "prov_w", None, 1, 1, 0, 500,
+                             reserved=False, self_routed=True, routed="owned")  # its usage row breaks a FK
+    before = services.ledger.batches
+    first, failed, second = await together(billing.reserve(services, "ok-1", account, None, 1_000),
+                                           services.ledger.run(bad),
+                                           billing.reserve(services, "ok-2", account, None, 2_000))
+    assert isinstance(first, billing.Reservation) and isinstance(second, billing.Reservation)
+    assert isinstance(failed, LedgerUnavailable)
+    assert services.ledger.batches == before + 2  # the two good steps, each alone after the batch failed
+    assert await pockets(services, account) == (7_000, 0)
+    await check_ledger_consistency(services.engine)
+
+
+async def test_a_caller_gone_mid_reservation_gets_the_hold_back(services: Services) -> None:
+    account = await new_account(services, credit=10_000)
+    task = asyncio.ensure_future(billing.reserve(services, "gone", account, None, 4_000))
+    await asyncio.sleep(0)  # submitted, not yet committed
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    for _ in range(200):
+        if [r["status"] for r in await rows(services, reservations)] == ["refunded"]:
+            break
+        await asyncio.sleep(0.02)
+    assert [r["status"] for r in await rows(services, reservations)] == ["refunded"]
+    assert await pockets(services, account) == (10_000, 0)
+
+
+async def test_a_closed_writer_refuses_new_steps(services: Services) -> None:
+    account = await new_account(services, credit=10_000)
+    queued = asyncio.ensure_future(billing.reserve(services, "last", account, None, 1_000))
+    await asyncio.sleep(0)
+    await services.ledger.close()  # commits what is queued first
+    assert isinstance(await queued, billing.Reservation)
+    with pytest.raises(LedgerUnavailable):
+        services.ledger.submit(ledger_plan.Refund("last"))
+
+
+async def test_exclusive_usage_rows_go_through_the_writer(services: Services,
+                                                          caplog: pytest.LogCaptureFixture) -> None:
+    owner = await new_account(services)
+    payer = await new_account(services, credit=150)
+    before = await counts(services.engine)
+
+    def bill(request_id: str, account: str) -> billing.Bill:
+        return billing.Bill(request_id, account, None, PRICED, None, self_routed=True)
+
+    with caplog.at_level(logging.WARNING, logger="darkbloom.billing"):
+        free, paid, short = await together(
+            billing.settle_bill(services, bill("mine", owner), USAGE, served(owner)),
+            billing.settle_bill(services, bill("theirs", payer), Usage(prompt_tokens=1, completion_tokens=1),
+                                served(owner)),  # the minimum charge: 100 of its 150
+            billing.settle_bill(services, bill("short", payer), USAGE, served(owner)))  # 368 > the 50 left
+    assert free == billing.Settlement(0, 0, 0)
+    assert paid == billing.Settlement(100, 5, 95)
+    assert short == billing.Settlement(0, 0, 0) and "cannot be collected" in caplog.text
+    usage = {u["request_id"]: u for u in await rows(services, usage_records)}
+    assert {k: (u["cost_micro_usd"], u["self_routed"]) for k, u in usage.items()} == {
+        "mine": (0, True), "theirs": (100, False), "short": (0, False)}
+    assert (await counts(services.engine))["reservations"] == before["reservations"]
+    assert await pockets(services, payer) == (50, 0)
+    assert await pockets(services, owner) == (0, 95)
+    assert await billing.settle_bill(services, bill("mine", owner), USAGE, served(owner)) is None
+    await check_ledger_consistency(services.engine)
+
+
+async def test_two_writers_on_one_database_cross_without_deadlock(make_services: MakeServices) -> None:
+    """Two coordinator processes' writers (own engines, own instance ids): X pays Y on one while Y
+    pays X on the other, both paying the platform, with reservations in between."""
+    one, two = await make_services(), await make_services()
+    x = await new_account(one, credit=1_000_000)
+    y = await new_account(one, credit=1_000_000)
+    held = [(await billing.reserve(one, f"x-{n}", x, None, 2_000), y, one) for n in range(40)]
+    held += [(await billing.reserve(two, f"y-{n}", y, None, 2_000), x, two) for n in range(40)]
+
+    async def churn(services: Services, account: str, n: int) -> None:
+        reservation = await billing.reserve(services, f"c-{account}-{n}", account, None, 1_000)
+        await billing.refund(services, reservation)
+
+    results = await together(*(settle_paid(s, r, PRICED, USAGE, served(payee)) for r, payee, s in held),
+                             *(churn(one if n % 2 else two, x if n % 3 else y, n) for n in range(40)))
+    assert not [r for r in results if isinstance(r, BaseException)]
+    cost = results[0].cost
+    fee = cost * 500 // 10_000
+    assert await pockets(one, x) == (1_000_000 - 40 * cost, 40 * (cost - fee))
+    assert await pockets(two, y) == (1_000_000 - 40 * cost, 40 * (cost - fee))
+    assert await pockets(one, PLATFORM_ACCOUNT_ID) == (0, 80 * fee)
+    await check_ledger_consistency(one.engine)
+
+
+async def test_a_dropped_postgres_connection_is_replaced(services: Services) -> None:
+    """The server ends the writer's connection between batches: the next batch gets a fresh one
+    (noticed before it is used, or by a failed attempt that is retried)."""
+    if services.engine.dialect.name != "postgresql":
+        pytest.skip("a Postgres server dropping the writer's connection")
+    account = await new_account(services, credit=10_000)
+    await billing.reserve(services, "before-drop", account, None, 1_000)  # the writer holds its connection now
+    async with services.engine.connect() as conn:
+        await conn.execute(text("SELECT pg_terminate_backend(pid) FROM pg_stat_activity "
+                                "WHERE datname = current_database() AND pid <> pg_backend_pid()"))
+    held = await billing.reserve(services, "after-drop", account, None, 2_000)
+    assert held.amount == 2_000
+    assert await pockets(services, account) == (7_000, 0)
+    await check_ledger_consistency(services.engine)

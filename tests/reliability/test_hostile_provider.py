@@ -1,0 +1,323 @@
+"""Hostile providers (a raw WebSocket client speaking the real protocol) against a real coordinator:
+a provider that goes quiet after its first chunk, one that never finishes, and providers whose
+own error text and statuses try to reach the consumer (issue 12, defects 3 and 10).
+
+The coordinator runs with short deadlines: ``--idle-timeout 1`` (silence allowed between chunks
+once content has started) and ``--request-timeout 4`` (the whole request).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import secrets
+import time
+from pathlib import Path
+from typing import Any, Iterator
+
+import httpx
+import pytest
+
+from darkbloom.wire.crypto import Sealer, public_key_from_b64
+from darkbloom.wire.protocol import MAX_REQUEST_FRAME_BYTES, Cancel, InferenceResponseChunk, TrustStatus, dump
+from tests.support.accounts import Account, create_account
+from tests.support.processes import Coordinator, start_coordinator
+from tests.support.raw_provider import RawProvider
+
+pytestmark = pytest.mark.e2e
+
+CREDIT = 10_000_000
+SECRET = "PROVIDER-SECRET-TEXT-" + secrets.token_hex(4)
+
+
+@pytest.fixture(scope="module")
+def coord(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Coordinator]:
+    root: Path = tmp_path_factory.mktemp("hostile")
+    process = start_coordinator(root / "home", f"sqlite+aiosqlite:///{root / 'coordinator.db'}",
+                                "--idle-timeout", "1", "--request-timeout", "4", "--first-content-timeout", "5")
+    try:
+        yield process
+    finally:
+        process.stop()
+
+
+@pytest.fixture(scope="module")
+def account(coord: Coordinator) -> Account:
+    return create_account(coord, credit_micro_usd=CREDIT)
+
+
+def _new_model(coord: Coordinator) -> str:
+    """A priced catalog model only the test's raw providers serve."""
+    model = "hostile-" + secrets.token_hex(4)
+    catalog = httpx.get(coord.api_url + "/admin/catalog", headers=coord.admin()).json()
+    catalog["models"].append({"id": model, "input_price": 1_000, "output_price": 1_000})
+    httpx.put(coord.api_url + "/admin/catalog", json=catalog, headers=coord.admin()).raise_for_status()
+    return model
+
+
+def _balance(coord: Coordinator, account: Account) -> int:
+    return int(httpx.get(coord.api_url + "/payments/balance", headers=account.headers()).json()
+               ["balance_micro_usd"])
+
+
+async def _registered(coord: Coordinator, model: str) -> RawProvider:
+    raw = RawProvider(coord.base_url, models=(model,))
+    await raw.register()
+    return raw
+
+
+def _events(text: str) -> list[Any]:
+    return [line[6:] if line[6:] == "[DONE]" else json.loads(line[6:])
+            for line in text.splitlines() if line.startswith("data: ")]
+
+
+async def _wait_balance(coord: Coordinator, account: Account, expected: int) -> None:
+    deadline = time.monotonic() + 10
+    while _balance(coord, account) != expected and time.monotonic() < deadline:
+        await asyncio.sleep(0.1)
+    assert _balance(coord, account) == expected
+
+
+async def test_a_provider_silent_after_first_content_is_stopped_at_the_idle_deadline(
+        coord: Coordinator, account: Account) -> None:
+    model = _new_model(coord)
+    raw = await _registered(coord, model)
+    before = _balance(coord, account)
+    async with httpx.AsyncClient(timeout=30) as http:
+        request = asyncio.create_task(http.post(coord.api_url + "/chat/completions", headers=account.headers(),
+                                                json={"model": model, "stream": True,
+                                                      "messages": [{"role": "user", "content": "hi"}]}))
+        inference, _ = await raw.next_request()
+        await raw.send_chunk(inference, "first words")  # … and then nothing
+        cancel = await asyncio.wait_for(raw.recv_until(Cancel), 10)
+        response = await request
+    assert cancel.request_id == inference.request_id
+    events = _events(response.text)
+    assert events[0]["choices"][0]["delta"]["content"] == "first words"
+    assert events[-1]["error"]["code"] == "provider_timeout" and "[DONE]" not in events
+    await _wait_balance(coord, account, before)  # the reservation went back; nothing charged
+    # the slot was freed: the next request reaches the provider again
+    async with httpx.AsyncClient(timeout=30) as http:
+        again = asyncio.create_task(http.post(coord.api_url + "/chat/completions", headers=account.headers(),
+                                              json={"model": model, "messages": [{"role": "user", "content": "x"}]}))
+        inference, _ = await asyncio.wait_for(raw.next_request(), 10)
+        await raw.answer(inference, "ok")
+        assert (await again).status_code == 200
+    await raw.close()
+
+
+async def test_a_non_streaming_request_gets_a_504_at_the_idle_deadline(coord: Coordinator, account: Account) -> None:
+    model = _new_model(coord)
+    raw = await _registered(coord, model)
+    async with httpx.AsyncClient(timeout=30) as http:
+        request = asyncio.create_task(http.post(coord.api_url + "/chat/completions", headers=account.headers(),
+                                                json={"model": model,
+                                                      "messages": [{"role": "user", "content": "hi"}]}))
+        inference, _ = await raw.next_request()
+        await raw.send_chunk(inference, "partial")
+        response = await request
+    assert response.status_code == 504 and response.json()["error"]["type"] == "provider_timeout"
+    await raw.close()
+
+
+async def test_a_provider_that_never_finishes_is_stopped_at_the_request_deadline(
+        coord: Coordinator, account: Account) -> None:
+    model = _new_model(coord)
+    raw = await _registered(coord, model)
+    started = time.monotonic()
+    async with httpx.AsyncClient(timeout=30) as http:
+        request = asyncio.create_task(http.post(coord.api_url + "/chat/completions", headers=account.headers(),
+                                                json={"model": model, "stream": True,
+                                                      "messages": [{"role": "user", "content": "hi"}]}))
+        inference, _ = await raw.next_request()
+        while not request.done() and time.monotonic() - started < 20:  # a chunk every 0.3 s, forever
+            await raw.send_chunk(inference, ".")
+            await asyncio.sleep(0.3)
+        response = await request
+    events = _events(response.text)
+    assert events[-1]["error"]["code"] == "provider_timeout"
+    assert "request deadline" in events[-1]["error"]["message"]
+    await raw.close()
+
+
+@pytest.mark.parametrize("status,expected_status,expected_type", [
+    (401, 502, "provider_error"), (403, 502, "provider_error"), (500, 502, "provider_error"),
+    (400, 400, "invalid_request_error"), (422, 400, "invalid_request_error"),
+])
+async def test_the_providers_own_error_text_never_reaches_the_consumer(
+        coord: Coordinator, account: Account, status: int, expected_status: int, expected_type: str) -> None:
+    model = _new_model(coord)
+    raw = await _registered(coord, model)
+    before = _balance(coord, account)
+    async with httpx.AsyncClient(timeout=30) as http:
+        request = asyncio.create_task(http.post(coord.api_url + "/chat/completions", headers=account.headers(),
+                                                json={"model": model,
+                                                      "messages": [{"role": "user", "content": "hi"}]}))
+        inference, _ = await raw.next_request()
+        await raw.send_error(inference, status, SECRET)
+        response = await request
+    assert response.status_code == expected_status
+    assert response.json()["error"]["type"] == expected_type
+    assert SECRET not in response.text
+    await _wait_balance(coord, account, before)
+    await raw.close()
+
+
+async def test_a_request_the_provider_refuses_as_invalid_is_not_retried_elsewhere(
+        coord: Coordinator, account: Account) -> None:
+    model = _new_model(coord)
+    first, second = await _registered(coord, model), await _registered(coord, model)
+    async with httpx.AsyncClient(timeout=30) as http:
+        request = asyncio.create_task(http.post(coord.api_url + "/chat/completions", headers=account.headers(),
+                                                json={"model": model,
+                                                      "messages": [{"role": "user", "content": "hi"}]}))
+        waits = {asyncio.create_task(first.next_request()), asyncio.create_task(second.next_request())}
+        done, pending = await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
+        inference, _ = done.pop().result()
+        serving, other = (first, second) if inference.request_id in first.seen_requests else (second, first)
+        await serving.send_error(inference, 400, SECRET)
+        response = await request
+        await asyncio.sleep(0.5)  # a retry, if there were one, would reach the other provider by now
+        for task in pending:
+            task.cancel()
+    assert response.status_code == 400
+    assert inference.request_id not in other.seen_requests
+    await first.close()
+    await second.close()
+
+
+@pytest.mark.parametrize("prompt_tokens,completion_tokens", [(2**63, 1), (2**31, 1), (3, 10_000)])
+async def test_impossible_usage_fails_the_request_unbilled_and_distrusts_the_provider(
+        coord: Coordinator, account: Account, prompt_tokens: int, completion_tokens: int) -> None:
+    model = _new_model(coord)
+    raw = await _registered(coord, model)
+    before = _balance(coord, account)
+    async with httpx.AsyncClient(timeout=30) as http:
+        request = asyncio.create_task(http.post(coord.api_url + "/chat/completions", headers=account.headers(),
+                                                json={"model": model, "max_tokens": 16,
+                                                      "messages": [{"role": "user", "content": "hi"}]}))
+        inference, _ = await raw.next_request()
+        await raw.send_chunk(inference, "words")
+        await raw.send_complete(inference, prompt_tokens, completion_tokens)
+        response = await request
+        status = await asyncio.wait_for(raw.recv_until(TrustStatus), 10)
+    assert response.status_code == 502 and response.json()["error"]["type"] == "untrusted_usage"
+    assert status.trust_level == "untrusted"
+    await _wait_balance(coord, account, before)
+    usage = httpx.get(coord.api_url + "/payments/usage", headers=account.headers()).json()["data"]
+    assert inference.request_id not in [row["request_id"] for row in usage]
+    await raw.close()
+
+
+# forged, replayed and cross-request chunks: none opens for the request it claims; each fails
+# that request (502 untrusted_chunk, nothing charged) and marks the provider untrusted at once
+
+
+async def _chunk_sealed_to(raw: RawProvider, request_id: str, ephemeral_key: str, text: str) -> None:
+    assert raw.ws is not None
+    sealer = Sealer(public_key_from_b64(ephemeral_key))
+    chunk = {"id": "x", "object": "chat.completion.chunk", "created": 0, "model": "m",
+             "choices": [{"index": 0, "delta": {"content": text}, "finish_reason": None}]}
+    await raw.ws.send(dump(InferenceResponseChunk(request_id=request_id,
+                                                  encrypted_data=sealer.seal(json.dumps(chunk).encode()))))
+
+
+@pytest.mark.parametrize("forgery", ["wrong_key", "cross_request", "replayed", "plaintext"])
+async def test_a_chunk_that_does_not_open_fails_the_request_and_distrusts_the_provider(
+        coord: Coordinator, account: Account, forgery: str) -> None:
+    model = _new_model(coord)
+    raw = RawProvider(coord.base_url, models=(model,), max_concurrency=2)
+    await raw.register()
+    body = {"model": model, "max_tokens": 8, "messages": [{"role": "user", "content": "hi"}]}
+
+    def post(http: httpx.AsyncClient) -> asyncio.Task[httpx.Response]:
+        return asyncio.create_task(http.post(coord.api_url + "/chat/completions", headers=account.headers(),
+                                             json=body))
+
+    async with httpx.AsyncClient(timeout=30) as http:
+        earlier = None
+        if forgery == "replayed":  # a chunk sealed for an earlier, finished request of this provider
+            finished = post(http)
+            earlier, _ = await raw.next_request()
+            await raw.answer(earlier, "earlier answer")
+            assert (await finished).status_code == 200
+        before = _balance(coord, account)
+        victim = post(http)
+        inference, _ = await raw.next_request()
+        neighbour = None
+        if forgery == "wrong_key":
+            await _chunk_sealed_to(raw, inference.request_id, raw.identity.public_key_b64, "forged")
+        elif forgery == "cross_request":  # sealed to a concurrent request's reply key
+            neighbour = post(http)
+            other, _ = await raw.next_request()
+            await _chunk_sealed_to(raw, inference.request_id, other.encrypted_body.ephemeral_public_key, "x")
+        elif forgery == "replayed":
+            assert earlier is not None
+            await _chunk_sealed_to(raw, inference.request_id, earlier.encrypted_body.ephemeral_public_key, "again")
+        else:
+            assert raw.ws is not None
+            await raw.ws.send(json.dumps({"type": "inference_response_chunk", "request_id": inference.request_id,
+                                          "encrypted_data": {"ephemeral_public_key": raw.identity.public_key_b64,
+                                                             "ciphertext": "aGVsbG8gd29ybGQ="}}))
+        response = await victim
+        status = await asyncio.wait_for(raw.recv_until(TrustStatus), 10)
+        if neighbour is not None:
+            neighbour.cancel()
+    assert response.status_code == 502 and response.json()["error"]["type"] == "untrusted_chunk"
+    assert status.trust_level == "untrusted"
+    await _wait_balance(coord, account, before)
+    await raw.close()
+
+
+async def test_chunks_for_unknown_requests_are_ignored(coord: Coordinator, account: Account) -> None:
+    model = _new_model(coord)
+    raw = await _registered(coord, model)
+    await _chunk_sealed_to(raw, "chatcmpl-nobody", raw.identity.public_key_b64, "noise")
+    async with httpx.AsyncClient(timeout=30) as http:
+        request = asyncio.create_task(http.post(coord.api_url + "/chat/completions", headers=account.headers(),
+                                                json={"model": model,
+                                                      "messages": [{"role": "user", "content": "hi"}]}))
+        inference, _ = await raw.next_request()
+        await raw.answer(inference, "still trusted")
+        response = await request
+    assert response.status_code == 200
+    assert response.json()["choices"][0]["message"]["content"] == "still trusted"
+    await raw.close()
+
+
+# bodies up to the body limit reach the node, whatever their size once sealed (defect 1)
+
+BIG_PROMPT = "x" * 6_800_000  # under the 8 MiB body limit; its sealed frame is past 8 MiB
+
+
+async def test_a_request_too_large_for_a_providers_frame_limit_fails_alone(coord: Coordinator,
+                                                                          account: Account) -> None:
+    model = _new_model(coord)
+    raw = await _registered(coord, model)  # advertises no limit: the protocol's 8 MiB
+    async with httpx.AsyncClient(timeout=60) as http:
+        big = await http.post(coord.api_url + "/chat/completions", headers=account.headers(),
+                              json={"model": model, "messages": [{"role": "user", "content": BIG_PROMPT}]})
+        assert big.status_code == 413 and big.json()["error"]["type"] == "request_too_large"
+        assert raw.seen_requests == set()  # never sent, so its socket stayed open …
+        small = asyncio.create_task(http.post(coord.api_url + "/chat/completions", headers=account.headers(),
+                                              json={"model": model, "messages": [{"role": "user", "content": "x"}]}))
+        inference, _ = await asyncio.wait_for(raw.next_request(), 10)
+        await raw.answer(inference, "still here")  # … and it serves the next request
+        assert (await small).status_code == 200
+    await raw.close()
+
+
+async def test_a_body_near_the_limit_reaches_a_node_of_this_release(coord: Coordinator, account: Account) -> None:
+    model = _new_model(coord)
+    raw = RawProvider(coord.base_url, models=(model,), max_request_frame_bytes=MAX_REQUEST_FRAME_BYTES)
+    await raw.register()
+    async with httpx.AsyncClient(timeout=60) as http:
+        request = asyncio.create_task(http.post(coord.api_url + "/chat/completions", headers=account.headers(),
+                                                json={"model": model,
+                                                      "messages": [{"role": "user", "content": BIG_PROMPT}]}))
+        inference, body = await asyncio.wait_for(raw.next_request(), 30)
+        assert body["messages"][0]["content"] == BIG_PROMPT
+        await raw.answer(inference, "read it all")
+        response = await request
+    assert response.status_code == 200
+    await raw.close()
