@@ -321,3 +321,63 @@ async def test_a_body_near_the_limit_reaches_a_node_of_this_release(coord: Coord
         response = await request
     assert response.status_code == 200
     await raw.close()
+
+
+async def test_a_malformed_completion_ends_at_the_idle_deadline(coord: Coordinator, account: Account) -> None:
+    """A malformed `inference_complete` is a bad frame (an error frame back); the request it claimed
+    to finish does not hang: it ends at the idle deadline, unbilled."""
+    model = _new_model(coord)
+    raw = await _registered(coord, model)
+    before = _balance(coord, account)
+    async with httpx.AsyncClient(timeout=30) as http:
+        request = asyncio.create_task(http.post(coord.api_url + "/chat/completions", headers=account.headers(),
+                                                json={"model": model, "stream": True,
+                                                      "messages": [{"role": "user", "content": "hi"}]}))
+        inference, _ = await raw.next_request()
+        await raw.send_chunk(inference, "words")
+        assert raw.ws is not None
+        await raw.ws.send(json.dumps({"type": "inference_complete", "request_id": inference.request_id,
+                                      "usage": {"prompt_tokens": -5, "completion_tokens": "many"}}))
+        response = await request
+    assert _events(response.text)[-1]["error"]["code"] == "provider_timeout"
+    await _wait_balance(coord, account, before)
+    await raw.close()
+
+
+def _device_token(coord: Coordinator, account: Account) -> str:
+    code = httpx.post(coord.api_url + "/device/code").json()
+    httpx.post(coord.api_url + "/device/approve", json={"user_code": code["user_code"]},
+               headers=account.headers(account.session)).raise_for_status()
+    return httpx.post(coord.api_url + "/device/token", json={"device_code": code["device_code"]}).json()["token"]
+
+
+async def test_a_node_advertising_an_over_long_model_id_breaks_no_view(coord: Coordinator) -> None:
+    owner = create_account(coord)
+    raw = RawProvider(coord.base_url, auth_token=_device_token(coord, owner), models=("m" * 300, "ok-model"))
+    await raw.register()
+    for path, headers in (("/me/self-route-models", {}), ("/models", {"X-Darkbloom-Route": "self"}),
+                          ("/me/providers", {})):
+        response = httpx.get(coord.api_url + path, headers={**owner.headers(), **headers})
+        assert response.status_code == 200, (path, response.text)
+    assert httpx.get(coord.api_url + "/me/self-route-models", headers=owner.headers()).json()["models"] == \
+        ["ok-model"]
+    await raw.close()
+
+
+async def test_a_second_register_is_a_bad_frame_and_changes_nothing(coord: Coordinator, account: Account) -> None:
+    model = _new_model(coord)
+    raw = await _registered(coord, model)
+    assert raw.ws is not None
+    forged = raw.register_frame().model_copy(update={"models": raw.register_frame().models * 2,
+                                                     "max_concurrency": 64})
+    await raw.ws.send(dump(forged))
+    error = json.loads(await raw.ws.recv())
+    assert error["type"] == "error" and error["code"] == "already_registered"
+    async with httpx.AsyncClient(timeout=30) as http:  # still registered as first said, still serving
+        request = asyncio.create_task(http.post(coord.api_url + "/chat/completions", headers=account.headers(),
+                                                json={"model": model,
+                                                      "messages": [{"role": "user", "content": "hi"}]}))
+        inference, _ = await raw.next_request()
+        await raw.answer(inference, "ok")
+        assert (await request).status_code == 200
+    await raw.close()

@@ -123,21 +123,19 @@ def _unlink_mid_flight(s: Stack, owner: Account, node: Node, headers: dict[str, 
     return response
 
 
-@pytest.mark.parametrize("headers", [SELF, PREFER], ids=["self", "prefer"])
-def test_owner_changed_mid_flight_settles_as_paid(world: World, headers: dict[str, str]) -> None:
+def test_owner_changed_mid_flight_settles_prefer_as_paid(world: World) -> None:
     w, s = world, world.stack
     credit = 10_000_000
     owner = s.account(credit=credit)
-    node = s.node(f"unlinked-{headers['X-Darkbloom-Route']}", owner, upstream=w.upstream, max_concurrency=1,
-                  first_token_delay=3)
+    node = s.node("unlinked-prefer", owner, upstream=w.upstream, max_concurrency=1, first_token_delay=3)
     try:
         platform_before = s.platform_withdrawable()
-        response = _unlink_mid_flight(s, owner, node, headers)
+        response = _unlink_mid_flight(s, owner, node, PREFER)
         assert response.headers["x-darkbloom-billing"] == "charged"
         row = next(r for r in s.usage(owner) if r["request_id"] == response.headers["x-request-id"])
         cost = row["cost_micro_usd"]
         assert cost > 0
-        assert row["self_routed"] is False and row["routed"] == "fleet"
+        assert row["self_routed"] is False and row["routed"] == "fleet" and row["ownership_changed"] is False
         assert s.balance(owner) == credit - cost
         # the session belongs to no account any more: fee and payout both go to the platform
         assert s.platform_withdrawable() == platform_before + cost
@@ -146,17 +144,22 @@ def test_owner_changed_mid_flight_settles_as_paid(world: World, headers: dict[st
         node.stop()
 
 
-def test_owner_changed_mid_flight_with_unfunded_caller_pays_nobody(world: World) -> None:
+@pytest.mark.parametrize("credit", [10_000_000, 0], ids=["funded", "unfunded"])
+def test_exclusive_is_free_even_when_the_owner_changed_mid_flight(world: World, credit: int) -> None:
+    """Exclusive guarantees $0: unlinking the serving machine mid-request charges nothing, pays
+    nobody, and the usage row says why (ownership_changed); the billing header agrees."""
     w, s = world, world.stack
-    owner = s.account(credit=0)
-    node = s.node("unlinked-unfunded", owner, upstream=w.upstream, max_concurrency=1, first_token_delay=3)
+    owner = s.account(credit=credit)
+    node = s.node(f"unlinked-exclusive-{credit}", owner, upstream=w.upstream, max_concurrency=1,
+                  first_token_delay=3)
     try:
         pockets_before = s.pockets()
         response = _unlink_mid_flight(s, owner, node, SELF)
+        assert response.headers["x-darkbloom-billing"] == "free"
         request_id = response.headers["x-request-id"]
         row = next(r for r in s.usage(owner) if r["request_id"] == request_id)
-        assert row["self_routed"] is False and row["routed"] == "fleet"
-        assert row["cost_micro_usd"] == 0  # nothing could be collected
+        assert row["ownership_changed"] is True and row["self_routed"] is True
+        assert row["cost_micro_usd"] == 0
         # nobody was paid: every account's balance and withdrawable (the platform's included) unchanged
         assert s.pockets() == pockets_before
         assert not [entry for entry in s.ledger(request_id) if entry[1] in ("payout", "platform_fee", "charge")]

@@ -39,6 +39,16 @@ class Job:
     task: asyncio.Task[None] | None = field(default=None, repr=False)
     settling: asyncio.Task[None] | None = field(default=None, repr=False)  # after a cancel: the usage report
     cancelled: bool = False  # once set, nothing more is sent for this request but the usage report on cancel
+    max_tokens: int | None = None  # what the coordinator asked for: the most this node ever reports
+
+    def report(self, prompt_tokens: int, completion_tokens: int) -> protocol.Usage:
+        """The usage to report: an upstream that ignored ``max_tokens`` is not this node's lie to tell
+        (the coordinator distrusts a node reporting more than it asked for)."""
+        if self.max_tokens is not None and completion_tokens > self.max_tokens:
+            log.warning("request %s: the backend produced %d completion tokens for max_tokens %d; reporting %d",
+                        self.request_id, completion_tokens, self.max_tokens, self.max_tokens)
+            completion_tokens = self.max_tokens
+        return protocol.Usage(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens)
 
 
 class FleetRequests:
@@ -98,8 +108,7 @@ class FleetRequests:
             if not stopped:
                 log.warning("request %s: the backend did not stop within %.0f s; reporting the usage so far",
                             job.request_id, self.cancel_grace)
-            usage = protocol.Usage(prompt_tokens=job.meter.prompt_tokens,
-                                   completion_tokens=job.meter.completion_tokens)
+            usage = job.report(job.meter.prompt_tokens, job.meter.completion_tokens)
             # Queued without its job, so the writer sends it although the job is cancelled; dropped if
             # the connection the cancel came on is gone.
             job.outbox.send(protocol.InferenceComplete(request_id=job.request_id, usage=usage))
@@ -117,7 +126,10 @@ class FleetRequests:
                 raise BackendError(404, f"model {model_id!r} is not served by this node")
             job.outbox.send(protocol.InferenceAccepted(request_id=request_id), job)
             log.info("request %s accepted for %s", request_id, model_id)
-            usage = await self._relay(job, sealer, self.backend.stream_chat(model_id, body, job.meter))
+            max_tokens = body.get("max_tokens")
+            job.max_tokens = max_tokens if isinstance(max_tokens, int) and not isinstance(max_tokens, bool) else None
+            relayed = await self._relay(job, sealer, self.backend.stream_chat(model_id, body, job.meter))
+            usage = job.report(relayed.prompt_tokens, relayed.completion_tokens)
             job.outbox.send(protocol.InferenceComplete(request_id=request_id, usage=usage), job)
             log.info("request %s complete: %d prompt + %d completion tokens", request_id,
                      usage.prompt_tokens, usage.completion_tokens)

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from sqlalchemy import JSON, BigInteger, Boolean, Column, ForeignKey, Integer, MetaData, String, Table, Text
+from sqlalchemy import JSON, BigInteger, Boolean, Column, ForeignKey, Integer, MetaData, String, Table, Text, false
 
 metadata = MetaData()
 
@@ -35,8 +35,8 @@ api_keys = Table(
     Column("limit_micro_usd", BigInteger, nullable=True),
     Column("limit_reset", String(16), nullable=False, default="none"),
     Column("rpm_limit", Integer, nullable=True),
-    Column("itpm_limit", Integer, nullable=True),
-    Column("otpm_limit", Integer, nullable=True),
+    Column("itpm_limit", BigInteger, nullable=True),
+    Column("otpm_limit", BigInteger, nullable=True),
     Column("allowed_models", JSON, nullable=True),
     Column("created_at", BigInteger, nullable=False),
     Column("last_used_at", BigInteger, nullable=True),
@@ -125,13 +125,15 @@ usage_records = Table(
     Column("model", String(256), nullable=False),
     Column("provider_id", String(64), nullable=True),
     Column("provider_account_id", String(64), nullable=True, index=True),
-    Column("prompt_tokens", Integer, nullable=False),
-    Column("completion_tokens", Integer, nullable=False),
+    Column("prompt_tokens", BigInteger, nullable=False),
+    Column("completion_tokens", BigInteger, nullable=False),
     Column("cost_micro_usd", BigInteger, nullable=False),
     Column("platform_fee_micro_usd", BigInteger, nullable=False),
     Column("provider_payout_micro_usd", BigInteger, nullable=False),
     Column("self_routed", Boolean, nullable=False),
     Column("routed", String(8), nullable=False),        # owned | fleet
+    # an exclusive request whose machine changed owner mid-flight: still free, nobody paid
+    Column("ownership_changed", Boolean, nullable=False, server_default=false()),
     Column("created_at", BigInteger, nullable=False),
 )
 

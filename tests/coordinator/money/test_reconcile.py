@@ -96,3 +96,22 @@ async def test_a_fresh_heartbeat_keeps_an_instance_alive(make_services: MakeServ
     await _age(other, other.instance_id, 3)
     assert await instances.reconcile_abandoned(me) == 1
     assert await pockets(me, account) == (10_000, 0)
+
+
+async def test_own_reservations_older_than_any_request_are_refunded(make_services: MakeServices) -> None:
+    """A live instance whose settlement kept failing must not hold the money until it restarts: its
+    own reservations older than the longest possible request are refunded; younger ones are kept."""
+    me = await make_services(queue_max_wait=1, request_timeout=2, cancel_grace=1)
+    await instances.register_instance(me)
+    account = await new_account(me, credit=100_000)
+    await billing.reserve(me, "stuck", account, None, 5_000)
+    await billing.reserve(me, "running", account, None, 3_000)
+    longest = instances.longest_request(me)
+    async with me.engine.begin() as conn:
+        await conn.execute(update(reservations).where(reservations.c.request_id == "stuck")
+                           .values(created_at=int(time.time() - longest - 5)))
+    assert await instances.reconcile_abandoned(me) == 1
+    status = {r["request_id"]: r["status"] for r in await rows(me, reservations)}
+    assert status == {"stuck": "refunded", "running": "open"}
+    assert await pockets(me, account) == (100_000 - 3_000, 0)
+    await check_ledger_consistency(me.engine)

@@ -148,6 +148,8 @@ _USAGE_ROW = obj({
     "prompt_tokens": INTEGER, "completion_tokens": INTEGER,
     "cost_micro_usd": {"type": "integer", "description": "0 for self-routed requests served by your machine."},
     "self_routed": BOOLEAN, "routed": {"enum": ["owned", "fleet"]},
+    "ownership_changed": {"type": "boolean", "description": "An exclusive request whose machine changed owner "
+                                                            "mid-flight: still free, nobody paid."},
 })
 
 _EARNINGS_ROW = obj({

@@ -54,6 +54,7 @@ class RequestLifecycle:
         self.admitted = False
         self.model: CatalogModel | None = None
         self.self_routed = False
+        self.exclusive = False
         self.serving: PendingRequest | None = None  # the attempt whose content goes to the client
         self._slots: list[Slot] = []
         self._attempts: list[PendingRequest] = []
@@ -73,6 +74,7 @@ class RequestLifecycle:
                     reserve: bool) -> None:
         """ITPM/OTPM with the estimates, then the worst-case reservation (402 when it cannot be held)."""
         self.model, self.self_routed = model, self_routed
+        self.exclusive = self_routed and not reserve  # exclusive self-route: never reserves, never charged
         await self.charge_rates(admission.token_charges(self.services, self.caller, prompt_bound, output_bound))
         if reserve:
             amount = billing.worst_case(model, prompt_bound, output_bound,
@@ -168,7 +170,7 @@ class RequestLifecycle:
         # the owner is re-read from the serving session object, even if it has disconnected since
         served = billing.Served(provider_id=session.id, provider_account_id=session.account_id)
         bill = billing.Bill(self.request_id, self.caller.account_id, self.caller.key_id, self.model,
-                            self.reservation, self.self_routed)
+                            self.reservation, self.self_routed, exclusive=self.exclusive)
         reservation = self.reservation
         if usage is not None:
             await self._money("settlement", lambda: billing.settle_bill(services, bill, usage, served))

@@ -66,7 +66,8 @@ def _routing_headers(life: RequestLifecycle, caller: Caller, pending: PendingReq
     owned = pending.session.account_id == caller.account_id
     return {"X-Request-Id": life.request_id, "X-Provider-Id": pending.session.id,
             "X-Darkbloom-Routed": "owned" if owned else "fleet",
-            "X-Darkbloom-Billing": "free" if owned and policy.self_routed else "charged", **life.rate_headers}
+            "X-Darkbloom-Billing": "free" if (owned and policy.self_routed) or policy.exclusive else "charged",
+            **life.rate_headers}
 
 
 async def _streamed(life: RequestLifecycle, pending: PendingRequest, completed: bool, shaper: ChunkShaper,

@@ -141,6 +141,7 @@ class Bill:
     model: CatalogModel
     reservation: Reservation | None  # None for exclusive self-route
     self_routed: bool                # the caller asked for their own machine (exclusive or prefer)
+    exclusive: bool = False          # exclusive self-route: $0 whoever owns the machine by the end
 
 
 async def settle_bill(services: Services, bill: Bill, usage: Usage, served: Served) -> Settlement | None:
@@ -151,7 +152,10 @@ async def settle_bill(services: Services, bill: Bill, usage: Usage, served: Serv
     An exclusive request (no reservation) writes its usage row through the same writer."""
     settings = services.settings
     owned = served.provider_account_id == bill.account_id
-    free = bill.self_routed and owned
+    # exclusive guarantees $0 (CONTRACT §4): a machine unlinked mid-flight makes it no one's own,
+    # but the request still costs nothing and pays nobody, and its usage row says why
+    ownership_changed = bill.exclusive and not owned
+    free = (bill.self_routed and owned) or bill.exclusive
     reservation = bill.reservation
     cost = 0 if free else charge_for(bill.model, usage, settings.min_charge_micro_usd)
     if reservation is not None and cost > reservation.amount:
@@ -161,7 +165,8 @@ async def settle_bill(services: Services, bill: Bill, usage: Usage, served: Serv
     result = await services.ledger.run(ledger_plan.Settle(
         bill.request_id, bill.account_id, bill.key_id, bill.model.id, served.provider_id,
         served.provider_account_id, usage.prompt_tokens, usage.completion_tokens, cost, settings.platform_fee_bps,
-        reserved=reservation is not None, self_routed=free, routed="owned" if owned else "fleet"))
+        reserved=reservation is not None, self_routed=free, routed="owned" if owned else "fleet",
+        ownership_changed=ownership_changed))
     if result is None:
         return None
     if result.uncollected:

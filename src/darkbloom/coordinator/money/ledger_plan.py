@@ -49,6 +49,7 @@ class Settle:
     reserved: bool           # closes an open reservation; False: exclusive, charged from the balance
     self_routed: bool        # free on the caller's own machine (the usage row's flag)
     routed: str              # owned | fleet
+    ownership_changed: bool = False  # exclusive, but the machine changed owner mid-flight (still free)
 
 
 @dataclass(frozen=True)
@@ -242,5 +243,5 @@ class _Planner:
         self.changes.usage.append((
             request_id, step.account_id, step.key_id, step.model, step.provider_id, step.provider_account_id,
             step.prompt_tokens, step.completion_tokens, collected, fee, payout, step.self_routed, step.routed,
-            self.changes.now))
+            self.changes.now, step.ownership_changed))
         return Settled(collected, fee, payout, uncollected)

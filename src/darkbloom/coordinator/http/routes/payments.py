@@ -49,7 +49,8 @@ async def usage(limit: int = Query(50, ge=1, le=500), cursor: str | None = None,
         "request_id": r["request_id"], "created_at": r["created_at"], "model": r["model"],
         "provider_id": r["provider_id"], "prompt_tokens": r["prompt_tokens"],
         "completion_tokens": r["completion_tokens"], "cost_micro_usd": r["cost_micro_usd"],
-        "self_routed": bool(r["self_routed"]), "routed": r["routed"]} for r in page]}
+        "self_routed": bool(r["self_routed"]), "routed": r["routed"],
+        "ownership_changed": bool(r["ownership_changed"])} for r in page]}
 
 
 @router.get("/v1/provider/earnings")
