@@ -4,16 +4,18 @@ PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed-stamp
 PYTEST_ARGS ?=
 
-.PHONY: install chromium wrk demo test services layout bench clean
+.PHONY: install chromium tshark wrk demo test services layout bench clean
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || python3 -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip wheel
-	@echo "Installing darkbloom and its test/bench extras into $(VENV) (first run: a few minutes)…"
-	$(PY) -m pip install -q -e '.[test,bench]'
+	@echo "Installing darkbloom and its test/bench extras into $(VENV). On a fresh machine pip compiles"
+	@echo "llama-cpp-python from source: about 14 minutes on 2 cores with no output while it builds (pip"
+	@echo "caches the wheel, so later installs take seconds). Progress lines follow."
+	$(PY) -m pip install --progress-bar on -e '.[test,bench]'
 	touch $(STAMP)
 
-install: $(STAMP) chromium tshark
+install: $(STAMP) chromium tshark wrk
 
 # The console's browser tests drive Debian's Chromium (never a browser Playwright downloads).
 CHROMIUM_HINT := Chromium is missing (/usr/bin/chromium): the console browser tests (tests/console) need it. Install it with 'sudo apt-get install -y chromium', or point DARKBLOOM_TEST_CHROMIUM at a Chromium binary.

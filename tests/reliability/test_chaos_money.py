@@ -367,7 +367,8 @@ def check_chaos(snapshot: dict[str, Any], outcomes: list[ChaosOutcome], spenders
         "abandoned stream": sum(o.disconnected and o.stream for o in outcomes),
         "abandoned plain": sum(o.disconnected and not o.stream for o in outcomes),
         "lost in the coordinator crash": sum(o.lost for o in outcomes),
-        "reservations open at the crash": len(held),
+        # (how many reservations are open at the instant of the kill varies from 0 to ~100 with the
+        # timing; "lost in the coordinator crash" above is what proves the crash hit requests in flight)
         "done after the restart": sum(o.done and o.phase == 2 for o in outcomes),
         "prefer served free by its machine": len(prefer_free),
         "prefer paid on the fleet": len(prefer_paid),

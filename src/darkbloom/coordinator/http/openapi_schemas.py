@@ -150,7 +150,8 @@ _USAGE_ROW = obj({
     "self_routed": BOOLEAN, "routed": {"enum": ["owned", "fleet"]},
     "ownership_changed": {"type": "boolean", "description": "An exclusive request whose machine changed owner "
                                                             "mid-flight: still free, nobody paid."},
-})
+}, required=("request_id", "created_at", "model", "provider_id", "prompt_tokens", "completion_tokens",
+             "cost_micro_usd", "self_routed", "routed"))
 
 _EARNINGS_ROW = obj({
     "request_id": STRING, "created_at": TIMESTAMP, "model": STRING, "provider_id": NULLABLE_STRING,
