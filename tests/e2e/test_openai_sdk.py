@@ -68,3 +68,17 @@ def test_unknown_model_is_404_model_not_found(stack: Stack) -> None:
     with pytest.raises(openai.NotFoundError) as caught:
         client(stack).chat.completions.create(model="no-such-model", messages=PROMPT)
     assert caught.value.code == "model_not_found"
+
+
+def test_an_image_for_a_text_only_model_is_400_model_capability_unsupported(stack: Stack) -> None:
+    """Not a 503 that SDKs retry: the bundled model serves text only, so no retry can succeed."""
+    import openai
+
+    image = {"role": "user", "content": [{"type": "text", "text": "What is this?"},
+                                         {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}]}
+    with pytest.raises(openai.BadRequestError) as refused:
+        client(stack).with_options(max_retries=0).chat.completions.create(model=MODEL, messages=[image],
+                                                                          max_tokens=8)
+    assert refused.value.status_code == 400
+    assert refused.value.code == "model_capability_unsupported"
+    assert refused.value.response.headers["x-should-retry"] == "false"

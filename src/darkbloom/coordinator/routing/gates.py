@@ -85,6 +85,7 @@ GATES: tuple[Gate, ...] = (
 PRIVACY_GATES = frozenset({"runtime_not_verified", "no_encrypted_chunks", "challenge_stale"})
 LASTING_GATES = tuple(gate for gate in GATES if gate.lasting)
 NO_FREE_SLOT = "no_free_slot"
+CAPABILITY_GATE = "capability_unsupported"  # the last gate: a session failing it passed all the others
 
 
 def first_failed_gate(session: ProviderSession, decision: RouteDecision, settings: CoordinatorSettings,

@@ -9,6 +9,7 @@ import dataclasses
 from darkbloom.coordinator.http.auth import Caller
 from darkbloom.coordinator.routing import selfroute
 from darkbloom.coordinator.routing.decision import RouteDecision
+from darkbloom.coordinator.routing.gates import CAPABILITY_GATE
 from darkbloom.coordinator.routing.policy import Policy
 from darkbloom.coordinator.routing.queue import NoEligibleSession, QueueRefused
 from darkbloom.coordinator.routing.scheduler import Placement, survey
@@ -57,6 +58,11 @@ async def place(services: Services, decision: RouteDecision, policy: Policy) -> 
     except NoEligibleSession as exc:
         if decision.owned_only:
             await selfroute.preflight(services, decision, exc.survey)
+        if exc.survey.reasons.get(CAPABILITY_GATE):
+            # sessions pass every other gate but cannot take this request's shape: no retry will help
+            raise ApiError(400, "model_capability_unsupported",
+                           f"No provider serving '{decision.model.id}' supports {_needed(decision)}. Send a "
+                           "plain text request or pick a model that supports it.", param="messages") from None
         raise ApiError(503, "model_unavailable",
                        f"No provider is serving '{decision.model.id}' right now. Try again later or pick "
                        "another model.") from None
@@ -68,6 +74,10 @@ async def place(services: Services, decision: RouteDecision, policy: Policy) -> 
                        f"Every provider serving '{decision.model.id}' is busy and {why}. "
                        f"Retry after {exc.retry_after} s.",
                        code=exc.code, headers={"Retry-After": str(exc.retry_after)}) from None
+
+
+def _needed(decision: RouteDecision) -> str:
+    return "images" if decision.needs_images else "this kind of request"
 
 
 async def unserved_error(services: Services, decision: RouteDecision, failure: ApiError) -> ApiError:
