@@ -17,6 +17,19 @@ $(STAMP): pyproject.toml
 
 install: $(STAMP) chromium tshark wrk
 
+# $(call apt_install,package,hint): install a Debian package when its command is missing (apt-get as
+# root, sudo otherwise, the hint when neither works); noninteractive answers debconf with defaults.
+define apt_install
+	@if command -v $(1) >/dev/null 2>&1; then :; \
+	elif [ "$$(id -u)" = 0 ]; then \
+		echo "Installing $(1) (apt-get)…"; \
+		DEBIAN_FRONTEND=noninteractive apt-get install -y -q $(1) || { apt-get update -q && DEBIAN_FRONTEND=noninteractive apt-get install -y -q $(1); } || echo "$(2)"; \
+	elif command -v sudo >/dev/null 2>&1; then \
+		echo "Installing $(1) (sudo apt-get)…"; \
+		sudo DEBIAN_FRONTEND=noninteractive apt-get install -y $(1) || { sudo apt-get update && sudo DEBIAN_FRONTEND=noninteractive apt-get install -y $(1); } || echo "$(2)"; \
+	else echo "$(2)"; fi
+endef
+
 # The console's browser tests drive Debian's Chromium (never a browser Playwright downloads).
 CHROMIUM_HINT := Chromium is missing (/usr/bin/chromium): the console browser tests (tests/console) need it. Install it with 'sudo apt-get install -y chromium', or point DARKBLOOM_TEST_CHROMIUM at a Chromium binary.
 chromium:
@@ -31,14 +44,7 @@ chromium:
 # noninteractive answers wireshark-common's debconf question (setuid dumpcap) with its default, no.
 TSHARK_HINT := tshark is missing (/usr/bin/tshark): the capture test (tests/reliability/test_capture.py) skips without it. Install it with 'sudo DEBIAN_FRONTEND=noninteractive apt-get install -y tshark' (capturing needs root or CAP_NET_RAW).
 tshark:
-	@if command -v tshark >/dev/null 2>&1; then :; \
-	elif [ "$$(id -u)" = 0 ]; then \
-		echo "Installing tshark (apt-get)…"; \
-		DEBIAN_FRONTEND=noninteractive apt-get install -y -q tshark || { apt-get update -q && DEBIAN_FRONTEND=noninteractive apt-get install -y -q tshark; } || echo "$(TSHARK_HINT)"; \
-	elif command -v sudo >/dev/null 2>&1; then \
-		echo "Installing tshark (sudo apt-get)…"; \
-		sudo DEBIAN_FRONTEND=noninteractive apt-get install -y tshark || { sudo apt-get update && sudo DEBIAN_FRONTEND=noninteractive apt-get install -y tshark; } || echo "$(TSHARK_HINT)"; \
-	else echo "$(TSHARK_HINT)"; fi
+	$(call apt_install,tshark,$(TSHARK_HINT))
 
 demo: $(STAMP)
 	$(VENV)/bin/darkbloom demo
@@ -57,14 +63,7 @@ test: install services layout
 # long before the relay does); py-spy, for its profiles, comes from the bench extra (pip).
 WRK_HINT := wrk is missing (/usr/bin/wrk): bench/relay_overhead.py needs it. Install it with 'sudo apt-get install -y wrk'.
 wrk:
-	@if command -v wrk >/dev/null 2>&1; then :; \
-	elif [ "$$(id -u)" = 0 ]; then \
-		echo "Installing wrk (apt-get)…"; \
-		DEBIAN_FRONTEND=noninteractive apt-get install -y -q wrk || { apt-get update -q && DEBIAN_FRONTEND=noninteractive apt-get install -y -q wrk; } || echo "$(WRK_HINT)"; \
-	elif command -v sudo >/dev/null 2>&1; then \
-		echo "Installing wrk (sudo apt-get)…"; \
-		sudo apt-get install -y wrk || { sudo apt-get update && sudo apt-get install -y wrk; } || echo "$(WRK_HINT)"; \
-	else echo "$(WRK_HINT)"; fi
+	$(call apt_install,wrk,$(WRK_HINT))
 
 BENCH_ARGS ?=
 bench: $(STAMP) wrk

@@ -46,7 +46,7 @@ class Attempts:
 
     def _dispatch(self, placement: Placement) -> PendingRequest:
         pending = relay.dispatch(placement.slot, self.chat, placement.provider_model_id, self.request_id,
-                                 self.max_tokens)
+                                 self.max_tokens, self.life.usage_bounds)
         self.life.track(pending)
         return pending
 

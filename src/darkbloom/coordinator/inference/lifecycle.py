@@ -14,19 +14,18 @@ what was not used — once, on every end:
   stops the provider and charges what it reported (``charge_partial``).
 
 Use it as ``async with RequestLifecycle(...) as life:``. A streamed answer takes the end over with
-``hand_off()``: its stream calls ``finish`` before its last event, and the response runs inside
-``streaming()``, which ends a stream that stopped early (the client went away) with a partial charge.
+``hand_off()``: its stream calls ``finish`` before its last event, and the response's end hook
+``end_unfinished`` ends a stream that stopped early (the client went away) with a partial charge.
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import time
-from typing import Any, AsyncIterator, Awaitable, Callable
+from typing import Any, Awaitable, Callable
 
-from darkbloom.coordinator.fleet.pending import PendingRequest
+from darkbloom.coordinator.fleet.pending import PendingRequest, UsageBounds
 from darkbloom.coordinator.fleet.slots import Slot
 from darkbloom.coordinator.http.auth import Caller
 from darkbloom.coordinator.inference import relay
@@ -55,6 +54,7 @@ class RequestLifecycle:
         self.model: CatalogModel | None = None
         self.self_routed = False
         self.exclusive = False
+        self.usage_bounds: UsageBounds | None = None
         self.serving: PendingRequest | None = None  # the attempt whose content goes to the client
         self._slots: list[Slot] = []
         self._attempts: list[PendingRequest] = []
@@ -74,6 +74,7 @@ class RequestLifecycle:
                     reserve: bool) -> None:
         """ITPM/OTPM with the estimates, then the worst-case reservation (402 when it cannot be held)."""
         self.model, self.self_routed = model, self_routed
+        self.usage_bounds = UsageBounds(prompt_bound, output_bound)  # the most a provider may report
         self.exclusive = self_routed and not reserve  # exclusive self-route: never reserves, never charged
         await self.charge_rates(admission.token_charges(self.services, self.caller, prompt_bound, output_bound))
         if reserve:
@@ -128,15 +129,11 @@ class RequestLifecycle:
             self._ended = True
             await asyncio.shield(self.services.spawn(self._settle(outcome, charge_partial=False)))
 
-    @contextlib.asynccontextmanager
-    async def streaming(self) -> AsyncIterator[None]:
-        """Around a handed-off response: a stream that ends without ``finish`` lost its client."""
-        try:
-            yield
-        finally:
-            if not self._ended:
-                self._ended = True
-                self.services.spawn(self._settle("client_disconnected", charge_partial=True))
+    def end_unfinished(self) -> None:
+        """The handed-off response ended: a stream that ended without ``finish`` lost its client."""
+        if not self._ended:
+            self._ended = True
+            self.services.spawn(self._settle("client_disconnected", charge_partial=True))
 
     def _release_attempts(self, keep: PendingRequest | None = None) -> None:
         for pending in self._attempts:

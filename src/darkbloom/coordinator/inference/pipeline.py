@@ -9,7 +9,6 @@ from typing import AsyncIterator
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, StreamingResponse
-from starlette.types import Receive, Scope, Send
 
 from darkbloom.coordinator.fleet.pending import PendingRequest
 from darkbloom.coordinator.http.auth import Caller
@@ -24,6 +23,7 @@ from darkbloom.coordinator.routing.policy import Policy
 from darkbloom.coordinator.services import Services
 from darkbloom.wire.openai.chunks import SSE_DONE, sse, wants_usage_chunk
 from darkbloom.wire.openai.shaping import ChunkShaper
+from darkbloom.wire.openai.streaming import EventStreamResponse
 
 
 def new_request_id() -> str:
@@ -53,7 +53,8 @@ async def chat_completion(life: RequestLifecycle, chat: ChatRequest, policy: Pol
     deadlines = relay.Deadlines.from_settings(services.settings, life.started)
     if chat.stream:
         life.hand_off()
-        return LifecycleStreamingResponse(life, _streamed(life, pending, completed, shaper, deadlines, wants_usage_chunk(chat.body)), headers)
+        events = _streamed(life, pending, completed, shaper, deadlines, wants_usage_chunk(chat.body))
+        return EventStreamResponse(events, headers, life.end_unfinished)
     try:
         body = await until_disconnect(request, relay.collect(pending, completed, shaper, deadlines))
     except relay.ProviderFailure as failure:
@@ -83,16 +84,3 @@ async def _streamed(life: RequestLifecycle, pending: PendingRequest, completed: 
     if include_usage:
         yield sse(shaper.usage_chunk(pending.usage))
     yield SSE_DONE
-
-
-class LifecycleStreamingResponse(StreamingResponse):
-    """A streamed answer that ends its request's lifecycle however the response ends."""
-
-    def __init__(self, life: RequestLifecycle, content: AsyncIterator[bytes], headers: dict[str, str]) -> None:
-        super().__init__(content, media_type="text/event-stream",
-                         headers={**headers, "Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
-        self.life = life
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        async with self.life.streaming():
-            await super().__call__(scope, receive, send)

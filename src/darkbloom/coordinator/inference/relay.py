@@ -15,7 +15,6 @@ from darkbloom.coordinator.config import CoordinatorSettings
 from darkbloom.coordinator.fleet.pending import Chunk, Completed, Event, Failed, PendingRequest, UsageBounds
 from darkbloom.coordinator.fleet.slots import Slot
 from darkbloom.coordinator.inference.chat_request import ChatRequest
-from darkbloom.coordinator.money.estimation import prompt_token_bound
 from darkbloom.wire.openai.chunks import MessageBuilder, has_content, sse
 from darkbloom.wire.openai.errors import ApiError, error_body
 from darkbloom.wire.openai.shaping import ChunkShaper
@@ -69,11 +68,11 @@ class Deadlines:
         return cls(idle=settings.idle_timeout, until=started + settings.request_timeout)
 
 
-def dispatch(slot: Slot, chat: ChatRequest, provider_model_id: str, request_id: str,
-             max_tokens: int) -> PendingRequest:
+def dispatch(slot: Slot, chat: ChatRequest, provider_model_id: str, request_id: str, max_tokens: int,
+             bounds: UsageBounds | None = None) -> PendingRequest:
     """Send a sealed request on a claimed slot; the attempt holds the slot until ``release``."""
     session = slot.session
-    pending = PendingRequest(request_id, slot, UsageBounds(prompt_token_bound(chat), max_tokens))
+    pending = PendingRequest(request_id, slot, bounds)
     session.pending[request_id] = pending
     if not session.online:
         # It disconnected after the slot was claimed (close_session already failed what it had):

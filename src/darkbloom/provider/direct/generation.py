@@ -15,9 +15,8 @@ import secrets
 import time
 from typing import Any, AsyncIterator
 
-from starlette.responses import StreamingResponse
-from starlette.types import Receive, Scope, Send
 
+from darkbloom.wire.openai.streaming import EventStreamResponse
 from darkbloom.wire.openai.chunks import SSE_DONE, MessageBuilder, has_content, sse, wants_usage_chunk
 from darkbloom.wire.openai.shaping import ChunkShaper
 from darkbloom.wire.protocol import Usage
@@ -130,16 +129,7 @@ async def events(generation: Generation, head: list[dict[str, Any]]) -> AsyncIte
     yield SSE_DONE
 
 
-class GenerationResponse(StreamingResponse):
+def generation_response(generation: Generation, head: list[dict[str, Any]],
+                        headers: dict[str, str]) -> EventStreamResponse:
     """A streamed completion that always hands its slot back, however the response ends."""
-
-    def __init__(self, generation: Generation, head: list[dict[str, Any]], headers: dict[str, str]) -> None:
-        super().__init__(events(generation, head), media_type="text/event-stream",
-                         headers={**headers, "Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
-        self.generation = generation
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        try:
-            await super().__call__(scope, receive, send)
-        finally:
-            self.generation.finish_soon()
+    return EventStreamResponse(events(generation, head), headers, generation.finish_soon)

@@ -30,7 +30,7 @@ from darkbloom.wire.openai.errors import ApiError, invalid_request, unauthorized
 from darkbloom.wire.openai.handlers import api_error_handler, http_error_handler
 from darkbloom.provider.backends import Backend, BackendError
 from darkbloom.provider.direct.errors import from_backend, model_not_found, node_failed
-from darkbloom.provider.direct.generation import Generation, GenerationResponse
+from darkbloom.provider.direct.generation import Generation, generation_response
 from darkbloom.provider.slots import Slots
 
 log = logging.getLogger(__name__)
@@ -123,7 +123,7 @@ class _LocalApi:
             if stream:
                 head = await generation.head()
                 handed_off = True
-                return GenerationResponse(generation, head, headers=headers)
+                return generation_response(generation, head, headers)
             return JSONResponse(await generation.collect(), headers=headers)
         except BackendError as exc:
             raise from_backend(exc) from None
