@@ -279,11 +279,13 @@ def secret_forms(secret: str) -> dict[str, bytes]:
 
 def fragments(text: str, length: int = 12) -> list[str]:
     """Every `length`-character window of a completion that is specific enough to mean something
-    (at least half letters or digits), once each."""
+    (at least half letters or digits, and at least six distinct characters: a window such as
+    `000000000000` also spells the all-zero MAC addresses of loopback packets in tshark's output),
+    once each."""
     seen: dict[str, None] = {}
     for start in range(max(0, len(text) - length + 1)):
         window = text[start:start + length]
-        if sum(ch.isalnum() for ch in window) >= length // 2:
+        if sum(ch.isalnum() for ch in window) >= length // 2 and len(set(window)) >= 6:
             seen.setdefault(window, None)
     return list(seen)
 
