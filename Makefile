@@ -4,7 +4,7 @@ PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed-stamp
 PYTEST_ARGS ?=
 
-.PHONY: install chromium tshark wrk demo test services layout bench clean
+.PHONY: install chromium tshark wrk node-clients demo test services layout bench clean
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || python3 -m venv $(VENV)
@@ -12,10 +12,10 @@ $(STAMP): pyproject.toml
 	@echo "Installing darkbloom and its test/bench extras into $(VENV). On a fresh machine pip compiles"
 	@echo "llama-cpp-python from source: about 14 minutes on 2 cores with no output while it builds (pip"
 	@echo "caches the wheel, so later installs take seconds). Progress lines follow."
-	$(PY) -m pip install --progress-bar on -e '.[test,bench]'
+	$(PY) -m pip install --progress-bar on -e '.[node,test,bench]'
 	touch $(STAMP)
 
-install: $(STAMP) chromium tshark wrk
+install: $(STAMP) chromium tshark wrk node-clients
 
 # $(call apt_install,package,hint): install a Debian package when its command is missing (apt-get as
 # root, sudo otherwise, the hint when neither works); noninteractive answers debconf with defaults.
@@ -46,6 +46,21 @@ TSHARK_HINT := tshark is missing (/usr/bin/tshark): the capture test (tests/reli
 tshark:
 	$(call apt_install,tshark,$(TSHARK_HINT))
 
+# tests/clients drives openai-node and the Vercel AI SDK with Node.js (Debian's nodejs, via its npm
+# package, when missing): `npm ci` from the committed lockfile whenever node_modules is missing or
+# older than the lockfile; the stamp is the copy of the lockfile npm ci writes into node_modules.
+NODE_CLIENTS := tests/clients/node
+NODE_STAMP   := $(NODE_CLIENTS)/node_modules/.package-lock.json
+NODE_HINT := npm is missing: tests/clients (openai-node, the Vercel AI SDK) needs Node.js 18 or later. Install it with 'sudo apt-get install -y nodejs npm', then run 'make node-clients'.
+node-clients: $(NODE_STAMP)
+
+$(NODE_STAMP): $(NODE_CLIENTS)/package-lock.json $(NODE_CLIENTS)/package.json
+	$(call apt_install,npm,$(NODE_HINT))
+	@if command -v npm >/dev/null 2>&1; then \
+		echo "Installing openai-node and the Vercel AI SDK for tests/clients: npm ci in $(NODE_CLIENTS) (from its lockfile, a few seconds)…"; \
+		cd $(NODE_CLIENTS) && npm ci --no-audit --no-fund && touch node_modules/.package-lock.json; \
+	fi
+
 demo: $(STAMP)
 	$(VENV)/bin/darkbloom demo
 
@@ -58,6 +73,8 @@ layout:
 
 test: install services layout
 	$(PY) -m pytest -q $(PYTEST_ARGS)
+	@# docs/compatibility.md from this run's tests/clients results (absent when PYTEST_ARGS left them out)
+	@if [ -f tests/clients/.results.json ]; then $(PY) scripts/compatibility_table.py; fi
 
 # bench/relay_overhead.py drives every path with Debian's wrk (a Python load generator saturates
 # long before the relay does); py-spy, for its profiles, comes from the bench extra (pip).

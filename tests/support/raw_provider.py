@@ -38,7 +38,8 @@ class RawProvider:
     def __init__(self, base_url: str, auth_token: str | None = None, models: tuple[str, ...] = ("smollm2-135m",),
                  max_concurrency: int = 1, challenge_answer: str = "valid", tamper_attestation: bool = False,
                  certificate: str | None = None, identity: NodeIdentity | None = None,
-                 runtime: str | None = None, max_request_frame_bytes: int | None = None) -> None:
+                 runtime: str | None = None, max_request_frame_bytes: int | None = None,
+                 capabilities: tuple[str, ...] = ()) -> None:
         assert challenge_answer in CHALLENGE_ANSWERS, challenge_answer
         self.ws_url = base_url.replace("http://", "ws://") + "/ws/provider"
         self.identity = identity or NodeIdentity.generate()
@@ -50,6 +51,7 @@ class RawProvider:
         self.certificate = certificate
         self.runtime = runtime or runtime_hash()
         self.max_request_frame_bytes = max_request_frame_bytes  # None: not advertised (an older node)
+        self.capabilities = capabilities  # advertised for every model
         self.ws: ClientConnection | None = None
         self.provider_id: str | None = None
         self.registered: dict[str, Any] | None = None
@@ -66,7 +68,8 @@ class RawProvider:
         attestation = self.identity.attestation(rh)
         if self.tamper_attestation:
             attestation = _tampered(attestation)
-        return Register(auth_token=self.auth_token, models=[ModelInfo(id=m) for m in self.models],
+        return Register(auth_token=self.auth_token, models=[ModelInfo(id=m, capabilities=list(self.capabilities))
+                                                                 for m in self.models],
                         backend="raw-test", version="test", runtime_hash=rh,
                         public_key=self.identity.public_key_b64, identity_key=self.identity.identity_key_b64,
                         attestation=attestation, certificate=self.certificate,
@@ -144,14 +147,23 @@ class RawProvider:
         await self.ws.send(dump(InferenceResponseChunk(request_id=request.request_id,
                                                        encrypted_data=sealer.seal(json.dumps(chunk).encode()))))
 
+    async def send_data(self, request: InferenceRequest, chunk: dict[str, Any]) -> None:
+        """One sealed chunk of any shape (a tool-call delta, a legacy completion, embeddings)."""
+        assert self.ws is not None
+        sealer = Sealer(public_key_from_b64(request.encrypted_body.ephemeral_public_key))
+        await self.ws.send(dump(InferenceResponseChunk(request_id=request.request_id,
+                                                       encrypted_data=sealer.seal(json.dumps(chunk).encode()))))
+
     async def send_complete(self, request: InferenceRequest, prompt_tokens: int, completion_tokens: int) -> None:
         assert self.ws is not None
         await self.ws.send(dump(InferenceComplete(request_id=request.request_id, usage=Usage(
             prompt_tokens=prompt_tokens, completion_tokens=completion_tokens))))
 
-    async def send_error(self, request: InferenceRequest, status: int, message: str) -> None:
+    async def send_error(self, request: InferenceRequest, status: int, message: str, param: str | None = None,
+                         code: str | None = None) -> None:
         assert self.ws is not None
-        await self.ws.send(dump(InferenceError(request_id=request.request_id, status_code=status, message=message)))
+        await self.ws.send(dump(InferenceError(request_id=request.request_id, status_code=status, message=message,
+                                               param=param, code=code)))
 
     async def close(self) -> None:
         if self.ws is not None:

@@ -35,7 +35,7 @@ ENVELOPE = {"ephemeral_public_key": "AAAA", "ciphertext": "BBBB"}
 REGISTER = {
     "type": "register", "auth_token": "dkp-x",
     "models": [{"id": "smollm2-135m", "size_bytes": 100, "weight_hash": "sha256:w", "quantization": "Q8_0",
-                "is_vision": False, "context_length": 2048}],
+                "is_vision": False, "context_length": 2048, "capabilities": ["tools", "structured_output"]}],
     "backend": "llama-cpp", "version": "0.1.0", "runtime_hash": "sha256:r", "public_key": "pk",
     "identity_key": "ik", "attestation": "att", "encrypted_response_chunks": True, "private_only": True,
     "max_concurrency": 3, "hardware": {"cpu_count": 8, "memory_gb": 16.0, "gpu": None}, "decode_tps": 42.5,
@@ -49,6 +49,8 @@ PROVIDER_FRAMES = [
     ({"type": "inference_complete", "request_id": "r1",
       "usage": {"prompt_tokens": 3, "completion_tokens": 4}}, InferenceComplete),
     ({"type": "inference_error", "request_id": "r1", "status_code": 503, "message": "oom"}, InferenceError),
+    ({"type": "inference_error", "request_id": "r1", "status_code": 400, "message": "too long", "param": "messages",
+      "code": "context_length_exceeded"}, InferenceError),
     ({"type": "attestation_response", "nonce": "n", "signature": "s", "runtime_hash": "h"}, AttestationResponse),
 ]
 
@@ -56,6 +58,8 @@ COORDINATOR_FRAMES = [
     ({"type": "registered", "provider_id": "prov_1", "account_id": "acct_1", "trust_level": "self_signed"},
      Registered),
     ({"type": "inference_request", "request_id": "r1", "encrypted_body": ENVELOPE}, InferenceRequest),
+    ({"type": "inference_request", "request_id": "r1", "encrypted_body": ENVELOPE, "api": "embeddings"},
+     InferenceRequest),
     ({"type": "cancel", "request_id": "r1"}, Cancel),
     ({"type": "attestation_challenge", "nonce": "n", "timestamp": 1_800_000_000}, AttestationChallenge),
     ({"type": "trust_status", "trust_level": "none", "reason": "stale"}, TrustStatus),

@@ -16,7 +16,7 @@ from darkbloom.wire.catalog import BUNDLED_MODEL_ID
 from darkbloom.wire.openai.body import DEFAULT_MAX_BODY_BYTES
 from darkbloom.provider.bundled_model import BundledModelMissing, bundled_gguf_path
 from darkbloom.paths import provider_config_path
-from darkbloom.wire.protocol import PROVIDER_WS_PATH
+from darkbloom.wire.protocol import CAPABILITIES, PROVIDER_WS_PATH
 
 BACKENDS = ("llama-cpp", "openai")
 DEFAULT_COORDINATOR_URL = "http://127.0.0.1:8080"
@@ -29,6 +29,8 @@ class ConfigError(Exception):
 class ModelSpec(NamedTuple):
     id: str
     path: str = ""  # empty: the bundled file (llama-cpp) or the upstream's model name (openai)
+    # openai backend: what the upstream serves for this model beyond chat (None: the backend's default)
+    capabilities: tuple[str, ...] | None = None
 
 
 @dataclass
@@ -156,6 +158,7 @@ class _NodeTable(_Table):
 class _ModelTable(_Table):
     id: str = ""
     path: str = ""
+    capabilities: list[str] | None = None
 
 
 class _ProviderFile(_Table):
@@ -178,7 +181,17 @@ def _apply_toml(config: ProviderConfig, data: dict[str, Any], path: Path) -> Non
         for name, value in table.settings().items():
             setattr(config, name, value)
     if file.models is not None:
-        config.models = [ModelSpec(m.id.strip(), m.path.strip()) for m in file.models]
+        config.models = [ModelSpec(m.id.strip(), m.path.strip(), _capabilities(m, path)) for m in file.models]
+
+
+def _capabilities(model: _ModelTable, path: Path) -> tuple[str, ...] | None:
+    if model.capabilities is None:
+        return None
+    unknown = sorted(set(model.capabilities) - CAPABILITIES)
+    if unknown:
+        raise ConfigError(f"{path}: [[models]] {model.id!r} capabilities: unknown {', '.join(unknown)} "
+                          f"(known: {', '.join(sorted(CAPABILITIES))})")
+    return tuple(dict.fromkeys(model.capabilities))
 
 
 def _problem(error: ErrorDetails) -> str:

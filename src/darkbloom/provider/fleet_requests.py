@@ -22,7 +22,7 @@ from typing import Any, AsyncIterator
 
 from darkbloom.wire import crypto
 from darkbloom.wire import protocol
-from darkbloom.provider.backends import Backend, BackendError
+from darkbloom.provider.backends import Backend, BackendError, open_stream
 from darkbloom.provider.backends.base import UsageMeter, chunk_usage, is_usage_chunk
 from darkbloom.provider.config import ProviderConfig
 from darkbloom.provider.outbox import Outbox
@@ -123,12 +123,13 @@ class FleetRequests:
             body, sealer = self._open_request(frame)
             model_id = body.get("model")
             if model_id not in self.config.model_ids:
-                raise BackendError(404, f"model {model_id!r} is not served by this node")
+                raise BackendError(404, f"model {model_id!r} is not served by this node", param="model")
             job.outbox.send(protocol.InferenceAccepted(request_id=request_id), job)
-            log.info("request %s accepted for %s", request_id, model_id)
+            log.info("request %s accepted for %s (%s)", request_id, model_id, frame.api)
             max_tokens = body.get("max_tokens")
             job.max_tokens = max_tokens if isinstance(max_tokens, int) and not isinstance(max_tokens, bool) else None
-            relayed = await self._relay(job, sealer, self.backend.stream_chat(model_id, body, job.meter))
+            # an embeddings body has no max_tokens: nothing to hold the report to but the backend's count
+            relayed = await self._relay(job, sealer, open_stream(self.backend, frame.api, model_id, body, job.meter))
             usage = job.report(relayed.prompt_tokens, relayed.completion_tokens)
             job.outbox.send(protocol.InferenceComplete(request_id=request_id, usage=usage), job)
             log.info("request %s complete: %d prompt + %d completion tokens", request_id,
@@ -137,8 +138,10 @@ class FleetRequests:
             log.warning("request %s failed with status %d", request_id, exc.status_code)
             # inference_error is not sealed: backends put only sentences of their own in exc.message,
             # never prompt or completion text, nor an upstream's or a library's free-text error.
-            job.outbox.send(protocol.InferenceError(request_id=request_id, status_code=exc.status_code,
-                                                    message=exc.message), job)
+            job.outbox.send(protocol.InferenceError(
+                request_id=request_id, status_code=exc.status_code, message=exc.message,
+                param=exc.param if exc.param is None or len(exc.param) <= 128 else None,
+                code=exc.code if exc.code in protocol.PROVIDER_ERROR_CODES else None), job)
         except asyncio.CancelledError:
             job.cancelled = True
             log.debug("request %s stopped", request_id)  # its cancel (or the lost connection) is logged already

@@ -139,7 +139,7 @@ class ProviderNode:
             outbox = self._outbox = Outbox()
             assert self.identity is not None
             await ws.send(protocol.dump(register_frame(self.config, self.home, self.identity, self.models,
-                                                       self.runtime_hash)))
+                                                       self.runtime_hash, backend=self.backend)))
             self._set_state(connected=True)
             tasks = [asyncio.create_task(outbox.write_to(ws)), asyncio.create_task(self._heartbeats()),
                      asyncio.create_task(self._reader(ws))]

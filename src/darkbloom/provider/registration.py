@@ -1,5 +1,6 @@
 """What a node tells the coordinator about itself at registration, and the files behind it:
-the device token (owner), the enrollment certificate (hardware trust), version and hardware."""
+the device token (owner), the enrollment certificate (hardware trust), version and hardware, and
+what each model serves beyond plain chat (its backend's `capabilities`)."""
 
 from __future__ import annotations
 
@@ -11,13 +12,17 @@ from pathlib import Path
 from darkbloom import paths
 from darkbloom.wire import crypto
 from darkbloom.wire import protocol
+from darkbloom.provider.backends import Backend, backend_capabilities
 from darkbloom.provider.config import ProviderConfig
 
 log = logging.getLogger(__name__)
 
 
 def register_frame(config: ProviderConfig, home: Path, identity: crypto.NodeIdentity,
-                   models: list[protocol.ModelInfo], runtime_hash: str) -> protocol.Register:
+                   models: list[protocol.ModelInfo], runtime_hash: str,
+                   backend: Backend | None = None) -> protocol.Register:
+    if backend is not None:
+        models = with_capabilities(models, backend)
     return protocol.Register(
         auth_token=read_auth_token(home), models=models, backend=config.backend, version=version(),
         runtime_hash=runtime_hash, public_key=identity.public_key_b64, identity_key=identity.identity_key_b64,
@@ -25,6 +30,15 @@ def register_frame(config: ProviderConfig, home: Path, identity: crypto.NodeIden
         encrypted_response_chunks=True, private_only=config.private_only,
         max_concurrency=config.max_concurrency, hardware=hardware(), name=config.name,
         max_request_frame_bytes=protocol.MAX_REQUEST_FRAME_BYTES)
+
+
+def with_capabilities(models: list[protocol.ModelInfo], backend: Backend) -> list[protocol.ModelInfo]:
+    """Each model with the capabilities its backend serves it with (images also for a vision model)."""
+    out = []
+    for info in models:
+        names = set(backend_capabilities(backend, info.id)) | ({"images"} if info.is_vision else set())
+        out.append(info.model_copy(update={"capabilities": sorted(names & protocol.CAPABILITIES)}))
+    return out
 
 
 def read_certificate(home: Path) -> str | None:

@@ -32,6 +32,17 @@ def sealed_frame_bytes(body_bytes: int) -> int:
 # body limit) once it is sealed; a node tells the coordinator in `register`
 MAX_REQUEST_FRAME_BYTES = sealed_frame_bytes(8 * 1024 * 1024)
 PROVIDER_WS_PATH = "/ws/provider"
+
+# The node APIs a sealed body may be for: `chat` (chat completions, also what the Responses and
+# Anthropic Messages edges translate to), `completions` (legacy prompt completions), `embeddings`.
+Api = Literal["chat", "completions", "embeddings"]
+
+# What a model may advertise in `ModelInfo.capabilities` beyond plain chat; a request that needs one
+# is placed only on sessions advertising it. `images` is also implied by `is_vision`.
+CAPABILITIES = frozenset({"tools", "structured_output", "logprobs", "completions", "embeddings", "images"})
+
+# `InferenceError.code` values the coordinator passes on to the client.
+PROVIDER_ERROR_CODES = frozenset({"context_length_exceeded"})
 PROTOCOL_VERSION = "1"
 
 
@@ -55,6 +66,8 @@ class ModelInfo(BaseModel):
     quantization: str = ""
     is_vision: bool = False
     context_length: int = 0
+    # what the model serves beyond plain chat (CAPABILITIES); unknown names are ignored
+    capabilities: list[Annotated[str, Field(max_length=64)]] = Field(default_factory=list, max_length=32)
 
 
 class Hardware(BaseModel):
@@ -120,6 +133,10 @@ class InferenceError(_Frame):
     request_id: str
     status_code: int = 500
     message: str = "provider error"
+    # for a request the backend refused: which parameter, and a machine-readable code from
+    # PROVIDER_ERROR_CODES (the coordinator passes on only those, never the provider's message)
+    param: Annotated[str, Field(max_length=128)] | None = None
+    code: Annotated[str, Field(max_length=64)] | None = None
 
 
 class AttestationResponse(_Frame):
@@ -157,6 +174,7 @@ class InferenceRequest(_Frame):
     type: Literal["inference_request"] = "inference_request"
     request_id: str
     encrypted_body: Envelope
+    api: Api = "chat"  # what the sealed body asks for (its OpenAI endpoint); not secret
 
 
 class Cancel(_Frame):

@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from darkbloom.coordinator.inference.chat_request import parse_chat_request
+from darkbloom.coordinator.inference.calls import CHAT, InferenceCall, parse_call
 from darkbloom.wire.openai.errors import ApiError
 
 HELLO = [{"role": "user", "content": "hi"}]
@@ -16,10 +16,14 @@ def _raw(**body: object) -> bytes:
     return json.dumps(body).encode()
 
 
+def parse_chat_request(raw: bytes) -> InferenceCall:
+    return parse_call(raw, CHAT)
+
+
 def test_minimal_request() -> None:
     chat = parse_chat_request(_raw(model=" smollm2-135m ", messages=HELLO))
     assert chat.model == "smollm2-135m"
-    assert chat.stream is False and chat.uses_tools is False and chat.uses_images is False
+    assert chat.stream is False and chat.needs == frozenset() and chat.api == "chat"
 
 
 def test_unknown_fields_pass_through_to_the_provider() -> None:
@@ -35,11 +39,19 @@ def test_unknown_fields_pass_through_to_the_provider() -> None:
     assert chat.body["model"] == "alias"  # the caller's body is not modified
 
 
-def test_tools_and_images_are_detected() -> None:
-    assert parse_chat_request(_raw(model="m", messages=HELLO, tools=[{"type": "function"}])).uses_tools
+def test_the_capabilities_a_request_needs_are_named() -> None:
+    tools = [{"type": "function", "function": {"name": "f"}}]
+    assert parse_chat_request(_raw(model="m", messages=HELLO, tools=tools)).needs == {"tools"}
+    assert parse_chat_request(_raw(model="m", messages=HELLO, tools=tools, tool_choice="none")).needs == set()
+    assert parse_chat_request(_raw(model="m", messages=HELLO, functions=[{"name": "f"}])).needs == {"tools"}
     image = [{"role": "user", "content": [{"type": "text", "text": "what"},
                                           {"type": "image_url", "image_url": {"url": "data:"}}]}]
-    assert parse_chat_request(_raw(model="m", messages=image)).uses_images
+    assert parse_chat_request(_raw(model="m", messages=image)).needs == {"images"}
+    schema = {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "object"}}}
+    assert parse_chat_request(_raw(model="m", messages=HELLO, response_format=schema)).needs == {"structured_output"}
+    assert parse_chat_request(_raw(model="m", messages=HELLO, response_format={"type": "text"})).needs == set()
+    assert parse_chat_request(_raw(model="m", messages=HELLO, logprobs=True)).needs == {"logprobs"}
+    assert parse_chat_request(_raw(model="m", messages=HELLO, logprobs=False)).needs == set()
 
 
 @pytest.mark.parametrize("raw, param", [
@@ -49,6 +61,9 @@ def test_tools_and_images_are_detected() -> None:
     (_raw(model="m", messages=[]), "messages"),
     (_raw(model="m", messages=HELLO, n=2), "n"),
     (_raw(model="m", messages=HELLO, stream="true"), "stream"),
+    (_raw(model="m", messages=HELLO, tools={"type": "function"}), "tools"),
+    (_raw(model="m", messages=HELLO, response_format={"type": "xml"}), "response_format"),
+    (_raw(model="m", messages=HELLO, response_format="json"), "response_format"),
 ])
 def test_invalid_requests(raw: bytes, param: str | None) -> None:
     with pytest.raises(ApiError) as caught:

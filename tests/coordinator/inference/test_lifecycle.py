@@ -26,7 +26,7 @@ from darkbloom.coordinator.routing.scheduler import try_place
 from darkbloom.coordinator.services import Services
 from darkbloom.store.schema import reservations, usage_records
 from darkbloom.wire.openai.errors import ApiError
-from darkbloom.wire.openai.shaping import ChunkShaper
+from darkbloom.wire.openai.presenters import ChatPresenter
 from tests.coordinator.money.conftest import MakeServices, make_services, new_account, new_key, pockets  # noqa: F401 (fixture)
 from tests.coordinator.routing.sim import MODEL, RUNTIME, SimProvider, chat, decision, fleet
 
@@ -118,7 +118,7 @@ async def test_success_settles_and_frees_the_slot(world: World) -> None:
         world.provider.reply("req-ok")
         world.provider.complete("req-ok")  # 3 prompt + 1 completion tokens
         pending, completed = await run
-        await relay.collect(pending, completed, ChunkShaper("req-ok", MODEL.id), DEADLINES)
+        await relay.collect(pending, completed, ChatPresenter("req-ok", MODEL.id, {}), DEADLINES)
         assert world.provider.session.active == 1
     assert world.provider.session.active == 0
     assert await world.reservation_state("req-ok") == "settled"
@@ -155,7 +155,7 @@ async def test_failure_after_first_content_refunds_the_reservation(world: World)
             world.provider.reply("req-broke")
             pending, completed = await run
             world.provider.error("req-broke", 500, "crashed")
-            await relay.collect(pending, completed, ChunkShaper("req-broke", MODEL.id), DEADLINES)
+            await relay.collect(pending, completed, ChatPresenter("req-broke", MODEL.id, {}), DEADLINES)
     assert world.provider.session.active == 0
     assert await world.reservation_state("req-broke") == "refunded"
     assert await world.usage_rows("req-broke") == []

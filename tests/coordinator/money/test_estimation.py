@@ -15,7 +15,7 @@ from llama_cpp import llama_chat_format
 
 from darkbloom.wire.catalog import CatalogModel
 from darkbloom.coordinator.money import billing
-from darkbloom.coordinator.inference.chat_request import parse_chat_request
+from darkbloom.coordinator.inference.calls import CHAT, parse_call
 from darkbloom.coordinator.money.estimation import output_token_bound, prompt_token_bound
 from darkbloom.provider.bundled_model import bundled_gguf_path
 
@@ -38,7 +38,7 @@ def real_prompt_tokens(llm: llama_cpp.Llama, messages: list[dict[str, Any]]) -> 
 
 
 def chat(messages: list[dict[str, Any]], **fields: Any) -> Any:
-    return parse_chat_request(json.dumps({"model": "smollm2-135m", "messages": messages, **fields}).encode())
+    return parse_call(json.dumps({"model": "smollm2-135m", "messages": messages, **fields}).encode(), CHAT)
 
 
 PROMPTS = {
@@ -121,3 +121,62 @@ def test_reservation_covers_the_real_worst_case(vocab: llama_cpp.Llama) -> None:
         request = chat(messages, max_tokens=64)
         reserved = billing.worst_case(model, prompt_token_bound(request), output_token_bound(request, model), 100)
         assert reserved >= max(100, model.cost(real_prompt_tokens(vocab, _as_text(messages)), 64))
+
+
+WEATHER = {"type": "function", "function": {"name": "get_weather", "description": "The weather in a city.",
+                                            "parameters": {"type": "object", "properties": {"city": {"type": "string"}},
+                                                           "required": ["city"]}}}
+SHAPED = {
+    "forced tool call": dict(messages=[{"role": "user", "content": "Weather in Paris?"}], tools=[WEATHER],
+                             tool_choice={"type": "function", "function": {"name": "get_weather"}}),
+    "required, two tools": dict(messages=[{"role": "user", "content": "x"}], tool_choice="required",
+                                tools=[WEATHER, {"type": "function", "function": {"name": "noop"}}]),
+    "tool history": dict(tools=[WEATHER], messages=[
+        {"role": "user", "content": "Weather in Paris?"},
+        {"role": "assistant", "content": None, "tool_calls": [{"id": "call_1", "type": "function", "function": {
+            "name": "get_weather", "arguments": "{\"city\": \"Paris\"}"}}]},
+        {"role": "tool", "tool_call_id": "call_1", "content": "sunny"}]),
+    "legacy functions": dict(messages=[{"role": "user", "content": "x"}], functions=[WEATHER["function"]],
+                             function_call={"name": "get_weather"}),
+    "json schema": dict(messages=[{"role": "user", "content": "A city."}], response_format={
+        "type": "json_schema", "json_schema": {"name": "city", "schema": {
+            "type": "object", "properties": {"name": {"type": "string"}}, "required": ["name"]}}}),
+    "json object": dict(messages=[{"role": "user", "content": "A city as JSON."}],
+                        response_format={"type": "json_object"}),
+}
+
+
+@pytest.fixture
+async def backend() -> Any:
+    from darkbloom.provider.backends.llama_cpp import LlamaCppBackend
+
+    node = LlamaCppBackend({"smollm2-135m": bundled_gguf_path()}, max_concurrency=1, n_ctx=2048)
+    await node.start()
+    yield node
+    await node.close()
+
+
+async def test_prompt_bound_covers_what_the_node_adds_for_tools_and_schemas(backend: Any) -> None:
+    """The node writes tool lists and schemas into the prompt with words of its own: the bound must
+    still hold, or the coordinator would distrust an honest node's usage."""
+    for name, fields in SHAPED.items():
+        usage = None
+        async for chunk in backend.stream_chat("smollm2-135m", {"model": "smollm2-135m", "max_tokens": 4, **fields}):
+            usage = chunk.get("usage") or usage
+        assert usage is not None
+        assert usage["prompt_tokens"] <= prompt_token_bound(chat(**fields)), name
+
+
+async def test_prompt_bound_covers_legacy_completions_and_embeddings(backend: Any) -> None:
+    from darkbloom.coordinator.inference.calls import COMPLETIONS, EMBEDDINGS
+
+    prompt = "Once upon a time, " * 20
+    completion = parse_call(json.dumps({"model": "m", "prompt": prompt, "max_tokens": 2}).encode(), COMPLETIONS)
+    async for chunk in backend.stream_completion("smollm2-135m", dict(completion.body, max_tokens=2)):
+        usage = chunk.get("usage") or None
+    assert usage is not None and usage["prompt_tokens"] <= prompt_token_bound(completion)
+    for given in (["a", "日本語 🎉", "x " * 50], [1, 2, 3, 4], [[5, 6], [7]]):
+        embed = parse_call(json.dumps({"model": "m", "input": given}).encode(), EMBEDDINGS)
+        async for chunk in backend.stream_embeddings("smollm2-135m", embed.body):
+            usage = chunk.get("usage") or None
+        assert usage is not None and usage["prompt_tokens"] <= prompt_token_bound(embed), given

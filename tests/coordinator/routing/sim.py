@@ -15,7 +15,7 @@ import time
 from typing import Any
 
 from darkbloom.wire.catalog import BUNDLED_MODEL_ID, CatalogModel
-from darkbloom.coordinator.inference.chat_request import ChatRequest, parse_chat_request
+from darkbloom.coordinator.inference.calls import CHAT, InferenceCall, parse_call
 from darkbloom.coordinator.config import CoordinatorSettings
 from darkbloom.coordinator.fleet.registry import Registry
 from darkbloom.coordinator.fleet.slots import Slot, Slots
@@ -62,9 +62,9 @@ def decision(**fields: Any) -> RouteDecision:
     return RouteDecision(model=fields.pop("model", MODEL), **fields)
 
 
-def chat(**fields: Any) -> ChatRequest:
+def chat(**fields: Any) -> InferenceCall:
     body = {"model": BUNDLED_MODEL_ID, "messages": [{"role": "user", "content": "hello"}], **fields}
-    return parse_chat_request(json.dumps(body).encode())
+    return parse_call(json.dumps(body).encode(), CHAT)
 
 
 class SimProvider:
@@ -73,10 +73,12 @@ class SimProvider:
                  private_only: bool = False, vision: bool = False, weight_hash: str = "",
                  encrypted: bool = True, with_key: bool = True, runtime_verified: bool = True,
                  challenge_age: float | None = 0.0, untrusted: str | None = None, online: bool = True,
-                 decode_tps: float = 0.0, active: int = 0, session_id: str | None = None) -> None:
+                 decode_tps: float = 0.0, active: int = 0, session_id: str | None = None,
+                 capabilities: tuple[str, ...] = ()) -> None:
         self.identity = NodeIdentity.generate()
         register = Register(
-            auth_token=None, models=[ModelInfo(id=m, weight_hash=weight_hash, is_vision=vision) for m in models],
+            auth_token=None, models=[ModelInfo(id=m, weight_hash=weight_hash, is_vision=vision,
+                                               capabilities=list(capabilities)) for m in models],
             backend="sim", version="test", runtime_hash=RUNTIME, public_key=self.identity.public_key_b64,
             identity_key=self.identity.identity_key_b64, encrypted_response_chunks=encrypted,
             private_only=private_only, max_concurrency=max_concurrency)

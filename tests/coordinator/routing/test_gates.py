@@ -109,9 +109,30 @@ def test_privacy_gates_are_never_relaxed_for_the_owner(broken: dict[str, Any]) -
 
 
 def test_images_need_a_vision_model() -> None:
-    assert reason_of(SimProvider(vision=False), needs_images=True) == "capability_unsupported"
-    assert reason_of(SimProvider(vision=True), needs_images=True) is None
+    assert reason_of(SimProvider(vision=False), needs=frozenset({"images"})) == "capability_unsupported"
+    assert reason_of(SimProvider(vision=True), needs=frozenset({"images"})) is None
     assert reason_of(SimProvider(vision=False)) is None
+
+
+@pytest.mark.parametrize("needs, advertised, served", [
+    ({"tools"}, (), False),
+    ({"tools"}, ("tools",), True),
+    ({"tools", "structured_output"}, ("tools",), False),
+    ({"tools", "structured_output"}, ("structured_output", "tools", "logprobs"), True),
+    ({"embeddings"}, ("completions",), False),
+    ({"completions"}, ("completions", "embeddings"), True),
+    ({"images"}, ("images",), True),  # a capability may also say what is_vision says
+    (set(), ("no-such-capability",), True),
+])
+def test_a_request_goes_only_where_every_capability_it_needs_is_advertised(
+        needs: set[str], advertised: tuple[str, ...], served: bool) -> None:
+    reason = reason_of(SimProvider(capabilities=advertised), needs=frozenset(needs))
+    assert reason == (None if served else "capability_unsupported")
+
+
+def test_an_unknown_capability_advertised_grants_nothing() -> None:
+    assert reason_of(SimProvider(capabilities=("teleportation",)), needs=frozenset({"teleportation"})) \
+        == "capability_unsupported"
 
 
 def test_no_free_slot_is_counted_after_the_gates() -> None:
@@ -142,13 +163,13 @@ _BREAKERS: dict[str, dict[str, Any]] = {
 @pytest.mark.parametrize("first,second", list(itertools.combinations([gate.name for gate in GATES], 2)))
 def test_a_session_failing_two_gates_reports_the_earlier(first: str, second: str) -> None:
     fields: dict[str, Any] = {"vision": True, **_BREAKERS[second], **_BREAKERS[first]}
-    assert reason_of(SimProvider(**fields), needs_images=True) == first
+    assert reason_of(SimProvider(**fields), needs=frozenset({"images"})) == first
 
 
 def test_every_gate_has_a_breaker() -> None:
     assert set(_BREAKERS) == {gate.name for gate in GATES}
     for name, fields in _BREAKERS.items():
-        assert reason_of(SimProvider(**{"vision": True, **fields}), needs_images=True) == name
+        assert reason_of(SimProvider(**{"vision": True, **fields}), needs=frozenset({"images"})) == name
 
 
 # survey: reasons and metrics

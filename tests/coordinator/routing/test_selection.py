@@ -114,11 +114,11 @@ class World:
 
 ROUTES = [
     ("public", decision(), {}),
-    ("images", decision(needs_images=True), {}),
+    ("images", decision(needs=frozenset({"images"})), {}),
     ("weights pinned", decision(model=PINNED), {}),
     ("hardware floor", decision(), {"min_trust": "hardware"}),
     ("prefer", decision(owner_account_id=OWNER), {}),
-    ("prefer, images", decision(owner_account_id=OWNER, needs_images=True), {}),
+    ("prefer, images", decision(owner_account_id=OWNER, needs=frozenset({"images"})), {}),
     ("exclusive", decision(owner_account_id=OWNER, owned_only=True), {}),
     ("exclusive, pinned", decision(owner_account_id=OWNER, owned_only=True, pinned="mach_3"), {}),
 ]

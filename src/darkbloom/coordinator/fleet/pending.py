@@ -35,6 +35,8 @@ class Failed:
     status: int
     message: str
     reason: str  # provider_error | provider_unavailable | provider_timeout | untrusted_chunk
+    param: str | None = None  # for a request the provider refused: which parameter
+    code: str | None = None   # and why, from PROVIDER_ERROR_CODES
 
 
 Event = Union[Chunk, Completed, Failed]
@@ -96,8 +98,9 @@ class PendingRequest:
         self._finish(Completed(usage))
         return True
 
-    def on_error(self, status: int, message: str) -> None:
-        self._finish(Failed(status, message or "The provider failed to serve the request.", "provider_error"))
+    def on_error(self, status: int, message: str, param: str | None = None, code: str | None = None) -> None:
+        self._finish(Failed(status, message or "The provider failed to serve the request.", "provider_error",
+                            param, code))
 
     def on_provider_gone(self) -> None:
         self._finish(Failed(502, "The provider disconnected before finishing the request.",

@@ -74,12 +74,20 @@ async def _load_grant(engine: AsyncEngine, kind: CallerKind, digest: str) -> Gra
                      (machine_subject(owner[1]),)) if owner else None
 
 
+# Anthropic's clients send the key as `x-api-key`; the Messages API takes it there too (CONTRACT §3).
+X_API_KEY_PATHS = frozenset({"/v1/messages"})
+
+
 async def require_caller(request: Request, services: Services = Depends(get_services)) -> Caller:
     """Any authenticated account: API key, console session or device token."""
     token = bearer_token(request)
+    anthropic = request.url.path in X_API_KEY_PATHS
+    if token is None and anthropic:
+        token = request.headers.get("x-api-key", "").strip() or None
     caller = await resolve_token(services, token) if token else None
     if caller is None:
-        raise unauthorized()
+        raise unauthorized("Missing or invalid API key. Pass it as 'x-api-key: dk-…' (or 'Authorization: Bearer "
+                           "dk-…').") if anthropic else unauthorized()
     request.state.account_id = caller.account_id
     return caller
 

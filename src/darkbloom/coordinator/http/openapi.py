@@ -17,6 +17,7 @@ from typing import Any
 from fastapi import FastAPI
 from fastapi.openapi.utils import get_openapi
 
+from darkbloom.coordinator.http.openapi_inference import INFERENCE_OPERATIONS, INFERENCE_SCHEMAS
 from darkbloom.coordinator.http.openapi_operations import OPERATIONS, Operation, extra_schemas
 from darkbloom.coordinator.http.openapi_schemas import SCHEMAS, Schema, ref
 from darkbloom.wire.openai.errors import NOT_RETRYABLE
@@ -101,7 +102,7 @@ def build_document(app: FastAPI) -> dict[str, Any]:
         paths.setdefault(app.openapi_url, {})["get"] = {"operationId": "openapi_document"}
     for path, item in paths.items():
         for method, operation in item.items():
-            spec = OPERATIONS.get((method, path))
+            spec = OPERATIONS.get((method, path)) or INFERENCE_OPERATIONS.get((method, path))
             if spec is None:
                 raise LookupError(f"{method.upper()} {path} has no entry in openapi_operations.OPERATIONS")
             _apply(operation, spec, path)
@@ -110,6 +111,7 @@ def build_document(app: FastAPI) -> dict[str, Any]:
     for unused in ("HTTPValidationError", "ValidationError"):  # the 422s are replaced by 400s
         schemas.pop(unused, None)
     schemas.update(copy.deepcopy(SCHEMAS))
+    schemas.update(copy.deepcopy(INFERENCE_SCHEMAS))
     schemas.update(extra_schemas())
     components["headers"] = copy.deepcopy(HEADERS)
     components["securitySchemes"] = copy.deepcopy(SECURITY_SCHEMES)
@@ -162,15 +164,15 @@ def _responses(spec: Operation) -> dict[str, Any]:
         errors[499] = ["client_disconnected"]
     errors[413] = ["request_too_large"]  # the body limit answers before any route
     for status in sorted(errors):
-        responses[str(status)] = _error_response(status, errors[status])
+        responses[str(status)] = _error_response(status, errors[status], spec.error_schema)
     return responses
 
 
-def _error_response(status: int, codes: list[str]) -> dict[str, Any]:
+def _error_response(status: int, codes: list[str], schema: str) -> dict[str, Any]:
     listed = ", ".join(f"`{code}`" for code in codes)
     response: dict[str, Any] = {
         "description": f"{ERROR_MEANINGS[status]} `error.code`: {listed}.",
-        "content": {"application/json": {"schema": ref("Error")}},
+        "content": {"application/json": {"schema": ref(schema)}},
     }
     headers = {}
     if status in NOT_RETRYABLE:

@@ -38,6 +38,7 @@ class Operation:
     route_headers: tuple[str, ...] = ()      # Self-Route request headers the route reads
     description: str | None = None
     examples: dict[str, Any] = field(default_factory=dict)  # named JSON request bodies
+    error_schema: str = "Error"              # the error envelope's schema (Anthropic's on /v1/messages)
 
 
 def _json_body(schema: str) -> dict[str, str]:
@@ -54,7 +55,7 @@ _CHAT_EXAMPLES = {
               "messages": [{"role": "system", "content": "Be brief."},
                            {"role": "user", "content": [{"type": "text", "text": "Say hello."}]}]},
 }
-_CHAT_ERRORS = {
+CHAT_ERRORS = {
     400: ("invalid_request_error", "invalid_sealed_envelope", "kid_mismatch", "decryption_failed",
           "context_length_exceeded", "model_capability_unsupported"),
     402: ("insufficient_quota (type insufficient_funds)", "spend_cap_exceeded"),
@@ -83,7 +84,7 @@ OPERATIONS: dict[tuple[str, str], Operation] = {
     ("post", "/v1/chat/completions"): Operation(
         "inference", "Create a chat completion", auth="caller",
         body={**_json_body("ChatCompletionRequest"), SEALED_CONTENT_TYPE: "SealedRequest"},
-        route_headers=("X-Darkbloom-Route", "X-Darkbloom-Machine"), errors=_CHAT_ERRORS, examples=_CHAT_EXAMPLES,
+        route_headers=("X-Darkbloom-Route", "X-Darkbloom-Machine"), errors=CHAT_ERRORS, examples=_CHAT_EXAMPLES,
         answers={200: Answer("The completion (`stream: false`), or its server-sent events (`stream: true`); "
                              "sealed back when the request was sealed.",
                              {"application/json": "ChatCompletion", "text/event-stream": "ChatCompletionEvent",

@@ -16,7 +16,7 @@ import time
 
 from darkbloom.coordinator.fleet.pending import PendingRequest
 from darkbloom.coordinator.inference import relay
-from darkbloom.coordinator.inference.chat_request import ChatRequest
+from darkbloom.coordinator.inference.calls import InferenceCall
 from darkbloom.coordinator.inference.lifecycle import RequestLifecycle
 from darkbloom.coordinator.inference.relay import ProviderFailure
 from darkbloom.coordinator.routing.decision import RouteDecision
@@ -35,17 +35,17 @@ class Attempts:
     """Every slot it claims and every attempt it dispatches belongs to the request's lifecycle,
     which releases whatever is still held when the request ends, however it ends."""
 
-    def __init__(self, life: RequestLifecycle, decision: RouteDecision, chat: ChatRequest,
+    def __init__(self, life: RequestLifecycle, decision: RouteDecision, call: InferenceCall,
                  max_tokens: int) -> None:
         self.life = life
         self.services = life.services
         self.decision = decision
-        self.chat = chat
+        self.call = call
         self.request_id = life.request_id
         self.max_tokens = max_tokens
 
     def _dispatch(self, placement: Placement) -> PendingRequest:
-        pending = relay.dispatch(placement.slot, self.chat, placement.provider_model_id, self.request_id,
+        pending = relay.dispatch(placement.slot, self.call, placement.provider_model_id, self.request_id,
                                  self.max_tokens, self.life.usage_bounds)
         self.life.track(pending)
         return pending

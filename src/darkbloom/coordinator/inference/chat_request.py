@@ -1,37 +1,16 @@
-"""Parse and validate an OpenAI chat-completions body; unknown fields pass through untouched."""
+"""Validate an OpenAI chat-completions body (also what the Responses and Messages edges translate to)
+and name the capabilities it needs; unknown fields pass through untouched."""
 
 from __future__ import annotations
 
-import json
-from dataclasses import dataclass
 from typing import Any
 
-from darkbloom.wire.openai.body import parse_json_object
 from darkbloom.wire.openai.errors import invalid_request
+from darkbloom.wire.openai.legacy import SAMPLING_RANGES
 
 
-@dataclass(frozen=True)
-class ChatRequest:
-    body: dict[str, Any]
-    model: str
-    stream: bool
-    uses_tools: bool
-    uses_images: bool
-
-    def for_provider(self, provider_model_id: str, max_tokens: int) -> bytes:
-        """The body the provider receives: its own model id, always streamed, output bounded by
-        what admission reserved for."""
-        forwarded = dict(self.body, model=provider_model_id, stream=True, max_tokens=max_tokens)
-        forwarded.pop("stream_options", None)
-        forwarded.pop("max_completion_tokens", None)
-        return json.dumps(forwarded, separators=(",", ":")).encode()
-
-
-def parse_chat_request(raw: bytes) -> ChatRequest:
-    body = parse_json_object(raw)
-    model = body.get("model")
-    if not isinstance(model, str) or not model.strip():
-        raise invalid_request("you must provide a model parameter", param="model")
+def validate_chat_body(body: dict[str, Any]) -> None:
+    """400 naming the parameter for what no provider could serve; the rest is the provider's to judge."""
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
         raise invalid_request("'messages' must be a non-empty array of messages.", param="messages")
@@ -40,32 +19,51 @@ def parse_chat_request(raw: bytes) -> ChatRequest:
             raise invalid_request(f"messages[{index}] must be an object with a string 'role'.",
                                   param=f"messages[{index}]")
         _check_content(message.get("content"), f"messages[{index}].content")
-    stream = body.get("stream", False)
-    if stream is None:
-        stream = False
-    if not isinstance(stream, bool):
-        raise invalid_request("'stream' must be a boolean.", param="stream")
     n = body.get("n", 1)
     if n is not None and (not isinstance(n, int) or isinstance(n, bool) or n < 1):
         raise invalid_request("'n' must be a positive integer.", param="n")
     if n is not None and n > 1:
         raise invalid_request("Only n=1 is supported: ask for one choice per request.", param="n")
+    _validate_sampling(body)
+    for field in ("tools", "functions"):
+        if body.get(field) is not None and not isinstance(body[field], list):
+            raise invalid_request(f"'{field}' must be an array.", param=field)
+    response_format = body.get("response_format")
+    if response_format is not None and (not isinstance(response_format, dict)
+                                        or response_format.get("type") not in _RESPONSE_FORMATS):
+        raise invalid_request("'response_format.type' must be 'text', 'json_object' or 'json_schema'.",
+                              param="response_format")
+
+
+def _validate_sampling(body: dict[str, Any]) -> None:
+    """The output bound and the sampling numbers every generating API shares."""
     for field in ("max_tokens", "max_completion_tokens"):
         value = body.get(field)
         if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
             raise invalid_request(f"'{field}' must be a positive integer.", param=field)
-    for field, (low, high) in _NUMBER_RANGES.items():
+    for field, (low, high) in SAMPLING_RANGES.items():
         value = body.get(field)
         if value is not None and (not isinstance(value, (int, float)) or isinstance(value, bool)
                                   or not low <= value <= high):
             raise invalid_request(f"'{field}' must be a number from {low:g} to {high:g}.", param=field)
-    return ChatRequest(body=body, model=model.strip(), stream=stream,
-                       uses_tools=bool(body.get("tools") or body.get("functions")),
-                       uses_images=_has_images(messages))
 
 
-_NUMBER_RANGES = {"temperature": (0.0, 2.0), "top_p": (0.0, 1.0), "presence_penalty": (-2.0, 2.0),
-                  "frequency_penalty": (-2.0, 2.0)}
+def chat_needs(body: dict[str, Any]) -> frozenset[str]:
+    """The capabilities a chat request needs beyond plain text (routing sends it only where they are)."""
+    needs = set()
+    if (body.get("tools") and body.get("tool_choice") != "none") or \
+            (body.get("functions") and body.get("function_call") != "none"):
+        needs.add("tools")
+    if isinstance(body.get("response_format"), dict) and body["response_format"].get("type") != "text":
+        needs.add("structured_output")
+    if body.get("logprobs") is True or body.get("top_logprobs"):
+        needs.add("logprobs")
+    if _has_images(body["messages"]):
+        needs.add("images")
+    return frozenset(needs)
+
+
+_RESPONSE_FORMATS = ("text", "json_object", "json_schema")
 
 
 def _check_content(content: Any, param: str) -> None:

@@ -1,6 +1,7 @@
-"""One chat completion through the coordinator:
+"""One inference request through the coordinator, whatever API it came in on:
 resolve policy and model → admit (rate limits, reservation) → place → attempts (seal, dispatch) →
-relay → settle. The request's ``RequestLifecycle`` owns every undo along the way."""
+relay → settle, answered by the call's presenter. The request's ``RequestLifecycle`` owns every
+undo along the way."""
 
 from __future__ import annotations
 
@@ -15,48 +16,46 @@ from darkbloom.coordinator.http.auth import Caller
 from darkbloom.coordinator.http.disconnect import until_disconnect
 from darkbloom.coordinator.inference import relay
 from darkbloom.coordinator.inference.attempts import Attempts
-from darkbloom.coordinator.inference.chat_request import ChatRequest
+from darkbloom.coordinator.inference.calls import Edge, InferenceCall
 from darkbloom.coordinator.inference.lifecycle import RequestLifecycle
 from darkbloom.coordinator.money.estimation import output_token_bound, prompt_token_bound
 from darkbloom.coordinator.routing import placement
 from darkbloom.coordinator.routing.policy import Policy
 from darkbloom.coordinator.services import Services
-from darkbloom.wire.openai.chunks import SSE_DONE, sse, wants_usage_chunk
-from darkbloom.wire.openai.shaping import ChunkShaper
+from darkbloom.wire.openai.presenters import Presenter
 from darkbloom.wire.openai.streaming import EventStreamResponse
 
 
-def new_request_id() -> str:
-    return "chatcmpl-" + secrets.token_hex(12)
+def new_request_id(edge: Edge) -> str:
+    return edge.id_prefix + secrets.token_hex(12)
 
 
-async def chat_completion(life: RequestLifecycle, chat: ChatRequest, policy: Policy,
-                          request: Request) -> StreamingResponse | JSONResponse:
-    """Serve ``chat`` inside ``life`` (already charged for RPM); ``life``'s exit gives back the rest."""
+async def serve(life: RequestLifecycle, call: InferenceCall, policy: Policy,
+                request: Request) -> StreamingResponse | JSONResponse:
+    """Serve ``call`` inside ``life`` (already charged for RPM); ``life``'s exit gives back the rest."""
     services, caller = life.services, life.caller
-    model = placement.resolve_model(services, caller, chat.model, policy)
-    decision = placement.decide(services, policy, model, needs_images=chat.uses_images,
-                                needs_tools=chat.uses_tools)
-    output_bound = output_token_bound(chat, model)
+    model = placement.resolve_model(services, caller, call.model, policy)
+    decision = placement.decide(services, policy, model, needs=call.needs)
+    output_bound = output_token_bound(call, model)
     # exclusive self-route never spends: no reservation, no key spend cap (rate limits still apply)
-    await life.admit(model, prompt_token_bound(chat), output_bound, self_routed=policy.self_routed,
+    await life.admit(model, prompt_token_bound(call), output_bound, self_routed=policy.self_routed,
                      reserve=not policy.exclusive)
     first = await until_disconnect(request, placement.place(services, decision, policy))
     life.hold(first.slot)
-    attempts = Attempts(life, decision, chat, output_bound)
+    attempts = Attempts(life, decision, call, output_bound)
     try:
         pending, completed = await until_disconnect(request, attempts.run(first))
     except relay.ProviderFailure as failure:
         raise await placement.unserved_error(services, decision, failure.as_api_error()) from None
     headers = _routing_headers(life, caller, pending, policy)
-    shaper = ChunkShaper(life.request_id, chat.model)
+    presenter = call.present(life.request_id)
     deadlines = relay.Deadlines.from_settings(services.settings, life.started)
-    if chat.stream:
+    if call.stream:
         life.hand_off()
-        events = _streamed(life, pending, completed, shaper, deadlines, wants_usage_chunk(chat.body))
+        events = _streamed(life, pending, completed, presenter, deadlines)
         return EventStreamResponse(events, headers, life.end_unfinished)
     try:
-        body = await until_disconnect(request, relay.collect(pending, completed, shaper, deadlines))
+        body = await until_disconnect(request, relay.collect(pending, completed, presenter, deadlines))
     except relay.ProviderFailure as failure:
         raise failure.as_api_error() from None
     return JSONResponse(body, headers=headers)
@@ -71,16 +70,16 @@ def _routing_headers(life: RequestLifecycle, caller: Caller, pending: PendingReq
             **life.rate_headers}
 
 
-async def _streamed(life: RequestLifecycle, pending: PendingRequest, completed: bool, shaper: ChunkShaper,
-                    deadlines: relay.Deadlines, include_usage: bool) -> AsyncIterator[bytes]:
-    async for part in relay.relay_chunks(pending, completed, shaper, deadlines):
+async def _streamed(life: RequestLifecycle, pending: PendingRequest, completed: bool, presenter: Presenter,
+                    deadlines: relay.Deadlines) -> AsyncIterator[bytes]:
+    async for part in relay.relay_chunks(pending, completed, presenter, deadlines):
         yield part
     failure = pending.failure
     await life.finish(failure.reason if failure else "ok")  # settled before the client sees the end
     if failure is not None:
-        yield relay.failure_event(failure)
+        for part in presenter.stream_error(relay.failure_error(failure)):
+            yield part
         return
     assert pending.usage is not None
-    if include_usage:
-        yield sse(shaper.usage_chunk(pending.usage))
-    yield SSE_DONE
+    for part in presenter.stream_end(pending.usage):
+        yield part

@@ -7,6 +7,7 @@ plain HTTP error (and may be retried on another provider).
 from __future__ import annotations
 
 import asyncio
+import re
 import time
 from dataclasses import dataclass
 from typing import Any, AsyncIterator
@@ -14,10 +15,10 @@ from typing import Any, AsyncIterator
 from darkbloom.coordinator.config import CoordinatorSettings
 from darkbloom.coordinator.fleet.pending import Chunk, Completed, Event, Failed, PendingRequest, UsageBounds
 from darkbloom.coordinator.fleet.slots import Slot
-from darkbloom.coordinator.inference.chat_request import ChatRequest
-from darkbloom.wire.openai.chunks import MessageBuilder, has_content, sse
-from darkbloom.wire.openai.errors import ApiError, error_body
-from darkbloom.wire.openai.shaping import ChunkShaper
+from darkbloom.coordinator.inference.calls import InferenceCall
+from darkbloom.wire.openai.chunks import has_content
+from darkbloom.wire.openai.errors import ApiError
+from darkbloom.wire.openai.presenters import Presenter
 from darkbloom.wire.protocol import Cancel, InferenceRequest, dump
 
 
@@ -28,6 +29,9 @@ _TOO_LARGE_MESSAGE = ("The request is too large for the provider serving this mo
 _REQUEST_FAULT_MESSAGE = ("The model's server refused this request as invalid for it (for example longer than "
                           "its context, or a parameter it does not support). Change the request and retry.")
 _PROVIDER_FAULT_MESSAGE = "The provider failed to serve the request. Retry; another provider may serve it."
+_CONTEXT_MESSAGE = ("The request does not fit in this model's context window: shorten the prompt or lower "
+                    "max_tokens.")
+_PARAM = re.compile(r"[A-Za-z0-9_.\[\]-]{1,128}")  # a parameter's path, never free text from the provider
 
 
 class ProviderFailure(Exception):
@@ -47,7 +51,11 @@ class ProviderFailure(Exception):
         if self.request_fault and failure.status == 413:
             return ApiError(413, "request_too_large", _TOO_LARGE_MESSAGE)
         if self.request_fault:
-            return ApiError(400, "invalid_request_error", _REQUEST_FAULT_MESSAGE)
+            param = failure.param if failure.param and _PARAM.fullmatch(failure.param) else None
+            if failure.code == "context_length_exceeded":
+                return ApiError(400, "invalid_request_error", _CONTEXT_MESSAGE, code="context_length_exceeded",
+                                param=param or "messages")
+            return ApiError(400, "invalid_request_error", _REQUEST_FAULT_MESSAGE, param=param)
         if failure.reason == "provider_timeout":
             return ApiError(504, "provider_timeout", failure.message)
         if failure.reason == "provider_error":
@@ -68,7 +76,7 @@ class Deadlines:
         return cls(idle=settings.idle_timeout, until=started + settings.request_timeout)
 
 
-def dispatch(slot: Slot, chat: ChatRequest, provider_model_id: str, request_id: str, max_tokens: int,
+def dispatch(slot: Slot, call: InferenceCall, provider_model_id: str, request_id: str, max_tokens: int,
              bounds: UsageBounds | None = None) -> PendingRequest:
     """Send a sealed request on a claimed slot; the attempt holds the slot until ``release``."""
     session = slot.session
@@ -80,8 +88,8 @@ def dispatch(slot: Slot, chat: ChatRequest, provider_model_id: str, request_id: 
         pending.on_provider_gone()
         return pending
     assert session.public_key is not None, "only sessions with an encryption key are routable"
-    envelope = pending.reply_key.seal_request(chat.for_provider(provider_model_id, max_tokens), session.public_key)
-    frame = dump(InferenceRequest(request_id=request_id, encrypted_body=envelope))
+    envelope = pending.reply_key.seal_request(call.for_provider(provider_model_id, max_tokens), session.public_key)
+    frame = dump(InferenceRequest(request_id=request_id, encrypted_body=envelope, api=call.api))
     limit = session.registration.max_request_frame_bytes
     if len(frame) > limit:
         # never sent: a frame over the node's limit would close its socket and every stream on it
@@ -165,16 +173,20 @@ async def _next_event(pending: PendingRequest, deadlines: Deadlines) -> Event:
         return failure
 
 
-async def relay_chunks(pending: PendingRequest, completed: bool, shaper: ChunkShaper,
+async def relay_chunks(pending: PendingRequest, completed: bool, presenter: Presenter,
                        deadlines: Deadlines) -> AsyncIterator[bytes]:
-    """SSE lines for the buffered head and every later chunk, until the provider finishes, fails or
-    misses a deadline (then ``pending.usage`` or ``pending.failure`` says which)."""
+    """The presenter's events for the buffered head and every later chunk, until the provider
+    finishes, fails or misses a deadline (then ``pending.usage`` or ``pending.failure`` says which)."""
+    for part in presenter.stream_start():
+        yield part
     for data in pending.head:
-        yield sse(shaper.chunk(data))
+        for part in presenter.stream_chunk(data):
+            yield part
     while not completed:
         event = await _next_event(pending, deadlines)
         if isinstance(event, Chunk):
-            yield sse(shaper.chunk(event.data))
+            for part in presenter.stream_chunk(event.data):
+                yield part
         elif isinstance(event, Failed):
             pending.failure = event
             return
@@ -182,23 +194,23 @@ async def relay_chunks(pending: PendingRequest, completed: bool, shaper: ChunkSh
             completed = True
 
 
-def failure_event(failure: Failed) -> bytes:
-    return sse(error_body("provider_error", failure.message, code=failure.reason))
+def failure_error(failure: Failed) -> ApiError:
+    """What a client is told in-band when the provider fails after the stream started."""
+    return ApiError(502, "provider_error", failure.message, code=failure.reason)
 
 
-async def collect(pending: PendingRequest, completed: bool, shaper: ChunkShaper,
+async def collect(pending: PendingRequest, completed: bool, presenter: Presenter,
                   deadlines: Deadlines) -> dict[str, Any]:
-    """Assemble a non-streaming chat.completion from the chunks."""
-    message = MessageBuilder()
+    """Assemble the non-streamed answer from the chunks."""
     for data in pending.head:
-        message.add(data)
+        presenter.collect(data)
     while not completed:
         event = await _next_event(pending, deadlines)
         if isinstance(event, Chunk):
-            message.add(event.data)
+            presenter.collect(event.data)
         elif isinstance(event, Failed):
             raise ProviderFailure(event)
         else:
             completed = True
     assert pending.usage is not None
-    return shaper.completion(message, pending.usage)
+    return presenter.response(pending.usage)

@@ -52,13 +52,14 @@ async def acquire(services: Services, charges: list[Charge]) -> Decision | None:
         assert failed is not None
         scope = "API key" if failed.scope.startswith("key:") else "account"
         asked = max(c.amount for c in charges if c.bucket == failed)
+        hopeless = asked > failed.limit_per_minute  # larger than the whole bucket: no wait will admit it
         advice = (f"This request alone needs {asked}; lower max_tokens or shorten the prompt, or raise the limit."
-                  if asked > failed.limit_per_minute else f"Retry after {decision.retry_after_seconds} s.")
+                  if hopeless else f"Retry after {decision.retry_after_seconds} s.")
+        retry = {"x-should-retry": "false"} if hopeless else {"Retry-After": str(decision.retry_after_seconds)}
         raise ApiError(429, "rate_limit_exceeded",
                        f"Rate limit reached: your {scope} allows {failed.limit_per_minute} "
                        f"{_DIMENSION_NAMES[failed.dimension]}. {advice}",
-                       param=failed.dimension,
-                       headers={"Retry-After": str(decision.retry_after_seconds), **decision.headers})
+                       param=failed.dimension, headers={**retry, **decision.headers})
     return decision
 
 

@@ -3,30 +3,47 @@
 Prompt tokens: byte-level BPE tokenizers (SmolLM2, Llama, GPT-style) never produce more tokens
 than the UTF-8 bytes they encode, and a chat template adds fewer tokens per message than the JSON
 punctuation around it (`{"role":"user","content":""}` is 29 bytes). So the byte length of the
-JSON-encoded messages (plus tools), plus a small constant for the assistant header, bounds the
-prompt's token count from above.
+JSON-encoded messages (plus tools), or of a legacy prompt, plus a small constant for the assistant header
+(and one for the node's own words around a tool list or an output schema), bounds the prompt's token count from above.
 """
 
 from __future__ import annotations
 
 import json
+from typing import Any
 
 from darkbloom.wire.catalog import CatalogModel
-from darkbloom.coordinator.inference.chat_request import ChatRequest
+from darkbloom.coordinator.inference.calls import InferenceCall
 
 TEMPLATE_ALLOWANCE = 16
+# a node describes tools or an output schema in the prompt, with sentences of its own around their JSON
+INSTRUCTIONS_ALLOWANCE = 128
 
 
-def prompt_token_bound(chat: ChatRequest) -> int:
-    parts = {name: chat.body[name] for name in ("messages", "tools", "functions", "tool_choice")
-             if name in chat.body}
-    return len(json.dumps(parts, ensure_ascii=False, separators=(",", ":")).encode()) + TEMPLATE_ALLOWANCE
+def prompt_token_bound(call: InferenceCall) -> int:
+    body = call.body
+    if call.api == "embeddings":
+        inputs = body["input"]
+        many = isinstance(inputs, list) and bool(inputs) and not isinstance(inputs[0], int)
+        # each input its own sequence: token ids count one each, text one per byte, plus BOS/EOS
+        return sum(_input_bound(item) + 4 for item in (inputs if many else [inputs])) + TEMPLATE_ALLOWANCE
+    if call.api == "completions":
+        parts: Any = [body.get("prompt"), body.get("suffix")]
+    else:
+        parts = {name: body[name] for name in ("messages", "tools", "functions", "tool_choice", "response_format")
+                 if name in body}
+    instructed = body.get("tools") or body.get("functions") or body.get("response_format")
+    allowance = TEMPLATE_ALLOWANCE + (INSTRUCTIONS_ALLOWANCE if instructed else 0)
+    return len(json.dumps(parts, ensure_ascii=False, separators=(",", ":")).encode()) + allowance
 
 
-def output_token_bound(chat: ChatRequest, model: CatalogModel) -> int:
-    """The request's output bound: max_completion_tokens / max_tokens, at most the catalog's maximum."""
-    for field in ("max_completion_tokens", "max_tokens"):
-        value = chat.body.get(field)
-        if isinstance(value, int) and not isinstance(value, bool):
-            return min(value, model.max_output_tokens)
-    return model.max_output_tokens
+def output_token_bound(call: InferenceCall, model: CatalogModel) -> int:
+    """The request's output bound: max_completion_tokens / max_tokens, at most the catalog's maximum
+    (embeddings generate nothing)."""
+    if call.api == "embeddings":
+        return 0
+    return model.max_output_tokens if call.max_tokens is None else min(call.max_tokens, model.max_output_tokens)
+
+
+def _input_bound(item: Any) -> int:
+    return len(item) if isinstance(item, list) else len(str(item).encode())

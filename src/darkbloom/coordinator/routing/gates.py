@@ -10,6 +10,7 @@ from darkbloom.coordinator.config import CoordinatorSettings
 from darkbloom.coordinator.fleet.session import ProviderSession
 from darkbloom.coordinator.fleet.trust import challenge_fresh, trust_at_least
 from darkbloom.coordinator.routing.decision import RouteDecision
+from darkbloom.wire.protocol import CAPABILITIES, ModelInfo
 
 
 Check = Callable[[ProviderSession, RouteDecision, CoordinatorSettings, float], bool]
@@ -50,9 +51,15 @@ def _challenge_fresh(s: ProviderSession, _d: RouteDecision, c: CoordinatorSettin
 
 
 def _capabilities(s: ProviderSession, d: RouteDecision, _c: CoordinatorSettings, _n: float) -> bool:
-    if d.needs_images:
-        return any(m.is_vision for m in s.registration.models if m.id in d.names)
-    return True
+    if not d.needs:
+        return True
+    return any(d.needs <= model_capabilities(m) for m in s.registration.models if m.id in d.names)
+
+
+def model_capabilities(model: ModelInfo) -> frozenset[str]:
+    """What a registered model advertises, `images` included when it is a vision model."""
+    advertised = frozenset(model.capabilities) & CAPABILITIES
+    return advertised | {"images"} if model.is_vision else advertised
 
 
 @dataclass(frozen=True)

@@ -40,12 +40,11 @@ def resolve_model(services: Services, caller: Caller, name: str, policy: Policy)
     return model
 
 
-def decide(services: Services, policy: Policy, model: CatalogModel, *, needs_images: bool,
-           needs_tools: bool) -> RouteDecision:
+def decide(services: Services, policy: Policy, model: CatalogModel, *, needs: frozenset[str]) -> RouteDecision:
     # a model outside the catalog is reachable only on the caller's own machines, even with prefer:
     # another account's machine advertising the same name is not public fleet for it
     owner_only_model = services.settings.catalog.resolve(model.id) is None
-    return RouteDecision(model=model, needs_images=needs_images, needs_tools=needs_tools,
+    return RouteDecision(model=model, needs=needs,
                          owner_account_id=policy.owner_account_id,
                          owned_only=policy.exclusive or (policy.self_routed and owner_only_model),
                          pinned=policy.pinned)
@@ -61,8 +60,9 @@ async def place(services: Services, decision: RouteDecision, policy: Policy) -> 
         if exc.survey.reasons.get(CAPABILITY_GATE):
             # sessions pass every other gate but cannot take this request's shape: no retry will help
             raise ApiError(400, "model_capability_unsupported",
-                           f"No provider serving '{decision.model.id}' supports {_needed(decision)}. Send a "
-                           "plain text request or pick a model that supports it.", param="messages") from None
+                           f"No provider serving '{decision.model.id}' supports {decision.needs_in_words()}. Send the "
+                           "request without it or pick a model that supports it.",
+                           param=_NEED_PARAMS.get(min(decision.needs, default=""), "messages")) from None
         raise ApiError(503, "model_unavailable",
                        f"No provider is serving '{decision.model.id}' right now. Try again later or pick "
                        "another model.") from None
@@ -76,8 +76,8 @@ async def place(services: Services, decision: RouteDecision, policy: Policy) -> 
                        code=exc.code, headers={"Retry-After": str(exc.retry_after)}) from None
 
 
-def _needed(decision: RouteDecision) -> str:
-    return "images" if decision.needs_images else "this kind of request"
+_NEED_PARAMS = {"tools": "tools", "structured_output": "response_format", "logprobs": "logprobs",
+                "completions": "model", "embeddings": "model", "images": "messages"}
 
 
 async def unserved_error(services: Services, decision: RouteDecision, failure: ApiError) -> ApiError:

@@ -175,10 +175,10 @@ def _view(registry: Registry, decision: RouteDecision, settings: CoordinatorSett
           owner: str | None) -> SessionView:
     """The sessions of the decision's model (the owner's, or the public's) that pass the lasting gates."""
     model = decision.model
-    key = (decision.names, model.weight_hash, decision.needs_images, owner, settings.min_trust)
+    key = (decision.names, model.weight_hash, decision.needs, owner, settings.min_trust)
     view = registry.view(key)
     if view is None:
-        shape = RouteDecision(model=model, needs_images=decision.needs_images, owner_account_id=owner)
+        shape = RouteDecision(model=model, needs=decision.needs, owner_account_id=owner)
         view = registry.open_view(key, decision.names, owner,
                                   lambda session: passes_lasting_gates(session, shape, settings))
     return view

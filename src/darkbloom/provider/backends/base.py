@@ -7,16 +7,23 @@ import time
 import uuid
 from typing import Any, AsyncIterator, Protocol
 
-from darkbloom.wire.protocol import Usage
+from darkbloom.wire.protocol import Api, Usage
+
+# What a node serves beyond plain chat (names from `wire.protocol.CAPABILITIES`).
+TEXT_MODEL_CAPABILITIES = frozenset({"tools", "structured_output", "logprobs", "completions", "embeddings"})
 
 
 class BackendError(Exception):
-    """A request the backend rejected (4xx) or could not serve (5xx)."""
+    """A request the backend rejected (4xx) or could not serve (5xx). A 400 names the request's
+    `param` at fault; `code` is a machine-readable reason from `PROVIDER_ERROR_CODES`."""
 
-    def __init__(self, status_code: int, message: str) -> None:
+    def __init__(self, status_code: int, message: str, *, param: str | None = None,
+                 code: str | None = None) -> None:
         super().__init__(f"{status_code}: {message}")
         self.status_code = status_code
         self.message = message
+        self.param = param
+        self.code = code
 
 
 class UsageMeter:
@@ -72,16 +79,51 @@ class Backend(Protocol):
         library's free-text message (which can quote the prompt)."""
         ...
 
+    def stream_completion(self, model_id: str, body: dict[str, Any],
+                          meter: UsageMeter | None = None) -> AsyncIterator[dict[str, Any]]:
+        """Legacy `text_completion` chunks for a prompt, then the usage chunk (as `stream_chat`)."""
+        ...
 
-def new_completion_id() -> str:
-    return f"chatcmpl-{uuid.uuid4().hex}"
+    def stream_embeddings(self, model_id: str, body: dict[str, Any],
+                          meter: UsageMeter | None = None) -> AsyncIterator[dict[str, Any]]:
+        """One `{"object": "list", "data": [...]}` chunk of float embeddings, then the usage chunk
+        (`completion_tokens` 0)."""
+        ...
+
+    def capabilities(self, model_id: str) -> frozenset[str]:
+        """What `model_id` serves here beyond plain chat (`wire.protocol.CAPABILITIES` names)."""
+        ...
+
+
+_STREAMS = {"chat": "stream_chat", "completions": "stream_completion", "embeddings": "stream_embeddings"}
+
+
+def open_stream(backend: Backend, api: Api, model_id: str, body: dict[str, Any],
+                meter: UsageMeter | None = None) -> AsyncIterator[dict[str, Any]]:
+    """The backend's stream for `api` (the node API a sealed body asks for)."""
+    method = getattr(backend, _STREAMS.get(api, ""), None)
+    if method is None:
+        raise BackendError(400, f"this node does not serve the {api} API", param="model")
+    stream: AsyncIterator[dict[str, Any]] = method(model_id, body, meter)
+    return stream
+
+
+def backend_capabilities(backend: Backend, model_id: str) -> frozenset[str]:
+    """`backend.capabilities(model_id)`, or none for a backend without the method (a test double)."""
+    method = getattr(backend, "capabilities", None)
+    return frozenset(method(model_id)) if method is not None else frozenset()
+
+
+def new_completion_id(prefix: str = "chatcmpl") -> str:
+    return f"{prefix}-{uuid.uuid4().hex}"
 
 
 def usage_chunk(completion_id: str, model_id: str, created: int | None,
-                prompt_tokens: int, completion_tokens: int) -> dict[str, Any]:
+                prompt_tokens: int, completion_tokens: int, *,
+                object_name: str = "chat.completion.chunk") -> dict[str, Any]:
     return {
         "id": completion_id,
-        "object": "chat.completion.chunk",
+        "object": object_name,
         "created": int(time.time()) if created is None else created,
         "model": model_id,
         "choices": [],

@@ -14,6 +14,11 @@ request's `UsageMeter` current from the worker thread, so a request stopped earl
 tokens really used: the templated prompt and the tokens sampled until it stopped. The meter's
 `end()` comes once the worker has stopped and handed the instance back.
 
+The same machinery serves chat (`llama_chat`), legacy completions and embeddings (`llama_text`):
+the body is checked on the event loop before an instance is taken, the work runs on a worker
+thread. Embeddings use a second pool per model, of instances loaded with `embedding=True`,
+created on the first embeddings request. Logprobs need no special instance (`llama_decode`).
+
 Error messages are our own sentences: a library or chat-template exception can quote the prompt,
 and `BackendError.message` leaves the node unsealed.
 """
@@ -25,127 +30,23 @@ import contextlib
 import logging
 import os
 import re
-import threading
 from collections import deque
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, AsyncIterator, Callable, Iterator
+from typing import Any, AsyncIterator, Callable
 
 import llama_cpp
 
-from darkbloom.provider.backends.base import BackendError, UsageMeter, new_completion_id, usage_chunk
-from darkbloom.provider.backends.params import chat_kwargs
+from darkbloom.provider.backends.base import (TEXT_MODEL_CAPABILITIES, BackendError, UsageMeter,
+                                              new_completion_id, usage_chunk)
+from darkbloom.provider.backends.llama_chat import chat_job, run_chat
+from darkbloom.provider.backends.llama_instances import Cancelled, CountingLlama, GenerationStats, Pool
+from darkbloom.provider.backends.llama_text import completion_job, embedding_job, run_completion, run_embeddings
+from darkbloom.provider.backends.params import require_object
 
 log = logging.getLogger(__name__)
-
-
-def _disable_extra_buffer_types() -> None:
-    """llama.cpp's "extra buffer types" repack weights for special kernels (AMX among them). Some
-    VMs advertise AMX in cpuinfo without enabling it, and the AMX matmul then kills the process with
-    SIGSEGV on the first decode. `Llama()` has no switch for `use_extra_bufts`, so default it off for
-    this process (plain CPU kernels; DARKBLOOM_LLAMA_EXTRA_BUFTS=1 keeps the library default)."""
-    raw = llama_cpp.llama_cpp
-    if os.environ.get("DARKBLOOM_LLAMA_EXTRA_BUFTS") == "1" or getattr(raw.llama_model_default_params,
-                                                                       "_darkbloom", False):
-        return
-    original = raw.llama_model_default_params
-
-    def model_default_params() -> Any:
-        params = original()
-        if hasattr(params, "use_extra_bufts"):
-            params.use_extra_bufts = False
-        return params
-
-    model_default_params._darkbloom = True  # type: ignore[attr-defined]
-    raw.llama_model_default_params = model_default_params
-
-
-_disable_extra_buffer_types()
-
-
-class _Cancelled(Exception):
-    pass
-
-
-@dataclass(eq=False)
-class GenerationStats:
-    """One finished (or cancelled) generation, kept in `LlamaCppBackend.recent` for tests and metrics."""
-
-    model_id: str
-    instance: int
-    prompt_tokens: int = 0
-    sampled: int = 0
-    last_was_eog: bool = False
-    cancelled: bool = False
-    error: str | None = None
-    cancel: threading.Event = field(default_factory=threading.Event, repr=False)
-    meter: UsageMeter = field(default_factory=UsageMeter, repr=False)
-
-    @property
-    def completion_tokens(self) -> int:
-        return self.sampled - (1 if self.last_was_eog else 0)
-
-    def sync_meter(self) -> None:
-        """Worker thread: publish the counts so far to the request's meter."""
-        self.meter.prompt_tokens, self.meter.completion_tokens = self.prompt_tokens, self.completion_tokens
-
-
-class _CountingLlama(llama_cpp.Llama):
-    current: GenerationStats | None = None
-
-    def generate(self, tokens: Any, *args: Any, **kwargs: Any) -> Iterator[int]:  # type: ignore[override]
-        stats = self.current
-        if stats is None:
-            yield from super().generate(tokens, *args, **kwargs)
-            return
-        stats.prompt_tokens = len(tokens)
-        stats.sync_meter()
-        for token in super().generate(tokens, *args, **kwargs):
-            if stats.cancel.is_set():
-                raise _Cancelled()
-            stats.sampled += 1
-            # The library's own end-of-generation test (it stops without counting this token).
-            stats.last_was_eog = bool(llama_cpp.llama_vocab_is_eog(self._model.vocab, token))
-            stats.sync_meter()
-            yield token
-
-
-class _Pool:
-    """Up to `size` instances of one model; `acquire` hands one out exclusively."""
-
-    def __init__(self, model_id: str, path: Path, size: int, load: Callable[[Path], _CountingLlama]) -> None:
-        self.model_id, self.path, self.size = model_id, path, size
-        self._load = load
-        self._idle: asyncio.Queue[_CountingLlama] = asyncio.Queue()
-        self._created = 0
-        self.instances: list[_CountingLlama] = []
-
-    async def acquire(self) -> _CountingLlama:
-        if self._idle.empty() and self._created < self.size:
-            self._created += 1
-            try:
-                llama = await asyncio.to_thread(self._load_checked)
-            except BaseException:
-                self._created -= 1
-                raise
-            self.instances.append(llama)
-            return llama
-        return await self._idle.get()
-
-    def release(self, llama: _CountingLlama) -> None:
-        self._idle.put_nowait(llama)
-
-    def _load_checked(self) -> _CountingLlama:
-        try:
-            return self._load(self.path)
-        except (ValueError, RuntimeError, OSError) as exc:
-            raise BackendError(500, f"cannot load model {self.model_id!r} from {self.path}: {exc}") from None
-
-    def close(self) -> None:
-        for llama in self.instances:
-            llama.close()
-        self.instances.clear()
+EMBEDDING_BATCH = 512  # the most tokens one embeddings input may have
+Work = Callable[[CountingLlama, GenerationStats, Callable[[dict[str, Any]], None]], None]
 
 
 class LlamaCppBackend:
@@ -156,20 +57,39 @@ class LlamaCppBackend:
         self.n_ctx = n_ctx
         self.n_threads = n_threads or max(1, (os.cpu_count() or 1) // max_concurrency)
         self.recent: deque[GenerationStats] = deque(maxlen=64)
-        self._pools: dict[str, _Pool] = {}
+        self._pools: dict[str, Pool] = {}
+        self._embedding_pools: dict[str, Pool] = {}
+        self._n_vocab: dict[str, int] = {}
+        self._own_pooling: dict[Path, bool] = {}  # whether the GGUF says how to pool its embeddings
         self._active: set[GenerationStats] = set()
         self._executor: ThreadPoolExecutor | None = None
 
-    def _load(self, path: Path) -> _CountingLlama:
-        return _CountingLlama(model_path=str(path), n_ctx=self.n_ctx, n_threads=self.n_threads,
-                              n_threads_batch=self.n_threads, verbose=False)
+    def _load(self, path: Path) -> CountingLlama:
+        return CountingLlama(model_path=str(path), n_ctx=self.n_ctx, n_threads=self.n_threads,
+                             n_threads_batch=self.n_threads, verbose=False)
+
+    def _load_embedding(self, path: Path) -> CountingLlama:
+        # One input is one batch (pooling needs the whole sequence at once), so an input may have up to
+        # EMBEDDING_BATCH tokens: a batch's compute memory grows with its size (~150 MB at 512 for the
+        # bundled model, ~750 MB at 2048). A GGUF that names no pooling (a chat model) is mean-pooled.
+        pooling = llama_cpp.LLAMA_POOLING_TYPE_UNSPECIFIED if self._own_pooling.get(path) else \
+            llama_cpp.LLAMA_POOLING_TYPE_MEAN
+        batch = min(self.n_ctx, EMBEDDING_BATCH)
+        return CountingLlama(model_path=str(path), n_ctx=self.n_ctx, n_batch=batch, n_ubatch=batch,
+                             n_threads=self.n_threads, n_threads_batch=self.n_threads, embedding=True,
+                             pooling_type=pooling, verbose=False)
 
     async def start(self) -> None:
         self._executor = ThreadPoolExecutor(max_workers=self.max_concurrency, thread_name_prefix="llama")
         for model_id, path in self.models.items():
-            pool = _Pool(model_id, path, self.max_concurrency, self._load)
+            pool = Pool(model_id, path, self.max_concurrency, self._load)
             self._pools[model_id] = pool
-            pool.release(await pool.acquire())  # load one instance now: a bad file fails at start
+            self._embedding_pools[model_id] = Pool(model_id, path, self.max_concurrency, self._load_embedding)
+            llama = await pool.acquire()  # load one instance now: a bad file fails at start
+            self._n_vocab[model_id] = llama.n_vocab()
+            arch = llama.metadata.get("general.architecture", "")
+            self._own_pooling[path] = f"{arch}.pooling_type" in llama.metadata
+            pool.release(llama)
         log.info("llama.cpp backend ready: %s (pool of %d per model, %d threads each)",
                  ", ".join(self.models), self.max_concurrency, self.n_threads)
 
@@ -179,16 +99,56 @@ class LlamaCppBackend:
         if self._executor is not None:
             await asyncio.to_thread(self._executor.shutdown, True)
             self._executor = None
-        for pool in self._pools.values():
+        for pool in (*self._pools.values(), *self._embedding_pools.values()):
             pool.close()
         self._pools.clear()
+        self._embedding_pools.clear()
+
+    def capabilities(self, model_id: str) -> frozenset[str]:
+        return TEXT_MODEL_CAPABILITIES if model_id in self.models else frozenset()
 
     async def stream_chat(self, model_id: str, body: dict[str, Any],
                           meter: UsageMeter | None = None) -> AsyncIterator[dict[str, Any]]:
+        self._pool(model_id)
+        job = chat_job(require_object(body), self._n_vocab.get(model_id))
+        async with _closing(self._stream(self._pools, model_id, lambda llama, _s, emit: run_chat(llama, job, emit),
+                                         meter, "chatcmpl", "chat.completion.chunk", "messages")) as stream:
+            async for chunk in stream:
+                yield chunk
+
+    async def stream_completion(self, model_id: str, body: dict[str, Any],
+                                meter: UsageMeter | None = None) -> AsyncIterator[dict[str, Any]]:
+        self._pool(model_id)
+        job = completion_job(body, self._n_vocab.get(model_id))
+        async with _closing(self._stream(self._pools, model_id,
+                                         lambda llama, _s, emit: run_completion(llama, job, emit), meter, "cmpl",
+                                         "text_completion", "prompt")) as stream:
+            async for chunk in stream:
+                yield chunk
+
+    async def stream_embeddings(self, model_id: str, body: dict[str, Any],
+                                meter: UsageMeter | None = None) -> AsyncIterator[dict[str, Any]]:
+        self._pool(model_id)
+        inputs = embedding_job(body)
+        async with _closing(self._stream(self._embedding_pools, model_id,
+                                         lambda llama, stats, emit: run_embeddings(llama, inputs, stats, emit),
+                                         meter, "embd", "list", "input")) as stream:
+            async for chunk in stream:
+                yield chunk
+
+    def _pool(self, model_id: str) -> Pool:
         pool = self._pools.get(model_id)
         if pool is None:
-            raise BackendError(404, f"model {model_id!r} is not served by this node")
-        kwargs = chat_kwargs(body)
+            raise BackendError(404, f"model {model_id!r} is not served by this node", param="model")
+        return pool
+
+    async def _stream(self, pools: dict[str, Pool], model_id: str, work: Work, meter: UsageMeter | None,
+                      id_prefix: str, object_name: str, param: str) -> AsyncIterator[dict[str, Any]]:
+        """Run `work` on an instance from `pools[model_id]` on a worker thread; yield what it emits, then
+        the usage chunk. Closing this early stops the work within one token."""
+        pool = pools.get(model_id)
+        if pool is None:
+            raise BackendError(503, "the llama.cpp backend is shut down")
         loop = asyncio.get_running_loop()
         queue: asyncio.Queue[tuple[str, Any]] = asyncio.Queue()
 
@@ -204,20 +164,20 @@ class LlamaCppBackend:
             pool.release(llama)
             raise BackendError(503, "the llama.cpp backend is shut down")
 
-        def handed_back(used: _CountingLlama) -> None:  # on the loop, once the worker has stopped
+        def handed_back(used: CountingLlama) -> None:  # on the loop, once the worker has stopped
             pool.release(used)
             stats.meter.end()
 
         self._active.add(stats)
         stats.meter.begin()
         try:
-            executor.submit(self._generate, llama, stats, kwargs,
-                            lambda item: to_loop(queue.put_nowait, item), lambda used: to_loop(handed_back, used))
+            executor.submit(self._work, llama, stats, work, param, lambda item: to_loop(queue.put_nowait, item),
+                            lambda used: to_loop(handed_back, used))
         except RuntimeError:
             self._active.discard(stats)
             handed_back(llama)
             raise BackendError(503, "the llama.cpp backend is shut down") from None
-        completion_id, created = new_completion_id(), None
+        completion_id, created = new_completion_id(id_prefix), None
         try:
             while True:
                 kind, item = await queue.get()
@@ -229,40 +189,43 @@ class LlamaCppBackend:
                 item["id"], item["model"] = completion_id, model_id
                 yield item
         finally:
-            stats.cancel.set()  # no-op when the generation already ended
+            stats.cancel.set()  # no-op when the work already ended
             self._active.discard(stats)
-        yield usage_chunk(completion_id, model_id, created, stats.prompt_tokens, stats.completion_tokens)
+        yield usage_chunk(completion_id, model_id, created, stats.prompt_tokens, stats.completion_tokens,
+                          object_name=object_name)
 
-    def _generate(self, llama: _CountingLlama, stats: GenerationStats, kwargs: dict[str, Any],
-                  emit: Callable[[tuple[str, Any]], None], release: Callable[[_CountingLlama], None]) -> None:
-        """Worker thread: run one generation on a checked-out instance, then hand it back."""
+    def _work(self, llama: CountingLlama, stats: GenerationStats, work: Work, param: str,
+              emit: Callable[[tuple[str, Any]], None], release: Callable[[CountingLlama], None]) -> None:
+        """Worker thread: run one request on a checked-out instance, then hand it back."""
         import jinja2
 
         terminal: tuple[str, Any] = ("done", None)
-        stream: Any = None
         llama.current = stats
         try:
-            stream = llama.create_chat_completion(stream=True, **kwargs)
-            for chunk in stream:
-                if stats.cancel.is_set():
-                    raise _Cancelled()
-                emit(("chunk", chunk))
-        except _Cancelled:
+            work(llama, stats, lambda chunk: emit(("chunk", chunk)) if not stats.cancel.is_set() else None)
+            if stats.cancel.is_set():
+                raise Cancelled()
+        except Cancelled:
             stats.cancelled = True
+        except BackendError as exc:
+            terminal = ("error", exc)
         except (ValueError, TypeError, jinja2.TemplateError) as exc:
             stats.error = str(exc)  # kept in memory only (`recent`): it may quote the prompt
-            terminal = ("error", BackendError(400, _invalid_request_message(exc)))
-        except Exception as exc:  # a crash in generation must still return the instance
-            log.exception("llama.cpp generation failed")
+            terminal = ("error", BackendError(400, _invalid_request_message(exc), param=param))
+        except Exception as exc:  # a crash must still return the instance
+            log.exception("llama.cpp request failed")
             stats.error = repr(exc)
             terminal = ("error", BackendError(500, f"generation failed ({type(exc).__name__})"))
         finally:
-            if stream is not None:
-                stream.close()
             llama.current = None
             self.recent.append(stats)
             release(llama)  # queued before the terminal item, so the instance is free when the caller resumes
             emit(terminal)
+
+
+def _closing(stream: AsyncIterator[dict[str, Any]]) -> contextlib.AbstractAsyncContextManager[Any]:
+    """Close the inner stream as soon as the outer one is closed (stops its work within one token)."""
+    return contextlib.aclosing(stream)  # type: ignore[type-var]
 
 
 _CONTEXT_OVERFLOW = re.compile(r"Requested tokens \((\d+)\) exceed context window of (\d+)")

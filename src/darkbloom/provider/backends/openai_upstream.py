@@ -16,12 +16,19 @@ chunk; a server that batches several tokens into a chunk is under-counted).
 
 Errors: an upstream's error text can quote the prompt (a too-long prompt, a bad message), and
 `inference_error` messages leave the node unsealed, so a `BackendError` carries only the upstream's
-status and its error `type`/`code` identifiers inside a sentence of our own, never its message.
+status and its error `type`/`code` identifiers inside a sentence of our own, never its message; its
+`param` (when it is an identifier) and a `code` we pass on (`PROVIDER_ERROR_CODES`) go with it.
+
+Every chat parameter (tools, tool_choice, response_format, logprobs, logit_bias, …) goes to the
+upstream as the client sent it. Legacy completions stream from the upstream's /v1/completions;
+embeddings are one (unstreamed) call to its /v1/embeddings, asked for floats. What each model
+serves beyond chat is configured per model (`capabilities` in its [[models]] table).
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 import math
@@ -30,7 +37,9 @@ from typing import Any, AsyncIterator
 
 import httpx
 
-from darkbloom.provider.backends.base import BackendError, UsageMeter, new_completion_id, usage_chunk
+from darkbloom.provider.backends.base import (TEXT_MODEL_CAPABILITIES, BackendError, UsageMeter,
+                                              new_completion_id, usage_chunk)
+from darkbloom.wire.protocol import PROVIDER_ERROR_CODES
 
 log = logging.getLogger(__name__)
 KEEPALIVE_EXPIRY = 4.0  # seconds an idle connection is kept: under uvicorn's 5 s (vLLM, llama.cpp's server)
@@ -39,20 +48,25 @@ END_OF_BODY_LINES = 8   # what may follow [DONE] before the connection is droppe
 END_OF_BODY_WAIT = 1.0
 
 
-def chat_completions_url(upstream_url: str) -> str:
-    """`http://host:port`, `http://host:port/v1` and `…/v1/` all name the same endpoint."""
+def api_base(upstream_url: str) -> str:
+    """`http://host:port`, `http://host:port/v1` and `…/v1/` all name the same API."""
     base = upstream_url.rstrip("/")
-    if not base.endswith("/v1"):
-        base += "/v1"
-    return base + "/chat/completions"
+    return base if base.endswith("/v1") else base + "/v1"
+
+
+def chat_completions_url(upstream_url: str) -> str:
+    return api_base(upstream_url) + "/chat/completions"
 
 
 class OpenAIUpstreamBackend:
     def __init__(self, upstream_url: str, model_ids: list[str], *, api_key: str | None = None,
                  max_concurrency: int = 2, transport: httpx.AsyncBaseTransport | None = None,
-                 read_timeout: float = 300.0) -> None:
+                 read_timeout: float = 300.0, capabilities: dict[str, frozenset[str]] | None = None) -> None:
         self.url = chat_completions_url(upstream_url)
+        self.completions_url = api_base(upstream_url) + "/completions"
+        self.embeddings_url = api_base(upstream_url) + "/embeddings"
         self.model_ids = list(model_ids)
+        self._capabilities = {m: (capabilities or {}).get(m, TEXT_MODEL_CAPABILITIES) for m in self.model_ids}
         self._headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         self._transport = transport
         self._timeout = httpx.Timeout(connect=10.0, read=read_timeout, write=30.0, pool=POOL_TIMEOUT)
@@ -73,12 +87,63 @@ class OpenAIUpstreamBackend:
             await self._client.aclose()
             self._client = None
 
+    def capabilities(self, model_id: str) -> frozenset[str]:
+        return self._capabilities.get(model_id, frozenset())
+
     async def stream_chat(self, model_id: str, body: dict[str, Any],
                           meter: UsageMeter | None = None) -> AsyncIterator[dict[str, Any]]:
+        async with contextlib.aclosing(self._stream(self.url, model_id, body, meter, _estimate_prompt_tokens(body),
+                                                    "chat.completion.chunk", _chat_step)) as stream:
+            async for chunk in stream:
+                yield chunk
+
+    async def stream_completion(self, model_id: str, body: dict[str, Any],
+                                meter: UsageMeter | None = None) -> AsyncIterator[dict[str, Any]]:
+        prompt = body.get("prompt")
+        estimate = math.ceil(len(json.dumps(prompt)) / 4) if prompt is not None else 0
+        async with contextlib.aclosing(self._stream(self.completions_url, model_id, body, meter, estimate,
+                                                    "text_completion", _text_step)) as stream:
+            async for chunk in stream:
+                yield chunk
+
+    async def stream_embeddings(self, model_id: str, body: dict[str, Any],
+                                meter: UsageMeter | None = None) -> AsyncIterator[dict[str, Any]]:
+        client = self._started(model_id)
+        meter = meter if meter is not None else UsageMeter()
+        payload = {**body, "model": model_id, "encoding_format": "float"}
+        try:
+            response = await client.post(self.embeddings_url, json=payload)
+            if response.status_code >= 400:
+                raise _upstream_error(response.status_code, response.content)
+            data = response.json()
+        except httpx.TimeoutException as exc:
+            raise BackendError(504, f"the upstream timed out ({type(exc).__name__})") from None
+        except httpx.HTTPError as exc:
+            raise BackendError(502, f"the connection to the upstream failed ({type(exc).__name__})") from None
+        except ValueError:
+            raise BackendError(502, "the upstream's embeddings are not JSON") from None
+        vectors = data.get("data") if isinstance(data, dict) else None
+        if not isinstance(vectors, list) or not all(
+                isinstance(v, dict) and isinstance(v.get("embedding"), list) for v in vectors):
+            raise BackendError(502, "the upstream's answer holds no float embeddings")
+        usage = data.get("usage")
+        tokens = usage.get("prompt_tokens") if isinstance(usage, dict) else None
+        meter.prompt_tokens = tokens if isinstance(tokens, int) and tokens >= 0 else \
+            math.ceil(len(json.dumps(body.get("input"))) / 4)
+        yield {"object": "list", "data": [{"object": "embedding", "index": v.get("index", i),
+                                           "embedding": v["embedding"]} for i, v in enumerate(vectors)]}
+        yield usage_chunk(new_completion_id("embd"), model_id, None, meter.prompt_tokens, 0, object_name="list")
+
+    def _started(self, model_id: str) -> httpx.AsyncClient:
         if self._client is None:
             raise BackendError(503, "the upstream backend is not started")
         if model_id not in self.model_ids:
-            raise BackendError(404, f"model {model_id!r} is not served by this node")
+            raise BackendError(404, f"model {model_id!r} is not served by this node", param="model")
+        return self._client
+
+    async def _stream(self, url: str, model_id: str, body: dict[str, Any], meter: UsageMeter | None,
+                      estimate: int, object_name: str, step: Any) -> AsyncIterator[dict[str, Any]]:
+        client = self._started(model_id)
         meter = meter if meter is not None else UsageMeter()
         payload = {**body, "model": model_id, "stream": True,
                    "stream_options": {**(body.get("stream_options") or {}), "include_usage": True}}
@@ -86,13 +151,13 @@ class OpenAIUpstreamBackend:
         content_chunks = 0
         completion_id, created = new_completion_id(), None
         try:
-            async with self._client.stream("POST", self.url, json=payload) as response:
+            async with client.stream("POST", url, json=payload) as response:
                 if response.status_code >= 400:
                     raise _upstream_error(response.status_code, await response.aread())
                 # The upstream took the request. Until it reports usage (llama-cpp-python's server, for
                 # one, never does when streaming): ~4 characters per prompt token plus a few per message
                 # for the chat template, and one token per content chunk.
-                meter.prompt_tokens, meter.completion_tokens = _estimate_prompt_tokens(body), 0
+                meter.prompt_tokens, meter.completion_tokens = estimate, 0
                 async for chunk in _sse_chunks(response):
                     completion_id = chunk.get("id") or completion_id
                     created = chunk.get("created", created)
@@ -104,20 +169,32 @@ class OpenAIUpstreamBackend:
                     if not chunk.get("choices"):
                         continue
                     chunk.pop("usage", None)
-                    content_chunks += sum(1 for c in chunk["choices"] if (c.get("delta") or {}).get("content"))
+                    content_chunks += sum(1 for c in chunk["choices"] if isinstance(c, dict) and step(c))
                     if not upstream_usage:
                         meter.completion_tokens = content_chunks
                     yield chunk
         except httpx.TimeoutException as exc:
-            log.warning("upstream %s timed out: %s", self.url, type(exc).__name__)
+            log.warning("upstream %s timed out: %s", url, type(exc).__name__)
             raise BackendError(504, f"the upstream timed out ({type(exc).__name__})") from None
         except httpx.HTTPError as exc:
-            log.warning("upstream %s failed: %s: %s", self.url, type(exc).__name__, exc)
+            log.warning("upstream %s failed: %s: %s", url, type(exc).__name__, exc)
             raise BackendError(502, f"the connection to the upstream failed ({type(exc).__name__})") from None
         if not upstream_usage:
             log.debug("upstream sent no usage; estimated %d prompt / %d completion tokens", meter.prompt_tokens,
                       meter.completion_tokens)
-        yield usage_chunk(completion_id, model_id, created, meter.prompt_tokens, meter.completion_tokens)
+        yield usage_chunk(completion_id, model_id, created, meter.prompt_tokens, meter.completion_tokens,
+                          object_name=object_name)
+
+
+def _chat_step(choice: dict[str, Any]) -> bool:
+    """Whether a chat choice carries generated tokens (content, or a tool call's name or arguments)."""
+    delta = choice.get("delta") or {}
+    return bool(delta.get("content") or delta.get("tool_calls") or delta.get("function_call")
+                or delta.get("reasoning_content"))
+
+
+def _text_step(choice: dict[str, Any]) -> bool:
+    return bool(choice.get("text"))
 
 
 async def _sse_chunks(response: httpx.Response) -> AsyncIterator[dict[str, Any]]:
@@ -169,11 +246,17 @@ def _upstream_error(status: int, raw: bytes) -> BackendError:
         data = None
     verb = "rejected the request" if status < 500 else "failed to serve the request"
     kinds = _error_kinds(data)
-    return BackendError(status, f"the upstream {verb} ({status} {kinds})" if kinds else
-                        f"the upstream {verb} ({status})")
+    error = data.get("error") if isinstance(data, dict) else None
+    param = error.get("param") if isinstance(error, dict) else None
+    code = error.get("code") if isinstance(error, dict) else None
+    message = f"the upstream {verb} ({status} {kinds})" if kinds else f"the upstream {verb} ({status})"
+    return BackendError(status, message,
+                        param=param if isinstance(param, str) and _PARAM.fullmatch(param) else None,
+                        code=code if code in PROVIDER_ERROR_CODES else None)
 
 
 _IDENTIFIER = re.compile(r"[A-Za-z0-9_.:-]{1,64}")
+_PARAM = re.compile(r"[A-Za-z0-9_.\[\]-]{1,128}")
 
 
 def _error_kinds(data: Any) -> str:

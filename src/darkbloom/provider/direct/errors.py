@@ -11,7 +11,8 @@ _BACKEND_ERROR_TYPES = {400: "invalid_request_error", 404: "model_not_found", 41
 
 def from_backend(exc: BackendError) -> ApiError:
     default = "invalid_request_error" if exc.status_code < 500 else "server_error"
-    return ApiError(exc.status_code, _BACKEND_ERROR_TYPES.get(exc.status_code, default), exc.message)
+    return ApiError(exc.status_code, _BACKEND_ERROR_TYPES.get(exc.status_code, default), exc.message,
+                    code=exc.code, param=exc.param)
 
 
 def node_failed() -> ApiError:

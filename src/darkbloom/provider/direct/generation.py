@@ -1,27 +1,27 @@
-"""One direct-mode chat completion on the node's backend, from its slot to the last SSE event.
+"""One direct-mode request on the node's backend, whatever its API, from its slot to the last event.
 
 A `Generation` holds a slot from before it starts until the backend has stopped generating
-(`finish_soon`, exactly once, whatever way the request ends). Streams send nothing before the
-first content chunk (`wire.openai.chunks.has_content`), so an early failure is a real HTTP error;
-then a final chunk with `usage` and one `data: [DONE]`. A failure after the first chunk ends the
-stream with one `data: {"error": …}` event and no `[DONE]`.
+(`finish_soon`, exactly once, whatever way the request ends). Its presenter (`wire.openai.presenters`)
+gives the answer the caller's API shape. Streams send nothing before the first content chunk
+(`wire.openai.chunks.has_content`), so an early failure is a real HTTP error; then the presenter's
+events to its closing ones (chat: a usage chunk on request and one `data: [DONE]`). A failure after
+the first chunk ends the stream with the presenter's error event (chat: one `data: {"error": …}`
+and no `[DONE]`).
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-import secrets
 import time
 from typing import Any, AsyncIterator
 
-
+from darkbloom.wire.openai.chunks import has_content
+from darkbloom.wire.openai.presenters import Presenter
 from darkbloom.wire.openai.streaming import EventStreamResponse
-from darkbloom.wire.openai.chunks import SSE_DONE, MessageBuilder, has_content, sse, wants_usage_chunk
-from darkbloom.wire.openai.shaping import ChunkShaper
-from darkbloom.wire.protocol import Usage
+from darkbloom.wire.protocol import Api, Usage
 from darkbloom.provider.backends import Backend, BackendError
-from darkbloom.provider.backends.base import UsageMeter, chunk_usage, is_usage_chunk
+from darkbloom.provider.backends.base import UsageMeter, chunk_usage, is_usage_chunk, open_stream
 from darkbloom.provider.direct.errors import from_backend, node_failed
 from darkbloom.provider.slots import Slots
 
@@ -33,29 +33,28 @@ _tasks: set[asyncio.Task[None]] = set()  # strong references to the slot-release
 
 
 class Generation:
-    def __init__(self, backend: Backend, model: str, body: dict[str, Any], slots: Slots) -> None:
-        self.shaper = ChunkShaper("chatcmpl-" + secrets.token_hex(12), model)
+    def __init__(self, backend: Backend, api: Api, model: str, body: dict[str, Any], presenter: Presenter,
+                 request_id: str, slots: Slots) -> None:
+        self.presenter = presenter
+        self.request_id = request_id
+        self.model = model
         self.meter = UsageMeter()
         self.slots = slots
         self.usage: Usage | None = None
         self.started = time.monotonic()
-        self.include_usage = wants_usage_chunk(body)
-        self._stream = backend.stream_chat(model, body, self.meter)
         self._finishing = False
-
-    @property
-    def request_id(self) -> str:
-        return self.shaper.request_id
+        self._stream = open_stream(backend, api, model, body, self.meter)  # BackendError: the API is not served
 
     async def next_chunk(self) -> dict[str, Any] | None:
-        """The next content chunk, shaped; None at the end (the usage chunk is kept in `self.usage`)."""
+        """The next content chunk as the node sent it; None at the end (the usage chunk is kept in
+        `self.usage`)."""
         while True:
             try:
                 chunk = await anext(self._stream)
             except StopAsyncIteration:
                 return None
             if not is_usage_chunk(chunk):
-                return self.shaper.chunk(chunk)
+                return chunk
             self.usage = chunk_usage(chunk)
 
     async def chunks(self) -> AsyncIterator[dict[str, Any]]:
@@ -73,10 +72,9 @@ class Generation:
         return head
 
     async def collect(self) -> dict[str, Any]:
-        message = MessageBuilder()
         async for chunk in self.chunks():
-            message.add(chunk)
-        return self.shaper.completion(message, self.final_usage())
+            self.presenter.collect(chunk)
+        return self.presenter.response(self.final_usage())
 
     def final_usage(self) -> Usage:
         if self.usage is None:
@@ -106,30 +104,36 @@ class Generation:
             self.slots.release()
         counts = self.usage or self.meter
         log.info("direct request %s for %s: %d prompt + %d completion tokens, %.0f ms%s", self.request_id,
-                 self.shaper.model, counts.prompt_tokens, counts.completion_tokens,
+                 self.model, counts.prompt_tokens, counts.completion_tokens,
                  (time.monotonic() - self.started) * 1000, "" if self.usage else " (stopped early)")
 
 
 async def events(generation: Generation, head: list[dict[str, Any]]) -> AsyncIterator[bytes]:
+    presenter = generation.presenter
+    for part in presenter.stream_start():
+        yield part
     for chunk in head:
-        yield sse(chunk)
+        for part in presenter.stream_chunk(chunk):
+            yield part
     try:
         async for chunk in generation.chunks():
-            yield sse(chunk)
-        final = generation.shaper.usage_chunk(generation.final_usage())
+            for part in presenter.stream_chunk(chunk):
+                yield part
+        usage = generation.final_usage()
     except BackendError as exc:
-        yield sse(from_backend(exc).body())
+        for part in presenter.stream_error(from_backend(exc)):
+            yield part
         return
-    except Exception:  # noqa: BLE001 - the stream has started: report in-band, no [DONE]
+    except Exception:  # noqa: BLE001 - the stream has started: report in-band
         log.exception("direct request %s failed mid-stream", generation.request_id)
-        yield sse(node_failed().body())
+        for part in presenter.stream_error(node_failed()):
+            yield part
         return
-    if generation.include_usage:
-        yield sse(final)
-    yield SSE_DONE
+    for part in presenter.stream_end(usage):
+        yield part
 
 
 def generation_response(generation: Generation, head: list[dict[str, Any]],
                         headers: dict[str, str]) -> EventStreamResponse:
-    """A streamed completion that always hands its slot back, however the response ends."""
+    """A streamed answer that always hands its slot back, however the response ends."""
     return EventStreamResponse(events(generation, head), headers, generation.finish_soon)

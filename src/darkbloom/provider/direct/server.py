@@ -1,20 +1,25 @@
 """Direct mode (CONTRACT §8): an OpenAI-compatible server on the node itself.
 
-`GET /health` (open), `GET /v1/models`, `GET /v1/models/{id}` and `POST /v1/chat/completions`
-(streamed or not, `usage` always included), every route but `/health` behind
-`Authorization: Bearer dk-local-…`. Requests run on the node's own backend and take a slot of the
-node's one `max_concurrency` (`Slots`), shared with fleet requests; a direct request waits up to
-`queue_wait` seconds for one, then gets 429. Nothing here knows about accounts or billing, and no
-byte of a direct request leaves the machine. Logs carry request ids and token counts only.
+`GET /health` (open), `GET /v1/models`, `GET /v1/models/{id}`, and the inference APIs
+`POST /v1/chat/completions`, `/v1/completions`, `/v1/embeddings`, `/v1/responses` and `/v1/messages`
+(Anthropic's, answering errors in Anthropic's envelope), every route but `/health` behind
+`Authorization: Bearer dk-local-…` (on `/v1/messages` also `x-api-key: dk-local-…`, as Anthropic
+clients send it). Each API is the same translation at the edge as on the coordinator
+(`wire.openai`: a request translator and a presenter) over one `Generation`. Requests run on the
+node's own backend and take a slot of the node's one `max_concurrency` (`Slots`), shared with fleet
+requests; a direct request waits up to `queue_wait` seconds for one, then gets 429. Nothing here
+knows about accounts or billing, and no byte of a direct request leaves the machine. Logs carry
+request ids and token counts only.
 
-The OpenAI edge (error envelope, body reading, chunk shaping) is the coordinator's, from
-`wire.openai`; streams follow its rules too (see `generation`).
+The edge (error envelopes, body reading, presenters) is the coordinator's, from `wire.openai`;
+streams follow its rules too (see `generation`).
 """
 
 from __future__ import annotations
 
 import logging
-from typing import Any
+import secrets
+from typing import Any, Callable
 
 from starlette.applications import Starlette
 from starlette.datastructures import Headers
@@ -26,8 +31,10 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 from darkbloom.wire import crypto
 from darkbloom.wire.openai.body import DEFAULT_MAX_BODY_BYTES, read_json_object
-from darkbloom.wire.openai.errors import ApiError, invalid_request, unauthorized
-from darkbloom.wire.openai.handlers import api_error_handler, http_error_handler
+from darkbloom.wire.openai.anthropic_messages import anthropic_error_body
+from darkbloom.wire.openai.edges import EDGES, Edge
+from darkbloom.wire.openai.errors import ApiError, invalid_request, retry_headers, unauthorized
+from darkbloom.wire.openai.handlers import ANTHROPIC_PATHS, api_error_handler, error_response, http_error_handler
 from darkbloom.provider.backends import Backend, BackendError
 from darkbloom.provider.direct.errors import from_backend, model_not_found, node_failed
 from darkbloom.provider.direct.generation import Generation, generation_response
@@ -46,14 +53,15 @@ def create_app(backend: Backend, slots: Slots, model_ids: list[str], token: str,
         Route("/health", api.health, methods=["GET"]),
         Route("/v1/models", api.models, methods=["GET"]),
         Route("/v1/models/{model_id:path}", api.model, methods=["GET"]),
-        Route("/v1/chat/completions", api.chat_completions, methods=["POST"]),
+        *(Route(edge.path, api.endpoint(edge), methods=["POST"]) for edge in EDGES),
     ], exception_handlers={ApiError: api_error_handler, HTTPException: http_error_handler,
                            Exception: _server_error})
     return _BearerAuth(app, token)
 
 
 class _BearerAuth:
-    """401 `invalid_api_key` on every path but /health unless the bearer token matches."""
+    """401 `invalid_api_key` on every path but /health unless the bearer token matches (on Anthropic's
+    paths the token may come as `x-api-key` instead, and the 401 is in Anthropic's envelope)."""
 
     def __init__(self, app: ASGIApp, token: str) -> None:
         self.app = app
@@ -61,9 +69,16 @@ class _BearerAuth:
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "http" and scope["path"] != "/health":
-            message = self._refusal(Headers(scope=scope).get("authorization", ""))
+            headers = Headers(scope=scope)
+            anthropic = scope["path"] in ANTHROPIC_PATHS
+            api_key = headers.get("x-api-key", "").strip() if anthropic else ""
+            message = self._refusal(f"Bearer {api_key}" if api_key else headers.get("authorization", ""))
             if message:
-                await unauthorized(message).response()(scope, receive, send)
+                error = unauthorized(message)
+                response = (JSONResponse(anthropic_error_body(error), status_code=401,
+                                         headers=retry_headers(401, error.headers)) if anthropic
+                            else error.response())
+                await response(scope, receive, send)
                 return
         await self.app(scope, receive, send)
 
@@ -79,9 +94,9 @@ class _BearerAuth:
         return ""
 
 
-async def _server_error(_request: Request, exc: Exception) -> Response:
+async def _server_error(request: Request, exc: Exception) -> Response:
     log.error("direct-mode request failed", exc_info=exc)
-    return node_failed().response()
+    return error_response(request, node_failed())
 
 
 class _LocalApi:
@@ -102,22 +117,36 @@ class _LocalApi:
             raise model_not_found(model_id)
         return JSONResponse(_model_entry(model_id))
 
-    async def chat_completions(self, request: Request) -> Response:
+    def endpoint(self, edge: Edge) -> Callable[[Request], Any]:
+        async def serve(request: Request) -> Response:
+            return await self.infer(request, edge)
+        return serve
+
+    async def infer(self, request: Request, edge: Edge) -> Response:
         body = await read_json_object(request, self.max_body_bytes)
         model = body.get("model")
         if not isinstance(model, str) or not model:
             raise invalid_request("model is required: a model id from GET /v1/models.", param="model")
         if model not in self.model_ids:
             raise model_not_found(model)
-        stream = body.get("stream", False)
+        stream = body.get("stream", False) if edge.streams else False
         if not isinstance(stream, bool):
             raise invalid_request("stream must be true or false.", param="stream")
+        node_body = edge.to_node(body)
+        node_body = dict(node_body, model=model) if edge.api == "embeddings" else dict(node_body, model=model,
+                                                                                        stream=True)
         if not await self.slots.acquire(self.queue_wait):
             raise ApiError(429, "rate_limit_exceeded",
                            f"This node is busy (all {self.slots.limit} slots in use) and no slot freed up "
                            f"within {self.queue_wait:g} s. Retry shortly.", headers={"Retry-After": "5"})
-        generation = Generation(self.backend, model, body, self.slots)
-        headers = {"X-Request-Id": generation.request_id}
+        request_id = edge.id_prefix + secrets.token_hex(12)
+        try:
+            generation = Generation(self.backend, edge.api, model, node_body, edge.presenter(request_id, model, body),
+                                    request_id, self.slots)
+        except BackendError as exc:
+            self.slots.release()
+            raise from_backend(exc) from None
+        headers = {"X-Request-Id": request_id}
         handed_off = False
         try:
             if stream:

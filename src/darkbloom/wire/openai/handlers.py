@@ -6,7 +6,8 @@ from starlette.exceptions import HTTPException
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
-from darkbloom.wire.openai.errors import ApiError, error_body, retry_headers
+from darkbloom.wire.openai.anthropic_messages import anthropic_error_body
+from darkbloom.wire.openai.errors import ApiError, retry_headers
 
 _ROUTING_ERRORS = {
     404: ("not_found", "No route matches {path}."),
@@ -14,9 +15,21 @@ _ROUTING_ERRORS = {
 }
 
 
-async def api_error_handler(_request: Request, exc: Exception) -> Response:
+# Paths that answer errors in Anthropic's envelope rather than OpenAI's (coordinator and direct mode).
+ANTHROPIC_PATHS = frozenset({"/v1/messages"})
+
+
+def error_response(request: Request, error: ApiError) -> Response:
+    """The error in the envelope of the API the request was for."""
+    if request.url.path in ANTHROPIC_PATHS:
+        return JSONResponse(anthropic_error_body(error), status_code=error.status,
+                            headers=retry_headers(error.status, error.headers))
+    return error.response()
+
+
+async def api_error_handler(request: Request, exc: Exception) -> Response:
     assert isinstance(exc, ApiError)
-    return exc.response()
+    return error_response(request, exc)
 
 
 async def http_error_handler(request: Request, exc: Exception) -> Response:
@@ -24,5 +37,4 @@ async def http_error_handler(request: Request, exc: Exception) -> Response:
     assert isinstance(exc, HTTPException)
     type_, template = _ROUTING_ERRORS.get(exc.status_code, ("invalid_request_error", "{detail}"))
     message = template.format(path=request.url.path, method=request.method, detail=exc.detail)
-    return JSONResponse(error_body(type_, message), status_code=exc.status_code,
-                        headers=retry_headers(exc.status_code, exc.headers))
+    return error_response(request, ApiError(exc.status_code, type_, message, headers=exc.headers))

@@ -21,22 +21,24 @@ def usage_dict(usage: TokenCounts) -> dict[str, int]:
 
 
 class ChunkShaper:
-    """Rewrites backend chunks into the caller's view: our completion id, the model they asked for."""
+    """Rewrites backend chunks into the caller's view: our completion id, the model they asked for.
+    `object_` is the streamed chunks' object: chat's by default, `text_completion` for legacy completions."""
 
-    def __init__(self, request_id: str, model: str) -> None:
+    def __init__(self, request_id: str, model: str, object_: str = "chat.completion.chunk") -> None:
         self.request_id = request_id
         self.model = model
+        self.object = object_
         self.created = int(time.time())
 
     def chunk(self, data: dict[str, Any]) -> dict[str, Any]:
         data["id"] = self.request_id
         data["model"] = self.model
-        data["object"] = "chat.completion.chunk"
+        data["object"] = self.object
         data.setdefault("created", self.created)
         return data
 
     def usage_chunk(self, usage: TokenCounts) -> dict[str, Any]:
-        return {"id": self.request_id, "object": "chat.completion.chunk", "created": self.created,
+        return {"id": self.request_id, "object": self.object, "created": self.created,
                 "model": self.model, "choices": [], "usage": usage_dict(usage)}
 
     def completion(self, message: MessageBuilder, usage: TokenCounts) -> dict[str, Any]:

@@ -126,7 +126,7 @@ async def _read_frames(websocket: WebSocket, services: Services, session: Provid
         elif isinstance(frame, InferenceError):
             pending = session.pending.get(frame.request_id)
             if pending is not None:
-                pending.on_error(frame.status_code, frame.message)
+                pending.on_error(frame.status_code, frame.message, frame.param, frame.code)
         elif isinstance(frame, Heartbeat):
             await session_lifecycle.on_heartbeat(services, session, frame)
         elif isinstance(frame, AttestationResponse):

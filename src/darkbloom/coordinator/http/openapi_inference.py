@@ -1,0 +1,95 @@
+"""The OpenAPI entries of the inference APIs beyond chat completions — the Responses API, Anthropic
+Messages, legacy completions, embeddings: their request bodies, answers and error codes. Every one of
+them takes the chat route's policy headers, admission, errors and sealing (``inference.calls``)."""
+
+from __future__ import annotations
+
+from darkbloom.coordinator.http.openapi_operations import CHAT_ERRORS, Answer, Operation
+from darkbloom.coordinator.http.openapi_schemas import INTEGER, NULLABLE_STRING, STRING, TIMESTAMP, Schema, obj, ref
+from darkbloom.coordinator.http.sealed_body import SEALED_CONTENT_TYPE
+from darkbloom.wire.catalog import BUNDLED_MODEL_ID
+
+_MODEL = {"type": "string", "minLength": 1, "examples": [BUNDLED_MODEL_ID]}
+_OPEN = {"type": "object", "additionalProperties": True}
+_ROUTED = ("X-Request-Id", "X-Provider-Id", "X-Darkbloom-Routed", "X-Darkbloom-Billing")
+
+
+def _event(data: Schema, description: str) -> Schema:
+    return {"type": "object", "required": ["data"], "description": description,
+            "properties": {"event": STRING, "id": STRING, "retry": INTEGER,
+                           "data": {"anyOf": [{"const": "[DONE]"}, {
+                               "type": "string", "contentMediaType": "application/json",
+                               "contentSchema": {"anyOf": [data, ref("Error"), ref("AnthropicError"),
+                                                           ref("SealedResponse")]}}]}}}
+
+
+INFERENCE_SCHEMAS: dict[str, Schema] = {
+    "ResponseRequest": {**obj({"model": _MODEL, "input": {"anyOf": [STRING, {"type": "array", "items": _OPEN}]}},
+                              ("model", "input")), "additionalProperties": True,
+                        "description": "OpenAI Responses API, stateless: `store: true` and "
+                                       "`previous_response_id` are refused with 400."},
+    "Response": {**obj({"id": STRING, "object": {"const": "response"}, "created_at": TIMESTAMP, "model": STRING,
+                        "status": STRING, "output": {"type": "array", "items": _OPEN}, "usage": _OPEN},
+                       ("id", "object", "model", "output")), "additionalProperties": True},
+    "ResponseEvent": _event({**obj({"type": STRING}), "additionalProperties": True},
+                            "`event: <type>` and `data: {…}` lines, `response.created` … `response.completed`; "
+                            "a failure after the first output ends with `error` and `response.failed`."),
+    "MessageRequest": {**obj({"model": _MODEL, "max_tokens": {"type": "integer", "minimum": 1},
+                              "messages": {"type": "array", "minItems": 1, "items": _OPEN}}),
+                       "additionalProperties": True, "description": "Anthropic Messages."},
+    "Message": {**obj({"id": STRING, "type": {"const": "message"}, "role": {"const": "assistant"},
+                       "model": STRING, "content": {"type": "array", "items": _OPEN}, "stop_reason": NULLABLE_STRING,
+                       "usage": _OPEN}, ("id", "type", "role", "content")), "additionalProperties": True},
+    "MessageEvent": _event({**obj({"type": STRING}), "additionalProperties": True},
+                           "Anthropic's events: `message_start`, `content_block_*`, `message_delta`, "
+                           "`message_stop`; `error` after a failure."),
+    "AnthropicError": obj({"type": {"const": "error"}, "error": obj({"type": STRING, "message": STRING})},
+                          description="The error envelope of POST /v1/messages."),
+    "CompletionRequest": {**obj({"model": _MODEL, "prompt": {"anyOf": [STRING, {"type": "array"}]},
+                                 "max_tokens": {"type": ["integer", "null"], "minimum": 1, "default": 16}},
+                                ("model", "prompt")), "additionalProperties": True,
+                          "description": "OpenAI legacy completions (a raw prompt, no chat template)."},
+    "Completion": {**obj({"id": STRING, "object": {"const": "text_completion"}, "created": TIMESTAMP,
+                          "model": STRING, "choices": {"type": "array", "items": _OPEN}, "usage": ref("Usage")},
+                         ("id", "object", "model", "choices")), "additionalProperties": True},
+    "CompletionEvent": _event({**obj({"object": {"const": "text_completion"}}), "additionalProperties": True},
+                              "A `data:` line per `text_completion` chunk, the usage chunk only with "
+                              "`stream_options.include_usage`, then `data: [DONE]`."),
+    "EmbeddingRequest": {**obj({"model": _MODEL, "input": {"anyOf": [STRING, {"type": "array", "minItems": 1}]},
+                                "encoding_format": {"enum": ["float", "base64"]}}, ("model", "input")),
+                         "additionalProperties": True},
+    "EmbeddingList": {**obj({"object": {"const": "list"}, "data": {"type": "array", "items": _OPEN},
+                             "model": STRING, "usage": _OPEN}), "additionalProperties": True},
+}
+
+
+def _operation(summary: str, request: str, answer: str, event: str | None, description: str,
+               error_schema: str = "Error") -> Operation:
+    content = {"application/json": answer, SEALED_CONTENT_TYPE: "SealedResponse"}
+    if event:
+        content["text/event-stream"] = event
+    return Operation("inference", summary, auth="caller",
+                     body={"application/json": request, SEALED_CONTENT_TYPE: "SealedRequest"},
+                     route_headers=("X-Darkbloom-Route", "X-Darkbloom-Machine"), errors=CHAT_ERRORS,
+                     answers={200: Answer("The answer, or its server-sent events when streamed; sealed back "
+                                          "when the request was sealed.", content, _ROUTED)},
+                     description=description, error_schema=error_schema)
+
+
+INFERENCE_OPERATIONS: dict[tuple[str, str], Operation] = {
+    ("post", "/v1/responses"): _operation(
+        "Create a response (OpenAI Responses API)", "ResponseRequest", "Response", "ResponseEvent",
+        "Stateless Responses: translated to a chat completion at the edge, then routed, sealed and billed "
+        "like one."),
+    ("post", "/v1/messages"): _operation(
+        "Create a message (Anthropic Messages)", "MessageRequest", "Message", "MessageEvent",
+        "Anthropic Messages, its events and its error envelope; the key may come as `x-api-key`.",
+        error_schema="AnthropicError"),
+    ("post", "/v1/completions"): _operation(
+        "Create a completion (legacy)", "CompletionRequest", "Completion", "CompletionEvent",
+        "Legacy prompt completions, served by nodes that advertise `completions`."),
+    ("post", "/v1/embeddings"): _operation(
+        "Create embeddings", "EmbeddingRequest", "EmbeddingList", None,
+        "Embeddings, served by nodes that advertise `embeddings`; `encoding_format: base64` gives "
+        "little-endian float32."),
+}

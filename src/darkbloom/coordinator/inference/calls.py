@@ -1,0 +1,89 @@
+"""One inference request, whatever public API it came in on: the body a node receives, what it
+needs from the node, and the presenter that answers in the caller's API.
+
+Every API is a translation at the edge (`wire/openai`): the Responses API and Anthropic Messages
+become chat completions, legacy completions and embeddings go to the node as what they are. From
+here on a request is an `InferenceCall`, and admission, Self-Route, scheduling, sealing, relay and
+billing are the same for all of them.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import Any
+
+from darkbloom.coordinator.inference.chat_request import chat_needs, validate_chat_body
+from darkbloom.wire.openai.body import parse_json_object
+from darkbloom.wire.openai.edges import CHAT, COMPLETIONS, EDGES, EMBEDDINGS, MESSAGES, RESPONSES, Edge
+from darkbloom.wire.openai.errors import invalid_request
+from darkbloom.wire.openai.presenters import Presenter
+from darkbloom.wire.protocol import Api
+
+__all__ = ["CHAT", "COMPLETIONS", "EDGES", "EMBEDDINGS", "MESSAGES", "RESPONSES", "Edge", "InferenceCall",
+           "parse_call"]
+
+
+@dataclass(frozen=True)
+class InferenceCall:
+    edge: Edge
+    request: dict[str, Any]  # the caller's own body
+    body: dict[str, Any]     # what the node receives, before its model id, `stream` and `max_tokens`
+    model: str
+    stream: bool
+    needs: frozenset[str]    # capabilities beyond plain chat (wire.protocol.CAPABILITIES)
+    max_tokens: int | None   # the output bound the caller asked for, if any
+
+    @property
+    def api(self) -> Api:
+        return self.edge.api
+
+    def present(self, request_id: str) -> Presenter:
+        return self.edge.presenter(request_id, self.model, self.request)
+
+    def for_provider(self, provider_model_id: str, max_tokens: int) -> bytes:
+        """The body the provider receives: its own model id, always streamed, output bounded by
+        what admission reserved for."""
+        if self.api == "embeddings":
+            forwarded = dict(self.body, model=provider_model_id)
+        else:
+            forwarded = dict(self.body, model=provider_model_id, stream=True, max_tokens=max_tokens)
+            forwarded.pop("stream_options", None)
+            forwarded.pop("max_completion_tokens", None)
+        return json.dumps(forwarded, separators=(",", ":")).encode()
+
+
+def parse_call(raw: bytes, edge: Edge) -> InferenceCall:
+    request = parse_json_object(raw)
+    model = request.get("model")
+    if not isinstance(model, str) or not model.strip():
+        raise invalid_request("you must provide a model parameter", param="model")
+    stream = request.get("stream", False) if edge.streams else False
+    if stream is None:
+        stream = False
+    if not isinstance(stream, bool):
+        raise invalid_request("'stream' must be a boolean.", param="stream")
+    body = edge.to_node(request)
+    if edge.api == "chat":
+        validate_chat_body(body)
+        needs = chat_needs(body)
+    elif edge.api == "completions":
+        needs = frozenset({"completions"}) | _completion_logprobs(body)
+    else:
+        needs = frozenset({"embeddings"})
+    max_tokens = None
+    if edge.api != "embeddings":
+        for field in ("max_completion_tokens", "max_tokens"):
+            if isinstance(body.get(field), int) and not isinstance(body[field], bool):
+                max_tokens = body[field]
+                break
+    return InferenceCall(edge=edge, request=request, body=body, model=model.strip(), stream=stream, needs=needs,
+                         max_tokens=max_tokens)
+
+
+def _completion_logprobs(body: dict[str, Any]) -> frozenset[str]:
+    wanted = body.get("logprobs")
+    return frozenset({"logprobs"}) if isinstance(wanted, int) and not isinstance(wanted, bool) and wanted > 0 \
+        else frozenset()
+
+

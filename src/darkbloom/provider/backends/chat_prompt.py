@@ -1,0 +1,118 @@
+"""Chat messages → the messages a model's own chat template renders.
+
+Many chat templates (the bundled SmolLM2's among them) know only system, user and assistant, so the
+rest is rendered as text: an assistant turn's `tool_calls` (or legacy `function_call`) become the JSON
+objects the model is asked to answer with when it calls a tool, a `tool` (or legacy `function`)
+result becomes a user turn that says which call it answers, `developer` becomes `system`. The tools
+a request offers, and the JSON schema of a structured answer, are described in the system message.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from darkbloom.provider.backends.base import BackendError
+from darkbloom.provider.backends.tool_params import ToolPlan
+
+ROLES = ("system", "developer", "user", "assistant", "tool", "function")
+
+
+def template_messages(messages: Any, plan: ToolPlan | None = None,
+                      schema: dict[str, Any] | None = None) -> list[dict[str, str]]:
+    """Checked messages as `{"role", "content"}` strings for the chat template."""
+    if not isinstance(messages, list) or not messages:
+        raise BackendError(400, "messages must be a non-empty list", param="messages")
+    call_names: dict[str, str] = {}  # tool_call_id → function name, from earlier assistant turns
+    out: list[dict[str, str]] = []
+    for index, message in enumerate(messages):
+        where = f"messages[{index}]"
+        if not isinstance(message, dict) or message.get("role") not in ROLES:
+            raise BackendError(400, f"{where} must be an object with a role of {', '.join(ROLES)}", param=where)
+        role = message["role"]
+        content = _text_content(message.get("content"), where)
+        if role == "developer":
+            role = "system"
+        elif role == "assistant":
+            calls = _assistant_calls(message, where)
+            for call in calls:
+                call_names[call["id"]] = call["name"]
+            content = "\n".join([content] * bool(content) + [_call_text(c["name"], c["arguments"]) for c in calls])
+        elif role in ("tool", "function"):
+            name = message.get("name") if role == "function" else call_names.get(str(message.get("tool_call_id")))
+            if role == "tool" and not isinstance(message.get("tool_call_id"), str):
+                raise BackendError(400, f"{where}.tool_call_id must be a string", param=f"{where}.tool_call_id")
+            label = f"the tool call {name!r}" if isinstance(name, str) else "a tool call"
+            role, content = "user", f"Result of {label}:\n{content}"
+        out.append({"role": role, "content": content})
+    instructions = _instructions(plan, schema)
+    if instructions:
+        if out[0]["role"] == "system":
+            out[0] = {"role": "system", "content": f"{out[0]['content']}\n\n{instructions}".strip()}
+        else:
+            out.insert(0, {"role": "system", "content": instructions})
+    return out
+
+
+def _call_text(name: str, arguments: Any) -> str:
+    return json.dumps({"name": name, "arguments": arguments}, ensure_ascii=False)
+
+
+def _assistant_calls(message: dict[str, Any], where: str) -> list[dict[str, Any]]:
+    """An assistant turn's tool calls (or legacy function call) as `{"id", "name", "arguments"}`."""
+    raw = message.get("tool_calls")
+    legacy = message.get("function_call")
+    if raw is None and legacy is None:
+        return []
+    if raw is None:
+        raw, param = [{"id": "", "type": "function", "function": legacy}], f"{where}.function_call"
+    else:
+        param = f"{where}.tool_calls"
+    if not isinstance(raw, list):
+        raise BackendError(400, f"{param} must be a list of tool calls", param=param)
+    calls = []
+    for call in raw:
+        function = call.get("function") if isinstance(call, dict) else None
+        if (not isinstance(function, dict) or not isinstance(function.get("name"), str)
+                or not isinstance(function.get("arguments", ""), str) or call.get("type", "function") != "function"):
+            raise BackendError(400, f"{param}: each call needs a function with a name and string arguments",
+                               param=param)
+        try:
+            arguments: Any = json.loads(function.get("arguments") or "{}")
+        except ValueError:
+            arguments = function.get("arguments")
+        calls.append({"id": str(call.get("id") or ""), "name": function["name"], "arguments": arguments})
+    return calls
+
+
+def _instructions(plan: ToolPlan | None, schema: dict[str, Any] | None) -> str:
+    parts: list[str] = []
+    if plan is not None and plan.mode != "none" and plan.tools:
+        described = [{"name": t.name, "description": t.description, "parameters": t.parameters} for t in plan.tools]
+        parts.append("You can call these tools:\n" + json.dumps(described, ensure_ascii=False) + "\n"
+                     'To call a tool, answer with only a JSON object {"name": <tool name>, "arguments": '
+                     "<the arguments as a JSON object>}.")
+        if plan.forced is not None:
+            parts.append(f"Call the tool {plan.forced.name!r} now.")
+        elif plan.mode == "required":
+            parts.append("Answer with a tool call.")
+    if schema is not None:
+        parts.append("Answer with a JSON object that follows this JSON schema:\n"
+                     + json.dumps(schema, ensure_ascii=False))
+    return "\n\n".join(parts)
+
+
+def _text_content(content: Any, where: str) -> str:
+    """Plain text; OpenAI content-part lists are joined when every part is text."""
+    if content is None or isinstance(content, str):
+        return content or ""
+    if isinstance(content, list):
+        texts = []
+        for part in content:
+            if (not isinstance(part, dict) or part.get("type") not in ("text", "input_text", "output_text")
+                    or not isinstance(part.get("text"), str)):
+                raise BackendError(400, f"{where}.content: only text parts are supported by this model",
+                                   param=f"{where}.content")
+            texts.append(part["text"])
+        return "".join(texts)
+    raise BackendError(400, f"{where}.content must be a string or a list of text parts", param=f"{where}.content")

@@ -1,0 +1,207 @@
+"""A chat completion on llama.cpp: the request checked (event loop), then generated and streamed as
+OpenAI `chat.completion.chunk`s (worker thread).
+
+The prompt is the model's own chat template (its GGUF `tokenizer.chat_template`, rendered as
+llama-cpp-python renders it, so plain chat gets the very prompt `create_chat_completion` would),
+over `chat_prompt.template_messages`. Grammars come from `tool_params`. How an answer that may be a
+tool call is streamed: with a named or required choice (and in `auto` once the answer opens with
+`{`, which the grammar then holds to a call) the call's name is sent as soon as it is generated and
+its arguments as they come; in `auto` with a structured answer as the alternative, an answer opening
+with `{` is held to the end and then sent as the call or the content it turns out to be.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import re
+import time
+import uuid
+from dataclasses import dataclass
+from typing import Any, Callable
+
+from llama_cpp import llama_chat_format
+
+from darkbloom.provider.backends.base import BackendError
+from darkbloom.provider.backends.chat_prompt import template_messages
+from darkbloom.provider.backends.llama_decode import Finish, Piece, TokenLogprob, check_grammar, decode
+from darkbloom.provider.backends.llama_instances import CountingLlama
+from darkbloom.provider.backends.params import CHAT_DEFAULTS, Sampling, chat_logprobs, sampling
+from darkbloom.provider.backends.tool_params import (ToolPlan, call_schema, response_schema, schema_grammar,
+                                                     tool_grammar, tool_plan)
+
+_CALL_HEAD = re.compile(r'\s*\{\s*"name"\s*:\s*("(?:[^"\\]|\\.)*")\s*,\s*"arguments"\s*:\s*')
+_CALL_TAIL = re.compile(r"[\s}]*\Z")
+
+
+@dataclass
+class ChatJob:
+    messages: list[dict[str, str]]
+    sampling: Sampling
+    plan: ToolPlan
+    grammar: str | None
+    grammar_param: str
+    hold_calls: bool  # auto with a structured alternative: an answer opening with `{` is held to the end
+
+
+def chat_job(body: dict[str, Any], n_vocab: int | None) -> ChatJob:
+    """The checked request (event loop: cheap, and a 400 before any instance is taken)."""
+    plan = tool_plan(body)
+    schema = response_schema(body)
+    settings = sampling(body, CHAT_DEFAULTS, n_vocab)
+    settings.top_logprobs = chat_logprobs(body)
+    messages = template_messages(body.get("messages"), plan, schema)
+    grammar, param, hold = None, "response_format", False
+    answer = schema_grammar(schema, "response_format") if schema is not None else None
+    if plan.mode in ("named", "required") or (plan.mode == "auto" and schema is None):
+        grammar, param = tool_grammar(plan), "functions" if plan.legacy else "tools"
+    elif plan.mode == "auto":
+        options = call_schema(plan.callable)
+        union = {"anyOf": [*(options.get("anyOf") or [options]), schema]}
+        grammar, param, hold = schema_grammar(union, "tools"), "tools", True
+    else:
+        grammar = answer
+    return ChatJob(messages, settings, plan, grammar, param, hold)
+
+
+def chat_prompt(llama: CountingLlama, messages: list[dict[str, str]]) -> tuple[list[int], tuple[str, ...]]:
+    """The templated prompt's tokens and the template's stop strings (worker thread)."""
+    formatter = getattr(llama, "darkbloom_formatter", None)
+    if formatter is None:
+        template = llama.metadata.get("tokenizer.chat_template")
+        if template:
+            eos, bos = llama.token_eos(), llama.token_bos()
+            formatter = llama_chat_format.Jinja2ChatFormatter(
+                template=template, eos_token=llama._model.token_get_text(eos) if eos != -1 else "",
+                bos_token=llama._model.token_get_text(bos) if bos != -1 else "", stop_token_ids=[eos])
+        else:
+            formatter = llama_chat_format.format_chatml  # a GGUF without a template: ChatML
+        llama.darkbloom_formatter = formatter  # type: ignore[attr-defined]
+    result = formatter(messages=messages)
+    tokens = llama.tokenize(result.prompt.encode("utf-8"), add_bos=not result.added_special, special=True)
+    stops = result.stop if isinstance(result.stop, list) else [result.stop] if result.stop else []
+    return tokens, tuple(stops)
+
+
+def run_chat(llama: CountingLlama, job: ChatJob, emit: Callable[[dict[str, Any]], None]) -> None:
+    """Worker thread: generate the answer and `emit` its chunks (ids and model are set by the caller)."""
+    if job.grammar is not None and not check_grammar(llama, job.grammar):
+        raise BackendError(400, f"this model cannot follow the JSON schema in {job.grammar_param}",
+                           param=job.grammar_param)
+    tokens, stops = chat_prompt(llama, job.messages)
+    out = _ChatChunks(job, emit)
+    items = decode(llama, tokens, job.sampling, param="messages", grammar=job.grammar, extra_stops=stops)
+    first = next(items)  # a prompt too long for the window fails here, before anything is sent
+    out.send({"role": "assistant"})
+    for item in itertools.chain([first], items):
+        if isinstance(item, Piece):
+            out.piece(item)
+        else:
+            out.finish(item)
+
+
+class _ChatChunks:
+    """Pieces → chat chunks: content deltas, or a tool call (`tool_calls`, or legacy `function_call`)."""
+
+    def __init__(self, job: ChatJob, emit: Callable[[dict[str, Any]], None]) -> None:
+        self.job, self.emit = job, emit
+        self.created = int(time.time())
+        self.mode = "text" if job.plan.mode == "none" else "undecided"
+        self.buffer = ""  # undecided or call text not yet sent
+        self.logprobs: list[TokenLogprob] = []  # of tokens whose text is not yet sent
+        self.sent_args = ""  # call arguments sent so far
+        self.call_name: str | None = None
+
+    def send(self, delta: dict[str, Any], finish: str | None = None) -> None:
+        logprobs = {"content": [lp.chat() for lp in self.logprobs]} if self.logprobs else None
+        self.logprobs = []
+        self.emit({"object": "chat.completion.chunk", "created": self.created,
+                   "choices": [{"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish}]})
+
+    def piece(self, piece: Piece) -> None:
+        self.logprobs += piece.logprobs
+        if self.mode == "text":
+            if piece.text or self.logprobs:
+                self.send({"content": piece.text})
+            return
+        self.buffer += piece.text
+        if self.mode == "undecided" and self.buffer.strip():
+            forced = self.job.plan.mode in ("named", "required")
+            self.mode = "call" if forced or self.buffer.lstrip().startswith("{") else "text"
+            if self.mode == "text":
+                text, self.buffer = self.buffer, ""
+                self.send({"content": text})
+                return
+        if self.mode == "call" and not self.job.hold_calls:
+            self._stream_call(final=False)
+
+    def finish(self, finish: Finish) -> None:
+        reason = finish.reason
+        if self.mode == "call" and self.job.hold_calls:
+            call = _parse_call(self.buffer, {t.name for t in self.job.plan.callable})
+            if call is None:
+                self.mode = "text"
+            else:
+                self.call_name, self.buffer = call[0], ""
+                self._head()
+                self._args(call[1])
+        elif self.mode == "call":
+            self._stream_call(final=True)
+        if self.buffer and (self.mode != "call" or self.call_name is None):
+            text, self.buffer = self.buffer, ""
+            self.send({"content": text})
+            self.mode = "text"
+        if self.mode == "call" and self.call_name is not None and reason == "stop":
+            reason = "function_call" if self.job.plan.legacy else "tool_calls"
+        self.send({}, reason)
+
+    def _stream_call(self, final: bool) -> None:
+        if self.call_name is None:
+            head = _CALL_HEAD.match(self.buffer)
+            if head is None:
+                return
+            self.call_name = json.loads(head[1])
+            self.buffer = self.buffer[head.end():]
+            self._head()
+        if final:  # the call's closing brace (and the space after it) is not part of the arguments
+            text = self.buffer.rstrip()
+            self._args(text[:-1].rstrip() if text.endswith("}") else text)
+        else:
+            held = _CALL_TAIL.search(self.buffer)
+            cut = held.start() if held else len(self.buffer)
+            if cut:
+                self._args(self.buffer[:cut])
+                self.buffer = self.buffer[cut:]
+        if final:
+            self.buffer = ""
+
+    def _head(self) -> None:
+        if self.job.plan.legacy:
+            self.send({"content": None, "function_call": {"name": self.call_name, "arguments": ""}})
+        else:
+            call = {"index": 0, "id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
+                    "function": {"name": self.call_name, "arguments": ""}}
+            self.send({"content": None, "tool_calls": [call]})
+
+    def _args(self, fragment: str) -> None:
+        if not self.sent_args:
+            fragment = fragment.lstrip()  # the grammar's space after "arguments":
+        if not fragment:
+            return
+        self.sent_args += fragment
+        if self.job.plan.legacy:
+            self.send({"function_call": {"arguments": fragment}})
+        else:
+            self.send({"tool_calls": [{"index": 0, "function": {"arguments": fragment}}]})
+
+
+def _parse_call(text: str, names: set[str]) -> tuple[str, str] | None:
+    """(name, arguments JSON) when `text` is one call of a known tool, else None."""
+    try:
+        value = json.loads(text)
+    except ValueError:
+        return None
+    if (isinstance(value, dict) and set(value) == {"name", "arguments"} and value["name"] in names
+            and isinstance(value["arguments"], dict)):
+        return value["name"], json.dumps(value["arguments"], ensure_ascii=False)
+    return None

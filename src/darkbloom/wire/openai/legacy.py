@@ -1,0 +1,132 @@
+"""Requests of OpenAI's legacy completions (`/v1/completions`) and of embeddings (`/v1/embeddings`):
+what a client may send (anything else is a 400 naming its param) and the body a node receives.
+
+The returned bodies keep the client's `model` (and `max_tokens` for completions); the coordinator
+sets its own `model`, `stream` and `max_tokens` over them. `stream_options` and `encoding_format`
+stay at the edge (the presenters read them from the client's body)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from darkbloom.wire.openai.errors import invalid_request
+
+MAX_EMBEDDING_INPUTS = 2048  # OpenAI's own limit on one request's inputs
+
+LEGACY_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions without max_tokens
+SAMPLING_RANGES = {"temperature": (0.0, 2.0), "top_p": (0.0, 1.0), "presence_penalty": (-2.0, 2.0),
+                  "frequency_penalty": (-2.0, 2.0)}
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_token_list(value: Any) -> bool:
+    return isinstance(value, list) and bool(value) and all(_is_int(x) and x >= 0 for x in value)
+
+
+def check_model(body: dict[str, Any]) -> str:
+    model = body.get("model")
+    if not isinstance(model, str) or not model.strip():
+        raise invalid_request("you must provide a model parameter", param="model")
+    return model.strip()
+
+
+def check_stream(body: dict[str, Any]) -> bool:
+    stream = body.get("stream")
+    if stream is None:
+        return False
+    if not isinstance(stream, bool):
+        raise invalid_request("'stream' must be a boolean.", param="stream")
+    return stream
+
+
+def completions_request(body: dict[str, Any]) -> dict[str, Any]:
+    """A legacy completions body, checked: one prompt (a string, a list of one string, or token ids),
+    one choice (`n` 1, `best_of` at most 1), numbers in range. Unknown fields pass through."""
+    check_model(body)
+    check_stream(body)
+    node = {key: value for key, value in body.items() if key not in ("stream", "stream_options")}
+    node["prompt"] = _one_prompt(body.get("prompt"))
+    for field in ("n", "best_of"):
+        value = body.get(field)
+        if value is None:
+            continue
+        if not _is_int(value) or value < 1:
+            raise invalid_request(f"'{field}' must be a positive integer.", param=field)
+        if value > 1:
+            raise invalid_request(f"Only {field}=1 is supported: ask for one completion per request.", param=field)
+    max_tokens = body.get("max_tokens")
+    if max_tokens is not None and (not _is_int(max_tokens) or max_tokens < 1):
+        raise invalid_request("'max_tokens' must be a positive integer.", param="max_tokens")
+    logprobs = body.get("logprobs")
+    if logprobs is not None and (not _is_int(logprobs) or not 0 <= logprobs <= 5):
+        raise invalid_request("'logprobs' must be an integer from 0 to 5.", param="logprobs")
+    for field, (low, high) in SAMPLING_RANGES.items():
+        value = body.get(field)
+        if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))
+                                  or not low <= value <= high):
+            raise invalid_request(f"'{field}' must be a number from {low:g} to {high:g}.", param=field)
+    for field in ("echo",):
+        if body.get(field) is not None and not isinstance(body[field], bool):
+            raise invalid_request(f"'{field}' must be a boolean.", param=field)
+    node.setdefault("max_tokens", LEGACY_DEFAULT_MAX_TOKENS)
+    if body.get("suffix") is not None and not isinstance(body["suffix"], str):
+        raise invalid_request("'suffix' must be a string.", param="suffix")
+    stop = body.get("stop")
+    if stop is not None and not isinstance(stop, str) and not (
+            isinstance(stop, list) and len(stop) <= 4 and all(isinstance(s, str) for s in stop)):
+        raise invalid_request("'stop' must be a string or a list of at most 4 strings.", param="stop")
+    return node
+
+
+def _one_prompt(prompt: Any) -> str | list[int]:
+    if isinstance(prompt, str) or _is_token_list(prompt):
+        return prompt
+    if isinstance(prompt, list) and len(prompt) == 1 and (isinstance(prompt[0], str) or _is_token_list(prompt[0])):
+        return prompt[0]
+    if isinstance(prompt, list) and len(prompt) > 1 and all(isinstance(p, (str, list)) for p in prompt):
+        raise invalid_request("Only one prompt per request is supported: send a string, not a list of several.",
+                              param="prompt")
+    raise invalid_request("'prompt' must be a string, a list of one string, or a list of token ids.",
+                          param="prompt")
+
+
+def embeddings_request(body: dict[str, Any]) -> dict[str, Any]:
+    """`{model, input}` for a node, after checking `input` (a non-empty string, a list of them, a
+    list of token ids or a list of token-id lists; at most MAX_EMBEDDING_INPUTS), `encoding_format`
+    (`float` or `base64`) and `dimensions` (not supported: every vector has the model's size)."""
+    model = check_model(body)
+    if body.get("stream") is not None and body["stream"] is not False:
+        raise invalid_request("Embeddings are never streamed: leave 'stream' out.", param="stream")
+    encoding = body.get("encoding_format")
+    if encoding is not None and encoding not in ("float", "base64"):
+        raise invalid_request("'encoding_format' must be 'float' or 'base64'.", param="encoding_format")
+    if body.get("dimensions") is not None:
+        raise invalid_request("'dimensions' is not supported: embeddings have the model's own size.",
+                              param="dimensions")
+    return {"model": model, "input": _embedding_input(body.get("input"))}
+
+
+def _embedding_input(value: Any) -> str | list[Any]:
+    if isinstance(value, str):
+        if not value:
+            raise invalid_request("'input' must not be an empty string.", param="input")
+        return value
+    if not isinstance(value, list) or not value:
+        raise invalid_request("'input' must be a non-empty string or a non-empty array.", param="input")
+    if len(value) > MAX_EMBEDDING_INPUTS:
+        raise invalid_request(f"'input' may hold at most {MAX_EMBEDDING_INPUTS} items.", param="input")
+    if _is_token_list(value):
+        return value
+    for index, item in enumerate(value):
+        if isinstance(item, str):
+            if not item:
+                raise invalid_request(f"'input[{index}]' must not be an empty string.", param="input")
+        elif not _is_token_list(item):
+            raise invalid_request("'input' must be a string, an array of strings, an array of token ids or "
+                                  "an array of token-id arrays.", param="input")
+    if not (all(isinstance(item, str) for item in value) or all(isinstance(item, list) for item in value)):
+        raise invalid_request("'input' must not mix strings and token-id arrays.", param="input")
+    return value

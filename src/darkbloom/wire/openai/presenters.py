@@ -1,0 +1,183 @@
+"""One presenter per API: a node's chunks in the shape the caller's API answers with, streamed or not.
+
+The coordinator and direct mode drive them alike (one instance per request): `stream_start` just
+before the first chunk goes out, `stream_chunk` for each node chunk (never the usage chunk),
+then `stream_end` or `stream_error`; a non-streamed answer is `collect` per chunk, then `response`.
+This module holds the OpenAI ones (chat, legacy completions, embeddings); the Responses API and
+Anthropic Messages live in `responses_api` and `anthropic_messages`.
+"""
+
+from __future__ import annotations
+
+import base64
+import secrets
+import sys
+from array import array
+from typing import Any, Protocol
+
+from darkbloom.wire.openai.chunks import SSE_DONE, MessageBuilder, sse, wants_usage_chunk
+from darkbloom.wire.openai.errors import ApiError
+from darkbloom.wire.openai.shaping import ChunkShaper, TokenCounts, usage_dict
+
+
+class Presenter(Protocol):
+    """One answer in one API's shape, built from node chunks. One instance per request:
+    `Presenter(request_id, model, request)` — `model` is the id the caller asked for, `request` the
+    caller's own (untranslated) body."""
+
+    media_type: str
+
+    def stream_start(self) -> list[bytes]: ...
+
+    def stream_chunk(self, chunk: dict[str, Any]) -> list[bytes]: ...
+
+    def stream_end(self, usage: TokenCounts) -> list[bytes]: ...
+
+    def stream_error(self, error: ApiError) -> list[bytes]: ...
+
+    def collect(self, chunk: dict[str, Any]) -> None: ...
+
+    def response(self, usage: TokenCounts) -> dict[str, Any]: ...
+
+    def error_body(self, error: ApiError) -> dict[str, Any]: ...
+
+
+def api_id(prefix: str, request_id: str) -> str:
+    """The answer's id in its API's style (`resp_…`, `msg_…`) for our request id: the id itself
+    when it already has the prefix, else the prefix on its random part (`chatcmpl-ab12` → `resp_ab12`)."""
+    if request_id.startswith(prefix):
+        return request_id
+    tail = request_id.split("-", 1)[1] if "-" in request_id else request_id
+    return prefix + (tail or secrets.token_hex(12))
+
+
+class ChatPresenter:
+    """`chat.completion` and its chunks: our id and model on every chunk, the `choices: []` usage
+    chunk only on `stream_options.include_usage`, one `data: [DONE]`; an in-band failure is one
+    `data: {"error": …}` event and no `[DONE]`."""
+
+    media_type = "text/event-stream"
+
+    def __init__(self, request_id: str, model: str, request: dict[str, Any]) -> None:
+        self.shaper = ChunkShaper(request_id, model)
+        self.include_usage = wants_usage_chunk(request)
+        self.message = MessageBuilder()
+
+    def stream_start(self) -> list[bytes]:
+        return []
+
+    def stream_chunk(self, chunk: dict[str, Any]) -> list[bytes]:
+        return [sse(self.shaper.chunk(chunk))]
+
+    def stream_end(self, usage: TokenCounts) -> list[bytes]:
+        return [sse(self.shaper.usage_chunk(usage)), SSE_DONE] if self.include_usage else [SSE_DONE]
+
+    def stream_error(self, error: ApiError) -> list[bytes]:
+        return [sse(error.body())]
+
+    def collect(self, chunk: dict[str, Any]) -> None:
+        self.message.add(chunk)
+
+    def response(self, usage: TokenCounts) -> dict[str, Any]:
+        return self.shaper.completion(self.message, usage)
+
+    def error_body(self, error: ApiError) -> dict[str, Any]:
+        return error.body()
+
+
+class CompletionsPresenter:
+    """Legacy `text_completion` objects, streamed (same SSE rules as chat) or whole. Whole, the text
+    is joined and the legacy logprobs lists (`tokens`, `token_logprobs`, `top_logprobs`,
+    `text_offset`) are concatenated."""
+
+    media_type = "text/event-stream"
+    _LOGPROB_LISTS = ("tokens", "token_logprobs", "top_logprobs", "text_offset")
+
+    def __init__(self, request_id: str, model: str, request: dict[str, Any]) -> None:
+        self.shaper = ChunkShaper(api_id("cmpl-", request_id), model, "text_completion")
+        self.include_usage = wants_usage_chunk(request)
+        self.text: list[str] = []
+        self.logprobs: dict[str, list[Any]] | None = None
+        self.finish_reason: str | None = None
+
+    def stream_start(self) -> list[bytes]:
+        return []
+
+    def stream_chunk(self, chunk: dict[str, Any]) -> list[bytes]:
+        return [sse(self.shaper.chunk(chunk))]
+
+    def stream_end(self, usage: TokenCounts) -> list[bytes]:
+        return [sse(self.shaper.usage_chunk(usage)), SSE_DONE] if self.include_usage else [SSE_DONE]
+
+    def stream_error(self, error: ApiError) -> list[bytes]:
+        return [sse(error.body())]
+
+    def collect(self, chunk: dict[str, Any]) -> None:
+        for choice in chunk.get("choices") or ():
+            if isinstance(choice.get("text"), str):
+                self.text.append(choice["text"])
+            logprobs = choice.get("logprobs")
+            if isinstance(logprobs, dict):
+                merged = self.logprobs if self.logprobs is not None else {k: [] for k in self._LOGPROB_LISTS}
+                for key in self._LOGPROB_LISTS:
+                    merged[key].extend(logprobs.get(key) or ())
+                self.logprobs = merged
+            if choice.get("finish_reason"):
+                self.finish_reason = choice["finish_reason"]
+
+    def response(self, usage: TokenCounts) -> dict[str, Any]:
+        choice = {"index": 0, "text": "".join(self.text), "logprobs": self.logprobs,
+                  "finish_reason": self.finish_reason or "stop"}
+        return {"id": self.shaper.request_id, "object": "text_completion", "created": self.shaper.created,
+                "model": self.shaper.model, "choices": [choice], "usage": usage_dict(usage)}
+
+    def error_body(self, error: ApiError) -> dict[str, Any]:
+        return error.body()
+
+
+def float32_base64(vector: list[float]) -> str:
+    """An embedding as OpenAI's `encoding_format: "base64"` sends it: little-endian float32, base64."""
+    packed = array("f", vector)
+    if sys.byteorder != "little":
+        packed.byteswap()
+    return base64.b64encode(packed.tobytes()).decode("ascii")
+
+
+class EmbeddingsPresenter:
+    """`{"object": "list", "data": [embedding…], "model", "usage"}`; never streamed (the stream
+    methods are a caller's bug). `encoding_format: "base64"` (what the openai SDK asks for by
+    default) sends each vector as `float32_base64`."""
+
+    media_type = "application/json"
+
+    def __init__(self, request_id: str, model: str, request: dict[str, Any]) -> None:
+        self.request_id = request_id
+        self.model = model
+        self.base64 = request.get("encoding_format") == "base64"
+        self.data: list[dict[str, Any]] = []
+
+    def stream_start(self) -> list[bytes]:
+        raise TypeError("embeddings are never streamed")
+
+    def stream_chunk(self, chunk: dict[str, Any]) -> list[bytes]:
+        raise TypeError("embeddings are never streamed")
+
+    def stream_end(self, usage: TokenCounts) -> list[bytes]:
+        raise TypeError("embeddings are never streamed")
+
+    def stream_error(self, error: ApiError) -> list[bytes]:
+        raise TypeError("embeddings are never streamed")
+
+    def collect(self, chunk: dict[str, Any]) -> None:
+        for item in chunk.get("data") or ():
+            vector = [float(x) for x in item.get("embedding") or ()]
+            self.data.append({"object": "embedding", "index": item.get("index", len(self.data)),
+                              "embedding": float32_base64(vector) if self.base64 else vector})
+
+    def response(self, usage: TokenCounts) -> dict[str, Any]:
+        data = sorted(self.data, key=lambda item: item["index"])
+        return {"object": "list", "data": data, "model": self.model,
+                "usage": {"prompt_tokens": usage.prompt_tokens, "total_tokens": usage.prompt_tokens}}
+
+    def error_body(self, error: ApiError) -> dict[str, Any]:
+        return error.body()

@@ -1,0 +1,80 @@
+"""Direct mode's APIs on the real llama.cpp backend with the bundled model, through the real openai
+and anthropic SDKs. The tiny model's wording is never asserted on: shapes, token counts, and a tool
+call forced by `tool_choice`."""
+
+from __future__ import annotations
+
+import json
+import math
+from typing import Any
+
+import anthropic
+import openai
+
+from darkbloom.provider.backends.llama_cpp import LlamaCppBackend
+from darkbloom.provider.direct.server import create_app
+from darkbloom.provider.slots import Slots
+from tests.provider.direct.test_direct_apis import anthropic_client, openai_client
+from tests.provider.direct.test_local_server import MODEL, TOKEN, gguf, idle, llama  # noqa: F401 - fixtures
+
+WEATHER_SCHEMA = {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}
+
+
+async def test_openai_sdk_completions_embeddings_and_responses(llama: LlamaCppBackend) -> None:  # noqa: F811
+    slots = Slots(1)
+    sdk: openai.AsyncOpenAI = openai_client(create_app(llama, slots, [MODEL], TOKEN))
+
+    done = await sdk.completions.create(model=MODEL, prompt="The capital of France is", max_tokens=6, temperature=0)
+    assert done.object == "text_completion" and done.choices[0].text and done.usage is not None
+    assert 0 < done.usage.completion_tokens <= 6
+    streamed = [c async for c in await sdk.completions.create(model=MODEL, prompt="The capital of France is",
+                                                               max_tokens=6, temperature=0, stream=True)]
+    assert "".join(c.choices[0].text for c in streamed if c.choices) == done.choices[0].text
+    await idle(slots)
+
+    embedded = await sdk.embeddings.create(model=MODEL, input=["hello", "world"])  # base64 on the wire
+    floats = await sdk.embeddings.create(model=MODEL, input=["hello", "world"], encoding_format="float")
+    assert [d.index for d in embedded.data] == [0, 1] and len(embedded.data[0].embedding) > 16
+    assert all(math.isclose(a, b, rel_tol=1e-5, abs_tol=1e-6)
+               for a, b in zip(embedded.data[0].embedding, floats.data[0].embedding))
+    assert embedded.usage.prompt_tokens > 0
+    await idle(slots)
+
+    response = await sdk.responses.create(model=MODEL, input="Say hello.", max_output_tokens=8, temperature=0)
+    assert response.status in ("completed", "incomplete") and response.output_text
+    assert response.usage is not None and 0 < response.usage.output_tokens <= 8
+    async with sdk.responses.stream(model=MODEL, input="Say hello.", max_output_tokens=8, temperature=0) as stream:
+        deltas = [e.delta async for e in stream if e.type == "response.output_text.delta"]
+    assert "".join(deltas) == response.output_text
+    await idle(slots)
+
+    tool = {"type": "function", "name": "get_weather", "parameters": WEATHER_SCHEMA}
+    forced = await sdk.responses.create(model=MODEL, input="Weather in Paris?", tools=[tool],  # type: ignore[list-item]
+                                        tool_choice={"type": "function", "name": "get_weather"}, max_output_tokens=40)
+    calls = [item for item in forced.output if item.type == "function_call"]
+    assert calls and calls[0].name == "get_weather" and isinstance(json.loads(calls[0].arguments), dict)
+    await idle(slots)
+
+
+async def test_anthropic_sdk_messages(llama: LlamaCppBackend) -> None:  # noqa: F811
+    slots = Slots(1)
+    sdk: anthropic.AsyncAnthropic = anthropic_client(create_app(llama, slots, [MODEL], TOKEN))
+    hello: list[Any] = [{"role": "user", "content": "Say hello."}]
+    greedy = {"temperature": 0}  # not in this SDK's signature any more; the API still takes it
+    message = await sdk.messages.create(model=MODEL, max_tokens=8, extra_body=greedy, messages=hello)
+    assert message.content and message.content[0].type == "text" and message.content[0].text
+    assert message.stop_reason in ("end_turn", "max_tokens") and 0 < message.usage.output_tokens <= 8
+    assert message.usage.input_tokens > 0
+    async with sdk.messages.stream(model=MODEL, max_tokens=8, extra_body=greedy, messages=hello) as stream:
+        text = "".join([t async for t in stream.text_stream])
+        final = await stream.get_final_message()
+    assert text == message.content[0].text and final.usage.input_tokens == message.usage.input_tokens
+    await idle(slots)
+
+    tools: list[Any] = [{"name": "get_weather", "description": "Weather in a city", "input_schema": WEATHER_SCHEMA}]
+    forced = await sdk.messages.create(model=MODEL, max_tokens=40, tools=tools, messages=[
+        {"role": "user", "content": "Weather in Paris?"}], tool_choice={"type": "tool", "name": "get_weather"})
+    uses = [block for block in forced.content if block.type == "tool_use"]
+    assert forced.stop_reason == "tool_use" and uses and uses[0].name == "get_weather"
+    assert uses[0].id.startswith("toolu_") and isinstance(uses[0].input, dict)
+    await idle(slots)
