@@ -87,5 +87,13 @@ bench: $(STAMP) wrk
 	@echo "Running bench/relay_overhead.py: upstream, coordinator and node on 127.0.0.1, wrk on every path (several minutes)…"
 	$(PY) bench/relay_overhead.py $(BENCH_ARGS)
 
+# bench/replicas.py: three replicas on Postgres + Redis + NATS (make services), HAProxy from Debian in front
+HAPROXY_HINT := haproxy is missing (/usr/sbin/haproxy): bench/replicas.py needs it. Install it with 'sudo apt-get install -y haproxy'.
+.PHONY: bench-replicas
+bench-replicas: $(STAMP) wrk services
+	$(call apt_install,haproxy,$(HAPROXY_HINT))
+	@echo "Running bench/replicas.py: three replicas, HAProxy, nodes and wrk on 127.0.0.1 (about 4 minutes)…"
+	$(PY) bench/replicas.py $(BENCH_ARGS)
+
 clean:
 	rm -rf $(VENV) build src/*.egg-info .pytest_cache

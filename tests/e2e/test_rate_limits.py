@@ -39,11 +39,15 @@ def _until_refused(stack: Stack, headers: dict[str, str], body: dict[str, object
     raise AssertionError(f"no 429 within {attempts} requests")
 
 
-def _assert_refusal(response: httpx.Response, dimension: str, header: str, limit: int) -> None:
+def _assert_refusal(response: httpx.Response, dimension: str, header: str, limit: int,
+                    hopeless: bool = False) -> None:
     error = response.json()["error"]
     assert error["type"] == error["code"] == "rate_limit_exceeded"
     assert error["param"] == dimension
-    assert int(response.headers["retry-after"]) >= 1
+    if hopeless:  # larger than the whole bucket: no wait admits it, so no Retry-After and no retries
+        assert response.headers["x-should-retry"] == "false" and "retry-after" not in response.headers
+    else:
+        assert int(response.headers["retry-after"]) >= 1 and "x-should-retry" not in response.headers
     assert response.headers[f"x-ratelimit-limit-{header}"] == str(limit)
     assert int(response.headers[f"x-ratelimit-remaining-{header}"]) >= 0
 
@@ -68,7 +72,7 @@ def test_otpm_limit(stack: Stack) -> None:
     _assert_refusal(refused, "output_tokens", "output-tokens", 40)
     too_big = httpx.post(stack.coordinator.api_url + "/chat/completions", json={**SHORT, "max_tokens": 41},
                          headers=headers, timeout=60)
-    _assert_refusal(too_big, "output_tokens", "output-tokens", 40)
+    _assert_refusal(too_big, "output_tokens", "output-tokens", 40, hopeless=True)
 
 
 def test_refused_requests_cost_nothing(stack: Stack) -> None:

@@ -11,6 +11,7 @@ for money that no endpoint shows, such as the platform account's withdrawable ba
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import http.client
 import json
 import os
@@ -31,6 +32,7 @@ from tests.support.accounts import Account, create_account
 from tests.support.processes import Coordinator, Process, node_cmd, spawn, start_coordinator, wait_until
 from tests.support.processes import start_fixed_upstream
 from tests.support.raw_provider import RawProvider
+from tests.support.replicas import replica_set
 
 ROOT = Path(__file__).resolve().parents[2]
 MODEL = "smollm2-135m"
@@ -61,30 +63,59 @@ class Node:
         self.process.kill()
 
 
+# Set by tests/selfroute_replicas: every Stack is then three coordinator replicas (Postgres, Redis,
+# NATS): machines connect to the first and the third in turn, every consumer request goes to the second.
+REPLICATED = False
+
+
 @dataclass
 class Stack:
-    """One coordinator and what a module starts on it; ``close`` stops everything."""
+    """One coordinator (or, REPLICATED, three replicas of one) and what a module starts on it;
+    ``close`` stops everything. Machines connect to ``coordinator`` (and, REPLICATED, to the
+    ``machine_sides`` in turn); consumers call ``consumer``."""
 
     root: Path
     coordinator: Coordinator
     processes: list[Process] = field(default_factory=list)
     raws: list["ThreadedRaw"] = field(default_factory=list)
+    consumer: Coordinator | None = None
+    machine_sides: list[Coordinator] = field(default_factory=list)
+    _closing: list[Any] = field(default_factory=list)
+    _linked: int = 0
 
     @classmethod
     def start(cls, root: Path, *coordinator_args: str) -> "Stack":
+        if REPLICATED:
+            replicas = contextlib.ExitStack()
+            found = replicas.enter_context(replica_set(root / "replicas", 3, *coordinator_args))
+            first, consumers, third = found.coordinators
+            return cls(root, first, consumer=consumers, machine_sides=[first, third], _closing=[replicas])
         coord = start_coordinator(root / "coordinator", f"sqlite+aiosqlite:///{root / 'coordinator.db'}",
                                   *coordinator_args)
         return cls(root, coord)
 
     @property
+    def consumer_side(self) -> Coordinator:
+        return self.consumer or self.coordinator
+
+    def _machine_side(self) -> Coordinator:
+        """Where the next machine connects: the one coordinator, or the machine replicas in turn."""
+        if not self.machine_sides:
+            return self.coordinator
+        self._linked += 1
+        return self.machine_sides[(self._linked - 1) % len(self.machine_sides)]
+
+    @property
     def url(self) -> str:
-        return self.coordinator.api_url
+        return self.consumer_side.api_url
 
     def close(self) -> None:
         for raw in self.raws:
             raw.close()
         for process in self.processes:
             process.stop()
+        for closing in self._closing:
+            closing.close()
         self.coordinator.stop()
 
     # accounts
@@ -122,7 +153,7 @@ class Stack:
             token_path = home / "auth_token"
             token_path.write_text(self.link(owner) + "\n")
             os.chmod(token_path, 0o600)
-        args = ["serve", "--coordinator", self.coordinator.base_url, "--max-concurrency", str(max_concurrency)]
+        args = ["serve", "--coordinator", self._machine_side().base_url, "--max-concurrency", str(max_concurrency)]
         if upstream is not None:
             args += ["--backend", "openai", "--upstream-url", upstream]
         for model in models:
@@ -140,7 +171,7 @@ class Stack:
         return Node(process, session_id, home)
 
     def raw(self, owner: Account | None, **options: Any) -> "ThreadedRaw":
-        raw = ThreadedRaw(self.coordinator.base_url, self.link(owner) if owner is not None else None, **options)
+        raw = ThreadedRaw(self._machine_side().base_url, self.link(owner) if owner is not None else None, **options)
         self.raws.append(raw)
         return raw
 
@@ -162,7 +193,7 @@ class Stack:
     def chat_raw_header(self, token: str, name: str, value: str, **fields: object) -> tuple[int, dict[str, str], Any]:
         """A chat completion with one header sent byte for byte as given (httpx refuses a value with
         leading or trailing spaces; http.client sends it as is). Returns status, headers, JSON body."""
-        parts = urlsplit(self.coordinator.base_url)
+        parts = urlsplit(self.consumer_side.base_url)
         connection = http.client.HTTPConnection(parts.hostname, parts.port, timeout=90)
         try:
             connection.request("POST", "/v1/chat/completions", body=json.dumps({**BODY, **fields}),
@@ -207,18 +238,31 @@ class Stack:
 
     def pockets(self) -> dict[str, tuple[int, int]]:
         """Every account's (balance, withdrawable), the platform account included, from the database."""
-        path = self.coordinator.database_url.split("///", 1)[1]
-        with sqlite3.connect(path) as db:
-            rows = db.execute("SELECT id, balance_micro_usd, withdrawable_micro_usd FROM accounts").fetchall()
+        rows = self._query("SELECT id, balance_micro_usd, withdrawable_micro_usd FROM accounts")
         return {row[0]: (int(row[1]), int(row[2])) for row in rows}
 
     def ledger(self, request_id: str) -> list[tuple[str, str, str, int]]:
         """The ledger entries of one request: (account, kind, pocket, amount), in order."""
-        path = self.coordinator.database_url.split("///", 1)[1]
-        with sqlite3.connect(path) as db:
-            rows = db.execute("SELECT account_id, kind, pocket, amount_micro_usd FROM ledger_entries "
-                              "WHERE request_id = ? ORDER BY id", (request_id,)).fetchall()
+        rows = self._query("SELECT account_id, kind, pocket, amount_micro_usd FROM ledger_entries "
+                           "WHERE request_id = ? ORDER BY id", request_id)
         return [(str(r[0]), str(r[1]), str(r[2]), int(r[3])) for r in rows]
+
+    def _query(self, sql: str, *params: object) -> list[Any]:
+        url = self.coordinator.database_url
+        if url.startswith("sqlite"):
+            with sqlite3.connect(url.split("///", 1)[1]) as db:
+                return db.execute(sql, params).fetchall()
+
+        async def fetch() -> list[Any]:
+            import asyncpg
+
+            numbered = re.sub(r"\?", lambda _m, n=iter(range(1, 100)): f"${next(n)}", sql)
+            conn = await asyncpg.connect(url.replace("postgresql+asyncpg://", "postgresql://"))
+            try:
+                return list(await conn.fetch(numbered, *params))
+            finally:
+                await conn.close()
+        return asyncio.run(fetch())
 
     def platform_withdrawable(self) -> int:
         return self.pockets().get(PLATFORM_ACCOUNT_ID, (0, 0))[1]

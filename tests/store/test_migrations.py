@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
 from alembic.autogenerate import compare_metadata
 from alembic.config import Config
 from alembic.migration import MigrationContext
@@ -81,3 +82,26 @@ async def test_ping_reports_an_unreachable_database() -> None:
         assert await ping(engine) is False
     finally:
         await engine.dispose()
+
+
+@pytest.mark.timeout(120)  # without the lock the replicas' DDL waits on itself until this timeout
+def test_replicas_migrating_a_fresh_postgres_at_once_take_turns() -> None:
+    """Three coordinator replicas started together against an empty database (a compose file's first
+    start): each migrates under the same advisory lock, so one creates the schema and the others find
+    it at head, instead of colliding on CREATE TABLE."""
+    import asyncio
+
+    from tests.support.databases import postgres_database
+
+    async def together(url: str) -> list[str]:
+        engines = [create_engine(url) for _ in range(3)]
+        try:
+            await asyncio.gather(*(migrate(engine) for engine in engines))
+            async with engines[0].connect() as conn:
+                return list((await conn.execute(text("SELECT version_num FROM alembic_version"))).scalars().all())
+        finally:
+            for engine in engines:
+                await engine.dispose()
+
+    with postgres_database() as url:
+        assert asyncio.run(together(url)) == [_head_revision()]

@@ -307,3 +307,91 @@ def find_any(haystack: bytes, needles: dict[str, bytes]) -> list[tuple[str, byte
 
 def context(haystack: bytes, offset: int, width: int = 80) -> bytes:
     return haystack[max(0, offset - width):offset + width]
+
+
+# --- the NATS client protocol (issue 14's capture of the replicas' traffic) ----------------------
+
+
+@dataclass
+class NatsMessage:
+    """One message of the NATS text protocol: a client's ``PUB``/``HPUB`` or the server's ``MSG``/``HMSG``."""
+
+    from_client: bool
+    op: str
+    subject: str
+    reply: str
+    headers: bytes  # the NATS/1.0 header block of HPUB/HMSG (empty otherwise)
+    payload: bytes
+
+
+@dataclass
+class NatsDecode:
+    messages: list[NatsMessage] = field(default_factory=list)
+    control: list[bytes] = field(default_factory=list)  # CONNECT, INFO, SUB, UNSUB, PING, PONG, +OK, -ERR lines
+    problems: list[str] = field(default_factory=list)   # anything that stopped a clean decode
+
+    def connect_options(self) -> dict[str, object]:
+        """The client's CONNECT JSON (its ``name`` among them), or {} when the capture missed it."""
+        for line in self.control:
+            if line[:8].upper() == b"CONNECT ":
+                try:
+                    return dict(json.loads(line[8:]))
+                except ValueError:
+                    return {}
+        return {}
+
+    def subscriptions(self) -> list[str]:
+        return [line.split()[1].decode(errors="replace") for line in self.control
+                if line[:4].upper() == b"SUB " and len(line.split()) >= 3]
+
+
+_NATS_CONTROL = {"CONNECT", "INFO", "SUB", "UNSUB", "PING", "PONG", "+OK", "-ERR"}
+
+
+def _nats_ops(data: bytes, from_client: bool, out: NatsDecode) -> None:
+    side = "client" if from_client else "server"
+    pos = 0
+    while pos < len(data):
+        end = data.find(b"\r\n", pos)
+        if end == -1:
+            out.problems.append(f"{side}: {len(data) - pos} bytes of an unterminated line")
+            return
+        line, pos = data[pos:end], end + 2
+        op = line.split(b" ", 1)[0].split(b"\t", 1)[0].upper().decode(errors="replace")
+        if op in _NATS_CONTROL:
+            out.control.append(line)
+            continue
+        if op not in ("PUB", "HPUB", "MSG", "HMSG"):
+            out.problems.append(f"{side}: unknown operation {line[:60]!r}")
+            return
+        args = line.split()[1:]
+        # PUB subj [reply] n | HPUB subj [reply] h n | MSG subj sid [reply] n | HMSG subj sid [reply] h n
+        fixed = {"PUB": 2, "HPUB": 3, "MSG": 3, "HMSG": 4}[op]
+        try:
+            if len(args) not in (fixed, fixed + 1):
+                raise ValueError(len(args))
+            subject = args[0].decode()
+            with_sid = op in ("MSG", "HMSG")
+            reply = args[1 + with_sid].decode() if len(args) == fixed + 1 else ""
+            total = int(args[-1])
+            header_length = int(args[-2]) if op in ("HPUB", "HMSG") else 0
+        except (ValueError, UnicodeDecodeError):
+            out.problems.append(f"{side}: malformed {op} line {line[:120]!r}")
+            return
+        body = data[pos:pos + total]
+        if len(body) < total or data[pos + total:pos + total + 2] != b"\r\n":
+            out.problems.append(f"{side}: {op} {subject} cut short ({len(body)} of {total} bytes)")
+            return
+        pos += total + 2
+        out.messages.append(NatsMessage(from_client, op, subject, reply, body[:header_length], body[header_length:]))
+
+
+def nats_messages(connection: Connection) -> NatsDecode:
+    """Every operation of a NATS client connection, both directions (a connection captured from its
+    start: its first client line is CONNECT, the server's INFO)."""
+    out = NatsDecode()
+    for direction, from_client in ((connection.to_server, True), (connection.to_client, False)):
+        if direction.gaps:
+            out.problems.append(f"capture gaps {direction.gaps[:5]}")
+        _nats_ops(direction.data, from_client, out)
+    return out

@@ -49,15 +49,22 @@ def create_app(settings: CoordinatorSettings) -> FastAPI:
                       asyncio.create_task(reconciliation.heartbeat_forever(services)),
                       asyncio.create_task(services.queues.drain_forever())]
         background.append(auth_invalidation.start(services))  # cross-process auth changes (Postgres)
+        if settings.nats_url:
+            from darkbloom.coordinator.fabric.replica import Fabric  # only replicas pay for NATS
+
+            services.fabric = Fabric(services)
+            services.fabric.start()
         log.info("coordinator ready on %s (database %s)", settings.base_url, engine.url.render_as_string())
         try:
             yield
         finally:
             for task in background:
                 task.cancel()
-            for session in services.registry.all():
+            for session in services.registry.local():
                 await session_lifecycle.close_session(services, session)
                 session.close(1001)
+            if services.fabric is not None:
+                await services.fabric.stop()
             await services.drain(timeout=settings.cancel_grace + 5)
             await services.rate_limiter.close()
             await services.auth_cache.close()

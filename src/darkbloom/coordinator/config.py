@@ -6,6 +6,7 @@ it. A setting not given as a keyword is read from ``DARKBLOOM_<FLAG_NAME>``, els
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 from typing import Annotated, Any
 
@@ -17,6 +18,7 @@ from darkbloom.wire.catalog import Catalog
 from darkbloom.wire.runtime import runtime_hash
 
 TRUST_LEVELS = ("none", "self_signed", "hardware")
+_SUBJECT_PREFIX = re.compile(r"[A-Za-z0-9_-]+(\.[A-Za-z0-9_-]+)*")
 ENV_PREFIX = "DARKBLOOM_"
 
 
@@ -37,6 +39,18 @@ class CoordinatorSettings(BaseSettings):
                     "postgresql+asyncpg://… selects Postgres.")
     redis_url: str | None = Field(
         None, description="Redis for rate limits shared across replicas (default: in memory).")
+    nats_url: str | None = Field(
+        None, description="NATS server joining replicas into one fleet (nats://host:4222): replicas with the "
+                          "same database, Redis and NATS serve any machine connected to any of them "
+                          "(default: none, this process serves only its own connections).")
+    nats_subject_prefix: str = Field(
+        "darkbloom", description="First tokens of every NATS subject; the replicas of one coordinator share it, "
+                                 "another coordinator on the same NATS server uses its own.")
+    replica_heartbeat: float = Field(
+        1.0, description="Seconds between this replica's announcements of its sessions over NATS.")
+    replica_timeout: float = Field(
+        3.0, description="A replica silent this many seconds is gone: its sessions leave the other replicas' "
+                         "view and the requests it sent elsewhere are cancelled.")
     cors_origins: str | None = Field(
         None, description="Browser origins allowed to call the API, comma-separated ('*' for any; default none).")
     admin_token: str | None = Field(
@@ -121,9 +135,13 @@ class CoordinatorSettings(BaseSettings):
         if self.queue_max_wait < 0 or self.queue_depth < 0:
             raise ValueError("--queue-max-wait and --queue-depth must not be negative")
         for name in ("challenge_interval", "challenge_deadline", "challenge_freshness", "enrollment_cert_days",
-                     "first_content_timeout", "idle_timeout", "request_timeout"):
+                     "first_content_timeout", "idle_timeout", "request_timeout", "replica_heartbeat"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{flag_name(name)} must be positive")
+        if self.replica_timeout <= self.replica_heartbeat:
+            raise ValueError("--replica-timeout must be longer than --replica-heartbeat")
+        if not _SUBJECT_PREFIX.fullmatch(self.nats_subject_prefix):
+            raise ValueError("--nats-subject-prefix must be dot-separated tokens of letters, digits, '_' and '-'")
         self.runtime_allow_list = self.runtime_allow_list | frozenset(self.runtime_allow)
         return self
 

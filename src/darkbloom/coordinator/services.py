@@ -29,6 +29,7 @@ class Services:
     instance_id: str = field(default_factory=lambda: new_id("inst_"))
     auth_cache: AuthCache = field(default_factory=AuthCache)  # token hash → grant (identity/auth_cache.py)
     ledger: LedgerWriter = None  # type: ignore[assignment]  # the group-commit ledger writer, on engine
+    fabric: Any = None  # fabric.replica.Fabric with --nats-url (replicas over NATS); None: one process
     _tasks: set[asyncio.Task[Any]] = field(default_factory=set)
 
     def __post_init__(self) -> None:

@@ -44,9 +44,16 @@ def _upgrade(connection: Connection) -> None:
     command.upgrade(config, "head")
 
 
+# pg_advisory_xact_lock key of schema migrations ("dbmg"): replicas starting together take turns
+MIGRATION_LOCK = 0x64626D67
+
+
 async def migrate(engine: AsyncEngine) -> None:
-    """Bring the schema to the newest revision (runs at coordinator start)."""
+    """Bring the schema to the newest revision (runs at coordinator start). On Postgres, replicas
+    starting at the same moment migrate one after the other (the later ones then find nothing to do)."""
     async with engine.begin() as conn:
+        if conn.dialect.name == "postgresql":
+            await conn.execute(text("SELECT pg_advisory_xact_lock(:key)"), {"key": MIGRATION_LOCK})
         await conn.run_sync(_upgrade)
 
 

@@ -49,8 +49,17 @@ async def unlink_machine(services: Services, account_id: str, machine_id: str) -
             raise ApiError(404, "machine_not_found", "No linked machine with this id on your account.")
         await devices.revoke_for_machine(conn, machine_id)
     for session in services.registry.for_machine(machine_id):
-        services.registry.disown(session)
-        session.draining = True
+        retire(services, session)
+
+
+def retire(services: Services, session: ProviderSession) -> None:
+    """The session's machine was unlinked: nobody's own machine from now on, it takes nothing new
+    and closes once idle — closed by the replica that holds it (told so when it is another one)."""
+    services.registry.disown(session)
+    session.draining = True
+    if session.remote:
+        session.unlinked()  # type: ignore[attr-defined]  # fabric.remote_session.RemoteSession
+    else:
         services.spawn(_close_when_idle(services, session))
 
 

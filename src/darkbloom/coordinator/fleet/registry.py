@@ -65,6 +65,9 @@ class Registry:
         self._public_views: dict[str, list[SessionView]] = defaultdict(list)  # by advertised name
         self._account_views: dict[str, list[SessionView]] = defaultdict(list)
         self._member_of: dict[ProviderSession, set[SessionView]] = {}
+        # told of every change to a listed session (added, removed, disowned, a watched field): the
+        # replica fabric's announcer, when there is one
+        self.listeners: list[Callable[[ProviderSession], None]] = []
 
     def __len__(self) -> int:
         return len(self._sessions)
@@ -79,6 +82,7 @@ class Registry:
             self._by_machine[session.machine_id].add(session)
         session._watch = self._changed
         self._recheck(session)
+        self._tell(session)
 
     def remove(self, session: ProviderSession) -> bool:
         if self._sessions.pop(session.id, None) is None:
@@ -94,6 +98,7 @@ class Registry:
             self._close_account_views(session.account_id)
         if session.machine_id:
             _discard(self._by_machine, session.machine_id, session)
+        self._tell(session)
         return True
 
     def disown(self, session: ProviderSession) -> None:
@@ -107,12 +112,17 @@ class Registry:
         session.machine_id = None
         if account_id:
             self._close_account_views(account_id)
+        self._tell(session)
 
     def get(self, session_id: str) -> ProviderSession | None:
         return self._sessions.get(session_id)
 
     def all(self) -> Iterable[ProviderSession]:
         return list(self._sessions.values())
+
+    def local(self) -> list[ProviderSession]:
+        """The sessions connected to this process (not other replicas' stand-ins)."""
+        return [s for s in self._sessions.values() if not s.remote]
 
     def serving(self, model_ids: Iterable[str]) -> set[ProviderSession]:
         """Online sessions advertising any of these model ids (an id and its aliases)."""
@@ -128,7 +138,7 @@ class Registry:
         return set(self._by_machine.get(machine_id, ()))
 
     def silent_since(self, deadline: float) -> list[ProviderSession]:
-        return [s for s in self._sessions.values() if s.last_frame_at < deadline]
+        return [s for s in self._sessions.values() if s.last_frame_at < deadline and not s.remote]
 
     # views
 
@@ -163,6 +173,11 @@ class Registry:
                 view._place(session)
         else:
             self._recheck(session)
+        self._tell(session)
+
+    def _tell(self, session: ProviderSession) -> None:
+        for listener in self.listeners:
+            listener(session)
 
     def _recheck(self, session: ProviderSession) -> None:
         views = set(self._member_of.get(session, ()))

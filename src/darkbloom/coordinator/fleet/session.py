@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Callable
+from typing import TYPE_CHECKING, Any, Callable, ClassVar
 
 from nacl.public import PublicKey
 
@@ -13,6 +13,7 @@ from darkbloom.wire.protocol import Register
 
 if TYPE_CHECKING:
     from darkbloom.coordinator.fleet.pending import PendingRequest
+    from darkbloom.coordinator.fleet.slots import Slot
 
 # what the registry's views of free sessions depend on: setting one of these calls the session's
 # ``_watch`` (the registry's, while the session is listed), whoever sets it
@@ -22,8 +23,10 @@ WATCHED = frozenset({"_active", "decode_tps", "online", "draining", "untrusted_r
 
 @dataclass(eq=False)
 class ProviderSession:
-    """One connected provider (a fresh ``prov_`` id per connection)."""
+    """One connected provider (a fresh ``prov_`` id per connection). With replicas, the sessions other
+    replicas hold are listed too, as ``fabric.remote_session.RemoteSession`` stand-ins (``remote``)."""
 
+    remote: ClassVar[bool] = False
     id: str
     account_id: str | None           # stamped from the device token at registration; None = unowned
     machine_id: str | None
@@ -75,6 +78,14 @@ class ProviderSession:
     def send(self, frame_json: str) -> None:
         """Queue a frame for this session's single writer task (never blocks, never interleaves)."""
         self.outbox.put_nowait(frame_json)
+
+    def send_request(self, pending: "PendingRequest", frame_json: str) -> None:
+        """Send the sealed ``inference_request`` of an attempt on one of this session's slots."""
+        self.send(frame_json)
+
+    async def confirm(self, slot: "Slot") -> bool:
+        """Whether a slot claimed here is really this session's (always, for a session of this process)."""
+        return True
 
     def close(self, code: int = 1000) -> None:
         """Ask the writer to close the socket once the frames queued before now are sent."""

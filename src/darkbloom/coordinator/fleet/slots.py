@@ -25,12 +25,13 @@ Ties = list[list[ProviderSession]]  # the members of equally ranked buckets (one
 
 
 class Slot:
-    __slots__ = ("session", "_book", "released")
+    __slots__ = ("session", "_book", "released", "ticket")
 
     def __init__(self, session: ProviderSession, book: "Slots") -> None:
         self.session = session
         self._book = book
         self.released = False
+        self.ticket: str | None = None  # a slot on another replica's session: its claim there
 
     def release(self) -> None:
         if not self.released:
@@ -47,10 +48,19 @@ class Slots:
 
     def claim(self, session: ProviderSession) -> Slot:
         session._active += 1  # the session reports the change to the registry's views
-        return Slot(session, self)
+        slot = Slot(session, self)
+        if session.remote:
+            session.claimed(slot)  # type: ignore[attr-defined]  # fabric.remote_session: a ticket for the holder
+        return slot
 
     def _give_back(self, slot: Slot) -> None:
-        slot.session._active -= 1
+        session = slot.session
+        if session.remote:
+            # another replica's count, overwritten by its announcements: never below zero here
+            session._active = max(0, session._active - 1)
+            session.released(slot)  # type: ignore[attr-defined]
+        else:
+            session._active -= 1
         for listener in self._listeners:
             listener()
 

@@ -95,7 +95,7 @@ def dispatch(slot: Slot, call: InferenceCall, provider_model_id: str, request_id
         # never sent: a frame over the node's limit would close its socket and every stream on it
         pending.on_error(413, f"The sealed request is {len(frame)} bytes; this provider accepts at most {limit}.")
         return pending
-    session.send(frame)
+    session.send_request(pending, frame)  # another replica's session: over NATS to the replica holding it
     return pending
 
 

@@ -51,7 +51,27 @@ def decide(services: Services, policy: Policy, model: CatalogModel, *, needs: fr
 
 
 async def place(services: Services, decision: RouteDecision, policy: Policy) -> Placement:
-    """A claimed slot now or after the queue; otherwise the named error of why not."""
+    """A claimed slot now or after the queue; otherwise the named error of why not. A slot on another
+    replica's session is confirmed there first (one NATS round trip); when that replica says the
+    session is busy or gone, the request is placed again, as if that slot had not been free."""
+    while True:
+        placement = await _place(services, decision, policy)
+        if not placement.session.remote or await _confirmed(placement):
+            return placement
+
+
+async def _confirmed(placement: Placement) -> bool:
+    try:
+        confirmed = await placement.session.confirm(placement.slot)
+    except BaseException:
+        placement.slot.release()  # the caller went away while the holder answered: nobody else would
+        raise
+    if not confirmed:
+        placement.slot.release()
+    return confirmed
+
+
+async def _place(services: Services, decision: RouteDecision, policy: Policy) -> Placement:
     try:
         return await services.queues.place(decision)
     except NoEligibleSession as exc:

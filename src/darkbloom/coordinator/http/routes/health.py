@@ -19,9 +19,13 @@ async def health() -> dict[str, str]:
 
 @router.get("/readyz")
 async def readyz(services: Services = Depends(get_services)) -> JSONResponse:
+    """Ready while the database answers. With replicas it also says whether NATS is connected; a
+    replica without NATS still serves its own sessions, so that alone does not make it unready
+    (a load balancer taking every replica out when NATS is down would strand every node)."""
+    fabric = services.fabric.status() if services.fabric is not None else {}
     if await ping(services.engine):
-        return JSONResponse({"status": "ready", "database": "ok"})
-    return JSONResponse({"status": "not_ready", "database": "unreachable"}, status_code=503)
+        return JSONResponse({"status": "ready", "database": "ok", **fabric})
+    return JSONResponse({"status": "not_ready", "database": "unreachable", **fabric}, status_code=503)
 
 
 @router.get("/v1/encryption-key")

@@ -1,0 +1,296 @@
+"""What running the coordinator as several replicas over NATS costs (docs/replicas.md): three replicas
+on one Postgres database, one Redis and the machine's NATS server (a subject prefix of their own),
+provider nodes on the `openai` backend in front of the fixed-response upstream (bench/fixed_upstream.py,
+a benchmark fake that answers at once), HAProxy from Debian with deploy/haproxy.cfg, wrk driving
+every path (a Lua script for the POST body, bench/wrk_load.py). Paid requests, non-streaming and
+streaming. Two tables, one run:
+
+(a) **Cross-replica vs same-replica**: one node connected straight to replica A; the consumer calls
+    A (same replica: no NATS on the path) or B (cross: B admits, seals and settles; A holds the
+    node's socket; claim, request and chunks cross NATS). c=1 latency and c=64 throughput, ratios
+    cross / same, and the CPU all the coordinator replicas and the node spent per request.
+(b) **1, 2 and 3 replicas behind the load balancer**: for each k, an HAProxy whose backends are the
+    first k replicas (deploy/haproxy.cfg with the other `server` lines left out); ``--nodes`` nodes
+    connect through it (leastconn: spread over the k replicas) and the consumer calls it (round
+    robin). With k replicas a request lands on the holder of the session it is placed on about one
+    time in k (selection does not prefer local sessions), so (k-1)/k of the requests cross NATS.
+
+``--profile DIR`` then samples the two replicas of a cross-replica request (B admitting, A holding)
+with py-spy while wrk keeps the cross path at c=64, non-streaming (bench/profile_summary.py).
+
+Run: .venv/bin/python bench/replicas.py [--duration S] [--nodes N] [--profile DIR]
+(or `make bench-replicas BENCH_ARGS="--profile /tmp/prof"`). Everything listens on 127.0.0.1; every
+wrk run is bounded by --duration; the whole run takes about 3–4 minutes with the defaults. Record the
+tables in bench/RESULTS.md with the date, machine and commit they print.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import secrets
+import shutil
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import httpx
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from bench.relay_overhead import machine, process_cpu, tree_state  # noqa: E402
+from bench.relay_stack import BODY, MODEL, check, profile, write_catalog  # noqa: E402
+from bench.wrk_load import WrkResult, WrkTarget, run_wrk, wrk_binary  # noqa: E402
+from tests.support.accounts import Account, create_account, login_node  # noqa: E402
+from tests.support.databases import postgres_database  # noqa: E402
+from tests.support.processes import (Coordinator, Process, darkbloom_cmd, free_port, spawn,  # noqa: E402
+                                     start_coordinator, start_fixed_upstream, wait_until)
+
+NATS_URL = "nats://127.0.0.1:4222"
+HAPROXY_CFG = ROOT / "deploy" / "haproxy.cfg"
+MODES = ("plain", "stream")
+
+
+@dataclass
+class Bench:
+    root: Path
+    replicas: list[Coordinator]
+    account: Account
+    upstream_url: str
+    scripts: Path
+    nodes: list[Process] = field(default_factory=list)
+    lbs: list[Process] = field(default_factory=list)
+
+    def cpu(self) -> dict[str, float]:
+        """CPU seconds so far: all replicas together, all nodes together."""
+        return {"coordinators": sum(process_cpu(c.process.proc.pid) for c in self.replicas),
+                "nodes": sum(process_cpu(n.proc.pid) for n in self.nodes)}
+
+    def target(self, name: str, base_url: str, mode: str) -> WrkTarget:
+        body = {**BODY, "stream": True} if mode == "stream" else BODY
+        return WrkTarget(f"{name}-{mode}", base_url + "/v1/chat/completions", body,
+                         {"Authorization": f"Bearer {self.account.api_key}"})
+
+    def start_nodes(self, count: int, coordinator_url: str, tag: str) -> None:
+        for n in range(count):
+            home = self.root / f"node-{tag}-{n}"
+            login_node(self.replicas[0], home, self.account)  # a device token is valid on every replica
+            self.nodes.append(spawn(darkbloom_cmd("serve", "--coordinator", coordinator_url, "--backend", "openai",
+                                                  "--upstream-url", self.upstream_url, "--model", MODEL,
+                                                  "--max-concurrency", "128"), home, "node.log"))
+
+    def stop_nodes(self) -> None:
+        for node in self.nodes:
+            node.stop()
+        self.nodes.clear()
+        for coord in self.replicas:
+            wait_until(lambda c=coord: online(c, self.account) == 0, timeout=30, what="nodes gone")  # type: ignore[misc]
+
+    def wait_nodes(self, count: int, replicas: list[Coordinator]) -> None:
+        for coord in replicas:
+            wait_until(lambda c=coord: online(c, self.account) >= count, timeout=60, interval=0.2,  # type: ignore[misc]
+                       what=f"{count} node(s) seen by {coord.base_url}")
+
+    def spread(self, count: int) -> str:
+        """Sessions each replica holds: all sessions minus the ones it sees as another replica's."""
+        held = [count - int(metric(c, "darkbloom_fabric_remote_sessions")) for c in self.replicas]
+        return " / ".join(f"{chr(65 + i)} {h}" for i, h in enumerate(held))
+
+    def stop(self) -> None:
+        for process in self.nodes + self.lbs:
+            process.stop()
+        for coord in self.replicas:
+            coord.stop()
+
+
+def online(coord: Coordinator, account: Account) -> int:
+    response = httpx.get(coord.api_url + "/me/providers", headers=account.headers(), timeout=10)
+    response.raise_for_status()
+    return sum(1 for m in response.json()["data"] if m["online"])
+
+
+def metric(coord: Coordinator, name: str) -> float:
+    text = httpx.get(coord.base_url + "/metrics", timeout=10).text
+    found = re.search(rf"^{re.escape(name)} (\S+)$", text, re.M)
+    return float(found.group(1)) if found else 0.0
+
+
+def replicas_heard(coord: Coordinator) -> int:
+    try:
+        return int(httpx.get(coord.base_url + "/readyz", timeout=5).json().get("replicas", 0))
+    except (httpx.HTTPError, ValueError):
+        return 0
+
+
+def haproxy_binary() -> str:
+    found = shutil.which("haproxy")
+    if found is None:
+        raise SystemExit("haproxy is missing: `apt-get install -y haproxy` (Debian's package)")
+    return found
+
+
+def start_lb(root: Path, replicas: list[Coordinator], count: int) -> tuple[Process, str]:
+    """deploy/haproxy.cfg in front of the first ``count`` replicas (the other `server` lines left out)."""
+    lines = [line for line in HAPROXY_CFG.read_text().splitlines()
+             if not (m := re.match(r"\s*server c(\d+) ", line)) or int(m.group(1)) <= count]
+    config = root / f"haproxy-{count}.cfg"
+    config.write_text("\n".join(lines) + "\n")
+    port = free_port()
+    env = {"DARKBLOOM_LB_BIND": f"127.0.0.1:{port}"}
+    env.update({f"DARKBLOOM_REPLICA_{i + 1}": c.base_url.removeprefix("http://") for i, c in enumerate(replicas)})
+    process = spawn([haproxy_binary(), "-db", "-f", str(config)], root / f"lb-{count}", "haproxy.log", env)
+    url = f"http://127.0.0.1:{port}"
+
+    def up() -> bool:
+        if process.proc.poll() is not None:
+            raise RuntimeError(f"haproxy exited:\n{process.log()}")
+        try:
+            return httpx.get(url + "/readyz", timeout=1).status_code == 200
+        except httpx.HTTPError:
+            return False
+
+    wait_until(up, timeout=30, interval=0.1, what=f"haproxy on {url}")
+    return process, url
+
+
+def measure(bench: Bench, target: WrkTarget, conc: int, duration: float) -> tuple[WrkResult, dict[str, float]]:
+    before = bench.cpu()
+    result = run_wrk(target, target.script(bench.scripts), conc, duration)
+    after = bench.cpu()
+    per_request = {k: 1e3 * (after[k] - before[k]) / max(result.requests, 1) for k in before}
+    print(f"  {target.name:18} c={conc:<3} {result.rps:8.1f} req/s  p50 {result.p50_ms:8.2f} ms  "
+          f"p99 {result.p99_ms:8.2f} ms  errors {result.errors}", file=sys.stderr, flush=True)
+    return result, per_request
+
+
+def part_a(bench: Bench, duration: float, warmup: float, profile_dir: Path | None,
+           profile_seconds: float) -> str:
+    a, b = bench.replicas[0], bench.replicas[1]
+    bench.start_nodes(1, a.base_url, "a")
+    bench.wait_nodes(1, bench.replicas)
+    print(f"(a) one node on replica A; held: {bench.spread(1)}", file=sys.stderr, flush=True)
+    paths = {"same": a.base_url, "cross": b.base_url}
+    cells: dict[tuple[str, str, int], tuple[WrkResult, dict[str, float]]] = {}
+    for mode in MODES:
+        targets = {p: bench.target(p, url, mode) for p, url in paths.items()}
+        for target in targets.values():
+            check(target, "charged")
+            run_wrk(target, target.script(bench.scripts), 16, warmup)
+        for conc in (1, 64):
+            order = ("same", "cross") if conc == 1 else ("cross", "same")
+            for path in order:
+                cells[(path, mode, conc)] = measure(bench, targets[path], conc, duration)
+    head = ("| path | mode | c=1 p50 ms | c=1 p99 ms | c=64 req/s | c=64 p50 ms | c=64 p99 ms "
+            "| coordinators CPU ms/req (c=64) | node CPU ms/req (c=64) | errors |")
+    lines = [head, "|---" * 10 + "|"]
+    names = {"same": "same replica (consumer → A, node on A)", "cross": "cross-replica (consumer → B, node on A)"}
+    for mode in MODES:
+        for path in ("same", "cross"):
+            (r1, _), (r64, cpu) = cells[(path, mode, 1)], cells[(path, mode, 64)]
+            lines.append(f"| {names[path]} | {mode} | {r1.p50_ms:.2f} | {r1.p99_ms:.2f} | {r64.rps:,.0f} | "
+                         f"{r64.p50_ms:.1f} | {r64.p99_ms:.1f} | {cpu['coordinators']:.2f} | {cpu['nodes']:.2f} | "
+                         f"{r1.errors + r64.errors} |")
+    ratios = ["", "| mode | c=1 p50 cross / same | added p50 ms | c=1 p99 cross / same | c=64 req/s cross / same "
+              "| coordinators CPU/req cross / same |", "|---|---|---|---|---|---|"]
+    for mode in MODES:
+        s1, c1 = cells[("same", mode, 1)][0], cells[("cross", mode, 1)][0]
+        (s64, scpu), (c64, ccpu) = cells[("same", mode, 64)], cells[("cross", mode, 64)]
+        ratios.append(f"| {mode} | {c1.p50_ms / s1.p50_ms:.2f}× | {c1.p50_ms - s1.p50_ms:+.2f} | "
+                      f"{c1.p99_ms / s1.p99_ms:.2f}× | {c64.rps / s64.rps:.2f}× | "
+                      f"{ccpu['coordinators'] / scpu['coordinators']:.2f}× |")
+    text = "\n".join(lines + ratios) + "\n"
+    if profile_dir is not None:
+        target = bench.target("cross", b.base_url, "plain")
+        text += "\n" + profile(target, bench.scripts, {"admitting-B": b.process, "holder-A": a.process},
+                               profile_seconds, profile_dir, 64)
+    bench.stop_nodes()
+    return text
+
+
+def part_b(bench: Bench, nodes: int, duration: float, warmup: float, concurrencies: list[int]) -> str:
+    rows = []
+    for count in (1, 2, 3):
+        lb, url = start_lb(bench.root, bench.replicas, count)
+        bench.lbs.append(lb)
+        bench.start_nodes(nodes, url, f"b{count}")
+        bench.wait_nodes(nodes, bench.replicas[:count])
+        spread = bench.spread(nodes)
+        print(f"(b) {count} replica(s) behind HAProxy {url}; sessions held: {spread}", file=sys.stderr, flush=True)
+        for mode in MODES:
+            target = bench.target(f"lb{count}", url, mode)
+            check(target, "charged")
+            run_wrk(target, target.script(bench.scripts), 16, warmup)
+            for conc in concurrencies:
+                result, cpu = measure(bench, target, conc, duration)
+                rows.append((count, spread, mode, conc, result, cpu))
+        bench.stop_nodes()
+        lb.stop()
+        bench.lbs.remove(lb)
+    lines = ["| replicas behind HAProxy | sessions held (A / B / C) | mode | c | req/s | × 1 replica | p50 ms | p99 ms "
+             "| coordinators CPU ms/req | nodes CPU ms/req | errors |", "|---" * 11 + "|"]
+    base = {(mode, conc): r.rps for count, _, mode, conc, r, _ in rows if count == 1}
+    for count, spread, mode, conc, r, cpu in sorted(rows, key=lambda x: (x[2], x[3], x[0])):
+        lines.append(f"| {count} | {spread} | {mode} | {conc} | {r.rps:,.0f} | {r.rps / base[(mode, conc)]:.2f}× | "
+                     f"{r.p50_ms:.1f} | {r.p99_ms:.1f} | {cpu['coordinators']:.2f} | {cpu['nodes']:.2f} | {r.errors} |")
+    return "\n".join(lines) + "\n"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--duration", type=float, default=4.0, help="seconds of wrk per cell")
+    parser.add_argument("--warmup", type=float, default=1.0, help="seconds of wrk per path before each mode")
+    parser.add_argument("--nodes", type=int, default=3, help="nodes behind the load balancer in (b)")
+    parser.add_argument("--concurrency", default="16,64", help="(b): comma-separated connections per cell")
+    parser.add_argument("--skip", default="", help="a, b or a,b: parts to leave out")
+    parser.add_argument("--profile", type=Path, default=None, help="directory for py-spy profiles (cross, c=64)")
+    parser.add_argument("--profile-seconds", type=float, default=5.0, help="seconds per py-spy pass (two passes)")
+    args = parser.parse_args()
+    wrk_binary()
+    haproxy_binary()
+    root = Path(tempfile.mkdtemp(prefix="darkbloom-bench-replicas-"))
+    scripts = root / "wrk"
+    scripts.mkdir()
+    started = time.monotonic()
+    print(f"starting the fixed-response upstream and three replicas under {root}…", file=sys.stderr, flush=True)
+    upstream, upstream_url = start_fixed_upstream(root / "upstream")
+    bench: Bench | None = None
+    try:
+        with postgres_database() as database_url:
+            prefix = "bench" + secrets.token_hex(6)
+            redis_url = f"redis://127.0.0.1:6379/{secrets.randbelow(15) + 1}"
+            catalog = write_catalog(root)
+            replicas = [start_coordinator(root / f"replica-{name}", database_url, "--redis-url", redis_url,
+                                          "--nats-url", NATS_URL, "--nats-subject-prefix", prefix,
+                                          "--catalog", str(catalog))
+                        for name in "ABC"]  # one after the other: the first one migrates the schema
+            for coord in replicas:
+                wait_until(lambda c=coord: replicas_heard(c) == 3, timeout=30, what="replicas joined")  # type: ignore[misc]
+            account = create_account(replicas[0], credit_micro_usd=1_000_000_000)
+            bench = Bench(root, replicas, account, upstream_url, scripts)
+            print(f"# replicas — {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())} — {machine()} "
+                  f"(`nproc` {os.cpu_count()}, `uname -m` {os.uname().machine})\n"
+                  f"# {tree_state()}\n# three replicas on Postgres + Redis + NATS (default --replica-heartbeat 1 s),"
+                  f" wrk -t1, {args.duration:g} s per cell, 1-min load {os.getloadavg()[0]:.2f} before\n", flush=True)
+            skip = set(args.skip.split(","))
+            if "a" not in skip:
+                print("(a) cross-replica vs same-replica:\n", flush=True)
+                print(part_a(bench, args.duration, args.warmup, args.profile, args.profile_seconds), flush=True)
+            if "b" not in skip:
+                print(f"(b) throughput with 1, 2, 3 replicas behind HAProxy, {args.nodes} nodes through it:\n",
+                      flush=True)
+                print(part_b(bench, args.nodes, args.duration, args.warmup,
+                             [int(c) for c in args.concurrency.split(",")]), flush=True)
+            print(f"1-min load {os.getloadavg()[0]:.2f} after; {time.monotonic() - started:.0f} s in all", flush=True)
+            bench.stop()
+    finally:
+        if bench is not None:
+            bench.stop()
+        upstream.stop()
+
+
+if __name__ == "__main__":
+    main()

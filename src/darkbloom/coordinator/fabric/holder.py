@@ -1,0 +1,239 @@
+"""The holding side of remote dispatch: requests other replicas place on this replica's sessions.
+
+A claim (``claim.<this>``, request/reply) takes a real slot with ``Slots.claim`` on the real session,
+under the ticket the admitting replica chose. A sealed request (``hold.<this>``) is written to the
+node's WebSocket as a local one is, and a ``Forwarder`` stands in the session's ``pending`` for it:
+the socket reader feeds it the node's frames as it would a local attempt, and it sends them on to
+``back.<admitter>.<ticket>`` untouched (sealed chunks, usage with the session's owner now, error,
+disconnection). The slot is released when the node ends the request (complete, error, gone), when
+the admitter releases it (after a cancel, a lost race, a request that never dispatched), when the
+admitter goes silent, or when a claim was never used.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from darkbloom.coordinator.fabric import messages
+from darkbloom.coordinator.fabric.connection import Connection
+from darkbloom.coordinator.fabric.subjects import Subjects
+from darkbloom.coordinator.fleet import machines, session_lifecycle
+from darkbloom.coordinator.fleet.enrollment import load_ca
+from darkbloom.coordinator.fleet.session import ProviderSession
+from darkbloom.coordinator.fleet.slots import Slot
+from darkbloom.coordinator.fleet.trust import UNTRUSTED
+from darkbloom.wire.protocol import Cancel, Envelope, Usage, dump, parse_coordinator_frame
+
+if TYPE_CHECKING:
+    from darkbloom.coordinator.services import Services
+
+log = logging.getLogger("darkbloom.fabric")
+REAP_EVERY = 1.0
+
+
+@dataclass(eq=False)
+class Hosted:
+    """A slot on one of this replica's sessions, claimed for an attempt another replica admitted."""
+
+    ticket: str
+    admitter: str
+    slot: Slot
+    claimed_at: float = field(default_factory=time.monotonic)
+    forwarder: "Forwarder | None" = None  # once its request was written to the node
+
+    @property
+    def session(self) -> ProviderSession:
+        return self.slot.session
+
+
+class Forwarder:
+    """In a real session's ``pending`` for a remote attempt: the node's frames go back as they came."""
+
+    def __init__(self, holder: "Holder", hosted: Hosted, request_id: str) -> None:
+        self.holder = holder
+        self.hosted = hosted
+        self.request_id = request_id
+        self.finished = False
+        self.cancelled = False  # the node was told to stop (once is enough)
+        self.subject = holder.subjects.back(hosted.admitter, hosted.ticket)
+
+    def on_chunk(self, envelope: Envelope) -> bool:
+        if not self.finished:
+            self.holder.connection.post(self.subject, messages.back_chunk(envelope))
+        return True  # only the admitting replica can open it; it reports a chunk that does not
+
+    def on_complete(self, usage: Usage) -> bool:
+        self._end(messages.back_complete(usage, self.hosted.session.account_id))
+        return True  # the admitting replica checks the usage against the request's bounds
+
+    def on_error(self, status: int, message: str, param: str | None = None, code: str | None = None) -> None:
+        self._end(messages.back_error(status, message, param, code))
+
+    def on_provider_gone(self) -> None:
+        self._end(messages.back_gone())
+
+    def _end(self, last: bytes) -> None:
+        if not self.finished:
+            self.finished = True
+            self.holder.connection.post(self.subject, last)
+            self.holder.end(self.hosted)
+
+
+class Holder:
+    def __init__(self, services: "Services", connection: Connection, subjects: Subjects) -> None:
+        self.services = services
+        self.connection = connection
+        self.subjects = subjects
+        self.hosted: dict[str, Hosted] = {}
+        self._parts: dict[str, list[bytes]] = {}
+
+    # claims
+
+    async def on_claim(self, msg: Any) -> None:
+        ask = json.loads(msg.data)
+        ok, why = self._claim(ask["session"], ask["ticket"], ask["from"])
+        await msg.respond(messages.claim_reply(ok, why))
+
+    def _claim(self, session_id: str, ticket: str, admitter: str) -> tuple[bool, str]:
+        if ticket in self.hosted:
+            return True, ""
+        session = self.services.registry.get(session_id)
+        if session is None or session.remote or not session.online:
+            return False, "gone"
+        if session.untrusted_reason is not None or session.draining or not session.has_free_slot:
+            return False, "busy"
+        self.hosted[ticket] = Hosted(ticket, admitter, self.services.registry.slots.claim(session))
+        return True, ""
+
+    def end(self, hosted: Hosted) -> None:
+        """The attempt is over here: the slot back (which wakes this replica's queues), the entry gone."""
+        if self.hosted.get(hosted.ticket) is hosted:
+            del self.hosted[hosted.ticket]
+        forwarder = hosted.forwarder
+        if forwarder is not None:
+            forwarder.finished = True
+            pending = hosted.session.pending
+            if pending.get(forwarder.request_id) is forwarder:
+                del pending[forwarder.request_id]
+        hosted.slot.release()
+
+    def _cancel(self, hosted: Hosted) -> None:
+        forwarder = hosted.forwarder
+        if forwarder is not None and not forwarder.finished and not forwarder.cancelled:
+            hosted.session.send(dump(Cancel(request_id=forwarder.request_id)))
+        self.end(hosted)
+
+    # messages to the holder
+
+    async def on_hold(self, msg: Any) -> None:
+        try:
+            header, payload = messages.read_hold(msg.data)
+            self._handle(header, payload)
+        except Exception:  # noqa: BLE001 - one bad message never stops the subscription
+            log.exception("bad message on %s", msg.subject)
+
+    def _handle(self, header: dict[str, Any], payload: bytes) -> None:
+        kind = header["k"]
+        if kind == "request":
+            frame = self._whole(header, payload)
+            if frame is not None:
+                self._request(header, frame)
+        elif kind == "release":
+            hosted = self.hosted.get(header["t"])
+            if hosted is not None:
+                self._cancel(hosted)  # over for the admitter: the node stops too, if it has not
+        elif kind == "frame":
+            self._frame(header, payload.decode())
+        elif kind == "speed":
+            session = self._local(header["s"])
+            if session is not None:
+                session.decode_tps = float(header["tps"])
+        elif kind == "unlink":
+            session = self._local(header["s"])
+            if session is not None:
+                machines.retire(self.services, session)
+
+    def _whole(self, header: dict[str, Any], payload: bytes) -> bytes | None:
+        """The frame once all its parts are in (parts of one ticket arrive in order)."""
+        count = int(header.get("n", 1))
+        if count == 1:
+            return payload
+        parts = self._parts.setdefault(header["t"], [])
+        parts.append(payload)
+        if len(parts) < count:
+            return None
+        del self._parts[header["t"]]
+        return b"".join(parts)
+
+    def _request(self, header: dict[str, Any], frame: bytes) -> None:
+        ticket, admitter, request_id = header["t"], header["f"], header["r"]
+        ok, why = self._claim(header["s"], ticket, admitter)
+        if not ok:
+            self.connection.post(self.subjects.back(admitter, ticket), messages.back_gone(why))
+            return
+        hosted = self.hosted[ticket]
+        session = hosted.session
+        if not session.online or session.close_code is not None:
+            self.connection.post(self.subjects.back(admitter, ticket), messages.back_gone())
+            self.end(hosted)
+            return
+        hosted.forwarder = Forwarder(self, hosted, request_id)
+        session.pending[request_id] = hosted.forwarder  # type: ignore[assignment]  # fed like a PendingRequest
+        session.send(frame.decode())
+
+    def _frame(self, header: dict[str, Any], text: str) -> None:
+        frame = parse_coordinator_frame(text)
+        kind = frame.type
+        if kind == "cancel":
+            hosted = self.hosted.get(header.get("t", ""))
+            forwarder = hosted.forwarder if hosted is not None else None
+            if hosted is not None and forwarder is not None and not forwarder.finished and not forwarder.cancelled:
+                forwarder.cancelled = True
+                hosted.session.send(text)  # the node reports its partial usage, forwarded as usual
+            return
+        session = self._local(header["s"])
+        if session is None or kind != "trust_status":
+            return
+        if frame.trust_level == UNTRUSTED:
+            session_lifecycle.distrust(session, frame.reason or "another replica found it untrustworthy",
+                                       self.services)
+        elif frame.certificate:
+            self.services.spawn(self._enrolled(session, frame.certificate))
+
+    async def _enrolled(self, session: ProviderSession, certificate: str) -> None:
+        """An admin enrolled the machine through another replica: the same as through this one."""
+        ca = await load_ca(self.services.engine)
+        if ca is not None:
+            await session_lifecycle.on_enrolled(self.services, session, certificate, ca)
+
+    def _local(self, session_id: str) -> ProviderSession | None:
+        session = self.services.registry.get(session_id)
+        return session if session is not None and not session.remote else None
+
+    # the admitting replica went away, and claims nobody used
+
+    def admitter_gone(self, replica: str) -> None:
+        for hosted in [h for h in self.hosted.values() if h.admitter == replica]:
+            log.info("replica %s is gone: cancelling its request on %s", replica, hosted.session.id)
+            self._cancel(hosted)
+
+    async def reap_forever(self) -> None:
+        settings = self.services.settings
+        unused_after = settings.first_content_timeout + 5
+        longest = settings.request_timeout + settings.cancel_grace + 5
+        while True:
+            await asyncio.sleep(REAP_EVERY)
+            now = time.monotonic()
+            for hosted in list(self.hosted.values()):
+                if hosted.session.close_code is not None and hosted.forwarder is None:
+                    self.end(hosted)  # claimed, never used, and its session is closing
+                    continue
+                age = now - hosted.claimed_at
+                if age > (longest if hosted.forwarder is not None else unused_after):
+                    log.warning("claim %s on %s outlived any request: released", hosted.ticket, hosted.session.id)
+                    self._cancel(hosted)

@@ -1,0 +1,109 @@
+"""What replicas say to each other over NATS: the announcement of a session, the messages to the
+replica holding a session, and the provider's frames back to the replica that admitted a request.
+
+Everything here is metadata or ciphertext: a session's public facts (the fields routing reads, never
+its device token), a sealed ``inference_request`` frame exactly as the node's WebSocket gets it, the
+sealed response chunks exactly as the node sent them, usage counts and ids. No prompt or completion
+is ever in a message, because the replica that admitted a request is the only one with its keys.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from typing import Any
+
+from darkbloom.coordinator.fleet.session import ProviderSession
+from darkbloom.wire.crypto import b64e
+from darkbloom.wire.protocol import Envelope, ModelInfo, Register, Usage
+
+# the parts of a request frame bigger than the server's max_payload: this much room for the header
+HEADER_ROOM = 1024
+
+
+def announcement(session: ProviderSession, now: float | None = None) -> dict[str, Any]:
+    """A session as other replicas see it: what the gates, the scheduler, the owned views and the
+    Self-Route pre-flight read. Ages, not clock readings: monotonic clocks differ between hosts."""
+    now = time.monotonic() if now is None else now
+    registration = session.registration
+    passed = session.challenge_passed_at
+    return {
+        "id": session.id, "account_id": session.account_id, "machine_id": session.machine_id,
+        "models": [model.model_dump() for model in registration.models],
+        "public_key": b64e(bytes(session.public_key)) if session.public_key is not None else None,
+        "identity_key": registration.identity_key,
+        "encrypted_response_chunks": registration.encrypted_response_chunks,
+        "private_only": registration.private_only, "max_concurrency": registration.max_concurrency,
+        "max_request_frame_bytes": registration.max_request_frame_bytes, "name": registration.name,
+        "trust_level": session.trust_level, "untrusted_reason": session.untrusted_reason,
+        "runtime_verified": session.runtime_verified, "draining": session.draining,
+        "challenge_age": None if passed is None else max(0.0, now - passed),
+        "connected_age": max(0.0, now - session.connected_at),
+        "active": session.active, "decode_tps": session.decode_tps,
+    }
+
+
+def registration_of(announced: dict[str, Any]) -> Register:
+    """The registration a stand-in carries: the announced facts only (no token, no attestation)."""
+    return Register(models=[ModelInfo.model_validate(m) for m in announced["models"]],
+                    public_key=announced["public_key"] or "", identity_key=announced["identity_key"] or "",
+                    encrypted_response_chunks=bool(announced["encrypted_response_chunks"]),
+                    private_only=bool(announced["private_only"]), max_concurrency=announced["max_concurrency"],
+                    max_request_frame_bytes=announced["max_request_frame_bytes"], name=announced["name"] or "")
+
+
+def fleet_message(replica: str, sessions: list[dict[str, Any]], gone: list[str], *, full: bool,
+                  leaving: bool = False) -> bytes:
+    """On ``<prefix>.fleet``: the sessions that changed (or, ``full``, all of them: any other is gone)."""
+    body: dict[str, Any] = {"replica": replica, "full": full, "sessions": sessions, "gone": gone}
+    if leaving:
+        body["leaving"] = True
+    return json.dumps(body, separators=(",", ":")).encode()
+
+
+# to the holder: one JSON header line, then the frame (bytes) it carries, if any
+
+
+def hold_message(kind: str, payload: bytes = b"", **header: Any) -> bytes:
+    return json.dumps({"k": kind, **header}, separators=(",", ":")).encode() + b"\n" + payload
+
+
+def hold_parts(kind: str, payload: bytes, max_payload: int, **header: Any) -> list[bytes]:
+    """A frame in as many messages as the server's ``max_payload`` needs (``p`` of ``n``)."""
+    size = max(1, max_payload - HEADER_ROOM)
+    pieces = [payload[i:i + size] for i in range(0, len(payload), size)] or [b""]
+    return [hold_message(kind, piece, p=index, n=len(pieces), **header) for index, piece in enumerate(pieces)]
+
+
+def read_hold(data: bytes) -> tuple[dict[str, Any], bytes]:
+    header, _, payload = data.partition(b"\n")
+    return json.loads(header), payload
+
+
+# back to the admitting replica, on the attempt's own subject
+
+
+def back_chunk(envelope: Envelope) -> bytes:
+    return b'{"k":"chunk","e":' + envelope.model_dump_json().encode() + b"}"
+
+
+def back_complete(usage: Usage, account_id: str | None) -> bytes:
+    """The provider's usage, with the owner of the session that served it read on the holder now."""
+    return json.dumps({"k": "complete", "usage": usage.model_dump(), "account_id": account_id}).encode()
+
+
+def back_error(status: int, message: str, param: str | None, code: str | None) -> bytes:
+    return json.dumps({"k": "error", "status": status, "message": message, "param": param, "code": code}).encode()
+
+
+def back_gone(why: str = "gone") -> bytes:
+    """The session disconnected (``gone``), or had no free slot for an unconfirmed claim (``busy``)."""
+    return json.dumps({"k": why}).encode()
+
+
+def claim_request(session_id: str, ticket: str, replica: str) -> bytes:
+    return json.dumps({"session": session_id, "ticket": ticket, "from": replica}).encode()
+
+
+def claim_reply(ok: bool, why: str = "") -> bytes:
+    return json.dumps({"ok": ok, "why": why}).encode()

@@ -1,0 +1,74 @@
+"""This coordinator process as one replica of several, joined over NATS (``--nats-url``).
+
+``Fabric`` wires the parts: the connection, the announcer of this replica's sessions, the view of
+the others' (stand-ins in the registry), the holding side (requests other replicas place here) and
+the admitting side (requests placed on other replicas). Without ``--nats-url`` none of it exists
+and this package is never imported.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from typing import TYPE_CHECKING, Any
+
+from nats.aio.client import Client
+
+from darkbloom.coordinator.fabric.advertiser import Advertiser
+from darkbloom.coordinator.fabric.connection import Connection
+from darkbloom.coordinator.fabric.holder import Holder
+from darkbloom.coordinator.fabric.outbound import Outbound
+from darkbloom.coordinator.fabric.subjects import Subjects
+from darkbloom.coordinator.fabric.view import FleetView
+
+if TYPE_CHECKING:
+    from darkbloom.coordinator.services import Services
+
+log = logging.getLogger("darkbloom.fabric")
+
+
+class Fabric:
+    def __init__(self, services: "Services") -> None:
+        settings = services.settings
+        assert settings.nats_url is not None
+        self.services = services
+        self.subjects = Subjects(settings.nats_subject_prefix, services.instance_id)
+        self.connection = Connection(settings.nats_url, f"darkbloom coordinator {services.instance_id}")
+        self.outbound = Outbound(self.connection, self.subjects, services.registry)
+        self.holder = Holder(services, self.connection, self.subjects)
+        self.view = FleetView(services, self.outbound, self.holder.admitter_gone)
+        self.outbound.on_session_gone = self.view.drop
+        self.advertiser = Advertiser(services.registry, self.connection, self.subjects, settings.replica_heartbeat)
+        self._tasks: list[asyncio.Task[Any]] = []
+
+    @property
+    def connected(self) -> bool:
+        return self.connection.connected
+
+    def status(self) -> dict[str, Any]:
+        """For /readyz: the NATS connection and how many other replicas this one hears."""
+        return {"nats": "connected" if self.connected else "disconnected", "replicas": len(self.view.heard) + 1}
+
+    async def _subscribe(self, client: Client) -> None:
+        subjects = self.subjects
+        await client.subscribe(subjects.fleet, cb=self.view.on_message)
+        await client.subscribe(subjects.my_claims, cb=self.holder.on_claim)
+        await client.subscribe(subjects.my_holds, cb=self.holder.on_hold)
+        await client.subscribe(subjects.my_backs, cb=self.outbound.on_back)
+
+    def start(self) -> None:
+        self._tasks = [asyncio.create_task(self.connection.run(self._subscribe)),
+                       asyncio.create_task(self.advertiser.heartbeat_forever()),
+                       asyncio.create_task(self.view.watch_forever()),
+                       asyncio.create_task(self.holder.reap_forever())]
+        log.info("replica %s joining the fabric at %s (subjects %s.*)", self.subjects.replica,
+                 self.connection.url, self.subjects.prefix)
+
+    async def stop(self) -> None:
+        """Tell the other replicas at once (they drop this one's sessions), then disconnect."""
+        if self.connection.client is not None:
+            self.connection.post(self.subjects.fleet, self.advertiser.leaving())
+            await self.connection.flush_pending()
+        for task in self._tasks:
+            task.cancel()
+        await self.connection.close()

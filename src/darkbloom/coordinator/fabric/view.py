@@ -1,0 +1,163 @@
+"""The other replicas' sessions, kept in this replica's registry as ``RemoteSession`` stand-ins.
+
+Every announcement on ``<prefix>.fleet`` from another replica adds or updates its stand-ins (a full
+one also drops those it no longer lists). A replica silent for ``--replica-timeout`` — killed,
+partitioned, or this replica's NATS connection is down — is gone: its stand-ins leave the registry,
+the attempts placed on them fail as a disconnected provider's do (retried before first content, the
+in-band error after it), and the requests it had placed here are cancelled (``on_replica_gone``).
+
+A stand-in only moves the way a real session can: it loses its owner (unlink) but never gains one,
+starts draining or becomes untrusted but never stops; an announcement sent before such a change
+cannot undo it here.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+from typing import TYPE_CHECKING, Any, Callable
+
+from prometheus_client import Gauge
+
+from darkbloom.coordinator.fabric import messages
+from darkbloom.coordinator.fabric.outbound import Outbound
+from darkbloom.coordinator.fabric.remote_session import RemoteSession
+from darkbloom.wire.crypto import DecryptionError, public_key_from_b64
+
+if TYPE_CHECKING:
+    from darkbloom.coordinator.services import Services
+
+log = logging.getLogger("darkbloom.fabric")
+REPLICAS = Gauge("darkbloom_fabric_replicas", "Other coordinator replicas this one hears over NATS")
+REMOTE_SESSIONS = Gauge("darkbloom_fabric_remote_sessions", "Provider sessions held by other replicas")
+
+
+class FleetView:
+    def __init__(self, services: "Services", outbound: Outbound, on_replica_gone: Callable[[str], None]) -> None:
+        self.services = services
+        self.registry = services.registry
+        self.outbound = outbound
+        self.me = outbound.subjects.replica
+        self.on_replica_gone = on_replica_gone
+        self.heard: dict[str, float] = {}  # replica → when it was last heard (monotonic, here)
+        self.stand_ins: dict[str, RemoteSession] = {}
+
+    async def on_message(self, msg: Any) -> None:
+        try:
+            self.apply(messages_of(msg.data))
+        except Exception:  # noqa: BLE001 - one bad announcement never stops the subscription
+            log.exception("bad fleet announcement")
+
+    def apply(self, body: dict[str, Any]) -> None:
+        replica = body["replica"]
+        if replica == self.me:
+            return
+        if body.get("leaving"):
+            self.replica_gone(replica, "it stopped")
+            return
+        self.heard[replica] = time.monotonic()
+        for announced in body["sessions"]:
+            self._upsert(replica, announced)
+        gone = set(body["gone"])
+        if body["full"]:
+            listed = {announced["id"] for announced in body["sessions"]}
+            gone |= {sid for sid, s in self.stand_ins.items() if s.holder == replica and sid not in listed}
+        for session_id in gone:
+            self.drop(session_id)
+        self._count()
+        self.services.queues.drain()  # a slot freed anywhere may place a waiter here
+
+    def _upsert(self, replica: str, announced: dict[str, Any]) -> None:
+        now = time.monotonic()
+        stand_in = self.stand_ins.get(announced["id"])
+        if stand_in is None:
+            stand_in = self._stand_in(replica, announced, now)
+            if stand_in is not None:
+                self.stand_ins[stand_in.id] = stand_in
+                self.registry.add(stand_in)
+            return
+        stand_in.syncing = True
+        try:
+            _update(stand_in, announced, now)
+        finally:
+            stand_in.syncing = False
+        if announced["account_id"] is None and stand_in.account_id is not None:
+            self.registry.disown(stand_in)
+
+    def _stand_in(self, replica: str, announced: dict[str, Any], now: float) -> RemoteSession | None:
+        try:
+            public_key = public_key_from_b64(announced["public_key"]) if announced["public_key"] else None
+        except DecryptionError:
+            public_key = None
+        stand_in = RemoteSession(id=announced["id"], account_id=announced["account_id"],
+                                 machine_id=announced["machine_id"],
+                                 registration=messages.registration_of(announced),
+                                 public_key=public_key,  # type: ignore[arg-type]
+                                 holder=replica, outbound=self.outbound, syncing=True)
+        stand_in.connected_at = now - float(announced["connected_age"])
+        stand_in.last_frame_at = float("inf")  # never evicted here: its replica's silence removes it
+        _update(stand_in, announced, now)
+        stand_in.online = True
+        stand_in.syncing = False
+        return stand_in
+
+    def drop(self, session_id: str) -> None:
+        stand_in = self.stand_ins.pop(session_id, None)
+        if stand_in is None:
+            return
+        self.registry.remove(stand_in)
+        for pending in list(stand_in.pending.values()):
+            pending.on_provider_gone()
+
+    def replica_gone(self, replica: str, why: str) -> None:
+        heard = self.heard.pop(replica, None) is not None
+        dropped = [sid for sid, s in self.stand_ins.items() if s.holder == replica]
+        for session_id in dropped:
+            self.drop(session_id)
+        if heard or dropped:
+            log.warning("replica %s is gone (%s): %d of its sessions dropped", replica, why, len(dropped))
+        self.on_replica_gone(replica)
+        self._count()
+
+    async def watch_forever(self) -> None:
+        settings = self.services.settings
+        while True:
+            await asyncio.sleep(settings.replica_heartbeat / 2)
+            deadline = time.monotonic() - settings.replica_timeout
+            for replica, heard in list(self.heard.items()):
+                if heard < deadline:
+                    try:
+                        self.replica_gone(replica, f"silent for {settings.replica_timeout:g} s")
+                    except Exception:  # noqa: BLE001 - the watch goes on
+                        log.exception("dropping replica %s failed", replica)
+
+    def _count(self) -> None:
+        REPLICAS.set(len(self.heard))
+        REMOTE_SESSIONS.set(len(self.stand_ins))
+
+
+def messages_of(data: bytes) -> dict[str, Any]:
+    body = json.loads(data)
+    if not isinstance(body, dict):
+        raise ValueError("an announcement is a JSON object")
+    return body
+
+
+def _update(stand_in: RemoteSession, announced: dict[str, Any], now: float) -> None:
+    """The holder's current facts; the one-way ones (untrusted, draining) only ever set."""
+    age = announced["challenge_age"]
+    stand_in.challenge_passed_at = None if age is None else now - float(age)
+    if stand_in.trust_level != announced["trust_level"]:
+        stand_in.trust_level = announced["trust_level"]
+    if stand_in.runtime_verified != announced["runtime_verified"]:
+        stand_in.runtime_verified = bool(announced["runtime_verified"])
+    if announced["untrusted_reason"] and stand_in.untrusted_reason is None:
+        stand_in.untrusted_reason = announced["untrusted_reason"]
+    if announced["draining"] and not stand_in.draining:
+        stand_in.draining = True
+    if stand_in.decode_tps != announced["decode_tps"]:
+        stand_in.decode_tps = float(announced["decode_tps"])
+    if stand_in._active != announced["active"]:
+        stand_in._active = int(announced["active"])

@@ -1,0 +1,98 @@
+"""The fleet view without processes: another replica's announcements become stand-ins in this
+replica's registry that the gates, the scheduler and the owned views see as they see a local
+session; a full announcement, a goodbye and silence take them away; the one-way facts (unlinked,
+draining, untrusted) never go back; a frame too big for one NATS message arrives whole."""
+
+from __future__ import annotations
+
+import pytest
+
+from darkbloom.coordinator.fabric import messages
+from darkbloom.coordinator.fabric.connection import Connection
+from darkbloom.coordinator.fabric.holder import Holder
+from darkbloom.coordinator.fabric.outbound import Outbound
+from darkbloom.coordinator.fabric.remote_session import RemoteSession
+from darkbloom.coordinator.fabric.subjects import Subjects
+from darkbloom.coordinator.fabric.view import FleetView
+from darkbloom.coordinator.fleet.registry import Registry
+from darkbloom.coordinator.routing.decision import RouteDecision
+from darkbloom.coordinator.routing.gates import first_failed_gate
+from darkbloom.coordinator.routing.model_views import owned_models
+from darkbloom.coordinator.routing.scheduler import select
+from tests.coordinator.routing.sim import MODEL, SimProvider, services, settings
+
+HOLDER = "inst_holder"
+
+
+def view_of_b() -> tuple[FleetView, Registry, list[str]]:
+    registry = Registry()
+    svc = services(registry, settings(replica_timeout=3.0))
+    outbound = Outbound(Connection("nats://127.0.0.1:1", "test"), Subjects("t", "inst_b"), registry)
+    gone: list[str] = []
+    return FleetView(svc, outbound, gone.append), registry, gone
+
+
+def announce(view: FleetView, *sims: SimProvider, full: bool = True, **changes: object) -> None:
+    sessions = [{**messages.announcement(sim.session), **changes} for sim in sims]
+    view.apply({"replica": HOLDER, "full": full, "sessions": sessions, "gone": []})
+
+
+async def test_an_announced_session_is_routable_here() -> None:
+    view, registry, _ = view_of_b()
+    sim = SimProvider(account="acct_owner", machine="mach_1", max_concurrency=2, decode_tps=12.0)
+    announce(view, sim)
+    stand_in = registry.get(sim.session.id)
+    assert isinstance(stand_in, RemoteSession) and stand_in.holder == HOLDER
+    assert stand_in.registration.auth_token is None  # a device token never crosses the fabric
+    public = RouteDecision(model=MODEL)
+    assert first_failed_gate(stand_in, public, view.services.settings, 0.0 + stand_in.challenge_passed_at) is None
+    assert select(registry, public, view.services.settings) is stand_in
+    assert registry.for_machine("mach_1") == {stand_in}
+    assert owned_models(view.services, "acct_owner") == {MODEL.id: "darkbloom"}
+    slot = registry.slots.claim(stand_in)
+    assert slot.ticket is not None and stand_in.active == 1
+    announce(view, sim)  # the holder's count wins (its announcement includes every replica's claims)
+    assert stand_in.active == 0
+    slot.release()
+    assert stand_in.active == 0
+
+
+async def test_full_announcement_goodbye_and_silence_drop_stand_ins() -> None:
+    view, registry, gone = view_of_b()
+    first, second = SimProvider(), SimProvider()
+    announce(view, first, second)
+    assert len(registry) == 2
+    announce(view, second)  # a full announcement without it: it left
+    assert registry.get(first.session.id) is None and len(registry) == 1
+    view.apply({"replica": HOLDER, "full": True, "sessions": [], "gone": [], "leaving": True})
+    assert len(registry) == 0 and gone == [HOLDER]
+    announce(view, first)
+    view.heard[HOLDER] -= 10  # silent longer than --replica-timeout
+    view.replica_gone(HOLDER, "test")
+    assert len(registry) == 0
+
+
+async def test_one_way_facts_never_go_back() -> None:
+    view, registry, _ = view_of_b()
+    sim = SimProvider(account="acct_owner", machine="mach_1")
+    announce(view, sim)
+    stand_in = registry.get(sim.session.id)
+    assert stand_in is not None
+    announce(view, sim, account_id=None, draining=True, untrusted_reason="bad chunk")
+    assert stand_in.account_id is None and stand_in.draining and stand_in.untrusted_reason == "bad chunk"
+    assert registry.owned_by("acct_owner") == set()
+    announce(view, sim)  # an announcement sent before the change cannot undo it
+    assert stand_in.account_id is None and stand_in.draining and stand_in.untrusted_reason == "bad chunk"
+
+
+@pytest.mark.parametrize("size", [0, 10, 5000])
+def test_a_request_frame_bigger_than_max_payload_arrives_whole(size: int) -> None:
+    frame = bytes(range(256)) * (size // 256) + b"x" * (size % 256)
+    parts = messages.hold_parts("request", frame, messages.HEADER_ROOM + 1000, t="abc", s="prov_1", r="r", f="f")
+    assert len(parts) == max(1, -(-size // 1000))
+    holder = Holder(None, None, Subjects("t", "inst_a"))  # type: ignore[arg-type]
+    whole = None
+    for part in parts:
+        header, payload = messages.read_hold(part)
+        whole = holder._whole(header, payload)
+    assert whole == frame
