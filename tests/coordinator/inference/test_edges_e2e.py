@@ -247,3 +247,13 @@ async def test_a_429_no_wait_can_fix_says_do_not_retry(coord: Coordinator) -> No
     assert again.status_code == 429 and again.json()["error"]["param"] == "requests"
     assert "x-should-retry" not in again.headers and int(again.headers["retry-after"]) >= 1
     await raw.close()
+
+
+async def test_an_error_answer_carries_its_request_id(coord: Coordinator, account: Account) -> None:
+    unknown = await _post(coord, "/chat/completions", {"model": "no-such-model", "messages": HELLO}, account.headers())
+    assert unknown.status_code == 404 and unknown.headers["x-request-id"].startswith("chatcmpl-")
+    anthropic = await _post(coord, "/messages", {"model": "no-such-model", "max_tokens": 4, "messages": HELLO},
+                            {"x-api-key": account.api_key})
+    assert anthropic.status_code == 404 and anthropic.headers["x-request-id"].startswith("msg_")
+    anonymous = await _post(coord, "/chat/completions", {"model": "x", "messages": HELLO}, {})
+    assert anonymous.status_code == 401 and "x-request-id" not in anonymous.headers  # no request yet

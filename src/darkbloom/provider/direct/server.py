@@ -140,6 +140,7 @@ class _LocalApi:
                            f"This node is busy (all {self.slots.limit} slots in use) and no slot freed up "
                            f"within {self.queue_wait:g} s. Retry shortly.", headers={"Retry-After": "5"})
         request_id = edge.id_prefix + secrets.token_hex(12)
+        request.state.request_id = request_id  # also on an error answer (wire.openai.handlers)
         try:
             generation = Generation(self.backend, edge.api, model, node_body, edge.presenter(request_id, model, body),
                                     request_id, self.slots)

@@ -20,11 +20,12 @@ ANTHROPIC_PATHS = frozenset({"/v1/messages"})
 
 
 def error_response(request: Request, error: ApiError) -> Response:
-    """The error in the envelope of the API the request was for."""
-    if request.url.path in ANTHROPIC_PATHS:
-        return JSONResponse(anthropic_error_body(error), status_code=error.status,
-                            headers=retry_headers(error.status, error.headers))
-    return error.response()
+    """The error in the envelope of the API the request was for, with the request's id when it got
+    one (``request.state.request_id``: an inference request past authentication)."""
+    request_id = getattr(request.state, "request_id", None)
+    headers = {**error.headers, "X-Request-Id": request_id} if request_id else error.headers
+    body = anthropic_error_body(error) if request.url.path in ANTHROPIC_PATHS else error.body()
+    return JSONResponse(body, status_code=error.status, headers=retry_headers(error.status, headers))
 
 
 async def api_error_handler(request: Request, exc: Exception) -> Response:

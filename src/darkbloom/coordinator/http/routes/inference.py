@@ -23,6 +23,7 @@ router = APIRouter()
 async def _serve(edge: Edge, request: Request, caller: Caller, services: Services) -> StreamingResponse | JSONResponse:
     unsealed = None
     async with RequestLifecycle(services, caller, new_request_id(edge)) as life:
+        request.state.request_id = life.request_id  # also on an error answer (wire.openai.handlers)
         await life.charge_rates(request_charges(services, caller))  # RPM, before the body is read
         raw = await request.body()
         if is_sealed(request.headers.get("content-type")):
