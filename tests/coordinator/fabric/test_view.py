@@ -96,3 +96,17 @@ def test_a_request_frame_bigger_than_max_payload_arrives_whole(size: int) -> Non
         header, payload = messages.read_hold(part)
         whole = holder._whole(header, payload)
     assert whole == frame
+
+
+def test_a_split_frame_missing_a_part_or_from_a_gone_replica_is_not_kept() -> None:
+    frame = b"y" * 5000
+    parts = [messages.read_hold(p) for p in
+             messages.hold_parts("request", frame, messages.HEADER_ROOM + 1000, t="abc", s="prov_1", r="r", f="inst_b")]
+    holder = Holder(None, None, Subjects("t", "inst_a"))  # type: ignore[arg-type]
+    holder._whole(*parts[0])
+    assert holder._whole(*parts[2]) is None and not holder._parts  # part 1 lost: dropped, not kept forever
+    holder._whole(*parts[0])
+    holder.admitter_gone("inst_b")  # its admitter died mid-send: the rest never comes
+    assert not holder._parts
+    header, payload = parts[0]
+    assert holder._whole({**header, "n": 10_000}, payload) is None and not holder._parts  # absurd part counts

@@ -90,3 +90,15 @@ def test_every_edge_has_its_own_id_prefix_and_path() -> None:
     from darkbloom.coordinator.inference.calls import EDGES
 
     assert len({edge.path for edge in EDGES}) == len({edge.id_prefix for edge in EDGES}) == len(EDGES)
+
+
+@pytest.mark.parametrize("edge, body, param", [
+    (COMPLETIONS, {"prompt": "hi", "max_completion_tokens": -1}, "max_completion_tokens"),
+    (COMPLETIONS, {"prompt": "hi", "max_completion_tokens": 0}, "max_completion_tokens"),
+    (RESPONSES, {"input": [{"type": "message", "role": ["user"], "content": "hi"}]}, "input[0].role"),
+    (RESPONSES, {"input": [{"type": "message", "role": {"a": 1}, "content": "hi"}]}, "input[0].role"),
+])
+def test_review_findings_are_named_400s(edge: Edge, body: dict[str, Any], param: str) -> None:
+    with pytest.raises(ApiError) as caught:
+        _call(edge, **body)
+    assert caught.value.status == 400 and caught.value.param == param

@@ -143,6 +143,20 @@ SHAPED = {
             "type": "object", "properties": {"name": {"type": "string"}}, "required": ["name"]}}}),
     "json object": dict(messages=[{"role": "user", "content": "A city as JSON."}],
                         response_format={"type": "json_object"}),
+    # found in review: a result names its call each time; spaces or re-dumped numbers must not add tokens
+    "many results of one long-named call": dict(messages=[
+        {"role": "assistant", "content": None, "tool_calls": [
+            {"id": "c", "type": "function", "function": {"name": "a.-:_" * 12, "arguments": "{}"}}]},
+        *[{"role": "tool", "tool_call_id": "c", "content": ""}] * 20]),
+    "arguments the node could re-dump longer": dict(messages=[
+        {"role": "user", "content": "hi"},
+        {"role": "assistant", "content": None, "tool_calls": [
+            {"id": "c", "type": "function", "function": {"name": "f", "arguments": "[" + ",".join(["1E15"] * 300) + "]"}}]}]),
+    "a schema of 600 integers": dict(messages=[{"role": "user", "content": "hi"}], response_format={
+        "type": "json_schema", "json_schema": {"name": "x", "schema": {
+            "type": "object", "properties": {"a": {"type": "integer", "enum": list(range(100000, 100600))}}}}}),
+    "tools of 600 integers": dict(messages=[{"role": "user", "content": "hi"}], tools=[{"type": "function", "function": {
+        "name": "f", "parameters": {"type": "object", "properties": {"a": {"enum": list(range(100000, 100600))}}}}}]),
 }
 
 
@@ -150,7 +164,7 @@ SHAPED = {
 async def backend() -> Any:
     from darkbloom.provider.backends.llama_cpp import LlamaCppBackend
 
-    node = LlamaCppBackend({"smollm2-135m": bundled_gguf_path()}, max_concurrency=1, n_ctx=2048)
+    node = LlamaCppBackend({"smollm2-135m": bundled_gguf_path()}, max_concurrency=1, n_ctx=8192)
     await node.start()
     yield node
     await node.close()

@@ -34,6 +34,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("darkbloom.fabric")
 REAP_EVERY = 1.0
+MAX_PARTS = 64  # a request frame (at most MAX_REQUEST_FRAME_BYTES, ~11 MiB) needs ~12 parts of 1 MiB
 
 
 @dataclass(eq=False)
@@ -90,7 +91,8 @@ class Holder:
         self.connection = connection
         self.subjects = subjects
         self.hosted: dict[str, Hosted] = {}
-        self._parts: dict[str, list[bytes]] = {}
+        # a split frame's parts so far, by ticket: (admitter, first part's arrival, parts)
+        self._parts: dict[str, tuple[str, float, list[bytes]]] = {}
 
     # claims
 
@@ -163,11 +165,19 @@ class Holder:
         count = int(header.get("n", 1))
         if count == 1:
             return payload
-        parts = self._parts.setdefault(header["t"], [])
+        ticket = header["t"]
+        if not 1 < count <= MAX_PARTS:
+            log.warning("a frame in %s parts for %s: dropped", count, ticket)
+            return None
+        _, _, parts = self._parts.setdefault(ticket, (str(header.get("f", "")), time.monotonic(), []))
+        if int(header.get("p", len(parts))) != len(parts):  # a part went missing: the frame cannot be whole
+            log.warning("a part of the frame for %s went missing: dropped", ticket)
+            del self._parts[ticket]
+            return None
         parts.append(payload)
         if len(parts) < count:
             return None
-        del self._parts[header["t"]]
+        del self._parts[ticket]
         return b"".join(parts)
 
     def _request(self, header: dict[str, Any], frame: bytes) -> None:
@@ -218,6 +228,8 @@ class Holder:
     # the admitting replica went away, and claims nobody used
 
     def admitter_gone(self, replica: str) -> None:
+        for ticket in [t for t, (admitter, _, _) in self._parts.items() if admitter == replica]:
+            del self._parts[ticket]  # the rest of that frame will never come
         for hosted in [h for h in self.hosted.values() if h.admitter == replica]:
             log.info("replica %s is gone: cancelling its request on %s", replica, hosted.session.id)
             self._cancel(hosted)
@@ -229,6 +241,8 @@ class Holder:
         while True:
             await asyncio.sleep(REAP_EVERY)
             now = time.monotonic()
+            for ticket in [t for t, (_, since, _) in self._parts.items() if now - since > unused_after]:
+                del self._parts[ticket]  # a split frame whose last parts never came
             for hosted in list(self.hosted.values()):
                 if hosted.session.close_code is not None and hosted.forwarder is None:
                     self.end(hosted)  # claimed, never used, and its session is closing

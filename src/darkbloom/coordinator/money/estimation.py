@@ -18,6 +18,7 @@ from darkbloom.coordinator.inference.calls import InferenceCall
 TEMPLATE_ALLOWANCE = 16
 # a node describes tools or an output schema in the prompt, with sentences of its own around their JSON
 INSTRUCTIONS_ALLOWANCE = 128
+TOOL_RESULT_ALLOWANCE = 64
 
 
 def prompt_token_bound(call: InferenceCall) -> int:
@@ -34,6 +35,9 @@ def prompt_token_bound(call: InferenceCall) -> int:
                  if name in body}
     instructed = body.get("tools") or body.get("functions") or body.get("response_format")
     allowance = TEMPLATE_ALLOWANCE + (INSTRUCTIONS_ALLOWANCE if instructed else 0)
+    # a tool result is rendered with the name of the call it answers (at most 64 characters)
+    results = sum(1 for m in body.get("messages") or () if isinstance(m, dict) and m.get("role") in ("tool", "function"))
+    allowance += TOOL_RESULT_ALLOWANCE * results
     return len(json.dumps(parts, ensure_ascii=False, separators=(",", ":")).encode()) + allowance
 
 

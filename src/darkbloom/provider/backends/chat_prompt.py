@@ -13,7 +13,7 @@ import json
 from typing import Any
 
 from darkbloom.provider.backends.base import BackendError
-from darkbloom.provider.backends.tool_params import ToolPlan
+from darkbloom.provider.backends.tool_params import NAME, ToolPlan
 
 ROLES = ("system", "developer", "user", "assistant", "tool", "function")
 
@@ -54,8 +54,15 @@ def template_messages(messages: Any, plan: ToolPlan | None = None,
     return out
 
 
-def _call_text(name: str, arguments: Any) -> str:
-    return json.dumps({"name": name, "arguments": arguments}, ensure_ascii=False)
+def _call_text(name: str, arguments: str) -> str:
+    """The call as the model is told to write one. The caller's arguments go in as they were sent
+    (when they are JSON), never parsed and re-dumped: the coordinator's prompt bound counts the bytes
+    the caller sent, and a re-dump can be longer (`1E15` → `1000000000000000.0`)."""
+    try:
+        json.loads(arguments)
+    except ValueError:
+        arguments = json.dumps(arguments, ensure_ascii=False)
+    return '{"name":' + json.dumps(name, ensure_ascii=False) + ',"arguments":' + arguments + "}"
 
 
 def _assistant_calls(message: dict[str, Any], where: str) -> list[dict[str, Any]]:
@@ -74,14 +81,12 @@ def _assistant_calls(message: dict[str, Any], where: str) -> list[dict[str, Any]
     for call in raw:
         function = call.get("function") if isinstance(call, dict) else None
         if (not isinstance(function, dict) or not isinstance(function.get("name"), str)
+                or not NAME.fullmatch(function["name"])
                 or not isinstance(function.get("arguments", ""), str) or call.get("type", "function") != "function"):
-            raise BackendError(400, f"{param}: each call needs a function with a name and string arguments",
-                               param=param)
-        try:
-            arguments: Any = json.loads(function.get("arguments") or "{}")
-        except ValueError:
-            arguments = function.get("arguments")
-        calls.append({"id": str(call.get("id") or ""), "name": function["name"], "arguments": arguments})
+            raise BackendError(400, f"{param}: each call needs a function with a name (letters, digits, _ . : -, "
+                                    "at most 64) and string arguments", param=param)
+        calls.append({"id": str(call.get("id") or ""), "name": function["name"],
+                      "arguments": function.get("arguments") or "{}"})
     return calls
 
 
@@ -89,7 +94,7 @@ def _instructions(plan: ToolPlan | None, schema: dict[str, Any] | None) -> str:
     parts: list[str] = []
     if plan is not None and plan.mode != "none" and plan.tools:
         described = [{"name": t.name, "description": t.description, "parameters": t.parameters} for t in plan.tools]
-        parts.append("You can call these tools:\n" + json.dumps(described, ensure_ascii=False) + "\n"
+        parts.append("You can call these tools:\n" + _compact(described) + "\n"
                      'To call a tool, answer with only a JSON object {"name": <tool name>, "arguments": '
                      "<the arguments as a JSON object>}.")
         if plan.forced is not None:
@@ -97,9 +102,14 @@ def _instructions(plan: ToolPlan | None, schema: dict[str, Any] | None) -> str:
         elif plan.mode == "required":
             parts.append("Answer with a tool call.")
     if schema is not None:
-        parts.append("Answer with a JSON object that follows this JSON schema:\n"
-                     + json.dumps(schema, ensure_ascii=False))
+        parts.append("Answer with a JSON object that follows this JSON schema:\n" + _compact(schema))
     return "\n\n".join(parts)
+
+
+def _compact(value: Any) -> str:
+    """JSON as the coordinator measures the request (no spaces after separators), so the prompt
+    never outgrows its bound."""
+    return json.dumps(value, ensure_ascii=False, separators=(",", ":"))
 
 
 def _text_content(content: Any, where: str) -> str:

@@ -18,7 +18,7 @@ from typing import Any, Literal
 from darkbloom.provider.backends.base import BackendError
 
 ToolMode = Literal["none", "auto", "required", "named"]
-_NAME = re.compile(r"[A-Za-z0-9_.:-]{1,64}")
+NAME = re.compile(r"[A-Za-z0-9_.:-]{1,64}")  # a function's name, as OpenAI allows it
 _TEXT_OR_CALL = "root ::= [ \\n]{0,2} (tool-call | [^{ \\t\\r\\n\\x00] [^\\x00]*)"
 
 
@@ -89,7 +89,7 @@ def response_schema(body: dict[str, Any]) -> dict[str, Any] | None:
         schema = fmt.get("schema", {"type": "object"})  # llama-cpp-python's own extension
     elif kind == "json_schema":
         spec = fmt.get("json_schema")
-        if (not isinstance(spec, dict) or not isinstance(spec.get("name"), str) or not _NAME.fullmatch(spec["name"])
+        if (not isinstance(spec, dict) or not isinstance(spec.get("name"), str) or not NAME.fullmatch(spec["name"])
                 or not isinstance(spec.get("strict", False), (bool, type(None)))):
             raise BackendError(400, "response_format.json_schema needs a name (letters, digits, _ or -) and a "
                                "schema", param="response_format")
@@ -148,7 +148,7 @@ def _tool(tool: Any, param: str) -> ToolSpec:
 
 def _function(function: Any, param: str) -> ToolSpec:
     if not isinstance(function, dict) or not isinstance(function.get("name"), str) \
-            or not _NAME.fullmatch(function["name"]):
+            or not NAME.fullmatch(function["name"]):
         raise BackendError(400, "every function needs a name of letters, digits, _ or -", param=param)
     description = function.get("description", "")
     parameters = function.get("parameters", {"type": "object", "properties": {}})

@@ -57,9 +57,10 @@ def completions_request(body: dict[str, Any]) -> dict[str, Any]:
             raise invalid_request(f"'{field}' must be a positive integer.", param=field)
         if value > 1:
             raise invalid_request(f"Only {field}=1 is supported: ask for one completion per request.", param=field)
-    max_tokens = body.get("max_tokens")
-    if max_tokens is not None and (not _is_int(max_tokens) or max_tokens < 1):
-        raise invalid_request("'max_tokens' must be a positive integer.", param="max_tokens")
+    for field in ("max_tokens", "max_completion_tokens"):
+        value = body.get(field)
+        if value is not None and (not _is_int(value) or value < 1):
+            raise invalid_request(f"'{field}' must be a positive integer.", param=field)
     logprobs = body.get("logprobs")
     if logprobs is not None and (not _is_int(logprobs) or not 0 <= logprobs <= 5):
         raise invalid_request("'logprobs' must be an integer from 0 to 5.", param="logprobs")

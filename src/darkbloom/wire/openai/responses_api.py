@@ -88,7 +88,8 @@ def _add_item(messages: list[dict[str, Any]], item: Any, where: str) -> None:
         raise invalid_request(f"'{where}' must be an object.", param=where)
     kind = item.get("type", "message" if "role" in item else None)
     if kind == "message":
-        role = _ROLES.get(item.get("role"))  # type: ignore[arg-type]
+        given = item.get("role")
+        role = _ROLES.get(given) if isinstance(given, str) else None
         if role is None:
             raise invalid_request(f"'{where}.role' must be one of user, assistant, system or developer.",
                                   param=f"{where}.role")
