@@ -250,7 +250,9 @@ def check_conservation(snapshot: dict[str, Any], outcomes: list[Outcome], spende
     unknown = [o for o in outcomes if o.status is None]
     assert len(outcomes) - len(refused) - len(unknown) <= len(reservations) <= len(outcomes) - len(refused), summary
     for outcome in outcomes:
-        if outcome.request_id is not None:
+        if outcome.status == 402:  # refused at admission (its error answer carries its request id)
+            assert outcome.request_id not in reservations and outcome.request_id not in usage, outcome
+        elif outcome.request_id is not None:
             assert outcome.request_id in reservations, outcome
         if outcome.done:  # a complete answer is charged, capped at its reservation
             row, held = usage[outcome.request_id], reservations[outcome.request_id]
