@@ -51,17 +51,16 @@ def api_id(prefix: str, request_id: str) -> str:
     return prefix + (tail or secrets.token_hex(12))
 
 
-class ChatPresenter:
-    """`chat.completion` and its chunks: our id and model on every chunk, the `choices: []` usage
-    chunk only on `stream_options.include_usage`, one `data: [DONE]`; an in-band failure is one
-    `data: {"error": …}` event and no `[DONE]`."""
+class _OpenAIStream:
+    """The streaming rules chat and legacy completions share: one `data:` line per shaped chunk, the
+    `choices: []` usage chunk only on `stream_options.include_usage`, one `data: [DONE]`; an in-band
+    failure is one `data: {"error": …}` event and no `[DONE]`."""
 
     media_type = "text/event-stream"
 
-    def __init__(self, request_id: str, model: str, request: dict[str, Any]) -> None:
-        self.shaper = ChunkShaper(request_id, model)
+    def __init__(self, shaper: ChunkShaper, request: dict[str, Any]) -> None:
+        self.shaper = shaper
         self.include_usage = wants_usage_chunk(request)
-        self.message = MessageBuilder()
 
     def stream_start(self) -> list[bytes]:
         return []
@@ -74,6 +73,19 @@ class ChatPresenter:
 
     def stream_error(self, error: ApiError) -> list[bytes]:
         return [sse(error.body())]
+
+    def error_body(self, error: ApiError) -> dict[str, Any]:
+        return error.body()
+
+
+class ChatPresenter(_OpenAIStream):
+    """`chat.completion` and its chunks: our id and model on every chunk, the `choices: []` usage
+    chunk only on `stream_options.include_usage`, one `data: [DONE]`; an in-band failure is one
+    `data: {"error": …}` event and no `[DONE]`."""
+
+    def __init__(self, request_id: str, model: str, request: dict[str, Any]) -> None:
+        super().__init__(ChunkShaper(request_id, model), request)
+        self.message = MessageBuilder()
 
     def collect(self, chunk: dict[str, Any]) -> None:
         self.message.add(chunk)
@@ -81,36 +93,20 @@ class ChatPresenter:
     def response(self, usage: TokenCounts) -> dict[str, Any]:
         return self.shaper.completion(self.message, usage)
 
-    def error_body(self, error: ApiError) -> dict[str, Any]:
-        return error.body()
 
 
-class CompletionsPresenter:
+class CompletionsPresenter(_OpenAIStream):
     """Legacy `text_completion` objects, streamed (same SSE rules as chat) or whole. Whole, the text
     is joined and the legacy logprobs lists (`tokens`, `token_logprobs`, `top_logprobs`,
     `text_offset`) are concatenated."""
 
-    media_type = "text/event-stream"
     _LOGPROB_LISTS = ("tokens", "token_logprobs", "top_logprobs", "text_offset")
 
     def __init__(self, request_id: str, model: str, request: dict[str, Any]) -> None:
-        self.shaper = ChunkShaper(api_id("cmpl-", request_id), model, "text_completion")
-        self.include_usage = wants_usage_chunk(request)
+        super().__init__(ChunkShaper(api_id("cmpl-", request_id), model, "text_completion"), request)
         self.text: list[str] = []
         self.logprobs: dict[str, list[Any]] | None = None
         self.finish_reason: str | None = None
-
-    def stream_start(self) -> list[bytes]:
-        return []
-
-    def stream_chunk(self, chunk: dict[str, Any]) -> list[bytes]:
-        return [sse(self.shaper.chunk(chunk))]
-
-    def stream_end(self, usage: TokenCounts) -> list[bytes]:
-        return [sse(self.shaper.usage_chunk(usage)), SSE_DONE] if self.include_usage else [SSE_DONE]
-
-    def stream_error(self, error: ApiError) -> list[bytes]:
-        return [sse(error.body())]
 
     def collect(self, chunk: dict[str, Any]) -> None:
         for choice in chunk.get("choices") or ():
@@ -130,9 +126,6 @@ class CompletionsPresenter:
                   "finish_reason": self.finish_reason or "stop"}
         return {"id": self.shaper.request_id, "object": "text_completion", "created": self.shaper.created,
                 "model": self.shaper.model, "choices": [choice], "usage": usage_dict(usage)}
-
-    def error_body(self, error: ApiError) -> dict[str, Any]:
-        return error.body()
 
 
 def float32_base64(vector: list[float]) -> str:
