@@ -1,16 +1,18 @@
 from __future__ import annotations
 
+import contextlib
 import socket
 import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Iterator
+from typing import AsyncIterator, Iterator
 
 import httpx
 import pytest
 
 from darkbloom.provider.bundled_model import bundled_gguf_path
+from tests.support.scripted_upstream import Handler, Scripted, scripted_upstream
 
 
 @pytest.fixture(scope="session")
@@ -64,3 +66,13 @@ def upstream(gguf: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[s
     finally:
         process.terminate()
         process.wait(timeout=30)
+
+
+@pytest.fixture
+async def scripted() -> AsyncIterator[Scripted]:
+    """Starts a scripted upstream (tests/support/scripted_upstream.py) per call, stopped after the test:
+    ``url = await scripted(handler)``."""
+    async with contextlib.AsyncExitStack() as stack:
+        async def start(handler: Handler) -> str:
+            return await stack.enter_async_context(scripted_upstream(handler))
+        yield start

@@ -10,7 +10,7 @@ from typing import Any
 from pydantic import BaseModel
 from websockets.asyncio.server import Server, ServerConnection, serve
 
-from darkbloom.wire import protocol
+from darkbloom.wire import crypto, protocol
 
 
 class Conn:
@@ -30,6 +30,14 @@ class Conn:
             if isinstance(frame, kind):
                 return frame
             assert isinstance(frame, protocol.Heartbeat), f"expected {kind.__name__}, got {frame!r}"
+
+    async def recv_chunks(self, reply_key: crypto.ReplyKey, count: int, timeout: float = 30) -> list[dict[str, Any]]:
+        """At least `count` response chunks, opened (a frame may carry several: docs/protocol.md)."""
+        chunks: list[dict[str, Any]] = []
+        while len(chunks) < count:
+            frame = await self.recv_type(protocol.InferenceResponseChunk, timeout)
+            chunks.extend(protocol.response_chunks(reply_key.open(frame.encrypted_data)))
+        return chunks
 
     async def send(self, frame: BaseModel | dict[str, Any]) -> None:
         await self.ws.send(json.dumps(frame) if isinstance(frame, dict) else protocol.dump(frame))

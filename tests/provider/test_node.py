@@ -147,7 +147,7 @@ async def test_sealed_request_is_answered_with_sealed_chunks(harness: Harness) -
             break
         keys.add(frame.encrypted_data.ephemeral_public_key)
         assert b"chat.completion" not in base64.b64decode(frame.encrypted_data.ciphertext)
-        chunks.append(json.loads(reply_key.open(frame.encrypted_data)))
+        chunks.extend(protocol.response_chunks(reply_key.open(frame.encrypted_data)))
     assert len(keys) == 1 and envelope.ephemeral_public_key not in keys  # one sealer per request
     assert all(chunk["choices"] and "usage" not in chunk for chunk in chunks)  # usage is not a content chunk
     assert "".join(c["choices"][0]["delta"].get("content", "") for c in chunks).strip()
@@ -158,11 +158,10 @@ async def test_sealed_request_is_answered_with_sealed_chunks(harness: Harness) -
 async def test_cancel_stops_generation_and_reports_the_tokens_used(harness: Harness) -> None:
     conn = await harness.registered()
     body = {"model": "smollm2-135m", "messages": LONG_STORY, "max_tokens": 400, "temperature": 0}
-    _, envelope = seal_request(conn.frames[0].public_key, body)
+    reply_key, envelope = seal_request(conn.frames[0].public_key, body)
     await conn.send(protocol.InferenceRequest(request_id="req_long", encrypted_body=envelope))
     await conn.recv_type(protocol.InferenceAccepted)
-    for _ in range(3):  # the role chunk, then at least two sampled tokens
-        await conn.recv_type(protocol.InferenceResponseChunk)
+    await conn.recv_chunks(reply_key, 3)  # the role chunk, then at least two sampled tokens
     await conn.send(protocol.Cancel(request_id="req_long"))
     # Barrier: the node handles the coordinator's frames in order and its own frames leave in order,
     # so once the challenge answer arrives the cancel was handled: no chunk may follow it.

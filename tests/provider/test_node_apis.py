@@ -3,7 +3,6 @@ capabilities, and puts a refusal's param and code in the `inference_error` frame
 
 from __future__ import annotations
 
-import json
 from typing import Any
 
 import pytest
@@ -22,7 +21,7 @@ async def answer(conn: Conn, request_id: str, api: str, body: dict[str, Any]) ->
         frame = await conn.recv_type((protocol.InferenceAccepted, protocol.InferenceResponseChunk,
                                       protocol.InferenceComplete, protocol.InferenceError))
         if isinstance(frame, protocol.InferenceResponseChunk):
-            chunks.append(json.loads(reply_key.open(frame.encrypted_data)))
+            chunks.extend(protocol.response_chunks(reply_key.open(frame.encrypted_data)))
         elif not isinstance(frame, protocol.InferenceAccepted):
             return chunks, frame
 

@@ -27,6 +27,7 @@ from darkbloom.provider.backends.openai_upstream import OpenAIUpstreamBackend, _
 from darkbloom.provider.config import load_config
 from darkbloom.provider.node import ProviderNode
 from tests.provider.fake_coordinator import Conn, FakeCoordinator
+from tests.support.scripted_upstream import Scripted
 
 MODEL = "smollm2-135m"
 SECRET = "the-secret-prompt-words"
@@ -153,9 +154,10 @@ async def test_a_backend_that_does_not_stop_is_reported_after_the_grace(home: Pa
                                                                       caplog: pytest.LogCaptureFixture) -> None:
     backend = StallingBackend(prompt_tokens=42, chunks=3, ignores_stop=True)
     async with running_node(home, backend, cancel_grace=0.5) as (conn, node):
-        await conn.send(sealed(conn, "req_1", STORY)[1])
-        for _ in range(3):
-            await conn.recv_type((protocol.InferenceAccepted, protocol.InferenceResponseChunk))
+        reply_key, request = sealed(conn, "req_1", STORY)
+        await conn.send(request)
+        await conn.recv_type(protocol.InferenceAccepted)
+        await conn.recv_chunks(reply_key, 2)
         await backend.waiting.wait()
         with caplog.at_level(logging.INFO, logger="darkbloom.provider"):
             started = time.monotonic()
@@ -178,8 +180,9 @@ async def test_cancel_on_the_openai_backend_with_a_real_upstream(home: Path, ups
         await conn.recv_type(protocol.InferenceAccepted)
         content = 0
         while content < 4:
-            chunk = json.loads(reply_key.open((await conn.recv_type(protocol.InferenceResponseChunk)).encrypted_data))
-            content += bool(chunk["choices"][0]["delta"].get("content"))
+            frame = await conn.recv_type(protocol.InferenceResponseChunk)
+            content += sum(bool(chunk["choices"][0]["delta"].get("content"))
+                           for chunk in protocol.response_chunks(reply_key.open(frame.encrypted_data)))
         await conn.send(protocol.Cancel(request_id="req_1"))
         report = await settle(conn, "req_1")
         # llama_cpp.server streams no usage: the prompt estimate, one token per content chunk the
@@ -208,22 +211,22 @@ class _Stalling(httpx.AsyncByteStream):
 
 
 @pytest.mark.parametrize("upstream_usage", [False, True])
-async def test_cancel_on_the_openai_backend_with_a_scripted_upstream(home: Path, upstream_usage: bool) -> None:
+async def test_cancel_on_the_openai_backend_with_a_scripted_upstream(home: Path, scripted: Scripted,
+                                                                     upstream_usage: bool) -> None:
     events = [{"id": "up", "object": "chat.completion.chunk", "created": 1, "model": MODEL,
                "choices": [{"index": 0, "delta": {"content": word}, "finish_reason": None}],
                **({"usage": {"prompt_tokens": 30, "completion_tokens": 2 * n}} if upstream_usage else {})}
               for n, word in enumerate(["Once", " upon", " a"], 1)]
     stream = _Stalling(events)
-    transport = httpx.MockTransport(lambda request: httpx.Response(200, stream=stream))
-    backend = OpenAIUpstreamBackend("http://upstream", [MODEL], transport=transport)
+    backend = OpenAIUpstreamBackend(await scripted(lambda request: httpx.Response(200, stream=stream)), [MODEL])
     async with running_node(home, backend) as (conn, _):
-        await conn.send(sealed(conn, "req_1", STORY)[1])
+        reply_key, request = sealed(conn, "req_1", STORY)
+        await conn.send(request)
         await conn.recv_type(protocol.InferenceAccepted)
-        for _ in range(3):
-            await conn.recv_type(protocol.InferenceResponseChunk)
+        await conn.recv_chunks(reply_key, 3)
         await conn.send(protocol.Cancel(request_id="req_1"))
         report = await settle(conn, "req_1")
-        assert stream.closed.is_set()
+        await asyncio.wait_for(stream.closed.wait(), 10)  # the backend closed the upstream connection
     expected = (30, 6) if upstream_usage else (_estimate_prompt_tokens(STORY), 3)
     assert (report.usage.prompt_tokens, report.usage.completion_tokens) == expected
 
@@ -236,12 +239,12 @@ async def test_cancel_on_the_openai_backend_with_a_scripted_upstream(home: Path,
     (200, f'data: {{"error": {{"message": "stopped after writing {SECRET}", "type": "server_error"}}}}\n\n',
      "the upstream failed mid-stream (server_error)"),
 ])
-async def test_inference_error_never_carries_the_upstreams_text(home: Path, status: int, body: Any,
-                                                               message: str) -> None:
+async def test_inference_error_never_carries_the_upstreams_text(home: Path, scripted: Scripted, status: int,
+                                                               body: Any, message: str) -> None:
     def handler(request: httpx.Request) -> httpx.Response:
         return httpx.Response(status, **({"text": body} if isinstance(body, str) else {"json": body}))
 
-    backend = OpenAIUpstreamBackend("http://upstream", [MODEL], transport=httpx.MockTransport(handler))
+    backend = OpenAIUpstreamBackend(await scripted(handler), [MODEL])
     async with running_node(home, backend) as (conn, _):
         await conn.send(sealed(conn, "req_1", {**STORY, "messages": [{"role": "user", "content": SECRET}]})[1])
         await conn.recv_type(protocol.InferenceAccepted)

@@ -1,5 +1,5 @@
 """The OpenAI-compatible upstream backend against a real third-party server (llama-cpp-python's own
-`llama_cpp.server` on the bundled model), plus a scripted transport for what that server never sends."""
+`llama_cpp.server` on the bundled model), plus a scripted upstream for what that server never sends."""
 
 from __future__ import annotations
 
@@ -14,6 +14,7 @@ import pytest
 from darkbloom.provider.backends.base import BackendError, UsageMeter
 from darkbloom.provider.backends.openai_upstream import (OpenAIUpstreamBackend, _estimate_prompt_tokens,
                                                          chat_completions_url)
+from tests.support.scripted_upstream import Handler, Scripted
 
 HELLO = {"messages": [{"role": "user", "content": "Say hello."}], "max_tokens": 8, "temperature": 0}
 
@@ -107,14 +108,14 @@ def test_chat_completions_url() -> None:
     assert chat_completions_url("https://h/openai/v1") == "https://h/openai/v1/chat/completions"
 
 
-# What llama_cpp.server never sends (usage, mid-stream errors) comes from a scripted transport.
+# What llama_cpp.server never sends (usage, mid-stream errors) comes from a scripted upstream.
 
-def _scripted(events: list[str], seen: list[dict[str, Any]]) -> httpx.MockTransport:
+def _scripted(events: list[str], seen: list[dict[str, Any]]) -> Handler:
     def handler(request: httpx.Request) -> httpx.Response:
         seen.append(json.loads(request.content))
         body = "".join(f"data: {event}\n\n" for event in events)
         return httpx.Response(200, headers={"content-type": "text/event-stream"}, content=body.encode())
-    return httpx.MockTransport(handler)
+    return handler
 
 
 def _chunk(content: str | None, finish: str | None = None, usage: dict[str, int] | None = None) -> str:
@@ -127,11 +128,11 @@ def _chunk(content: str | None, finish: str | None = None, usage: dict[str, int]
     return json.dumps(data)
 
 
-async def test_upstream_usage_is_passed_on_and_requested() -> None:
+async def test_upstream_usage_is_passed_on_and_requested(scripted: Scripted) -> None:
     seen: list[dict[str, Any]] = []
     events = [_chunk("Hel"), _chunk("lo", "stop"), _chunk(None, usage={"prompt_tokens": 11, "completion_tokens": 2,
                                                                       "total_tokens": 13}), "[DONE]"]
-    backend = OpenAIUpstreamBackend("http://upstream", ["m"], transport=_scripted(events, seen))
+    backend = OpenAIUpstreamBackend(await scripted(_scripted(events, seen)), ["m"])
     await backend.start()
     try:
         chunks = await stream(backend, {**HELLO, "stream": False}, "m")
@@ -153,8 +154,8 @@ SECRET = "the-secret-prompt-words"
     ([_chunk("Hel"), json.dumps({"error": f"failed on {SECRET}"})], "the upstream failed mid-stream"),
     (["not json"], "upstream sent an event that is not JSON"),
 ])
-async def test_broken_streams_are_502(events: list[str], message: str) -> None:
-    backend = OpenAIUpstreamBackend("http://upstream", ["m"], transport=_scripted(events, []))
+async def test_broken_streams_are_502(scripted: Scripted, events: list[str], message: str) -> None:
+    backend = OpenAIUpstreamBackend(await scripted(_scripted(events, [])), ["m"])
     await backend.start()
     try:
         with pytest.raises(BackendError) as info:
@@ -175,13 +176,14 @@ async def test_broken_streams_are_502(events: list[str], message: str) -> None:
     (503, {"error": {"message": SECRET, "type": "overloaded", "code": "overloaded"}},
      "the upstream failed to serve the request (503 overloaded)"),
 ])
-async def test_upstream_errors_pass_on_status_and_type_never_text(status: int, body: Any, message: str) -> None:
+async def test_upstream_errors_pass_on_status_and_type_never_text(scripted: Scripted, status: int, body: Any,
+                                                                 message: str) -> None:
     def handler(request: httpx.Request) -> httpx.Response:
         if isinstance(body, str):
             return httpx.Response(status, text=body)
         return httpx.Response(status, json=body)
 
-    backend = OpenAIUpstreamBackend("http://upstream", ["m"], transport=httpx.MockTransport(handler))
+    backend = OpenAIUpstreamBackend(await scripted(handler), ["m"])
     await backend.start()
     try:
         with pytest.raises(BackendError) as info:
@@ -195,7 +197,7 @@ class _Stalling(httpx.AsyncByteStream):
     """Sends `events`, then nothing until closed (an upstream still generating)."""
 
     def __init__(self, events: list[str]) -> None:
-        self.events, self.closed = events, False
+        self.events, self.closed = events, asyncio.Event()
 
     async def __aiter__(self) -> Any:
         for event in events_as_bytes(self.events):
@@ -203,7 +205,7 @@ class _Stalling(httpx.AsyncByteStream):
         await asyncio.Event().wait()
 
     async def aclose(self) -> None:
-        self.closed = True
+        self.closed.set()
 
 
 def events_as_bytes(events: list[str]) -> list[bytes]:
@@ -211,15 +213,15 @@ def events_as_bytes(events: list[str]) -> list[bytes]:
 
 
 @pytest.mark.parametrize("usage_per_chunk", [False, True])
-async def test_meter_after_an_early_close(usage_per_chunk: bool) -> None:
+async def test_meter_after_an_early_close(scripted: Scripted, usage_per_chunk: bool) -> None:
     """No usage yet: the prompt estimate and one token per content chunk. An upstream that streams
     usage with every chunk (vLLM's continuous usage stats): its own counts."""
     events = [_chunk(text, usage={"prompt_tokens": 21, "completion_tokens": 2 * n} if usage_per_chunk else None)
               for n, text in enumerate(["Once", " upon", " a"], 1)]
     upstream_stream = _Stalling(events)
-    transport = httpx.MockTransport(lambda request: httpx.Response(
+    url = await scripted(lambda request: httpx.Response(
         200, headers={"content-type": "text/event-stream"}, stream=upstream_stream))
-    backend = OpenAIUpstreamBackend("http://upstream", ["m"], transport=transport)
+    backend = OpenAIUpstreamBackend(url, ["m"])
     await backend.start()
     meter = UsageMeter()
     try:
@@ -230,7 +232,7 @@ async def test_meter_after_an_early_close(usage_per_chunk: bool) -> None:
         await chunks.aclose()
     finally:
         await backend.close()
-    assert upstream_stream.closed
+    await asyncio.wait_for(upstream_stream.closed.wait(), 10)  # the backend closed the connection
     expected = (21, 6) if usage_per_chunk else (_estimate_prompt_tokens(HELLO), 3)
     assert (meter.prompt_tokens, meter.completion_tokens) == expected
 

@@ -16,6 +16,7 @@ from darkbloom.provider.backends.base import TEXT_MODEL_CAPABILITIES, BackendErr
 from darkbloom.provider.backends.openai_upstream import OpenAIUpstreamBackend
 from darkbloom.provider.config import ConfigError, load_config
 from darkbloom.paths import provider_config_path
+from tests.support.scripted_upstream import scripted_upstream
 
 SECRET = "the-secret-prompt-words"
 TOOLS = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": {}}}}]
@@ -43,12 +44,13 @@ class Upstream:
 
 async def run(upstream: Upstream, api: str, body: dict[str, Any], meter: UsageMeter | None = None,
               **kwargs: Any) -> list[dict[str, Any]]:
-    backend = OpenAIUpstreamBackend("http://upstream/v1", ["m"], transport=httpx.MockTransport(upstream), **kwargs)
-    await backend.start()
-    try:
-        return [c async for c in open_stream(backend, api, "m", body, meter)]  # type: ignore[arg-type]
-    finally:
-        await backend.close()
+    async with scripted_upstream(upstream) as url:
+        backend = OpenAIUpstreamBackend(url + "/v1", ["m"], **kwargs)
+        await backend.start()
+        try:
+            return [c async for c in open_stream(backend, api, "m", body, meter)]  # type: ignore[arg-type]
+        finally:
+            await backend.close()
 
 
 def stream_response(events: list[dict[str, Any]]) -> httpx.Response:

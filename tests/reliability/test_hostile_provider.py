@@ -269,6 +269,55 @@ async def test_a_chunk_that_does_not_open_fails_the_request_and_distrusts_the_pr
     await raw.close()
 
 
+def _content_chunk(text: str) -> dict[str, Any]:
+    return {"id": "x", "object": "chat.completion.chunk", "created": 0, "model": "m",
+            "choices": [{"index": 0, "delta": {"content": text}, "finish_reason": None}]}
+
+
+@pytest.mark.parametrize("stream", [False, True])
+async def test_chunks_sent_together_in_one_frame_are_relayed_in_order(coord: Coordinator, account: Account,
+                                                                      stream: bool) -> None:
+    model = _new_model(coord)
+    raw = await _registered(coord, model)
+    async with httpx.AsyncClient(timeout=30) as http:
+        request = asyncio.create_task(http.post(
+            coord.api_url + "/chat/completions", headers=account.headers(),
+            json={"model": model, "stream": stream, "messages": [{"role": "user", "content": "hi"}]}))
+        inference, _ = await raw.next_request()
+        await raw.send_data(inference, [_content_chunk("one "), _content_chunk("two ")])
+        await raw.send_data(inference, [_content_chunk("three")])
+        await raw.send_complete(inference, 3, 3)
+        response = await request
+    assert response.status_code == 200
+    if stream:
+        events = [json.loads(line[6:]) for line in response.text.splitlines()
+                  if line.startswith("data: {")]
+        text = "".join(c["choices"][0]["delta"].get("content") or "" for c in events if c["choices"])
+    else:
+        text = response.json()["choices"][0]["message"]["content"]
+    assert text == "one two three"
+    await raw.close()
+
+
+@pytest.mark.parametrize("payload", [[], [{"choices": []}, "text"]])
+async def test_an_array_that_is_not_all_chunks_fails_the_request_and_distrusts_the_provider(
+        coord: Coordinator, account: Account, payload: list[Any]) -> None:
+    model = _new_model(coord)
+    raw = await _registered(coord, model)
+    before = _balance(coord, account)
+    async with httpx.AsyncClient(timeout=30) as http:
+        request = asyncio.create_task(http.post(coord.api_url + "/chat/completions", headers=account.headers(),
+                                                json={"model": model, "messages": [{"role": "user", "content": "hi"}]}))
+        inference, _ = await raw.next_request()
+        await raw.send_data(inference, payload)
+        response = await request
+        status = await asyncio.wait_for(raw.recv_until(TrustStatus), 10)
+    assert response.status_code == 502 and response.json()["error"]["type"] == "untrusted_chunk"
+    assert status.trust_level == "untrusted"
+    await _wait_balance(coord, account, before)
+    await raw.close()
+
+
 async def test_chunks_for_unknown_requests_are_ignored(coord: Coordinator, account: Account) -> None:
     model = _new_model(coord)
     raw = await _registered(coord, model)

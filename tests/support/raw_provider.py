@@ -147,8 +147,9 @@ class RawProvider:
         await self.ws.send(dump(InferenceResponseChunk(request_id=request.request_id,
                                                        encrypted_data=sealer.seal(json.dumps(chunk).encode()))))
 
-    async def send_data(self, request: InferenceRequest, chunk: dict[str, Any]) -> None:
-        """One sealed chunk of any shape (a tool-call delta, a legacy completion, embeddings)."""
+    async def send_data(self, request: InferenceRequest, chunk: dict[str, Any] | list[Any]) -> None:
+        """One sealed chunk of any shape (a tool-call delta, a legacy completion, embeddings, an array
+        of chunks sent together)."""
         assert self.ws is not None
         sealer = Sealer(public_key_from_b64(request.encrypted_body.ephemeral_public_key))
         await self.ws.send(dump(InferenceResponseChunk(request_id=request.request_id,

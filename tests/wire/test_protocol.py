@@ -28,6 +28,7 @@ from darkbloom.wire.protocol import (
     dump,
     parse_coordinator_frame,
     parse_provider_frame,
+    response_chunks,
 )
 
 ENVELOPE = {"ephemeral_public_key": "AAAA", "ciphertext": "BBBB"}
@@ -196,3 +197,14 @@ def test_a_sealed_request_of_an_8_mib_body_fits_the_nodes_frame_limit() -> None:
     assert parse_coordinator_frame(frame).request_id.startswith("chatcmpl-")
     with pytest.raises(FrameError):
         parse_coordinator_frame('{"type":"cancel","request_id":"' + "x" * MAX_REQUEST_FRAME_BYTES + '"}')
+
+
+@pytest.mark.parametrize("plaintext, count", [(b'{"id": "c"}', 1), (b'[{"id": "a"}, {"id": "b"}]', 2)])
+def test_a_response_chunk_carries_one_chunk_or_an_array_of_them(plaintext: bytes, count: int) -> None:
+    assert len(response_chunks(plaintext)) == count
+
+
+@pytest.mark.parametrize("plaintext", [b"[]", b'[{"id": "a"}, 3]', b'"text"', b"7", b"[[{}]]", b"null", b"{"])
+def test_a_response_chunk_that_is_no_chunk_is_refused(plaintext: bytes) -> None:
+    with pytest.raises(ValueError):
+        response_chunks(plaintext)

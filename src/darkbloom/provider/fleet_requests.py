@@ -173,16 +173,14 @@ class FleetRequests:
 
     async def _relay(self, job: Job, sealer: crypto.Sealer,
                      stream: AsyncIterator[dict[str, Any]]) -> protocol.Usage:
-        """Seal and send every content chunk; return the usage from the final chunk."""
+        """Send every content chunk (the outbox seals them); return the usage from the final chunk."""
         usage: protocol.Usage | None = None
         try:
             async for chunk in stream:
                 if is_usage_chunk(chunk):
                     usage = chunk_usage(chunk)
                     continue
-                sealed = sealer.seal(json.dumps(chunk, separators=(",", ":")).encode())
-                job.outbox.send(protocol.InferenceResponseChunk(request_id=job.request_id, encrypted_data=sealed),
-                                job)
+                job.outbox.send_chunk(job, sealer, chunk)  # sealed by the writer, maybe with its neighbours
         finally:
             aclose = getattr(stream, "aclose", None)
             if aclose is not None:

@@ -1,25 +1,45 @@
 """The frames waiting for one coordinator connection's writer, the only task that sends on it, so
 concurrent requests never interleave writes. Once the connection is gone the outbox is closed and
-takes nothing more."""
+takes nothing more.
+
+Response chunks are queued in the clear with their request's sealer and sealed by the writer: the
+chunks of one request that are waiting side by side when the writer gets to them leave as one
+``inference_response_chunk`` whose sealed plaintext is a JSON array of them (docs/protocol.md). A
+model that makes one token at a time never waits here, so its chunks go one per frame as before;
+an upstream that answers in one burst, or a writer behind under load, sends a few frames instead of
+one per token — fewer seals, frames and parses on both sides, the same bytes to the client.
+"""
 
 from __future__ import annotations
 
 import asyncio
-from typing import Protocol
+import json
+from dataclasses import dataclass
+from typing import Any, Iterator, Protocol
 
 from pydantic import BaseModel
 from websockets.asyncio.client import ClientConnection
 
-from darkbloom.wire import protocol
+from darkbloom.wire import crypto, protocol
+
+COALESCE_BYTES = 64 * 1024  # plaintext of chunks merged into one frame, at most (a larger chunk goes alone)
 
 
 class _Request(Protocol):
+    request_id: str
     cancelled: bool
+
+
+@dataclass(frozen=True)
+class _Chunk:
+    request: _Request
+    sealer: crypto.Sealer
+    text: str  # the chunk's compact JSON
 
 
 class Outbox:
     def __init__(self) -> None:
-        self._queue: asyncio.Queue[tuple[_Request | None, str]] = asyncio.Queue()
+        self._queue: asyncio.Queue[tuple[_Request | None, str] | _Chunk] = asyncio.Queue()
         self.closed = False
 
     def send(self, frame: BaseModel, request: _Request | None = None) -> None:
@@ -28,14 +48,49 @@ class Outbox:
         if not self.closed and (request is None or not request.cancelled):
             self._queue.put_nowait((request, protocol.dump(frame)))
 
+    def send_chunk(self, request: _Request, sealer: crypto.Sealer, chunk: dict[str, Any]) -> None:
+        """Queue one response chunk of `request`, to be sealed with `sealer` when it goes."""
+        if not self.closed and not request.cancelled:
+            self._queue.put_nowait(_Chunk(request, sealer, json.dumps(chunk, separators=(",", ":"))))
+
     def close(self) -> None:
         self.closed = True
 
     async def write_to(self, ws: ClientConnection) -> None:
         while True:
-            request, text = await self._queue.get()
-            if request is None or not request.cancelled:
+            waiting = [await self._queue.get()]
+            while not self._queue.empty():
+                waiting.append(self._queue.get_nowait())
+            for text in _frames(waiting):
                 await ws.send(text)
+
+
+def _frames(waiting: list[tuple[_Request | None, str] | _Chunk]) -> Iterator[str]:
+    """The frames for what was waiting, in order, each made just before it goes (so a request cancelled
+    meanwhile sends nothing more): adjacent chunks of one request merged."""
+    index = 0
+    while index < len(waiting):
+        item = waiting[index]
+        index += 1
+        if not isinstance(item, _Chunk):
+            request, text = item
+            if request is None or not request.cancelled:
+                yield text
+            continue
+        if item.request.cancelled:
+            continue
+        texts, size = [item.text], len(item.text)
+        while index < len(waiting):
+            after = waiting[index]
+            if not (isinstance(after, _Chunk) and after.request is item.request
+                    and size + len(after.text) <= COALESCE_BYTES):
+                break
+            texts.append(after.text)
+            size += len(after.text)
+            index += 1
+        plaintext = texts[0] if len(texts) == 1 else "[" + ",".join(texts) + "]"
+        yield protocol.dump(protocol.InferenceResponseChunk(
+            request_id=item.request.request_id, encrypted_data=item.sealer.seal(plaintext.encode())))
 
 
 def closed_outbox() -> Outbox:

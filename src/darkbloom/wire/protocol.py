@@ -270,6 +270,16 @@ def dump(frame: BaseModel) -> str:
     return frame.model_dump_json(exclude_none=False)
 
 
+def response_chunks(plaintext: bytes) -> list[dict[str, Any]]:
+    """The OpenAI chunks an opened ``inference_response_chunk`` carries: one chunk object, or a
+    non-empty array of them that the node sent together (ValueError otherwise)."""
+    data = json.loads(plaintext)
+    chunks = data if isinstance(data, list) else [data]
+    if not chunks or not all(isinstance(chunk, dict) for chunk in chunks):
+        raise ValueError("a response chunk must be a JSON object or a non-empty array of them")
+    return chunks
+
+
 def _short(exc: ValidationError) -> str:
     first = exc.errors()[0]
     where = ".".join(str(p) for p in first.get("loc", ()))

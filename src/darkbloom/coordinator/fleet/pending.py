@@ -8,14 +8,13 @@ slot until the relay releases it.
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 from dataclasses import dataclass
 from typing import Any, Union
 
 from darkbloom.coordinator.fleet.slots import Slot
 from darkbloom.wire.crypto import DecryptionError, ReplyKey
-from darkbloom.wire.protocol import Envelope, Usage
+from darkbloom.wire.protocol import Envelope, Usage, response_chunks
 
 log = logging.getLogger("darkbloom.relay")
 
@@ -71,17 +70,17 @@ class PendingRequest:
     # called by the provider socket reader
 
     def on_chunk(self, envelope: Envelope) -> bool:
-        """Open a sealed chunk; False when it does not open (the caller distrusts the provider)."""
+        """Open a sealed chunk — one OpenAI chunk object, or a non-empty array of them that the node
+        sent together; False when it does not open (the caller distrusts the provider)."""
         try:
-            data = json.loads(self.reply_key.open(envelope))
-            if not isinstance(data, dict):
-                raise ValueError("chunk is not a JSON object")
+            chunks = response_chunks(self.reply_key.open(envelope))
         except (DecryptionError, ValueError) as exc:
             log.warning("request %s: chunk from %s does not open: %s", self.request_id, self.session.id, exc)
             self._finish(Failed(502, "The provider sent a response chunk that failed decryption.",
                                 "untrusted_chunk"))
             return False
-        self.events.put_nowait(Chunk(data))
+        for chunk in chunks:
+            self.events.put_nowait(Chunk(chunk))
         return True
 
     def on_complete(self, usage: Usage) -> bool:

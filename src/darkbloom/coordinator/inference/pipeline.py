@@ -40,8 +40,7 @@ async def serve(life: RequestLifecycle, call: InferenceCall, policy: Policy,
     # exclusive self-route never spends: no reservation, no key spend cap (rate limits still apply)
     await life.admit(model, prompt_token_bound(call), output_bound, self_routed=policy.self_routed,
                      reserve=not policy.exclusive)
-    first = await until_disconnect(request, placement.place(services, decision, policy))
-    life.hold(first.slot)
+    first = await until_disconnect(request, placement.place(services, decision, policy, life.hold))
     attempts = Attempts(life, decision, call, output_bound)
     try:
         pending, completed = await until_disconnect(request, attempts.run(first))

@@ -5,7 +5,9 @@ error when it cannot be placed or its owned machines can no longer serve it."""
 from __future__ import annotations
 
 import dataclasses
+from typing import Callable
 
+from darkbloom.coordinator.fleet.slots import Slot
 from darkbloom.coordinator.http.auth import Caller
 from darkbloom.coordinator.routing import selfroute
 from darkbloom.coordinator.routing.decision import RouteDecision
@@ -50,25 +52,19 @@ def decide(services: Services, policy: Policy, model: CatalogModel, *, needs: fr
                          pinned=policy.pinned)
 
 
-async def place(services: Services, decision: RouteDecision, policy: Policy) -> Placement:
-    """A claimed slot now or after the queue; otherwise the named error of why not. A slot on another
+async def place(services: Services, decision: RouteDecision, policy: Policy,
+                hold: Callable[[Slot], None]) -> Placement:
+    """A claimed slot now or after the queue; otherwise the named error of why not. ``hold`` takes each
+    claimed slot at once (the request's lifecycle, which gives it back on every end). A slot on another
     replica's session is confirmed there first (one NATS round trip); when that replica says the
-    session is busy or gone, the request is placed again, as if that slot had not been free."""
+    session is busy or gone, the slot is given back and the request placed again, as if that slot had
+    not been free."""
     while True:
         placement = await _place(services, decision, policy)
-        if not placement.session.remote or await _confirmed(placement):
+        hold(placement.slot)
+        if not placement.session.remote or await placement.session.confirm(placement.slot):
             return placement
-
-
-async def _confirmed(placement: Placement) -> bool:
-    try:
-        confirmed = await placement.session.confirm(placement.slot)
-    except BaseException:
-        placement.slot.release()  # the caller went away while the holder answered: nobody else would
-        raise
-    if not confirmed:
         placement.slot.release()
-    return confirmed
 
 
 async def _place(services: Services, decision: RouteDecision, policy: Policy) -> Placement:

@@ -3,9 +3,11 @@
 The node always streams from the upstream with `stream_options.include_usage`, passes the
 content chunks through and takes the token counts from the upstream's final usage chunk.
 Bounding concurrency is the node's job, not this module's; the backend keeps one pool of keep-alive
-connections to its upstream for its lifetime, as many as the node's `max_concurrency`, and reads
-each answer to its end (past `[DONE]`) so that its connection goes back to the pool for the next
-request instead of being closed.
+connections to its upstream for its lifetime (one aiohttp session), as many as the node's
+`max_concurrency`, and reads each answer to its end (past `[DONE]`) so that its connection goes back
+to the pool for the next request instead of being closed. aiohttp, not httpx, on this path: the
+node's whole job per request is one streamed upstream call, and httpx cost ~2–3 ms of CPU for each
+(encode/httpcore#1035's pool bookkeeping among it) against ~0.3 ms for aiohttp (bench/RESULTS.md).
 
 Partial usage (a request stopped early): the `UsageMeter` always holds what the final usage chunk
 would say if the stream ended now — the upstream's own counts once a usage object has arrived
@@ -27,25 +29,21 @@ serves beyond chat is configured per model (`capabilities` in its [[models]] tab
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import json
 import logging
 import math
-import re
 from typing import Any, AsyncIterator
 
-import httpx
+import aiohttp
 
 from darkbloom.provider.backends.base import (TEXT_MODEL_CAPABILITIES, BackendError, UsageMeter,
                                               new_completion_id, usage_chunk)
-from darkbloom.wire.protocol import PROVIDER_ERROR_CODES
+from darkbloom.provider.backends.upstream_stream import sse_chunks, upstream_error
 
 log = logging.getLogger(__name__)
 KEEPALIVE_EXPIRY = 4.0  # seconds an idle connection is kept: under uvicorn's 5 s (vLLM, llama.cpp's server)
 POOL_TIMEOUT = 30.0     # waiting this long for a free connection means one leaked: fail, never hang
-END_OF_BODY_LINES = 8   # what may follow [DONE] before the connection is dropped instead
-END_OF_BODY_WAIT = 1.0
 
 
 def api_base(upstream_url: str) -> str:
@@ -60,31 +58,27 @@ def chat_completions_url(upstream_url: str) -> str:
 
 class OpenAIUpstreamBackend:
     def __init__(self, upstream_url: str, model_ids: list[str], *, api_key: str | None = None,
-                 max_concurrency: int = 2, transport: httpx.AsyncBaseTransport | None = None,
-                 read_timeout: float = 300.0, capabilities: dict[str, frozenset[str]] | None = None) -> None:
+                 max_concurrency: int = 2, read_timeout: float = 300.0,
+                 capabilities: dict[str, frozenset[str]] | None = None) -> None:
         self.url = chat_completions_url(upstream_url)
         self.completions_url = api_base(upstream_url) + "/completions"
         self.embeddings_url = api_base(upstream_url) + "/embeddings"
         self.model_ids = list(model_ids)
         self._capabilities = {m: (capabilities or {}).get(m, TEXT_MODEL_CAPABILITIES) for m in self.model_ids}
         self._headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
-        self._transport = transport
-        self._timeout = httpx.Timeout(connect=10.0, read=read_timeout, write=30.0, pool=POOL_TIMEOUT)
-        self._limits = httpx.Limits(max_connections=max_concurrency, max_keepalive_connections=max_concurrency,
-                                    keepalive_expiry=KEEPALIVE_EXPIRY)
-        self._client: httpx.AsyncClient | None = None
+        self.max_concurrency = max_concurrency
+        # `connect` covers waiting for a pooled connection too: this long means one leaked — fail, never hang
+        self._timeout = aiohttp.ClientTimeout(total=None, connect=POOL_TIMEOUT, sock_connect=10.0,
+                                              sock_read=read_timeout)
+        self._client: aiohttp.ClientSession | None = None
 
     async def start(self) -> None:
-        if not log.isEnabledFor(logging.DEBUG):
-            # httpx logs every request at INFO ("HTTP Request: POST …"): one line per request on the
-            # node's hot path. Kept at DEBUG level (DARKBLOOM_LOG_LEVEL=DEBUG shows them again).
-            logging.getLogger("httpx").setLevel(logging.WARNING)
-        self._client = httpx.AsyncClient(timeout=self._timeout, limits=self._limits, transport=self._transport,
-                                         headers=self._headers)
+        connector = aiohttp.TCPConnector(limit=self.max_concurrency, keepalive_timeout=KEEPALIVE_EXPIRY)
+        self._client = aiohttp.ClientSession(connector=connector, timeout=self._timeout, headers=self._headers)
 
     async def close(self) -> None:
         if self._client is not None:
-            await self._client.aclose()
+            await self._client.close()
             self._client = None
 
     def capabilities(self, model_id: str) -> frozenset[str]:
@@ -112,13 +106,14 @@ class OpenAIUpstreamBackend:
         meter = meter if meter is not None else UsageMeter()
         payload = {**body, "model": model_id, "encoding_format": "float"}
         try:
-            response = await client.post(self.embeddings_url, json=payload)
-            if response.status_code >= 400:
-                raise _upstream_error(response.status_code, response.content)
-            data = response.json()
-        except httpx.TimeoutException as exc:
+            async with client.post(self.embeddings_url, json=payload) as response:
+                raw = await response.read()
+            if response.status >= 400:
+                raise upstream_error(response.status, raw)
+            data = json.loads(raw)
+        except TimeoutError as exc:  # aiohttp's timeouts are TimeoutErrors
             raise BackendError(504, f"the upstream timed out ({type(exc).__name__})") from None
-        except httpx.HTTPError as exc:
+        except aiohttp.ClientError as exc:
             raise BackendError(502, f"the connection to the upstream failed ({type(exc).__name__})") from None
         except ValueError:
             raise BackendError(502, "the upstream's embeddings are not JSON") from None
@@ -134,7 +129,7 @@ class OpenAIUpstreamBackend:
                                            "embedding": v["embedding"]} for i, v in enumerate(vectors)]}
         yield usage_chunk(new_completion_id("embd"), model_id, None, meter.prompt_tokens, 0, object_name="list")
 
-    def _started(self, model_id: str) -> httpx.AsyncClient:
+    def _started(self, model_id: str) -> aiohttp.ClientSession:
         if self._client is None:
             raise BackendError(503, "the upstream backend is not started")
         if model_id not in self.model_ids:
@@ -151,14 +146,14 @@ class OpenAIUpstreamBackend:
         content_chunks = 0
         completion_id, created = new_completion_id(), None
         try:
-            async with client.stream("POST", url, json=payload) as response:
-                if response.status_code >= 400:
-                    raise _upstream_error(response.status_code, await response.aread())
+            async with client.post(url, json=payload) as response:
+                if response.status >= 400:
+                    raise upstream_error(response.status, await response.read())
                 # The upstream took the request. Until it reports usage (llama-cpp-python's server, for
                 # one, never does when streaming): ~4 characters per prompt token plus a few per message
                 # for the chat template, and one token per content chunk.
                 meter.prompt_tokens, meter.completion_tokens = estimate, 0
-                async for chunk in _sse_chunks(response):
+                async for chunk in sse_chunks(response):
                     completion_id = chunk.get("id") or completion_id
                     created = chunk.get("created", created)
                     usage = chunk.get("usage")
@@ -173,10 +168,10 @@ class OpenAIUpstreamBackend:
                     if not upstream_usage:
                         meter.completion_tokens = content_chunks
                     yield chunk
-        except httpx.TimeoutException as exc:
+        except TimeoutError as exc:  # aiohttp's timeouts are TimeoutErrors
             log.warning("upstream %s timed out: %s", url, type(exc).__name__)
             raise BackendError(504, f"the upstream timed out ({type(exc).__name__})") from None
-        except httpx.HTTPError as exc:
+        except aiohttp.ClientError as exc:
             log.warning("upstream %s failed: %s: %s", url, type(exc).__name__, exc)
             raise BackendError(502, f"the connection to the upstream failed ({type(exc).__name__})") from None
         if not upstream_usage:
@@ -197,81 +192,8 @@ def _text_step(choice: dict[str, Any]) -> bool:
     return bool(choice.get("text"))
 
 
-async def _sse_chunks(response: httpx.Response) -> AsyncIterator[dict[str, Any]]:
-    lines = response.aiter_lines()
-    async for line in lines:
-        if not line.startswith("data:"):
-            continue
-        data = line[5:].strip()
-        if data == "[DONE]":
-            await _read_to_the_end(lines)
-            return
-        try:
-            chunk = json.loads(data)
-        except ValueError:
-            raise BackendError(502, "upstream sent an event that is not JSON") from None
-        if not isinstance(chunk, dict):
-            raise BackendError(502, "upstream sent an event that is not a JSON object")
-        if "error" in chunk:
-            kinds = _error_kinds(chunk)
-            raise BackendError(502, f"the upstream failed mid-stream ({kinds})" if kinds else
-                               "the upstream failed mid-stream")
-        yield chunk
-    # Without [DONE] the upstream failed after sending its headers (some servers report a
-    # too-long prompt this way); a truncated answer must not pass for a complete one.
-    raise BackendError(502, "upstream closed the stream before it was complete")
-
-
-async def _read_to_the_end(lines: AsyncIterator[str]) -> None:
-    """Read the (empty) rest of the body after [DONE]: a response read to its end gives its connection
-    back to the pool, one closed early takes it down. An upstream that keeps sending loses the
-    connection instead of delaying the answer."""
-    try:
-        async with asyncio.timeout(END_OF_BODY_WAIT):
-            for _ in range(END_OF_BODY_LINES):
-                await anext(lines)
-    except (StopAsyncIteration, TimeoutError):
-        pass
-
-
 def _valid_usage(usage: dict[str, Any]) -> bool:
     return all(isinstance(usage.get(k), int) and usage[k] >= 0 for k in ("prompt_tokens", "completion_tokens"))
-
-
-def _upstream_error(status: int, raw: bytes) -> BackendError:
-    """The upstream's status and error identifiers in our own words; its message is never passed on."""
-    try:
-        data = json.loads(raw)
-    except ValueError:
-        data = None
-    verb = "rejected the request" if status < 500 else "failed to serve the request"
-    kinds = _error_kinds(data)
-    error = data.get("error") if isinstance(data, dict) else None
-    param = error.get("param") if isinstance(error, dict) else None
-    code = error.get("code") if isinstance(error, dict) else None
-    message = f"the upstream {verb} ({status} {kinds})" if kinds else f"the upstream {verb} ({status})"
-    return BackendError(status, message,
-                        param=param if isinstance(param, str) and _PARAM.fullmatch(param) else None,
-                        code=code if code in PROVIDER_ERROR_CODES else None)
-
-
-_IDENTIFIER = re.compile(r"[A-Za-z0-9_.:-]{1,64}")
-_PARAM = re.compile(r"[A-Za-z0-9_.\[\]-]{1,128}")
-
-
-def _error_kinds(data: Any) -> str:
-    """`error.type` and `error.code` of an OpenAI-style error object as "type, code", each only when it
-    is an identifier (free text there is dropped like the message); "" when there are none."""
-    error = data.get("error") if isinstance(data, dict) else None
-    if not isinstance(error, dict):
-        return ""
-    kinds: list[str] = []
-    for key in ("type", "code"):
-        value = error.get(key)
-        value = str(value) if isinstance(value, (str, int)) and not isinstance(value, bool) else ""
-        if _IDENTIFIER.fullmatch(value) and value not in kinds:
-            kinds.append(value)
-    return ", ".join(kinds)
 
 
 def _estimate_prompt_tokens(body: dict[str, Any]) -> int:

@@ -1,0 +1,130 @@
+"""The node's outbox: frames leave in order; the chunks of one request waiting side by side leave as
+one sealed frame whose plaintext is an array of them; a cancelled request's queued frames never go."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from dataclasses import dataclass
+from typing import Any
+
+from darkbloom.provider.outbox import COALESCE_BYTES, Outbox
+from darkbloom.wire import crypto, protocol
+
+
+@dataclass(eq=False)
+class Request:
+    request_id: str
+    cancelled: bool = False
+
+
+class Socket:
+    """Stands in for the connection: records what is sent; can hold the writer inside a send."""
+
+    def __init__(self) -> None:
+        self.sent: list[Any] = []
+        self.gate: asyncio.Event | None = None
+
+    async def send(self, text: str) -> None:
+        self.sent.append(protocol.parse_provider_frame(text))
+        if self.gate is not None:
+            await self.gate.wait()
+
+
+def chunk(text: str) -> dict[str, Any]:
+    return {"id": "c", "object": "chat.completion.chunk", "created": 0, "model": "m",
+            "choices": [{"index": 0, "delta": {"content": text}, "finish_reason": None}]}
+
+
+async def drain(outbox: Outbox, socket: Socket) -> None:
+    writer = asyncio.create_task(outbox.write_to(socket))  # type: ignore[arg-type]
+    for _ in range(5):
+        await asyncio.sleep(0)
+    writer.cancel()
+
+
+def opened(reply: crypto.ReplyKey, frame: protocol.InferenceResponseChunk) -> list[str]:
+    return [c["choices"][0]["delta"]["content"] for c in protocol.response_chunks(reply.open(frame.encrypted_data))]
+
+
+def sealer_for(reply: crypto.ReplyKey) -> crypto.Sealer:
+    return crypto.Sealer(reply.public_key)
+
+
+async def test_waiting_chunks_of_a_request_leave_as_one_frame_in_order() -> None:
+    outbox, socket = Outbox(), Socket()
+    a, b = Request("a"), Request("b")
+    reply_a, reply_b = crypto.ReplyKey(), crypto.ReplyKey()
+    sealer_a, sealer_b = sealer_for(reply_a), sealer_for(reply_b)
+    outbox.send(protocol.InferenceAccepted(request_id="a"), a)
+    for word in ("one", "two", "three"):
+        outbox.send_chunk(a, sealer_a, chunk(word))
+    outbox.send_chunk(b, sealer_b, chunk("other"))
+    outbox.send_chunk(a, sealer_a, chunk("four"))
+    outbox.send(protocol.InferenceComplete(request_id="a", usage=protocol.Usage(prompt_tokens=1,
+                                                                                completion_tokens=4)), a)
+    await drain(outbox, socket)
+    kinds = [(type(frame).__name__, frame.request_id) for frame in socket.sent]
+    assert kinds == [("InferenceAccepted", "a"), ("InferenceResponseChunk", "a"), ("InferenceResponseChunk", "b"),
+                     ("InferenceResponseChunk", "a"), ("InferenceComplete", "a")]
+    assert opened(reply_a, socket.sent[1]) == ["one", "two", "three"]
+    assert opened(reply_b, socket.sent[2]) == ["other"]
+    # a lone chunk is sealed as the object itself, as a node that never merges would send it
+    assert isinstance(json.loads(reply_a.open(socket.sent[3].encrypted_data)), dict)
+
+
+async def test_a_chunk_sent_while_the_writer_is_idle_goes_alone() -> None:
+    outbox, socket = Outbox(), Socket()
+    request, reply = Request("a"), crypto.ReplyKey()
+    sealer = sealer_for(reply)
+    writer = asyncio.create_task(outbox.write_to(socket))  # type: ignore[arg-type]
+    for word in ("one", "two"):
+        outbox.send_chunk(request, sealer, chunk(word))
+        for _ in range(3):
+            await asyncio.sleep(0)
+    writer.cancel()
+    assert [opened(reply, frame) for frame in socket.sent] == [["one"], ["two"]]
+
+
+async def test_chunks_queued_during_a_send_are_merged_and_a_cancel_drops_them() -> None:
+    outbox, socket = Outbox(), Socket()
+    kept, dropped = Request("kept"), Request("dropped")
+    reply = crypto.ReplyKey()
+    sealer = sealer_for(reply)
+    socket.gate = asyncio.Event()
+    writer = asyncio.create_task(outbox.write_to(socket))  # type: ignore[arg-type]
+    outbox.send(protocol.InferenceAccepted(request_id="kept"), kept)
+    await asyncio.sleep(0)  # the writer is inside that send now
+    for word in ("a", "b"):
+        outbox.send_chunk(kept, sealer, chunk(word))
+        outbox.send_chunk(dropped, sealer, chunk(word))
+    outbox.send_chunk(kept, sealer, chunk("c"))
+    dropped.cancelled = True
+    socket.gate.set()
+    for _ in range(5):
+        await asyncio.sleep(0)
+    writer.cancel()
+    assert [frame.request_id for frame in socket.sent] == ["kept", "kept", "kept", "kept"]
+    assert [opened(reply, frame) for frame in socket.sent[1:]] == [["a"], ["b"], ["c"]]  # not adjacent
+
+
+async def test_a_merged_frame_holds_at_most_coalesce_bytes_of_chunks() -> None:
+    outbox, socket = Outbox(), Socket()
+    request, reply = Request("a"), crypto.ReplyKey()
+    sealer = sealer_for(reply)
+    word = "x" * (COALESCE_BYTES // 5)
+    for _ in range(12):
+        outbox.send_chunk(request, sealer, chunk(word))
+    await drain(outbox, socket)
+    sizes = [len(opened(reply, frame)) for frame in socket.sent]
+    assert sum(sizes) == 12 and len(sizes) >= 3 and max(sizes) <= 4
+
+
+async def test_nothing_is_queued_on_a_closed_outbox_or_for_a_cancelled_request() -> None:
+    outbox, socket = Outbox(), Socket()
+    request, reply = Request("a", cancelled=True), crypto.ReplyKey()
+    outbox.send_chunk(request, sealer_for(reply), chunk("late"))
+    outbox.close()
+    outbox.send_chunk(Request("b"), sealer_for(reply), chunk("later"))
+    await drain(outbox, socket)
+    assert socket.sent == []
