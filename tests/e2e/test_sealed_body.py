@@ -61,6 +61,28 @@ def test_sealed_stream_seals_every_event(stack: Stack) -> None:
     assert chunks[-1]["usage"]["completion_tokens"] > 0
 
 
+@pytest.mark.parametrize("path, body", [
+    ("/responses", {"model": "smollm2-135m", "input": "Name a colour.", "max_output_tokens": 8, "stream": True}),
+    ("/messages", {"model": "smollm2-135m", "max_tokens": 8, "stream": True,
+                   "messages": [{"role": "user", "content": "Name a colour."}]}),
+])
+def test_sealed_event_streams_of_the_other_apis_seal_every_data_line(stack: Stack, path: str,
+                                                                     body: dict[str, object]) -> None:
+    """The Responses and Anthropic streams carry an `event:` line before each `data:` line: the event
+    type stays readable, every payload is sealed (none of the answer's JSON is in the clear)."""
+    envelope, box = _seal(stack, body)
+    response = httpx.post(stack.coordinator.api_url + path, content=json.dumps(envelope),
+                          headers={**stack.owner.headers(), "Content-Type": SEALED}, timeout=60)
+    assert response.status_code == 200, response.text
+    lines = [line for line in response.text.splitlines() if line]
+    data = [line[6:] for line in lines if line.startswith("data: ")]
+    kinds = [line[7:] for line in lines if line.startswith("event: ")]
+    assert data and len(data) == len(kinds) and all(line.startswith(("data: ", "event: ")) for line in lines)
+    events = [json.loads(box.decrypt(b64d(json.loads(item)["ciphertext"]))) for item in data]
+    assert [event["type"] for event in events] == kinds
+    assert kinds[-1] in ("response.completed", "message_stop")
+
+
 @pytest.mark.parametrize("envelope", [{"kid": "x"}, ["not", "an", "object"], {"kid": "k", "ephemeral_public_key": "AAAA",
                                                                            "ciphertext": "AAAA"}])
 def test_malformed_envelope(stack: Stack, envelope: object) -> None:

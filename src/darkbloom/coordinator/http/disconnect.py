@@ -1,9 +1,15 @@
-"""Racing a piece of request work against the client going away (vLLM's ``with_cancellation``)."""
+"""Racing a request's work against the client going away (vLLM's ``with_cancellation``).
+
+One watcher task per request listens for ``http.disconnect`` for as long as the handler runs; while
+the handler awaits a piece of work through ``until``, a disconnect cancels that work in place (the
+handler's own task: no task per await) and ``until`` raises ``ClientDisconnected``.
+"""
 
 from __future__ import annotations
 
 import asyncio
-from typing import Awaitable, TypeVar
+import inspect
+from typing import Any, Awaitable, TypeVar
 
 from starlette.requests import Request
 
@@ -14,24 +20,44 @@ class ClientDisconnected(Exception):
     """The client closed the connection while its request was being worked on."""
 
 
-async def until_disconnect(request: Request, work: Awaitable[T]) -> T:
-    """Await ``work`` unless the client goes away first (then cancel it and raise ClientDisconnected)."""
-    task = asyncio.ensure_future(work)
-    watcher = asyncio.ensure_future(_wait_disconnect(request))
-    try:
-        done, _ = await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
-        if task in done:
-            return task.result()
-        task.cancel()
-        raise ClientDisconnected()
-    finally:
-        watcher.cancel()
-        if not task.done():
-            task.cancel()
+class DisconnectWatch:
+    def __init__(self, request: Request) -> None:
+        self._request = request
+        self._watcher: asyncio.Task[None] | None = None
+        self._waiting: asyncio.Task[Any] | None = None  # the task inside ``until`` now
+        self._cancelled_it = False
+        self.gone = False
 
+    async def until(self, work: Awaitable[T]) -> T:
+        """Await ``work`` unless the client goes away first (then cancel it and raise ClientDisconnected)."""
+        if self.gone:
+            if inspect.iscoroutine(work):
+                work.close()
+            raise ClientDisconnected()
+        if self._watcher is None:
+            self._watcher = asyncio.create_task(self._watch())
+        task = asyncio.current_task()
+        assert task is not None
+        self._waiting = task
+        try:
+            return await work
+        except asyncio.CancelledError:
+            if self._cancelled_it:
+                self._cancelled_it = False
+                if task.uncancel() == 0:  # our cancel alone: the client left; any other one stands
+                    raise ClientDisconnected() from None
+            raise
+        finally:
+            self._waiting = None
 
-async def _wait_disconnect(request: Request) -> None:
-    while True:
-        message = await request.receive()
-        if message["type"] == "http.disconnect":
-            return
+    def close(self) -> None:
+        if self._watcher is not None:
+            self._watcher.cancel()
+
+    async def _watch(self) -> None:
+        while (await self._request.receive())["type"] != "http.disconnect":
+            pass
+        self.gone = True
+        if self._waiting is not None:
+            self._cancelled_it = True
+            self._waiting.cancel()

@@ -78,13 +78,16 @@ class Unsealed:
                             headers={**headers, "Content-Type": SEALED_CONTENT_TYPE})
 
     async def _sealed_events(self, events: AsyncIterator[Any]) -> AsyncIterator[bytes]:
-        async for event in events:
-            raw = event if isinstance(event, bytes) else str(event).encode()
-            if raw.startswith(b"data: ") and not raw.startswith(b"data: [DONE]"):
-                payload = raw[len(b"data: "):].rstrip(b"\n")
-                yield b"data: " + json.dumps(self.seal(payload), separators=(",", ":")).encode() + b"\n\n"
-            else:
-                yield raw
+        """Every ``data:`` line sealed, whatever else its event holds (an ``event:`` line of the
+        Responses and Anthropic streams) and however many events one write carries; ``[DONE]`` stays."""
+        async for part in events:
+            raw = part if isinstance(part, bytes) else str(part).encode()
+            yield b"\n".join(self._sealed_line(line) for line in raw.split(b"\n"))
+
+    def _sealed_line(self, line: bytes) -> bytes:
+        if not line.startswith(b"data:") or line[5:].strip() == b"[DONE]":
+            return line
+        return b"data: " + json.dumps(self.seal(line[5:].strip()), separators=(",", ":")).encode()
 
 
 def unseal(raw: bytes, key: CoordinatorKey) -> Unsealed:

@@ -13,7 +13,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 
 from darkbloom.coordinator.fleet.pending import PendingRequest
 from darkbloom.coordinator.http.auth import Caller
-from darkbloom.coordinator.http.disconnect import until_disconnect
+from darkbloom.coordinator.http.disconnect import DisconnectWatch
 from darkbloom.coordinator.inference import relay
 from darkbloom.coordinator.inference.attempts import Attempts
 from darkbloom.coordinator.inference.calls import Edge, InferenceCall
@@ -32,7 +32,17 @@ def new_request_id(edge: Edge) -> str:
 
 async def serve(life: RequestLifecycle, call: InferenceCall, policy: Policy,
                 request: Request) -> StreamingResponse | JSONResponse:
-    """Serve ``call`` inside ``life`` (already charged for RPM); ``life``'s exit gives back the rest."""
+    """Serve ``call`` inside ``life`` (already charged for RPM); ``life``'s exit gives back the rest.
+    Until the answer is ready, the client going away stops the work (``ClientDisconnected``)."""
+    watch = DisconnectWatch(request)
+    try:
+        return await _serve(life, call, policy, watch)
+    finally:
+        watch.close()  # a streamed answer's own response notices a client that goes away later
+
+
+async def _serve(life: RequestLifecycle, call: InferenceCall, policy: Policy,
+                 watch: DisconnectWatch) -> StreamingResponse | JSONResponse:
     services, caller = life.services, life.caller
     model = placement.resolve_model(services, caller, call.model, policy)
     decision = placement.decide(services, policy, model, needs=call.needs)
@@ -40,10 +50,10 @@ async def serve(life: RequestLifecycle, call: InferenceCall, policy: Policy,
     # exclusive self-route never spends: no reservation, no key spend cap (rate limits still apply)
     await life.admit(model, prompt_token_bound(call), output_bound, self_routed=policy.self_routed,
                      reserve=not policy.exclusive)
-    first = await until_disconnect(request, placement.place(services, decision, policy, life.hold))
+    first = await watch.until(placement.place(services, decision, policy, life.hold))
     attempts = Attempts(life, decision, call, output_bound)
     try:
-        pending, completed = await until_disconnect(request, attempts.run(first))
+        pending, completed = await watch.until(attempts.run(first))
     except relay.ProviderFailure as failure:
         raise await placement.unserved_error(services, decision, failure.as_api_error()) from None
     headers = _routing_headers(life, caller, pending, policy)
@@ -54,7 +64,7 @@ async def serve(life: RequestLifecycle, call: InferenceCall, policy: Policy,
         events = _streamed(life, pending, completed, presenter, deadlines)
         return EventStreamResponse(events, headers, life.end_unfinished)
     try:
-        body = await until_disconnect(request, relay.collect(pending, completed, presenter, deadlines))
+        body = await watch.until(relay.collect(pending, completed, presenter, deadlines))
     except relay.ProviderFailure as failure:
         raise failure.as_api_error() from None
     return JSONResponse(body, headers=headers)

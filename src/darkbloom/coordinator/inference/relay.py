@@ -158,6 +158,8 @@ def timed_out(budget: float) -> ProviderFailure:
 async def _next_event(pending: PendingRequest, deadlines: Deadlines) -> Event:
     """The provider's next event, or — when it stays silent past a deadline — a timeout failure
     (the provider is told to stop)."""
+    if not pending.events.empty():
+        return pending.events.get_nowait()  # already here: no deadline to arm (the common case under load)
     remaining = deadlines.until - time.monotonic()
     wait = min(deadlines.idle, remaining)
     try:
@@ -176,22 +178,26 @@ async def _next_event(pending: PendingRequest, deadlines: Deadlines) -> Event:
 async def relay_chunks(pending: PendingRequest, completed: bool, presenter: Presenter,
                        deadlines: Deadlines) -> AsyncIterator[bytes]:
     """The presenter's events for the buffered head and every later chunk, until the provider
-    finishes, fails or misses a deadline (then ``pending.usage`` or ``pending.failure`` says which)."""
-    for part in presenter.stream_start():
-        yield part
+    finishes, fails or misses a deadline (then ``pending.usage`` or ``pending.failure`` says which).
+    The events of every chunk already waiting go out in one write: a model making one token at a
+    time gets one write per token, a burst (or a relay behind under load) far fewer."""
+    parts = list(presenter.stream_start())
     for data in pending.head:
-        for part in presenter.stream_chunk(data):
-            yield part
+        parts.extend(presenter.stream_chunk(data))
     while not completed:
+        if parts and pending.events.empty():
+            yield b"".join(parts)
+            parts = []
         event = await _next_event(pending, deadlines)
         if isinstance(event, Chunk):
-            for part in presenter.stream_chunk(event.data):
-                yield part
+            parts.extend(presenter.stream_chunk(event.data))
         elif isinstance(event, Failed):
             pending.failure = event
-            return
+            break
         else:
             completed = True
+    if parts:
+        yield b"".join(parts)
 
 
 def failure_error(failure: Failed) -> ApiError:
