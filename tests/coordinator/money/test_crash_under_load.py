@@ -76,7 +76,9 @@ async def load(coord: Coordinator, keys: list[str], answers: int, kill: bool, se
                 if kill:
                     coord.process.kill()  # SIGKILL: no shutdown, no draining, no settlement of the rest
 
-    limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
+    # idle connections dropped before uvicorn's 5 s keep-alive timeout closes them: a request sent on one
+    # the server is closing at that instant fails with ReadError, which no coordinator fault explains
+    limits = httpx.Limits(max_connections=None, max_keepalive_connections=None, keepalive_expiry=2.0)
     async with httpx.AsyncClient(limits=limits, timeout=60) as client:
         await asyncio.gather(*(client_loop(client) for _ in range(CONCURRENCY)))
     return seen
