@@ -199,7 +199,11 @@ def test_a_sealed_request_of_an_8_mib_body_fits_the_nodes_frame_limit() -> None:
         parse_coordinator_frame('{"type":"cancel","request_id":"' + "x" * MAX_REQUEST_FRAME_BYTES + '"}')
 
 
-@pytest.mark.parametrize("plaintext, count", [(b'{"id": "c"}', 1), (b'[{"id": "a"}, {"id": "b"}]', 2)])
+@pytest.mark.parametrize("plaintext, count", [
+    (b'{"id": "c"}', 1), (b'[{"id": "a"}, {"id": "b"}]', 2),
+    # what orjson refuses and stdlib json takes opens as it always did
+    (b'{"id": "c", "x": NaN}', 1), (b'[{"text": "\\ud800"}]', 1), (b'\xef\xbb\xbf{"id": "c"}', 1),
+])
 def test_a_response_chunk_carries_one_chunk_or_an_array_of_them(plaintext: bytes, count: int) -> None:
     assert len(response_chunks(plaintext)) == count
 

@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import inspect
 import logging
-from typing import AsyncIterator
+from typing import Any, AsyncIterator
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
@@ -72,7 +73,7 @@ def create_app(settings: CoordinatorSettings) -> FastAPI:
             await engine.dispose()
 
     app = FastAPI(title="Darkbloom coordinator", version="0.1.0", lifespan=lifespan,
-                  docs_url=None, redoc_url=None)
+                  docs_url=None, redoc_url=None, **_NO_TELEMETRY)
     app.add_middleware(BodyLimitMiddleware, max_bytes=settings.max_body_bytes)
     add_cors(app, settings.cors_origins)  # outermost: preflights never reach the body limit or routes
     install_handlers(app)
@@ -80,9 +81,17 @@ def create_app(settings: CoordinatorSettings) -> FastAPI:
     install_openapi(app)  # GET /openapi.json: bodies, every response, Self-Route headers
     app.add_exception_handler(ClientDisconnected, _client_gone)
     app.add_exception_handler(ClientDisconnect, _client_gone)
+    inference.add_inference_routes(app)
     for module in (health, inference, account, payments, keys, device, admin, provider_ws, console_routes):
         app.include_router(module.router)
     return app
+
+
+# FastAPI releases with native OpenTelemetry look up the global tracer, meter and logger providers on
+# every request to decide whether to report it (~3 % of the coordinator's CPU on the relay path); the
+# coordinator's metrics are Prometheus's (/metrics), so that is off where the option exists.
+_NO_TELEMETRY: dict[str, Any] = ({"telemetry": {"tracing": False, "metrics": False, "logs": False}}
+                                 if "telemetry" in inspect.signature(FastAPI.__init__).parameters else {})
 
 
 async def _client_gone(_request: Request, _exc: Exception) -> JSONResponse:

@@ -17,6 +17,7 @@ from __future__ import annotations
 import json
 from typing import Annotated, Any, Literal, Union
 
+import orjson
 from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError
 
 MAX_FRAME_BYTES = 8 * 1024 * 1024  # provider → coordinator (CONTRACT §5)
@@ -272,8 +273,14 @@ def dump(frame: BaseModel) -> str:
 
 def response_chunks(plaintext: bytes) -> list[dict[str, Any]]:
     """The OpenAI chunks an opened ``inference_response_chunk`` carries: one chunk object, or a
-    non-empty array of them that the node sent together (ValueError otherwise)."""
-    data = json.loads(plaintext)
+    non-empty array of them that the node sent together (ValueError otherwise). orjson reads it (a
+    tenth of stdlib's time, on every frame of every answer); what orjson refuses and stdlib takes
+    (NaN, a BOM, lone surrogate escapes) still opens through stdlib, as it always did. (orjson reads
+    an integer past 64 bits as a float: no chunk field is one.)"""
+    try:
+        data = orjson.loads(plaintext)
+    except orjson.JSONDecodeError:
+        data = json.loads(plaintext)
     chunks = data if isinstance(data, list) else [data]
     if not chunks or not all(isinstance(chunk, dict) for chunk in chunks):
         raise ValueError("a response chunk must be a JSON object or a non-empty array of them")

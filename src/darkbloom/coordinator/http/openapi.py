@@ -16,7 +16,10 @@ from typing import Any
 
 from fastapi import FastAPI
 from fastapi.openapi.utils import get_openapi
+from fastapi.routing import APIRoute
+from starlette.routing import Route
 
+from darkbloom.coordinator.http.allowed_methods import http_routes
 from darkbloom.coordinator.http.openapi_inference import INFERENCE_OPERATIONS, INFERENCE_SCHEMAS
 from darkbloom.coordinator.http.openapi_operations import OPERATIONS, Operation, extra_schemas
 from darkbloom.coordinator.http.openapi_schemas import SCHEMAS, Schema, ref
@@ -100,6 +103,12 @@ def build_document(app: FastAPI) -> dict[str, Any]:
     paths: dict[str, dict[str, Any]] = document.setdefault("paths", {})
     if app.openapi_url:
         paths.setdefault(app.openapi_url, {})["get"] = {"operationId": "openapi_document"}
+    for listed in http_routes(app.routes):  # plain Starlette routes (the inference ones): the generator skips them
+        route = getattr(listed, "route", listed)  # newer FastAPI lists each route in a context
+        if isinstance(route, Route) and not isinstance(route, APIRoute) and route.include_in_schema:
+            for method in sorted((route.methods or set()) - {"HEAD"}):
+                paths.setdefault(route.path, {})[method.lower()] = {
+                    "operationId": re.sub(r"\W", "_", f"{route.name}{route.path}") + f"_{method.lower()}"}
     for path, item in paths.items():
         for method, operation in item.items():
             spec = OPERATIONS.get((method, path)) or INFERENCE_OPERATIONS.get((method, path))
