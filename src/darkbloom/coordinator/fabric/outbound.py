@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any, Callable
 from darkbloom.coordinator.fabric import messages
 from darkbloom.coordinator.fabric.connection import Connection
 from darkbloom.coordinator.fabric.subjects import Subjects
-from darkbloom.coordinator.fleet import session_lifecycle
+from darkbloom.coordinator.fleet import session_lifecycle, slots
 from darkbloom.wire.protocol import Envelope, Usage
 
 if TYPE_CHECKING:
@@ -95,7 +95,7 @@ class Outbound:
 
     def _looks_full(self, session: "RemoteSession") -> None:
         """Until the holder's next announcement says otherwise, no slot of it looks free here."""
-        session._active = max(session._active, session.max_concurrency)
+        slots.mirror(session, max(session.active, session.max_concurrency))
 
     # the holder's answers
 

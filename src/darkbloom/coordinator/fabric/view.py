@@ -24,6 +24,7 @@ from prometheus_client import Gauge
 from darkbloom.coordinator.fabric import messages
 from darkbloom.coordinator.fabric.outbound import Outbound
 from darkbloom.coordinator.fabric.remote_session import RemoteSession
+from darkbloom.coordinator.fleet import slots
 from darkbloom.wire.crypto import DecryptionError, public_key_from_b64
 
 if TYPE_CHECKING:
@@ -159,5 +160,5 @@ def _update(stand_in: RemoteSession, announced: dict[str, Any], now: float) -> N
         stand_in.draining = True
     if stand_in.decode_tps != announced["decode_tps"]:
         stand_in.decode_tps = float(announced["decode_tps"])
-    if stand_in._active != announced["active"]:
-        stand_in._active = int(announced["active"])
+    if stand_in.active != announced["active"]:
+        slots.mirror(stand_in, int(announced["active"]))

@@ -65,6 +65,13 @@ class Slots:
             listener()
 
 
+def mirror(session: ProviderSession, active: int) -> None:
+    """A stand-in for another replica's session takes the count its holder announced (or, until the
+    next announcement, a full one): with claim and release, the only writes to a session's count."""
+    assert session.remote, "a local session's count moves only by claim and release"
+    session._active = active
+
+
 def speed_of(session: ProviderSession) -> float:
     speed = session.decode_tps
     return speed if speed == speed else 0.0  # NaN would never find its bucket again

@@ -21,7 +21,6 @@ from darkbloom.coordinator.inference.lifecycle import RequestLifecycle
 from darkbloom.coordinator.money.estimation import output_token_bound, prompt_token_bound
 from darkbloom.coordinator.routing import placement
 from darkbloom.coordinator.routing.policy import Policy
-from darkbloom.coordinator.services import Services
 from darkbloom.wire.openai.presenters import Presenter
 from darkbloom.wire.openai.streaming import EventStreamResponse
 

@@ -74,7 +74,9 @@ class OpenAIUpstreamBackend:
 
     async def start(self) -> None:
         connector = aiohttp.TCPConnector(limit=self.max_concurrency, keepalive_timeout=KEEPALIVE_EXPIRY)
-        self._client = aiohttp.ClientSession(connector=connector, timeout=self._timeout, headers=self._headers)
+        # trust_env: HTTP(S)_PROXY / NO_PROXY apply to the upstream, as they did with httpx
+        self._client = aiohttp.ClientSession(connector=connector, timeout=self._timeout, headers=self._headers,
+                                             trust_env=True)
 
     async def close(self) -> None:
         if self._client is not None:
