@@ -13,7 +13,7 @@ import pytest
 
 from darkbloom.provider.backends.base import BackendError, UsageMeter
 from darkbloom.provider.backends.openai_upstream import (OpenAIUpstreamBackend, _estimate_prompt_tokens,
-                                                         chat_completions_url)
+                                                         chat_completions_url, proxy_for)
 from tests.support.scripted_upstream import Handler, Scripted
 
 HELLO = {"messages": [{"role": "user", "content": "Say hello."}], "max_tokens": 8, "temperature": 0}
@@ -280,3 +280,96 @@ async def test_requests_reuse_one_pooled_connection() -> None:
         server.close()
         await server.wait_closed()
     assert 1 <= len(connections) <= 4  # one for the sequential requests, at most max_concurrency at once
+
+
+# What the client must not do: follow a redirect (the prompt would go wherever Location says), read
+# ~/.netrc (its credentials would go upstream), choke on SSE's other line endings, fail a whole answer
+# when the connection breaks after [DONE].
+
+async def test_a_redirect_is_not_followed(scripted: Scripted) -> None:
+    elsewhere: list[str] = []
+
+    def other(request: httpx.Request) -> httpx.Response:
+        elsewhere.append(request.method)
+        return httpx.Response(200, content=b"data: [DONE]\n\n")
+
+    target = await scripted(other)
+    backend = OpenAIUpstreamBackend(await scripted(
+        lambda request: httpx.Response(307, headers={"location": target + "/v1/chat/completions"})), ["m"])
+    await backend.start()
+    try:
+        with pytest.raises(BackendError) as info:
+            await stream(backend, HELLO, "m")
+    finally:
+        await backend.close()
+    assert info.value.status_code == 502 and "redirect (307)" in info.value.message
+    assert elsewhere == []
+
+
+async def test_netrc_credentials_are_never_sent(scripted: Scripted, tmp_path: Any,
+                                                monkeypatch: pytest.MonkeyPatch) -> None:
+    netrc = tmp_path / "netrc"
+    netrc.write_text("default login someone password secret\n")
+    netrc.chmod(0o600)
+    monkeypatch.setenv("NETRC", str(netrc))
+    seen: list[str | None] = []
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        seen.append(request.headers.get("authorization"))
+        return _scripted([_chunk("Hi", "stop"), "[DONE]"], [])(request)
+
+    for api_key in (None, "sk-upstream"):
+        backend = OpenAIUpstreamBackend(await scripted(handler), ["m"], api_key=api_key)
+        await backend.start()
+        try:
+            await stream(backend, HELLO, "m")
+        finally:
+            await backend.close()
+    assert seen == [None, "Bearer sk-upstream"]
+
+
+@pytest.mark.parametrize("ending", ["\n", "\r\n", "\r"])
+async def test_every_sse_line_ending_is_read(scripted: Scripted, ending: str) -> None:
+    events = [_chunk("Hel"), _chunk("lo", "stop"), "[DONE]"]
+    body = "".join(f"data: {event}{ending}{ending}" for event in events).encode()
+    backend = OpenAIUpstreamBackend(await scripted(lambda request: httpx.Response(200, content=body)), ["m"])
+    await backend.start()
+    try:
+        chunks = await stream(backend, HELLO, "m")
+    finally:
+        await backend.close()
+    assert "".join(c["choices"][0]["delta"].get("content", "") for c in chunks[:-1]) == "Hello"
+
+
+async def test_a_connection_broken_after_done_still_completes_the_answer() -> None:
+    body = b"".join(events_as_bytes([_chunk("Hel"), _chunk("lo", "stop"), "[DONE]"]))
+
+    async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await reader.readuntil(b"\r\n\r\n")
+        writer.write(b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ntransfer-encoding: chunked\r\n\r\n")
+        writer.write(b"%x\r\n%s\r\n" % (len(body), body))  # and never the last chunk of the encoding
+        await writer.drain()
+        writer.close()
+
+    server = await asyncio.start_server(serve, "127.0.0.1", 0)
+    port = server.sockets[0].getsockname()[1]
+    backend = OpenAIUpstreamBackend(f"http://127.0.0.1:{port}", ["m"])
+    await backend.start()
+    try:
+        chunks = await stream(backend, HELLO, "m")
+    finally:
+        await backend.close()
+        server.close()
+        await server.wait_closed()
+    assert chunks[-1]["usage"]["completion_tokens"] == 2
+
+
+def test_the_proxy_comes_from_the_environment_unless_no_proxy_exempts_the_host(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    for name in ("http_proxy", "https_proxy", "no_proxy", "HTTP_PROXY", "HTTPS_PROXY", "NO_PROXY"):
+        monkeypatch.delenv(name, raising=False)
+    assert proxy_for("http://upstream:8000/v1/chat/completions") is None
+    monkeypatch.setenv("HTTP_PROXY", "http://proxy:3128")
+    assert proxy_for("http://upstream:8000/v1/chat/completions") == "http://proxy:3128"
+    monkeypatch.setenv("NO_PROXY", "upstream")
+    assert proxy_for("http://upstream:8000/v1/chat/completions") is None

@@ -1,5 +1,6 @@
 """The node's outbox: frames leave in order; the chunks of one request waiting side by side leave as
-one sealed frame whose plaintext is an array of them; a cancelled request's queued frames never go."""
+one sealed frame whose plaintext is an array of them (once the coordinator said it opens arrays); a
+cancelled request's queued frames never go."""
 
 from __future__ import annotations
 
@@ -51,8 +52,14 @@ def sealer_for(reply: crypto.ReplyKey) -> crypto.Sealer:
     return crypto.Sealer(reply.public_key)
 
 
+def merging() -> Outbox:
+    outbox = Outbox()
+    outbox.merge_chunks = True  # `registered.chunk_arrays` from this release's coordinator
+    return outbox
+
+
 async def test_waiting_chunks_of_a_request_leave_as_one_frame_in_order() -> None:
-    outbox, socket = Outbox(), Socket()
+    outbox, socket = merging(), Socket()
     a, b = Request("a"), Request("b")
     reply_a, reply_b = crypto.ReplyKey(), crypto.ReplyKey()
     sealer_a, sealer_b = sealer_for(reply_a), sealer_for(reply_b)
@@ -87,7 +94,7 @@ async def test_a_chunk_sent_while_the_writer_is_idle_goes_alone() -> None:
 
 
 async def test_chunks_queued_during_a_send_are_merged_and_a_cancel_drops_them() -> None:
-    outbox, socket = Outbox(), Socket()
+    outbox, socket = merging(), Socket()
     kept, dropped = Request("kept"), Request("dropped")
     reply = crypto.ReplyKey()
     sealer = sealer_for(reply)
@@ -109,7 +116,7 @@ async def test_chunks_queued_during_a_send_are_merged_and_a_cancel_drops_them() 
 
 
 async def test_a_merged_frame_holds_at_most_coalesce_bytes_of_chunks() -> None:
-    outbox, socket = Outbox(), Socket()
+    outbox, socket = merging(), Socket()
     request, reply = Request("a"), crypto.ReplyKey()
     sealer = sealer_for(reply)
     word = "x" * (COALESCE_BYTES // 5)
@@ -128,3 +135,14 @@ async def test_nothing_is_queued_on_a_closed_outbox_or_for_a_cancelled_request()
     outbox.send_chunk(Request("b"), sealer_for(reply), chunk("later"))
     await drain(outbox, socket)
     assert socket.sent == []
+
+
+async def test_a_coordinator_that_did_not_say_it_opens_arrays_gets_one_chunk_per_frame() -> None:
+    outbox, socket = Outbox(), Socket()  # an older coordinator: `registered` without chunk_arrays
+    request, reply = Request("a"), crypto.ReplyKey()
+    sealer = sealer_for(reply)
+    for word in ("one", "two", "three"):
+        outbox.send_chunk(request, sealer, chunk(word))
+    await drain(outbox, socket)
+    assert [json.loads(reply.open(frame.encrypted_data))["choices"][0]["delta"]["content"]
+            for frame in socket.sent] == ["one", "two", "three"]

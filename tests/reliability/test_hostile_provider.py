@@ -279,6 +279,7 @@ async def test_chunks_sent_together_in_one_frame_are_relayed_in_order(coord: Coo
                                                                       stream: bool) -> None:
     model = _new_model(coord)
     raw = await _registered(coord, model)
+    assert raw.registered is not None and raw.registered["chunk_arrays"] is True  # it says it opens arrays
     async with httpx.AsyncClient(timeout=30) as http:
         request = asyncio.create_task(http.post(
             coord.api_url + "/chat/completions", headers=account.headers(),

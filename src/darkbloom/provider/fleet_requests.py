@@ -9,7 +9,7 @@ That report is the only frame sent for the request after the cancel; every other
 dropped, including any already queued for the writer. Logs carry request ids and token counts,
 never prompt or completion text. A served request logs two INFO lines (accepted, complete: what
 operators and the end-to-end tests follow); a refused, failed or cancelled one says so; nothing else
-per request is logged above DEBUG (nor is httpx's own line per upstream request, see the backend).
+per request is logged above DEBUG.
 """
 
 from __future__ import annotations

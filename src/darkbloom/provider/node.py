@@ -186,6 +186,7 @@ class ProviderNode:
             self._answer_challenge(frame)
         elif isinstance(frame, protocol.Registered):
             self._registered = True
+            self._outbox.merge_chunks = frame.chunk_arrays
             log.info("registered as %s (account %s, trust %s)", frame.provider_id, frame.account_id or "none",
                      frame.trust_level)
             self._set_state(provider_id=frame.provider_id, account_id=frame.account_id,

@@ -4,7 +4,8 @@ takes nothing more.
 
 Response chunks are queued in the clear with their request's sealer and sealed by the writer: the
 chunks of one request that are waiting side by side when the writer gets to them leave as one
-``inference_response_chunk`` whose sealed plaintext is a JSON array of them (docs/protocol.md). A
+``inference_response_chunk`` whose sealed plaintext is a JSON array of them (docs/protocol.md), when
+the coordinator said in ``registered`` that it opens arrays (``chunk_arrays``). A
 model that makes one token at a time never waits here, so its chunks go one per frame as before;
 an upstream that answers in one burst, or a writer behind under load, sends a few frames instead of
 one per token — fewer seals, frames and parses on both sides, the same bytes to the client.
@@ -41,6 +42,7 @@ class Outbox:
     def __init__(self) -> None:
         self._queue: asyncio.Queue[tuple[_Request | None, str] | _Chunk] = asyncio.Queue()
         self.closed = False
+        self.merge_chunks = False  # set from `registered.chunk_arrays`: only a coordinator that opens arrays gets them
 
     def send(self, frame: BaseModel, request: _Request | None = None) -> None:
         """Queue `frame`. One queued with its request is dropped if the request is cancelled before it
@@ -61,11 +63,11 @@ class Outbox:
             waiting = [await self._queue.get()]
             while not self._queue.empty():
                 waiting.append(self._queue.get_nowait())
-            for text in _frames(waiting):
+            for text in _frames(waiting, self.merge_chunks):
                 await ws.send(text)
 
 
-def _frames(waiting: list[tuple[_Request | None, str] | _Chunk]) -> Iterator[str]:
+def _frames(waiting: list[tuple[_Request | None, str] | _Chunk], merge: bool) -> Iterator[str]:
     """The frames for what was waiting, in order, each made just before it goes (so a request cancelled
     meanwhile sends nothing more): adjacent chunks of one request merged."""
     index = 0
@@ -80,7 +82,7 @@ def _frames(waiting: list[tuple[_Request | None, str] | _Chunk]) -> Iterator[str
         if item.request.cancelled:
             continue
         texts, size = [item.text], len(item.text)
-        while index < len(waiting):
+        while merge and index < len(waiting):
             after = waiting[index]
             if not (isinstance(after, _Chunk) and after.request is item.request
                     and size + len(after.text) <= COALESCE_BYTES):

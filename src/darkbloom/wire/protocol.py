@@ -169,6 +169,9 @@ class Registered(_Frame):
     account_id: str | None = None
     machine_id: str | None = None
     trust_level: str = "none"
+    # this coordinator opens a sealed array of chunks in one inference_response_chunk (docs/protocol.md);
+    # a node merges chunks only when told so (an older coordinator would distrust it for an array)
+    chunk_arrays: bool = False
 
 
 class InferenceRequest(_Frame):

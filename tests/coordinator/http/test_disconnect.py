@@ -85,3 +85,28 @@ async def test_a_cancel_from_elsewhere_stays_a_cancel() -> None:
         await task
     watch.close()
     assert not watch.gone
+
+
+async def test_work_that_swallows_the_cancel_still_ends_as_client_disconnected() -> None:
+    """asyncio.wait_for on Python 3.11 can swallow a cancel that lands as its future completes."""
+    client = Client()
+    watch = DisconnectWatch(client.request())
+
+    async def work() -> str:
+        try:
+            await asyncio.Event().wait()
+        except asyncio.CancelledError:
+            return "finished anyway"
+        return "never"
+
+    async def leave() -> None:
+        await asyncio.sleep(0.01)
+        client.left.set()
+
+    leaving = asyncio.create_task(leave())
+    with pytest.raises(ClientDisconnected):
+        await watch.until(work())
+    await leaving
+    current = asyncio.current_task()
+    assert current is not None and current.cancelling() == 0
+    watch.close()

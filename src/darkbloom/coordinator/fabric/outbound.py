@@ -94,8 +94,9 @@ class Outbound:
         self.connection.post(self.subjects.hold(session.holder), messages.hold_message("unlink", s=session.id))
 
     def _looks_full(self, session: "RemoteSession") -> None:
-        """Until the holder's next announcement says otherwise, no slot of it looks free here."""
-        slots.mirror(session, max(session.active, session.max_concurrency))
+        """Until the holder's next announcement says otherwise, no slot of it looks free here (+1: the
+        refused slot is still counted and its release, right after, takes one off)."""
+        slots.mirror(session, max(session.active, session.max_concurrency) + 1)
 
     # the holder's answers
 

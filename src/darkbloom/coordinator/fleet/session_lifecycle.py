@@ -120,7 +120,8 @@ async def complete_registration(services: Services, session: ProviderSession) ->
         return  # the socket is closing; never list it
     services.registry.add(session)
     session.send(dump(Registered(provider_id=session.id, account_id=session.account_id,
-                                 machine_id=session.machine_id, trust_level=effective_trust(session))))
+                                 machine_id=session.machine_id, trust_level=effective_trust(session),
+                                 chunk_arrays=True)))
     if session.untrusted_reason is not None:
         session.send(dump(TrustStatus(trust_level=UNTRUSTED, reason=session.untrusted_reason)))
     session.online = True

@@ -40,7 +40,12 @@ class DisconnectWatch:
         assert task is not None
         self._waiting = task
         try:
-            return await work
+            result = await work
+            if self._cancelled_it:  # the work swallowed our cancel (wait_for on 3.11 can): still gone
+                self._cancelled_it = False
+                task.uncancel()
+                raise ClientDisconnected()
+            return result
         except asyncio.CancelledError:
             if self._cancelled_it:
                 self._cancelled_it = False

@@ -33,9 +33,13 @@ import contextlib
 import json
 import logging
 import math
+import ssl
+import urllib.parse
+import urllib.request
 from typing import Any, AsyncIterator
 
 import aiohttp
+import certifi
 
 from darkbloom.provider.backends.base import (TEXT_MODEL_CAPABILITIES, BackendError, UsageMeter,
                                               new_completion_id, usage_chunk)
@@ -71,12 +75,15 @@ class OpenAIUpstreamBackend:
         self._timeout = aiohttp.ClientTimeout(total=None, connect=POOL_TIMEOUT, sock_connect=10.0,
                                               sock_read=read_timeout)
         self._client: aiohttp.ClientSession | None = None
+        self._proxy: str | None = None
 
     async def start(self) -> None:
-        connector = aiohttp.TCPConnector(limit=self.max_concurrency, keepalive_timeout=KEEPALIVE_EXPIRY)
-        # trust_env: HTTP(S)_PROXY / NO_PROXY apply to the upstream, as they did with httpx
-        self._client = aiohttp.ClientSession(connector=connector, timeout=self._timeout, headers=self._headers,
-                                             trust_env=True)
+        # what httpx did by default: certifi's CA bundle, HTTP(S)_PROXY / NO_PROXY read once (aiohttp's
+        # trust_env would also read ~/.netrc on every request and send its credentials upstream)
+        tls = ssl.create_default_context(cafile=certifi.where())
+        connector = aiohttp.TCPConnector(limit=self.max_concurrency, keepalive_timeout=KEEPALIVE_EXPIRY, ssl=tls)
+        self._proxy = proxy_for(self.url)
+        self._client = aiohttp.ClientSession(connector=connector, timeout=self._timeout, headers=self._headers)
 
     async def close(self) -> None:
         if self._client is not None:
@@ -108,9 +115,10 @@ class OpenAIUpstreamBackend:
         meter = meter if meter is not None else UsageMeter()
         payload = {**body, "model": model_id, "encoding_format": "float"}
         try:
-            async with client.post(self.embeddings_url, json=payload) as response:
+            async with client.post(self.embeddings_url, json=payload, allow_redirects=False,
+                                   proxy=self._proxy) as response:
                 raw = await response.read()
-            if response.status >= 400:
+            if response.status >= 300:
                 raise upstream_error(response.status, raw)
             data = json.loads(raw)
         except TimeoutError as exc:  # aiohttp's timeouts are TimeoutErrors
@@ -148,8 +156,8 @@ class OpenAIUpstreamBackend:
         content_chunks = 0
         completion_id, created = new_completion_id(), None
         try:
-            async with client.post(url, json=payload) as response:
-                if response.status >= 400:
+            async with client.post(url, json=payload, allow_redirects=False, proxy=self._proxy) as response:
+                if response.status >= 300:
                     raise upstream_error(response.status, await response.read())
                 # The upstream took the request. Until it reports usage (llama-cpp-python's server, for
                 # one, never does when streaming): ~4 characters per prompt token plus a few per message
@@ -196,6 +204,14 @@ def _text_step(choice: dict[str, Any]) -> bool:
 
 def _valid_usage(usage: dict[str, Any]) -> bool:
     return all(isinstance(usage.get(k), int) and usage[k] >= 0 for k in ("prompt_tokens", "completion_tokens"))
+
+
+def proxy_for(url: str) -> str | None:
+    """The proxy the environment names for ``url`` (HTTP_PROXY / HTTPS_PROXY), unless NO_PROXY exempts it."""
+    host = urllib.parse.urlsplit(url).hostname or ""
+    if urllib.request.proxy_bypass(host):
+        return None
+    return urllib.request.getproxies().get(urllib.parse.urlsplit(url).scheme)
 
 
 def _estimate_prompt_tokens(body: dict[str, Any]) -> int:

@@ -48,14 +48,16 @@ async def sse_chunks(response: aiohttp.ClientResponse) -> AsyncIterator[dict[str
 
 
 async def _lines(body: aiohttp.StreamReader) -> AsyncIterator[bytes]:
-    """The body's lines as they arrive (ended by ``\n`` or ``\r\n``, as OpenAI-compatible servers send
-    them), whatever their length up to MAX_EVENT_BYTES (aiohttp's own line reader stops at 128 KiB)."""
+    """The body's lines as they arrive (ended by ``\n``, ``\r\n`` or ``\r``, as SSE allows), whatever
+    their length up to MAX_EVENT_BYTES (aiohttp's own line reader stops at 128 KiB). A ``\r\n`` split
+    across two reads makes one extra empty line, which SSE ignores."""
     line = bytearray()
     async for data in body.iter_any():
+        data = data.replace(b"\r\n", b"\n").replace(b"\r", b"\n")
         start = 0
         while (end := data.find(b"\n", start)) >= 0:
             line += data[start:end]
-            yield bytes(line[:-1] if line.endswith(b"\r") else line)
+            yield bytes(line)
             line.clear()
             start = end + 1
         line += data[start:]
@@ -74,12 +76,16 @@ async def _read_to_the_end(body: aiohttp.StreamReader) -> None:
         async with asyncio.timeout(END_OF_BODY_WAIT):
             while left > 0 and (data := await body.readany()):
                 left -= len(data)
-    except TimeoutError:
-        pass
+    except (TimeoutError, aiohttp.ClientError):
+        pass  # the answer is whole; this connection just does not go back to the pool
 
 
 def upstream_error(status: int, raw: bytes) -> BackendError:
-    """The upstream's status and error identifiers in our own words; its message is never passed on."""
+    """The upstream's status and error identifiers in our own words; its message is never passed on.
+    A redirect is not followed (it could carry the prompt to another host): the node's fault, 502."""
+    if status < 400:
+        return BackendError(502, f"the upstream answered with a redirect ({status}); set upstream_url to the "
+                                 "API's own address")
     try:
         data = json.loads(raw)
     except ValueError:
