@@ -1,9 +1,11 @@
 """The node keeps the enrollment certificate a coordinator hands it and presents it at every later
-registration (against a scripted fake coordinator; the real one is in test_trust_nodes)."""
+registration, once it checked the certificate is for its own identity key (against a scripted fake
+coordinator; the real one is in test_trust_nodes)."""
 
 from __future__ import annotations
 
 import asyncio
+import logging
 import stat
 from pathlib import Path
 from typing import Any, AsyncIterator
@@ -11,9 +13,12 @@ from typing import Any, AsyncIterator
 import pytest
 
 from darkbloom import paths
+from darkbloom.coordinator.fleet.enrollment import EnrollmentCA
 from darkbloom.wire import protocol
+from darkbloom.wire.crypto import NodeIdentity
 from darkbloom.provider.config import load_config
 from darkbloom.provider.node import ProviderNode
+from darkbloom.provider.state import read_state
 from tests.provider.fake_coordinator import FakeCoordinator
 
 
@@ -56,7 +61,7 @@ async def test_certificate_is_saved_and_presented_at_the_next_registration(
     register = await conn.recv()
     assert isinstance(register, protocol.Register) and register.certificate is None
     await conn.send(protocol.Registered(provider_id="prov_1", trust_level="self_signed"))
-    pem = "-----BEGIN CERTIFICATE-----\nMIIB...test...\n-----END CERTIFICATE-----\n"
+    pem = EnrollmentCA.generate().issue(register.identity_key, "mach_1")
     await conn.send(protocol.TrustStatus(trust_level="hardware", reason="enrolled", certificate=pem))
     cert_file = paths.certificate_path(home)
     for _ in range(500):
@@ -81,3 +86,29 @@ async def test_trust_status_without_certificate_keeps_the_file(running: tuple[Fa
     await conn.send(protocol.TrustStatus(trust_level="untrusted", reason="bad answer"))
     await asyncio.sleep(0.2)
     assert paths.certificate_path(home).read_text() == "existing"
+
+
+@pytest.mark.parametrize("kind", ["junk", "another identity key"])
+async def test_a_bad_certificate_is_not_saved_but_the_trust_level_applies(
+        running: tuple[FakeCoordinator, Path], kind: str, caplog: pytest.LogCaptureFixture) -> None:
+    fake, home = running
+    conn = await fake.accept()
+    await conn.recv()
+    await conn.send(protocol.Registered(provider_id="prov_1", trust_level="self_signed"))
+    pem = ("-----BEGIN CERTIFICATE-----\nMIIB...test...\n-----END CERTIFICATE-----\n" if kind == "junk"
+           else EnrollmentCA.generate().issue(NodeIdentity.generate().identity_key_b64, "mach_1"))
+    with caplog.at_level(logging.WARNING, logger="darkbloom.provider.registration"):
+        await conn.send(protocol.TrustStatus(trust_level="hardware", reason="enrolled", certificate=pem))
+        for _ in range(500):
+            state = read_state(home) or {}
+            if state.get("trust_level") == "hardware":
+                break
+            await asyncio.sleep(0.01)
+    assert state.get("trust_level") == "hardware"
+    assert not paths.certificate_path(home).exists()
+    assert any("not saving the enrollment certificate" in r.getMessage() for r in caplog.records)
+
+    await conn.ws.close()
+    again = await fake.accept()
+    register = await again.recv()
+    assert isinstance(register, protocol.Register) and register.certificate is None

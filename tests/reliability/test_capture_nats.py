@@ -339,12 +339,19 @@ def _leaks(run: Run, haystacks: dict[str, bytes], kinds: list[str] | None = None
     return report
 
 
+def _body(data: bytes) -> bytes:
+    """A fabric message after its proof line (docs/replicas.md, "Authentication")."""
+    proof, _, body = data.partition(b"\n")
+    assert proof.startswith(b"DBA1 "), proof[:80]
+    return body
+
+
 def _holds(run: Run) -> list[tuple[dict[str, Any], bytes]]:
     """The messages to the holder (header, frame): what B published on ``<prefix>.hold.<A>``."""
     found = []
     for message in run.replica_messages():
         if message.subject.startswith(run.prefix + ".hold."):
-            header, _, payload = message.payload.partition(b"\n")
+            header, _, payload = _body(message.payload).partition(b"\n")
             found.append((json.loads(header), payload))
     return found
 
@@ -370,7 +377,7 @@ def _backs(run: Run) -> dict[str, list[dict[str, Any]]]:
     found: dict[str, list[dict[str, Any]]] = defaultdict(list)
     for message in run.replica_messages():
         if message.subject.startswith(run.prefix + ".back."):
-            found[message.subject.rsplit(".", 1)[1]].append(json.loads(message.payload))
+            found[message.subject.rsplit(".", 1)[1]].append(json.loads(_body(message.payload)))
     return found
 
 
@@ -436,12 +443,12 @@ def test_the_subscriber_and_the_wire_agree(run: Run) -> None:
     missing = [key for key in heard if key not in wire]
     assert not missing, missing[:5]
     ids = {run.sent[kind].request_id for kind in SERVED}
-    in_holds = {json.loads(r.data.partition(b"\n")[0]).get("r") for r in recorded if ".hold." in r.subject}
+    in_holds = {json.loads(_body(r.data).partition(b"\n")[0]).get("r") for r in recorded if ".hold." in r.subject}
     assert ids <= in_holds, (sorted(ids), sorted(in_holds))
     claims = {r.reply for r in recorded if ".claim." in r.subject and r.reply}
     assert claims, "no claim request heard"
     answers = [r for r in run.recorder.inbox if r.subject in claims]
-    assert answers and all(json.loads(r.data).get("ok") in (True, False) for r in answers), answers[:5]
+    assert answers and all(json.loads(_body(r.data)).get("ok") in (True, False) for r in answers), answers[:5]
 
 
 def test_the_consumer_hop_shows_what_the_nats_hop_must_not(run: Run) -> None:

@@ -39,7 +39,7 @@ class RawProvider:
                  max_concurrency: int = 1, challenge_answer: str = "valid", tamper_attestation: bool = False,
                  certificate: str | None = None, identity: NodeIdentity | None = None,
                  runtime: str | None = None, max_request_frame_bytes: int | None = None,
-                 capabilities: tuple[str, ...] = ()) -> None:
+                 capabilities: tuple[str, ...] = (), authenticated_chunks: bool = True) -> None:
         assert challenge_answer in CHALLENGE_ANSWERS, challenge_answer
         self.ws_url = base_url.replace("http://", "ws://") + "/ws/provider"
         self.identity = identity or NodeIdentity.generate()
@@ -52,6 +52,7 @@ class RawProvider:
         self.runtime = runtime or runtime_hash()
         self.max_request_frame_bytes = max_request_frame_bytes  # None: not advertised (an older node)
         self.capabilities = capabilities  # advertised for every model
+        self.authenticated_chunks = authenticated_chunks  # False: chunks from fresh keys (an older node)
         self.ws: ClientConnection | None = None
         self.provider_id: str | None = None
         self.registered: dict[str, Any] | None = None
@@ -73,7 +74,7 @@ class RawProvider:
                         backend="raw-test", version="test", runtime_hash=rh,
                         public_key=self.identity.public_key_b64, identity_key=self.identity.identity_key_b64,
                         attestation=attestation, certificate=self.certificate,
-                        max_concurrency=self.max_concurrency,
+                        max_concurrency=self.max_concurrency, authenticated_chunks=self.authenticated_chunks,
                         **({"max_request_frame_bytes": self.max_request_frame_bytes}
                            if self.max_request_frame_bytes else {}))
 
@@ -128,9 +129,17 @@ class RawProvider:
                 body = json.loads(open_envelope(frame.encrypted_body, self.identity.encryption_key))
                 return frame, body
 
+    def sealer(self, request: InferenceRequest) -> Sealer:
+        """What seals this provider's chunks for ``request``: from its own key, as a node does, or (an
+        older node) from a fresh key."""
+        reply_to = request.encrypted_body.ephemeral_public_key
+        if self.authenticated_chunks:
+            return Sealer.between(self.identity.encryption_key, reply_to)
+        return Sealer(public_key_from_b64(reply_to))
+
     async def answer(self, request: InferenceRequest, text: str) -> None:
         assert self.ws is not None
-        sealer = Sealer(public_key_from_b64(request.encrypted_body.ephemeral_public_key))
+        sealer = self.sealer(request)
         chunk = {"id": "x", "object": "chat.completion.chunk", "created": 0, "model": "m",
                  "choices": [{"index": 0, "delta": {"role": "assistant", "content": text}, "finish_reason": "stop"}]}
         await self.ws.send(dump(InferenceResponseChunk(request_id=request.request_id,
@@ -141,7 +150,7 @@ class RawProvider:
     async def send_chunk(self, request: InferenceRequest, text: str, finish_reason: str | None = None) -> None:
         """One sealed content chunk, and nothing else (no completion)."""
         assert self.ws is not None
-        sealer = Sealer(public_key_from_b64(request.encrypted_body.ephemeral_public_key))
+        sealer = self.sealer(request)
         chunk = {"id": "x", "object": "chat.completion.chunk", "created": 0, "model": "m",
                  "choices": [{"index": 0, "delta": {"content": text}, "finish_reason": finish_reason}]}
         await self.ws.send(dump(InferenceResponseChunk(request_id=request.request_id,
@@ -151,7 +160,7 @@ class RawProvider:
         """One sealed chunk of any shape (a tool-call delta, a legacy completion, embeddings, an array
         of chunks sent together)."""
         assert self.ws is not None
-        sealer = Sealer(public_key_from_b64(request.encrypted_body.ephemeral_public_key))
+        sealer = self.sealer(request)
         await self.ws.send(dump(InferenceResponseChunk(request_id=request.request_id,
                                                        encrypted_data=sealer.seal(json.dumps(chunk).encode()))))
 

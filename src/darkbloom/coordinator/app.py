@@ -54,7 +54,7 @@ def create_app(settings: CoordinatorSettings) -> FastAPI:
             from darkbloom.coordinator.fabric.replica import Fabric  # only replicas pay for NATS
 
             services.fabric = Fabric(services)
-            services.fabric.start()
+            await services.fabric.start()
         log.info("coordinator ready on %s (database %s)", settings.base_url, engine.url.render_as_string())
         try:
             yield

@@ -43,6 +43,15 @@ class CoordinatorSettings(BaseSettings):
         None, description="NATS server joining replicas into one fleet (nats://host:4222): replicas with the "
                           "same database, Redis and NATS serve any machine connected to any of them "
                           "(default: none, this process serves only its own connections).")
+    nats_creds: Path | None = Field(
+        None, description="NATS credentials file (.creds: the user's JWT and nkey seed) for --nats-url.")
+    nats_nkey: Path | None = Field(None, description="NATS nkey seed file (SU…) for --nats-url.")
+    nats_tls_ca: Path | None = Field(
+        None, description="CA certificate(s) (PEM) the NATS server's certificate must chain to "
+                          "(default: the system's).")
+    nats_tls_cert: Path | None = Field(
+        None, description="Client certificate (PEM) presented to NATS; needs --nats-tls-key.")
+    nats_tls_key: Path | None = Field(None, description="Private key (PEM) of --nats-tls-cert.")
     nats_subject_prefix: str = Field(
         "darkbloom", description="First tokens of every NATS subject; the replicas of one coordinator share it, "
                                  "another coordinator on the same NATS server uses its own.")
@@ -140,6 +149,7 @@ class CoordinatorSettings(BaseSettings):
                 raise ValueError(f"{flag_name(name)} must be positive")
         if self.replica_timeout <= self.replica_heartbeat:
             raise ValueError("--replica-timeout must be longer than --replica-heartbeat")
+        _check_nats_files(self)
         if not _SUBJECT_PREFIX.fullmatch(self.nats_subject_prefix):
             raise ValueError("--nats-subject-prefix must be dot-separated tokens of letters, digits, '_' and '-'")
         self.runtime_allow_list = self.runtime_allow_list | frozenset(self.runtime_allow)
@@ -159,6 +169,23 @@ def flag_name(field: str) -> str:
 
 def env_var(field: str) -> str:
     return ENV_PREFIX + flag_name(field).removeprefix("--").replace("-", "_").upper()
+
+
+_NATS_FILES = ("nats_creds", "nats_nkey", "nats_tls_ca", "nats_tls_cert", "nats_tls_key")
+
+
+def _check_nats_files(settings: CoordinatorSettings) -> None:
+    given = [name for name in _NATS_FILES if getattr(settings, name) is not None]
+    if given and settings.nats_url is None:
+        raise ValueError(f"{flag_name(given[0])} needs --nats-url")
+    if settings.nats_creds is not None and settings.nats_nkey is not None:
+        raise ValueError("give --nats-creds or --nats-nkey, not both (a .creds file holds its own nkey seed)")
+    if (settings.nats_tls_cert is None) != (settings.nats_tls_key is None):
+        raise ValueError("--nats-tls-cert and --nats-tls-key go together: give both or neither")
+    for name in given:
+        path = getattr(settings, name)
+        if not path.is_file():
+            raise ValueError(f"{flag_name(name)}: {'not a file' if path.exists() else 'no such file'}: {path}")
 
 
 def _load_catalog(path: Path) -> Catalog:

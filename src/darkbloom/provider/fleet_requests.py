@@ -160,7 +160,7 @@ class FleetRequests:
         assert self.identity is not None
         try:
             plaintext = crypto.open_envelope(frame.encrypted_body, self.identity.encryption_key)
-            sealer = crypto.Sealer.to(frame.encrypted_body.ephemeral_public_key)
+            sealer = crypto.Sealer.between(self.identity.encryption_key, frame.encrypted_body.ephemeral_public_key)
         except crypto.DecryptionError:
             raise BackendError(400, "the request body does not open with this node's key") from None
         try:

@@ -193,8 +193,8 @@ class ProviderNode:
                             trust_level=frame.trust_level)
         elif isinstance(frame, protocol.TrustStatus):
             log.info("trust level now %s%s", frame.trust_level, f" ({frame.reason})" if frame.reason else "")
-            if frame.certificate:
-                save_certificate(self.home, frame.certificate)
+            if frame.certificate and self.identity is not None:
+                save_certificate(self.home, frame.certificate, self.identity.identity_key_b64)
             self._set_state(trust_level=frame.trust_level)
         elif isinstance(frame, protocol.ErrorFrame):
             log.warning("coordinator error %s: %s", frame.code, frame.message)

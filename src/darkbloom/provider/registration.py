@@ -4,10 +4,16 @@ what each model serves beyond plain chat (its backend's `capabilities`)."""
 
 from __future__ import annotations
 
+import datetime as dt
 import importlib.metadata
 import logging
 import os
 from pathlib import Path
+
+from cryptography import x509
+from cryptography.exceptions import UnsupportedAlgorithm
+from cryptography.hazmat.primitives import serialization
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
 
 from darkbloom import paths
 from darkbloom.wire import crypto
@@ -27,7 +33,7 @@ def register_frame(config: ProviderConfig, home: Path, identity: crypto.NodeIden
         auth_token=read_auth_token(home), models=models, backend=config.backend, version=version(),
         runtime_hash=runtime_hash, public_key=identity.public_key_b64, identity_key=identity.identity_key_b64,
         attestation=identity.attestation(runtime_hash), certificate=read_certificate(home),
-        encrypted_response_chunks=True, private_only=config.private_only,
+        encrypted_response_chunks=True, authenticated_chunks=True, private_only=config.private_only,
         max_concurrency=config.max_concurrency, hardware=hardware(), name=config.name,
         max_request_frame_bytes=protocol.MAX_REQUEST_FRAME_BYTES)
 
@@ -59,15 +65,68 @@ def read_auth_token(home: Path) -> str | None:
     return token or None
 
 
-def save_certificate(home: Path, certificate: str) -> None:
-    """Keep the enrollment certificate; it is presented as `register.certificate` from now on."""
+PEM_BEGIN = "-----BEGIN CERTIFICATE-----"
+PEM_END = "-----END CERTIFICATE-----"
+
+
+def certificate_problem(certificate_pem: str, identity_key_b64: str,
+                        now: dt.datetime | None = None) -> str | None:
+    """Why ``certificate_pem`` is not an enrollment certificate for this node, or None when it may be.
+
+    It must be exactly one PEM X.509 certificate and nothing else, an end-entity certificate
+    (BasicConstraints ca=False when present), within its validity period, and for this node's
+    Ed25519 identity key. The node does not hold the enrollment CA's certificate, so it cannot
+    check who signed it: that is the coordinator's check at every registration."""
+    text = certificate_pem.strip()
+    if not (text.startswith(PEM_BEGIN) and text.endswith(PEM_END)) or text.count("-----BEGIN ") != 1:
+        return "it is not exactly one PEM certificate"
+    try:
+        certificates = x509.load_pem_x509_certificates(text.encode())
+    except (ValueError, UnicodeEncodeError, TypeError):
+        return "it is not a PEM X.509 certificate"
+    if len(certificates) != 1:
+        return "it is not exactly one PEM certificate"
+    certificate = certificates[0]
+    try:
+        constraints = certificate.extensions.get_extension_for_class(x509.BasicConstraints).value
+    except x509.ExtensionNotFound:
+        constraints = None
+    except ValueError:
+        return "its extensions do not parse"
+    if constraints is not None and constraints.ca:
+        return "it is a CA certificate, not an end-entity certificate"
+    moment = now or dt.datetime.now(dt.timezone.utc)
+    if not certificate.not_valid_before_utc <= moment <= certificate.not_valid_after_utc:
+        return "it is expired or not yet valid"
+    try:
+        subject_key = certificate.public_key()
+    except (ValueError, UnsupportedAlgorithm):
+        return "its public key does not parse"
+    try:
+        expected = crypto.b64d(identity_key_b64)
+    except (ValueError, UnicodeEncodeError):
+        return "this node's identity key is not valid base64"
+    if not isinstance(subject_key, Ed25519PublicKey) or subject_key.public_bytes(
+            serialization.Encoding.Raw, serialization.PublicFormat.Raw) != expected:
+        return "it is for a different identity key"
+    return None
+
+
+def save_certificate(home: Path, certificate: str, identity_key_b64: str) -> bool:
+    """Keep the enrollment certificate, once ``certificate_problem`` finds none; it is presented as
+    `register.certificate` from now on. False when it was refused or could not be written."""
+    problem = certificate_problem(certificate, identity_key_b64)
+    if problem is not None:
+        log.warning("not saving the enrollment certificate from the coordinator: %s", problem)
+        return False
     path = paths.certificate_path(home)
     try:
         crypto.write_private_file(path, certificate)
     except OSError as exc:
         log.warning("cannot save the enrollment certificate to %s: %s", path, exc)
-        return
+        return False
     log.info("enrollment certificate saved to %s", path)
+    return True
 
 
 def version() -> str:

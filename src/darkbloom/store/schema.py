@@ -150,6 +150,7 @@ coordinator_instances = Table(
     Column("id", String(64), primary_key=True),
     Column("started_at", BigInteger, nullable=False),
     Column("last_seen", BigInteger, nullable=False),
+    Column("fabric_key", String(64), nullable=True),  # a replica's Ed25519 key for fabric messages (base64)
 )
 
 stored_settings = Table(

@@ -74,10 +74,16 @@ class Sealer:
     @classmethod
     def to(cls, recipient_b64: str) -> "Sealer":
         """A sealer to a base64 key, checked by the one key agreement it needs (DecryptionError)."""
+        return cls.between(PrivateKey.generate(), recipient_b64)
+
+    @classmethod
+    def between(cls, sender: PrivateKey, recipient_b64: str) -> "Sealer":
+        """A sealer from a known key (a node's own, for its chunks: only it can make a chunk that opens
+        with its registered key) to a base64 key."""
         sealer = cls.__new__(cls)
-        sealer._ephemeral = PrivateKey.generate()
-        sealer._box = box_with(sealer._ephemeral, recipient_b64)
-        sealer.ephemeral_public_key = b64e(bytes(sealer._ephemeral.public_key))
+        sealer._ephemeral = sender
+        sealer._box = box_with(sender, recipient_b64)
+        sealer.ephemeral_public_key = b64e(bytes(sender.public_key))
         return sealer
 
     def seal(self, plaintext: bytes) -> Envelope:
@@ -87,12 +93,13 @@ class Sealer:
 
 class ReplyKey:
     """The per-request ephemeral key pair whose public half travels with a sealed request
-    and to which every reply is sealed."""
+    and to which every reply is sealed; from ``sender`` only (a base64 key), when given."""
 
-    def __init__(self) -> None:
+    def __init__(self, sender: str | None = None) -> None:
         self._private = PrivateKey.generate()
         self.public_key = self._private.public_key
         self._boxes: dict[str, Box] = {}
+        self.sender = sender
 
     def seal_request(self, plaintext: bytes, recipient: PublicKey) -> Envelope:
         box = Box(self._private, recipient)
@@ -100,6 +107,8 @@ class ReplyKey:
                         ciphertext=b64e(bytes(box.encrypt(plaintext))))
 
     def open(self, envelope: Envelope) -> bytes:
+        if self.sender is not None and envelope.ephemeral_public_key != self.sender:
+            raise DecryptionError("the chunk is not from the key the request was sealed to")
         box = self._boxes.get(envelope.ephemeral_public_key)
         if box is None:
             box = box_with(self._private, envelope.ephemeral_public_key)

@@ -97,6 +97,9 @@ class Register(_Frame):
     attestation: str = ""
     certificate: str | None = None
     encrypted_response_chunks: bool = True
+    # every response chunk is a box from the node's registered X25519 key (docs/protocol.md): only
+    # such a node's requests may cross replicas, and a chunk from any other key fails
+    authenticated_chunks: bool = False
     private_only: bool = False
     max_concurrency: int = Field(default=1, ge=1, le=1024)
     max_request_frame_bytes: int = Field(default=MAX_FRAME_BYTES, ge=1)  # the node's WebSocket max_size

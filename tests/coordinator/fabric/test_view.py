@@ -8,6 +8,7 @@ from __future__ import annotations
 import pytest
 
 from darkbloom.coordinator.fabric import messages
+from darkbloom.coordinator.fabric.authentication import Authenticator, ReplicaKey, Roster
 from darkbloom.coordinator.fabric.connection import Connection
 from darkbloom.coordinator.fabric.holder import Holder
 from darkbloom.coordinator.fabric.outbound import Outbound
@@ -24,17 +25,22 @@ from tests.coordinator.routing.sim import MODEL, SimProvider, services, settings
 HOLDER = "inst_holder"
 
 
+def authenticator(replica: str) -> Authenticator:
+    return Authenticator(Roster(ReplicaKey(replica), engine=None, stale_after=30))  # type: ignore[arg-type]
+
+
 def view_of_b() -> tuple[FleetView, Registry, list[str]]:
     registry = Registry()
     svc = services(registry, settings(replica_timeout=3.0))
-    outbound = Outbound(Connection("nats://127.0.0.1:1", "test"), Subjects("t", "inst_b"), registry)
+    outbound = Outbound(Connection("nats://127.0.0.1:1", "test", authenticator("inst_b")), Subjects("t", "inst_b"),
+                        registry)
     gone: list[str] = []
     return FleetView(svc, outbound, gone.append), registry, gone
 
 
 def announce(view: FleetView, *sims: SimProvider, full: bool = True, **changes: object) -> None:
     sessions = [{**messages.announcement(sim.session), **changes} for sim in sims]
-    view.apply({"replica": HOLDER, "full": full, "sessions": sessions, "gone": []})
+    view.apply(HOLDER, {"replica": HOLDER, "full": full, "sessions": sessions, "gone": []})
 
 
 async def test_an_announced_session_is_routable_here() -> None:
@@ -64,7 +70,7 @@ async def test_full_announcement_goodbye_and_silence_drop_stand_ins() -> None:
     assert len(registry) == 2
     announce(view, second)  # a full announcement without it: it left
     assert registry.get(first.session.id) is None and len(registry) == 1
-    view.apply({"replica": HOLDER, "full": True, "sessions": [], "gone": [], "leaving": True})
+    view.apply(HOLDER, {"replica": HOLDER, "full": True, "sessions": [], "gone": [], "leaving": True})
     assert len(registry) == 0 and gone == [HOLDER]
     announce(view, first)
     view.heard[HOLDER] -= 10  # silent longer than --replica-timeout
@@ -94,7 +100,7 @@ def test_a_request_frame_bigger_than_max_payload_arrives_whole(size: int) -> Non
     whole = None
     for part in parts:
         header, payload = messages.read_hold(part)
-        whole = holder._whole(header, payload)
+        whole = holder.split_frames.add("f", header, payload)
     assert whole == frame
 
 
@@ -103,10 +109,10 @@ def test_a_split_frame_missing_a_part_or_from_a_gone_replica_is_not_kept() -> No
     parts = [messages.read_hold(p) for p in
              messages.hold_parts("request", frame, messages.HEADER_ROOM + 1000, t="abc", s="prov_1", r="r", f="inst_b")]
     holder = Holder(None, None, Subjects("t", "inst_a"))  # type: ignore[arg-type]
-    holder._whole(*parts[0])
-    assert holder._whole(*parts[2]) is None and not holder._parts  # part 1 lost: dropped, not kept forever
-    holder._whole(*parts[0])
+    holder.split_frames.add("inst_b", *parts[0])
+    assert holder.split_frames.add("inst_b", *parts[2]) is None and not holder.split_frames  # part 1 lost: dropped, not kept forever
+    holder.split_frames.add("inst_b", *parts[0])
     holder.admitter_gone("inst_b")  # its admitter died mid-send: the rest never comes
-    assert not holder._parts
+    assert not holder.split_frames
     header, payload = parts[0]
-    assert holder._whole({**header, "n": 10_000}, payload) is None and not holder._parts  # absurd part counts
+    assert holder.split_frames.add("inst_b", {**header, "n": 10_000}, payload) is None and not holder.split_frames  # absurd part counts

@@ -43,18 +43,21 @@ class Advertiser:
             self._flush_at = asyncio.get_running_loop().call_later(FLUSH_DELAY, self._flush)
 
     def _listed(self, session: ProviderSession) -> bool:
-        return session.online and self.registry.get(session.id) is session
+        """Online here, and its chunks prove they come from its node (only then can they cross NATS)."""
+        return (session.online and session.registration.authenticated_chunks
+                and self.registry.get(session.id) is session)
 
     def _flush(self) -> None:
         self._flush_at = None
         dirty, self._dirty = self._dirty, {}
         changed = [messages.announcement(s) for s in dirty.values() if self._listed(s)]
-        gone = [s.id for s in dirty.values() if not self._listed(s)]
-        self.connection.post(self.subjects.fleet,
-                             messages.fleet_message(self.subjects.replica, changed, gone, full=False))
+        gone = [s.id for s in dirty.values() if s.registration.authenticated_chunks and not self._listed(s)]
+        if changed or gone:
+            self.connection.post(self.subjects.fleet,
+                                 messages.fleet_message(self.subjects.replica, changed, gone, full=False))
 
     def announce_all(self) -> None:
-        sessions = [messages.announcement(s) for s in self.registry.local() if s.online]
+        sessions = [messages.announcement(s) for s in self.registry.local() if self._listed(s)]
         self.connection.post(self.subjects.fleet,
                              messages.fleet_message(self.subjects.replica, sessions, [], full=True))
 

@@ -12,12 +12,18 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from typing import Awaitable, Callable
+import ssl
+import time
+from typing import Any, Awaitable, Callable
 
 import nats
 from nats.aio.client import Client
-from nats.errors import NoRespondersError, TimeoutError as NatsTimeout
+from nats.aio.msg import Msg
+from nats.errors import AuthorizationError, NoRespondersError, TimeoutError as NatsTimeout
 from prometheus_client import Gauge
+
+from darkbloom.coordinator.fabric.authentication import EVERYONE, Authenticator, Opened, Rejected
+from darkbloom.coordinator.fabric.nats_auth import redacted
 
 log = logging.getLogger("darkbloom.fabric")
 
@@ -25,15 +31,21 @@ CONNECTED = Gauge("darkbloom_nats_connected", "1 while this replica is connected
 RETRY_FIRST = 0.5
 RETRY_MAX = 5.0
 PING_INTERVAL = 2  # seconds; two unanswered pings and the connection is lost
+REFUSAL_EVERY = 60.0  # seconds between warnings that the server refuses our credentials
 _QUEUE_LIMIT = 100_000  # messages waiting for the writer; beyond it the fabric is behind and drops
 
 Subscriber = Callable[[Client], Awaitable[None]]
 
 
 class Connection:
-    def __init__(self, url: str, name: str) -> None:
-        self.url = url
+    def __init__(self, url: str, name: str, authenticator: Authenticator,
+                 options: dict[str, Any] | None = None) -> None:
+        self.url = redacted(url)  # what the logs show; nats.connect gets _servers
+        self._servers = url
+        self.options = dict(options or {})
         self.name = name
+        self.authenticator = authenticator
+        self._refusal_said_at = float("-inf")
         self.client: Client | None = None
         self._outgoing: asyncio.Queue[tuple[str, bytes]] = asyncio.Queue(_QUEUE_LIMIT)
         self._on_up: list[Callable[[], None]] = []
@@ -58,10 +70,10 @@ class Connection:
         while self.client is None:
             try:
                 client = await nats.connect(
-                    self.url, name=self.name, allow_reconnect=True, max_reconnect_attempts=-1,
+                    self._servers, name=self.name, allow_reconnect=True, max_reconnect_attempts=-1,
                     reconnect_time_wait=1, connect_timeout=2, ping_interval=PING_INTERVAL, max_outstanding_pings=2,
                     disconnected_cb=self._disconnected, reconnected_cb=self._reconnected,
-                    error_cb=self._error, closed_cb=self._closed)
+                    error_cb=self._error, closed_cb=self._closed, no_echo=True, **self.options)
             except Exception as exc:  # noqa: BLE001 - unreachable: keep serving our own sessions, retry
                 if delay == RETRY_FIRST:
                     log.warning("NATS at %s unreachable (%s); serving this replica's own sessions until it is up",
@@ -81,28 +93,48 @@ class Connection:
             self._up()
         await self._write_forever()
 
-    def post(self, subject: str, data: bytes) -> None:
-        """Queue a message for the writer (never blocks); dropped while there is no connection."""
+    def post(self, subject: str, data: bytes, to: str = EVERYONE) -> None:
+        """Queue a message for the writer, sealed for ``to`` (never blocks); dropped while there is no
+        connection, or when ``to`` is a replica whose key this one does not know yet."""
         if self.client is None or self.client.is_closed:
             return
+        sealed = self.authenticator.seal(subject, data, to)
+        if sealed is None:
+            log.debug("no key for replica %s yet: not sending on %s", to, subject)
+            return
         try:
-            self._outgoing.put_nowait((subject, data))
+            self._outgoing.put_nowait((subject, sealed))
         except asyncio.QueueFull:
             log.warning("NATS writer is %d messages behind: dropping", _QUEUE_LIMIT)
 
-    async def request(self, subject: str, data: bytes, timeout: float) -> bytes | None:
-        """A reply, or None when nobody answers in time (or there is no connection)."""
+    async def request(self, subject: str, data: bytes, to: str, timeout: float) -> Opened | None:
+        """The reply of ``to`` (proven), or None when nobody answers in time (or there is no connection)."""
         client = self.client
-        if client is None or not client.is_connected:
+        sealed = self.authenticator.seal(subject, data, to)
+        if client is None or not client.is_connected or sealed is None:
             return None
         try:
-            reply = await client.request(subject, data, timeout=timeout)
-        except (NatsTimeout, NoRespondersError, asyncio.TimeoutError):
+            reply = await client.request(subject, sealed, timeout=timeout)
+            opened = await self.authenticator.open(reply.subject, reply.data)
+        except (NatsTimeout, NoRespondersError, asyncio.TimeoutError, Rejected):
             return None
         except Exception:  # noqa: BLE001 - a connection problem is no answer
             log.debug("NATS request on %s failed", subject, exc_info=True)
             return None
-        return reply.data
+        return opened if opened.sender == to else None
+
+    async def open(self, msg: Msg) -> Opened | None:
+        """A received message's sender and body, or None (dropped and counted) when it proves nothing."""
+        try:
+            return await self.authenticator.open(msg.subject, msg.data)
+        except Rejected as rejected:
+            log.debug("dropped a message on %s: %s", msg.subject, rejected.reason)
+            return None
+
+    def reply(self, msg: Msg, data: bytes, to: str) -> None:
+        """Answer a request ``to`` sent (on its reply subject, sealed for it)."""
+        if msg.reply:
+            self.post(msg.reply, data, to)
 
     async def _write_forever(self) -> None:
         queue = self._outgoing
@@ -142,7 +174,16 @@ class Connection:
         self._up()
 
     async def _error(self, exc: Exception) -> None:
-        log.debug("NATS: %s", exc)
+        """Refused credentials or certificates are the operator's to fix: said once a minute, not buried."""
+        text = str(exc) or type(exc).__name__
+        refused = isinstance(exc, (ssl.SSLError, AuthorizationError)) or "authoriz" in text.lower()
+        now = time.monotonic()
+        if refused and now - self._refusal_said_at >= REFUSAL_EVERY:
+            self._refusal_said_at = now
+            log.warning("NATS at %s refuses this replica (%s): check --nats-creds/--nats-nkey/--nats-tls-*",
+                        self.url, redacted(text))
+        else:
+            log.debug("NATS: %s", redacted(text))
 
     async def _closed(self) -> None:
         CONNECTED.set(0)

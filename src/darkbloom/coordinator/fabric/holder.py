@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from darkbloom.coordinator.fabric import messages
+from darkbloom.coordinator.fabric.authentication import Opened, refuse
 from darkbloom.coordinator.fabric.connection import Connection
 from darkbloom.coordinator.fabric.subjects import Subjects
 from darkbloom.coordinator.fleet import machines, session_lifecycle
@@ -27,14 +28,16 @@ from darkbloom.coordinator.fleet.enrollment import load_ca
 from darkbloom.coordinator.fleet.session import ProviderSession
 from darkbloom.coordinator.fleet.slots import Slot
 from darkbloom.coordinator.fleet.trust import UNTRUSTED
-from darkbloom.wire.protocol import Cancel, Envelope, Usage, dump, parse_coordinator_frame
+from darkbloom.wire.protocol import (MAX_REQUEST_FRAME_BYTES, Cancel, Envelope, FrameError, InferenceRequest,
+                                     Usage, dump, parse_coordinator_frame)
 
 if TYPE_CHECKING:
     from darkbloom.coordinator.services import Services
 
 log = logging.getLogger("darkbloom.fabric")
 REAP_EVERY = 1.0
-MAX_PARTS = 64  # a request frame (at most MAX_REQUEST_FRAME_BYTES, ~11 MiB) needs ~12 parts of 1 MiB
+MAX_BUFFERED = 4 * MAX_REQUEST_FRAME_BYTES  # unfinished split frames per sending replica
+MAX_DECODE_TPS = 1e6
 
 
 @dataclass(eq=False)
@@ -65,7 +68,7 @@ class Forwarder:
 
     def on_chunk(self, envelope: Envelope) -> bool:
         if not self.finished:
-            self.holder.connection.post(self.subject, messages.back_chunk(envelope))
+            self.holder.connection.post(self.subject, messages.back_chunk(envelope), self.hosted.admitter)
         return True  # only the admitting replica can open it; it reports a chunk that does not
 
     def on_complete(self, usage: Usage) -> bool:
@@ -81,7 +84,7 @@ class Forwarder:
     def _end(self, last: bytes) -> None:
         if not self.finished:
             self.finished = True
-            self.holder.connection.post(self.subject, last)
+            self.holder.connection.post(self.subject, last, self.hosted.admitter)
             self.holder.end(self.hosted)
 
 
@@ -91,19 +94,27 @@ class Holder:
         self.connection = connection
         self.subjects = subjects
         self.hosted: dict[str, Hosted] = {}
-        # a split frame's parts so far, by ticket: (admitter, first part's arrival, parts)
-        self._parts: dict[str, tuple[str, float, list[bytes]]] = {}
+        self.split_frames = messages.SplitFrames(MAX_BUFFERED)
 
     # claims
 
-    async def on_claim(self, msg: Any) -> None:
-        ask = json.loads(msg.data)
-        ok, why = self._claim(ask["session"], ask["ticket"], ask["from"])
-        await msg.respond(messages.claim_reply(ok, why))
+    async def on_claim(self, opened: Opened, msg: Any) -> None:
+        try:
+            ask = json.loads(opened.body)
+            session_id, ticket, claimant = str(ask["session"]), str(ask["ticket"]), ask["from"]
+        except (ValueError, KeyError, TypeError):
+            refuse("malformed", "a malformed claim from %s", opened.sender)
+            return
+        if claimant != opened.sender:
+            refuse("impersonation", "replica %s claimed for replica %s", opened.sender, claimant)
+            return
+        ok, why = self._claim(session_id, ticket, claimant)
+        self.connection.reply(msg, messages.claim_reply(ok, why), claimant)
 
     def _claim(self, session_id: str, ticket: str, admitter: str) -> tuple[bool, str]:
-        if ticket in self.hosted:
-            return True, ""
+        hosted = self.hosted.get(ticket)
+        if hosted is not None:
+            return (True, "") if hosted.admitter == admitter and hosted.session.id == session_id else (False, "busy")
         session = self.services.registry.get(session_id)
         if session is None or session.remote or not session.online:
             return False, "gone"
@@ -132,79 +143,89 @@ class Holder:
 
     # messages to the holder
 
-    async def on_hold(self, msg: Any) -> None:
+    async def on_hold(self, opened: Opened, msg: Any) -> None:
         try:
-            header, payload = messages.read_hold(msg.data)
-            self._handle(header, payload)
+            header, payload = messages.read_hold(opened.body)
+            self._handle(opened.sender, header, payload)
         except Exception:  # noqa: BLE001 - one bad message never stops the subscription
-            log.exception("bad message on %s", msg.subject)
+            log.exception("bad message from %s on %s", opened.sender, msg.subject)
 
-    def _handle(self, header: dict[str, Any], payload: bytes) -> None:
+    def _handle(self, sender: str, header: dict[str, Any], payload: bytes) -> None:
         kind = header["k"]
         if kind == "request":
-            frame = self._whole(header, payload)
+            if header.get("f") != sender:
+                refuse("impersonation", "replica %s sent a request for replica %s", sender, header.get("f"))
+                return
+            frame = self.split_frames.add(sender, header, payload)
             if frame is not None:
                 self._request(header, frame)
         elif kind == "release":
-            hosted = self.hosted.get(header["t"])
+            hosted = self._hosted_for(sender, header.get("t"))
             if hosted is not None:
                 self._cancel(hosted)  # over for the admitter: the node stops too, if it has not
         elif kind == "frame":
-            self._frame(header, payload.decode())
+            self._frame(sender, header, payload)
         elif kind == "speed":
             session = self._local(header["s"])
-            if session is not None:
-                session.decode_tps = float(header["tps"])
+            tps = float(header["tps"])
+            if session is not None and 0.0 <= tps <= MAX_DECODE_TPS:
+                session.decode_tps = tps
         elif kind == "unlink":
             session = self._local(header["s"])
             if session is not None:
                 machines.retire(self.services, session)
 
-    def _whole(self, header: dict[str, Any], payload: bytes) -> bytes | None:
-        """The frame once all its parts are in (parts of one ticket arrive in order)."""
-        count = int(header.get("n", 1))
-        if count == 1:
-            return payload
-        ticket = header["t"]
-        if not 1 < count <= MAX_PARTS:
-            log.warning("a frame in %s parts for %s: dropped", count, ticket)
+    def _hosted_for(self, sender: str, ticket: Any) -> Hosted | None:
+        """The claim ``ticket`` names, when ``sender`` made it (a replica speaks for its own requests only)."""
+        hosted = self.hosted.get(ticket) if isinstance(ticket, str) else None
+        if hosted is not None and hosted.admitter != sender:
+            refuse("impersonation", "replica %s spoke for a request of replica %s", sender, hosted.admitter)
             return None
-        _, _, parts = self._parts.setdefault(ticket, (str(header.get("f", "")), time.monotonic(), []))
-        if int(header.get("p", len(parts))) != len(parts):  # a part went missing: the frame cannot be whole
-            log.warning("a part of the frame for %s went missing: dropped", ticket)
-            del self._parts[ticket]
-            return None
-        parts.append(payload)
-        if len(parts) < count:
-            return None
-        del self._parts[ticket]
-        return b"".join(parts)
+        return hosted
 
-    def _request(self, header: dict[str, Any], frame: bytes) -> None:
-        ticket, admitter, request_id = header["t"], header["f"], header["r"]
+    def _request(self, header: dict[str, Any], data: bytes) -> None:
+        """Write an ``inference_request`` for a request not already on the session to the node; nothing
+        else ever reaches a node from another replica (what it writes is the frame as parsed here)."""
+        ticket, admitter, request_id = str(header["t"]), header["f"], header["r"]
+        back = self.subjects.back(admitter, ticket)
+        try:
+            frame = parse_coordinator_frame(data)
+        except FrameError:
+            frame = None
+        if not isinstance(frame, InferenceRequest) or frame.request_id != request_id:
+            refuse("not_a_request", "replica %s sent a request message that is not an inference_request for %s",
+                    admitter, request_id)
+            return
+        session = self._local(header["s"])
+        if session is not None and (request_id in session.pending or len(data) > session.registration.max_request_frame_bytes):
+            refuse("not_a_request", "replica %s sent request %s, already on %s or too big for it", admitter,
+                    request_id, session.id)
+            self.connection.post(back, messages.back_gone("busy"), admitter)
+            return
         ok, why = self._claim(header["s"], ticket, admitter)
         if not ok:
-            self.connection.post(self.subjects.back(admitter, ticket), messages.back_gone(why))
+            self.connection.post(back, messages.back_gone(why), admitter)
             return
         hosted = self.hosted[ticket]
         session = hosted.session
-        if not session.online or session.close_code is not None:
-            self.connection.post(self.subjects.back(admitter, ticket), messages.back_gone())
+        if not session.online or session.close_code is not None or hosted.forwarder is not None:
+            self.connection.post(back, messages.back_gone(), admitter)
             self.end(hosted)
             return
         hosted.forwarder = Forwarder(self, hosted, request_id)
         session.pending[request_id] = hosted.forwarder  # type: ignore[assignment]  # fed like a PendingRequest
-        session.send(frame.decode())
+        session.send(dump(frame))
 
-    def _frame(self, header: dict[str, Any], text: str) -> None:
-        frame = parse_coordinator_frame(text)
+    def _frame(self, sender: str, header: dict[str, Any], data: bytes) -> None:
+        frame = parse_coordinator_frame(data)
         kind = frame.type
         if kind == "cancel":
-            hosted = self.hosted.get(header.get("t", ""))
+            hosted = self._hosted_for(sender, header.get("t"))
             forwarder = hosted.forwarder if hosted is not None else None
             if hosted is not None and forwarder is not None and not forwarder.finished and not forwarder.cancelled:
                 forwarder.cancelled = True
-                hosted.session.send(text)  # the node reports its partial usage, forwarded as usual
+                # the node reports its partial usage, forwarded as usual
+                hosted.session.send(dump(Cancel(request_id=forwarder.request_id)))
             return
         session = self._local(header["s"])
         if session is None or kind != "trust_status":
@@ -228,8 +249,7 @@ class Holder:
     # the admitting replica went away, and claims nobody used
 
     def admitter_gone(self, replica: str) -> None:
-        for ticket in [t for t, (admitter, _, _) in self._parts.items() if admitter == replica]:
-            del self._parts[ticket]  # the rest of that frame will never come
+        self.split_frames.forget(replica)  # the rest of its frames will never come
         for hosted in [h for h in self.hosted.values() if h.admitter == replica]:
             log.info("replica %s is gone: cancelling its request on %s", replica, hosted.session.id)
             self._cancel(hosted)
@@ -241,8 +261,7 @@ class Holder:
         while True:
             await asyncio.sleep(REAP_EVERY)
             now = time.monotonic()
-            for ticket in [t for t, (_, since, _) in self._parts.items() if now - since > unused_after]:
-                del self._parts[ticket]  # a split frame whose last parts never came
+            self.split_frames.reap(now - unused_after)  # split frames whose last parts never came
             for hosted in list(self.hosted.values()):
                 if hosted.session.close_code is not None and hosted.forwarder is None:
                     self.end(hosted)  # claimed, never used, and its session is closing

@@ -10,15 +10,19 @@ is ever in a message, because the replica that admitted a request is the only on
 from __future__ import annotations
 
 import json
+import logging
 import time
 from typing import Any
 
+from darkbloom.coordinator.fabric.authentication import refuse
 from darkbloom.coordinator.fleet.session import ProviderSession
 from darkbloom.wire.crypto import b64e
 from darkbloom.wire.protocol import Envelope, ModelInfo, Register, Usage
 
+log = logging.getLogger("darkbloom.fabric")
 # the parts of a request frame bigger than the server's max_payload: this much room for the header
 HEADER_ROOM = 1024
+MAX_PARTS = 64  # a request frame (at most MAX_REQUEST_FRAME_BYTES, ~11 MiB) needs ~12 parts of 1 MiB
 
 
 def announcement(session: ProviderSession, now: float | None = None) -> dict[str, Any]:
@@ -33,6 +37,7 @@ def announcement(session: ProviderSession, now: float | None = None) -> dict[str
         "public_key": b64e(bytes(session.public_key)) if session.public_key is not None else None,
         "identity_key": registration.identity_key,
         "encrypted_response_chunks": registration.encrypted_response_chunks,
+        "authenticated_chunks": registration.authenticated_chunks,
         "private_only": registration.private_only, "max_concurrency": registration.max_concurrency,
         "max_request_frame_bytes": registration.max_request_frame_bytes, "name": registration.name,
         "trust_level": session.trust_level, "untrusted_reason": session.untrusted_reason,
@@ -48,6 +53,7 @@ def registration_of(announced: dict[str, Any]) -> Register:
     return Register(models=[ModelInfo.model_validate(m) for m in announced["models"]],
                     public_key=announced["public_key"] or "", identity_key=announced["identity_key"] or "",
                     encrypted_response_chunks=bool(announced["encrypted_response_chunks"]),
+                    authenticated_chunks=bool(announced["authenticated_chunks"]),
                     private_only=bool(announced["private_only"]), max_concurrency=announced["max_concurrency"],
                     max_request_frame_bytes=announced["max_request_frame_bytes"], name=announced["name"] or "")
 
@@ -75,9 +81,70 @@ def hold_parts(kind: str, payload: bytes, max_payload: int, **header: Any) -> li
     return [hold_message(kind, piece, p=index, n=len(pieces), **header) for index, piece in enumerate(pieces)]
 
 
+class SplitFrames:
+    """Frames sent in parts (``hold_parts``) put back together. The parts of one ticket arrive in
+    order, from the replica that sent the first; at most ``max_buffered`` bytes of unfinished frames
+    are kept per sending replica."""
+
+    def __init__(self, max_buffered: int) -> None:
+        self.max_buffered = max_buffered
+        self._parts: dict[str, tuple[str, float, list[bytes]]] = {}  # ticket → (sender, first arrival, parts)
+
+    def add(self, sender: str, header: dict[str, Any], payload: bytes) -> bytes | None:
+        """The frame once all its parts are in; None until then, or when it can never be whole."""
+        count = int(header.get("n", 1))
+        if count == 1:
+            return payload
+        ticket = str(header["t"])
+        if not 1 < count <= MAX_PARTS:
+            log.warning("a frame in %s parts for %s: dropped", count, ticket)
+            return None
+        entry = self._parts.get(ticket)
+        if entry is not None and entry[0] != sender:
+            refuse("impersonation", "replica %s sent a part of replica %s's frame", sender, entry[0])
+            return None
+        if self._buffered(sender) + len(payload) > self.max_buffered:
+            refuse("over_limit", "replica %s has more than %d bytes of unfinished frames here", sender,
+                   self.max_buffered)
+            self._parts.pop(ticket, None)
+            return None
+        _, _, parts = self._parts.setdefault(ticket, (sender, time.monotonic(), []))
+        if int(header.get("p", len(parts))) != len(parts):  # a part went missing: the frame cannot be whole
+            log.warning("a part of the frame for %s went missing: dropped", ticket)
+            del self._parts[ticket]
+            return None
+        parts.append(payload)
+        if len(parts) < count:
+            return None
+        del self._parts[ticket]
+        return b"".join(parts)
+
+    def forget(self, sender: str) -> None:
+        for ticket in [t for t, (by, _, _) in self._parts.items() if by == sender]:
+            del self._parts[ticket]
+
+    def reap(self, started_before: float) -> None:
+        for ticket in [t for t, (_, since, _) in self._parts.items() if since < started_before]:
+            del self._parts[ticket]
+
+    def __len__(self) -> int:
+        return len(self._parts)
+
+    def _buffered(self, sender: str) -> int:
+        return sum(len(part) for by, _, parts in self._parts.values() if by == sender for part in parts)
+
+
 def read_hold(data: bytes) -> tuple[dict[str, Any], bytes]:
     header, _, payload = data.partition(b"\n")
-    return json.loads(header), payload
+    return json_object(header), payload
+
+
+def json_object(data: bytes) -> dict[str, Any]:
+    """A message's JSON object (ValueError for anything else)."""
+    body = json.loads(data)
+    if not isinstance(body, dict):
+        raise ValueError("a fabric message is a JSON object")
+    return body
 
 
 # back to the admitting replica, on the attempt's own subject

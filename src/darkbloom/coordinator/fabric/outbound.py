@@ -16,6 +16,7 @@ import logging
 from typing import TYPE_CHECKING, Any, Callable
 
 from darkbloom.coordinator.fabric import messages
+from darkbloom.coordinator.fabric.authentication import Opened, refuse
 from darkbloom.coordinator.fabric.connection import Connection
 from darkbloom.coordinator.fabric.subjects import Subjects
 from darkbloom.coordinator.fleet import session_lifecycle, slots
@@ -47,8 +48,11 @@ class Outbound:
         self._known.add(slot.ticket)
         reply = await self.connection.request(self.subjects.claim(session.holder),
                                               messages.claim_request(session.id, slot.ticket, self.subjects.replica),
-                                              CLAIM_TIMEOUT)
-        answer = json.loads(reply) if reply is not None else {"ok": False, "why": "no answer"}
+                                              session.holder, CLAIM_TIMEOUT)
+        try:
+            answer = messages.json_object(reply.body) if reply is not None else {"ok": False, "why": "no answer"}
+        except ValueError:
+            answer = {"ok": False, "why": "a malformed answer"}
         if answer.get("ok"):
             return True
         log.info("replica %s refused a slot on %s: %s", session.holder, session.id, answer.get("why"))
@@ -62,7 +66,7 @@ class Outbound:
         self._known.add(ticket)
         for part in messages.hold_parts("request", frame_json.encode(), self.connection.max_payload, t=ticket,
                                         s=session.id, r=pending.request_id, f=self.subjects.replica):
-            self.connection.post(self.subjects.hold(session.holder), part)
+            self.connection.post(self.subjects.hold(session.holder), part, session.holder)
 
     def send_frame(self, session: "RemoteSession", frame_json: str) -> None:
         """A cancel (for the attempt of its request id) or a trust status, for the holder to apply."""
@@ -77,21 +81,23 @@ class Outbound:
             log.debug("not passing a %s frame to replica %s", kind, session.holder)
             return
         self.connection.post(self.subjects.hold(session.holder),
-                             messages.hold_message("frame", frame_json.encode(), **header))
+                             messages.hold_message("frame", frame_json.encode(), **header), session.holder)
 
     def released(self, session: "RemoteSession", slot: "Slot") -> None:
         ticket = slot.ticket
         self._attempts.pop(ticket or "", None)
         if ticket in self._known:
             self._known.discard(ticket)
-            self.connection.post(self.subjects.hold(session.holder), messages.hold_message("release", t=ticket))
+            self.connection.post(self.subjects.hold(session.holder), messages.hold_message("release", t=ticket),
+                                 session.holder)
 
     def speed(self, session: "RemoteSession", decode_tps: float) -> None:
         self.connection.post(self.subjects.hold(session.holder),
-                             messages.hold_message("speed", s=session.id, tps=decode_tps))
+                             messages.hold_message("speed", s=session.id, tps=decode_tps), session.holder)
 
     def unlinked(self, session: "RemoteSession") -> None:
-        self.connection.post(self.subjects.hold(session.holder), messages.hold_message("unlink", s=session.id))
+        self.connection.post(self.subjects.hold(session.holder), messages.hold_message("unlink", s=session.id),
+                             session.holder)
 
     def _looks_full(self, session: "RemoteSession") -> None:
         """Until the holder's next announcement says otherwise, no slot of it looks free here (+1: the
@@ -100,12 +106,17 @@ class Outbound:
 
     # the holder's answers
 
-    async def on_back(self, msg: Any) -> None:
+    async def on_back(self, opened: Opened, msg: Any) -> None:
         pending = self._attempts.get(self.subjects.ticket_of(msg.subject))
         if pending is None:
             return  # the attempt is over: late frames are ignored, as on a socket
+        holder = pending.session.holder  # type: ignore[attr-defined]  # placed on a RemoteSession
+        if opened.sender != holder:
+            refuse("impersonation", "request %s: replica %s spoke for its holder %s", pending.request_id,
+                   opened.sender, holder)
+            return
         try:
-            self._feed(pending, json.loads(msg.data))
+            self._feed(pending, messages.json_object(opened.body))
         except Exception:  # noqa: BLE001 - a malformed message fails its attempt, never the subscription
             log.exception("request %s: bad message from the holding replica", pending.request_id)
             pending.on_provider_gone()

@@ -10,13 +10,16 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Awaitable, Callable
 
 from nats.aio.client import Client
+from nats.aio.msg import Msg
 
 from darkbloom.coordinator.fabric.advertiser import Advertiser
+from darkbloom.coordinator.fabric.authentication import Authenticator, Opened, ReplicaKey, Roster
 from darkbloom.coordinator.fabric.connection import Connection
 from darkbloom.coordinator.fabric.holder import Holder
+from darkbloom.coordinator.fabric.nats_auth import connect_options
 from darkbloom.coordinator.fabric.outbound import Outbound
 from darkbloom.coordinator.fabric.subjects import Subjects
 from darkbloom.coordinator.fabric.view import FleetView
@@ -33,7 +36,10 @@ class Fabric:
         assert settings.nats_url is not None
         self.services = services
         self.subjects = Subjects(settings.nats_subject_prefix, services.instance_id)
-        self.connection = Connection(settings.nats_url, f"darkbloom coordinator {services.instance_id}")
+        self.roster = Roster(ReplicaKey(services.instance_id), services.engine, settings.instance_stale_after)
+        authenticator = Authenticator(self.roster)
+        self.connection = Connection(settings.nats_url, f"darkbloom coordinator {services.instance_id}",
+                                     authenticator, connect_options(settings))
         self.outbound = Outbound(self.connection, self.subjects, services.registry)
         self.holder = Holder(services, self.connection, self.subjects)
         self.view = FleetView(services, self.outbound, self.holder.admitter_gone)
@@ -51,16 +57,28 @@ class Fabric:
 
     async def _subscribe(self, client: Client) -> None:
         subjects = self.subjects
-        await client.subscribe(subjects.fleet, cb=self.view.on_message)
-        await client.subscribe(subjects.my_claims, cb=self.holder.on_claim)
-        await client.subscribe(subjects.my_holds, cb=self.holder.on_hold)
-        await client.subscribe(subjects.my_backs, cb=self.outbound.on_back)
+        await client.subscribe(subjects.fleet, cb=self._proven(self.view.on_message))
+        await client.subscribe(subjects.my_claims, cb=self._proven(self.holder.on_claim))
+        await client.subscribe(subjects.my_holds, cb=self._proven(self.holder.on_hold))
+        await client.subscribe(subjects.my_backs, cb=self._proven(self.outbound.on_back))
 
-    def start(self) -> None:
+    def _proven(self, handle: Callable[[Opened, Msg], Awaitable[None]]) -> Callable[[Msg], Awaitable[None]]:
+        """Only what a live replica of this coordinator sent, to this one, once, reaches ``handle``."""
+        async def on_message(msg: Msg) -> None:
+            opened = await self.connection.open(msg)
+            if opened is not None:
+                await handle(opened, msg)
+        return on_message
+
+    async def start(self) -> None:
+        """Register this replica's key (the others read it from the database), then join."""
+        await self.roster.publish()
+        await self.roster.refresh()
         self._tasks = [asyncio.create_task(self.connection.run(self._subscribe)),
                        asyncio.create_task(self.advertiser.heartbeat_forever()),
                        asyncio.create_task(self.view.watch_forever()),
-                       asyncio.create_task(self.holder.reap_forever())]
+                       asyncio.create_task(self.holder.reap_forever()),
+                       asyncio.create_task(self.roster.refresh_forever())]
         log.info("replica %s joining the fabric at %s (subjects %s.*)", self.subjects.replica,
                  self.connection.url, self.subjects.prefix)
 

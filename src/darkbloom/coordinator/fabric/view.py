@@ -14,7 +14,6 @@ cannot undo it here.
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import time
 from typing import TYPE_CHECKING, Any, Callable
@@ -22,6 +21,7 @@ from typing import TYPE_CHECKING, Any, Callable
 from prometheus_client import Gauge
 
 from darkbloom.coordinator.fabric import messages
+from darkbloom.coordinator.fabric.authentication import Opened, refuse
 from darkbloom.coordinator.fabric.outbound import Outbound
 from darkbloom.coordinator.fabric.remote_session import RemoteSession
 from darkbloom.coordinator.fleet import slots
@@ -45,14 +45,18 @@ class FleetView:
         self.heard: dict[str, float] = {}  # replica → when it was last heard (monotonic, here)
         self.stand_ins: dict[str, RemoteSession] = {}
 
-    async def on_message(self, msg: Any) -> None:
+    async def on_message(self, opened: Opened, msg: Any) -> None:
         try:
-            self.apply(messages_of(msg.data))
+            self.apply(opened.sender, messages.json_object(opened.body))
         except Exception:  # noqa: BLE001 - one bad announcement never stops the subscription
-            log.exception("bad fleet announcement")
+            log.exception("bad fleet announcement from %s", opened.sender)
 
-    def apply(self, body: dict[str, Any]) -> None:
+    def apply(self, sender: str, body: dict[str, Any]) -> None:
+        """A replica's announcement of its own sessions (``sender`` is proven; it speaks for itself only)."""
         replica = body["replica"]
+        if replica != sender:
+            refuse("impersonation", "replica %s announced for replica %s", sender, replica)
+            return
         if replica == self.me:
             return
         if body.get("leaving"):
@@ -66,13 +70,20 @@ class FleetView:
             listed = {announced["id"] for announced in body["sessions"]}
             gone |= {sid for sid, s in self.stand_ins.items() if s.holder == replica and sid not in listed}
         for session_id in gone:
-            self.drop(session_id)
+            stand_in = self.stand_ins.get(session_id)
+            if stand_in is not None and stand_in.holder == replica:
+                self.drop(session_id)
         self._count()
         self.services.queues.drain()  # a slot freed anywhere may place a waiter here
 
     def _upsert(self, replica: str, announced: dict[str, Any]) -> None:
         now = time.monotonic()
         stand_in = self.stand_ins.get(announced["id"])
+        if stand_in is not None and stand_in.holder != replica or (
+                stand_in is None and self.registry.get(announced["id"]) is not None):
+            # another replica's session, or one of ours
+            refuse("impersonation", "replica %s announced session %s, which it does not hold", replica, announced["id"])
+            return
         if stand_in is None:
             stand_in = self._stand_in(replica, announced, now)
             if stand_in is not None:
@@ -137,13 +148,6 @@ class FleetView:
     def _count(self) -> None:
         REPLICAS.set(len(self.heard))
         REMOTE_SESSIONS.set(len(self.stand_ins))
-
-
-def messages_of(data: bytes) -> dict[str, Any]:
-    body = json.loads(data)
-    if not isinstance(body, dict):
-        raise ValueError("an announcement is a JSON object")
-    return body
 
 
 def _update(stand_in: RemoteSession, announced: dict[str, Any], now: float) -> None:

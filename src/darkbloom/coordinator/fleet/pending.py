@@ -59,7 +59,9 @@ class PendingRequest:
         self.bounds = bounds
         self.slot = slot
         self.session = slot.session
-        self.reply_key = ReplyKey()
+        registration = self.session.registration
+        proven = registration.authenticated_chunks or self.session.remote  # a chunk across NATS always is
+        self.reply_key = ReplyKey(registration.public_key if proven else None)
         self.events: asyncio.Queue[Event] = asyncio.Queue()
         self.finished = False
         self.usage: Usage | None = None
