@@ -6,6 +6,7 @@ draining, untrusted) never go back; a frame too big for one NATS message arrives
 from __future__ import annotations
 
 import pytest
+from prometheus_client import REGISTRY
 
 from darkbloom.coordinator.fabric import messages
 from darkbloom.coordinator.fabric.authentication import Authenticator, ReplicaKey, Roster
@@ -20,6 +21,7 @@ from darkbloom.coordinator.routing.decision import RouteDecision
 from darkbloom.coordinator.routing.gates import first_failed_gate
 from darkbloom.coordinator.routing.model_views import owned_models
 from darkbloom.coordinator.routing.scheduler import select
+from darkbloom.wire.protocol import Cancel, Envelope, InferenceRequest, dump
 from tests.coordinator.routing.sim import MODEL, SimProvider, services, settings
 
 HOLDER = "inst_holder"
@@ -116,3 +118,48 @@ def test_a_split_frame_missing_a_part_or_from_a_gone_replica_is_not_kept() -> No
     assert not holder.split_frames
     header, payload = parts[0]
     assert holder.split_frames.add("inst_b", {**header, "n": 10_000}, payload) is None and not holder.split_frames  # absurd part counts
+
+
+def dropped(reason: str) -> float:
+    return REGISTRY.get_sample_value("darkbloom_fabric_dropped_total", {"reason": reason}) or 0.0
+
+
+async def test_a_replica_speaks_only_for_itself_and_its_own_sessions() -> None:
+    view, registry, gone = view_of_b()
+    theirs, ours = SimProvider(), SimProvider()
+    announce(view, theirs)
+    registry.add(ours.session)  # a session of this replica's
+    before = dropped("impersonation")
+    sessions = [messages.announcement(theirs.session)]
+    view.apply("inst_other", {"replica": HOLDER, "full": True, "sessions": [], "gone": [], "leaving": True})
+    view.apply("inst_other", {"replica": "inst_other", "full": False, "sessions": sessions, "gone": []})
+    view.apply("inst_other", {"replica": "inst_other", "full": False, "gone": [],
+                              "sessions": [messages.announcement(ours.session)]})
+    view.apply("inst_other", {"replica": "inst_other", "full": False, "sessions": [], "gone": [theirs.session.id]})
+    stand_in = registry.get(theirs.session.id)
+    assert isinstance(stand_in, RemoteSession) and stand_in.holder == HOLDER and not gone
+    assert registry.get(ours.session.id) is ours.session
+    assert dropped("impersonation") == before + 3  # the leaving for another, and two sessions it does not hold
+
+
+def test_split_frames_are_bounded_per_sender_and_kept_apart() -> None:
+    frames = messages.SplitFrames(max_buffered=2500)
+    parts = [messages.read_hold(p) for p in
+             messages.hold_parts("request", b"z" * 5000, messages.HEADER_ROOM + 1000, t="abc", s="p", r="r", f="b")]
+    before = dropped("impersonation"), dropped("over_limit")
+    assert frames.add("inst_b", *parts[0]) is None and frames.add("inst_c", *parts[1]) is None
+    assert frames.add("inst_b", *parts[1]) is None and frames.add("inst_b", *parts[2]) is None
+    assert not frames  # a third part would pass 2,500 bytes: the frame is given up
+    assert (dropped("impersonation"), dropped("over_limit")) == (before[0] + 1, before[1] + 1)
+
+
+def test_the_holder_passes_a_node_only_an_inference_request() -> None:
+    holder = Holder(None, None, Subjects("t", "inst_a"))  # type: ignore[arg-type]
+    before = dropped("not_a_request")
+    header = {"k": "request", "t": "abc", "s": "prov_1", "r": "req_1", "f": "inst_b"}
+    junk = b'{"type":"trust_status","trust_level":"hardware","certificate":"junk"}'
+    holder._request(header, junk)  # never reaches the registry: refused as it parses
+    holder._request(header, dump(Cancel(request_id="req_1")).encode())
+    other = InferenceRequest(request_id="req_2", encrypted_body=Envelope(ephemeral_public_key="k", ciphertext="c"))
+    holder._request(header, dump(other).encode())  # a request, but not the one the header names
+    assert dropped("not_a_request") == before + 3 and not holder.hosted

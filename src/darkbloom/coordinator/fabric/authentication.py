@@ -174,7 +174,10 @@ class Roster:
         """The peer, reading the database again for a replica not known yet (at most once a second)."""
         peer = self.peers.get(replica)
         if peer is None and time.monotonic() - self._refreshed_at >= REFRESH_AT_MOST:
-            await self.refresh()
+            try:
+                await self.refresh()
+            except Exception:  # noqa: BLE001 - the database is down for now: a stranger stays one
+                log.warning("reading the replicas' fabric keys failed", exc_info=True)
             peer = self.peers.get(replica)
         return peer
 
