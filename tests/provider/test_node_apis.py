@@ -41,8 +41,8 @@ async def test_each_api_is_served_and_usage_reported(harness: Harness) -> None:
     conn = await harness.registered()
     chunks, done = await answer(conn, "req_embed", "embeddings", {"input": ["a", "b"]})
     assert isinstance(done, protocol.InferenceComplete), done
-    [data] = chunks
-    assert [d["index"] for d in data["data"]] == [0, 1] and done.usage.completion_tokens == 0
+    assert [[d["index"] for d in c["data"]] for c in chunks] == [[0], [1]]  # a chunk per vector
+    assert done.usage.completion_tokens == 0
     assert done.usage.prompt_tokens == harness.backend.recent[-1].prompt_tokens > 0
     chunks, done = await answer(conn, "req_text", "completions", {"prompt": "Once upon a time", "max_tokens": 4,
                                                                   "temperature": 0})

@@ -9,7 +9,10 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
-from darkbloom.provider.outbox import COALESCE_BYTES, Outbox
+import pytest
+
+from darkbloom.provider.backends.base import BackendError
+from darkbloom.provider.outbox import COALESCE_BYTES, COALESCE_CHUNKS, SPLIT_BYTES, Outbox
 from darkbloom.wire import crypto, protocol
 
 
@@ -146,3 +149,47 @@ async def test_a_coordinator_that_did_not_say_it_opens_arrays_gets_one_chunk_per
     await drain(outbox, socket)
     assert [json.loads(reply.open(frame.encrypted_data))["choices"][0]["delta"]["content"]
             for frame in socket.sent] == ["one", "two", "three"]
+
+
+def vectors(count: int, size: int = 576) -> dict[str, Any]:
+    """An embeddings answer as one chunk (what an upstream's /v1/embeddings becomes): ~14 KB a vector."""
+    return {"id": "e", "object": "list", "model": "m",
+            "data": [{"object": "embedding", "index": i, "embedding": [0.123456789012345 + i] * size}
+                     for i in range(count)]}
+
+
+async def test_a_list_chunk_over_a_mebibyte_leaves_in_parts_of_the_same_shape() -> None:
+    """Issue 19 row 4: ~700 of the bundled model's vectors (~11 MB) were one frame over the
+    coordinator's 8 MiB limit."""
+    outbox, socket, reply = merging(), Socket(), crypto.ReplyKey()
+    answer = vectors(1000)
+    assert len(json.dumps(answer)) > protocol.MAX_FRAME_BYTES
+    outbox.send_chunk(Request("r1"), sealer_for(reply), answer)
+    await drain(outbox, socket)
+    plaintexts = [reply.open(frame.encrypted_data) for frame in socket.sent]
+    parts = [protocol.response_chunks(plaintext) for plaintext in plaintexts]
+    assert len(parts) >= 10 and all(len(plaintext) <= SPLIT_BYTES + 100 for plaintext in plaintexts)
+    indices = []
+    for [part] in parts:  # each frame one chunk: none is merged past 64 KiB
+        assert {k: v for k, v in part.items() if k != "data"} == {"id": "e", "object": "list", "model": "m"}
+        indices += [item["index"] for item in part["data"]]
+    assert indices == list(range(1000))
+
+
+async def test_a_chunk_too_large_for_any_frame_fails_its_request() -> None:
+    outbox = merging()
+    huge = chunk("x" * (protocol.MAX_FRAME_BYTES * 3 // 4))
+    with pytest.raises(BackendError) as info:
+        outbox.send_chunk(Request("r1"), sealer_for(crypto.ReplyKey()), huge)
+    assert info.value.status_code == 502
+    with pytest.raises(BackendError):  # one vector too large alone
+        outbox.send_chunk(Request("r2"), sealer_for(crypto.ReplyKey()), vectors(1, 400_000))
+
+
+async def test_no_more_than_coalesce_chunks_share_a_frame() -> None:
+    outbox, socket, reply = merging(), Socket(), crypto.ReplyKey()
+    request = Request("r1")
+    for _ in range(COALESCE_CHUNKS + 10):
+        outbox.send_chunk(request, sealer_for(reply), {"i": 1})
+    await drain(outbox, socket)
+    assert [len(protocol.response_chunks(reply.open(f.encrypted_data))) for f in socket.sent] == [COALESCE_CHUNKS, 10]

@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
+import asyncio
 import time
 
 import pytest
-from sqlalchemy import update
+from sqlalchemy import func, select, update
 from sqlalchemy.ext.asyncio import AsyncEngine
 
 from darkbloom.wire.crypto import token_hash
@@ -106,3 +107,38 @@ async def test_credit_reference_is_global_across_accounts(engine: AsyncEngine) -
         b = await accounts.create_account(conn, "b@example.com", "h")
         assert await accounts.credit(conn, a, 100, "shared-ref") == 100
         assert await accounts.credit(conn, b, 100, "shared-ref") == 0
+
+
+async def test_concurrent_credits_never_pass_the_cap(engine: AsyncEngine) -> None:
+    """Sixteen credits at once, room for five: one conditional UPDATE each decides, and a refused
+    credit leaves no admin-credit row and no ledger entry behind."""
+    cap, amount = 1_000_000, 1_000
+    async with engine.begin() as conn:
+        account_id = await accounts.create_account(conn, "cap@example.com", "h", balance=cap - 5 * amount)
+
+    async def credit(i: int) -> int | None:
+        try:
+            async with engine.begin() as conn:
+                return await accounts.credit(conn, account_id, amount, f"near-cap-{i}", max_balance=cap)
+        except accounts.BalanceCapExceeded:
+            return None
+
+    results = await asyncio.gather(*(credit(i) for i in range(16)))
+    assert sorted(r for r in results if r is not None) == [cap - 4 * amount + i * amount for i in range(5)]
+    async with engine.connect() as conn:
+        row = await accounts.get(conn, account_id)
+        credits = (await conn.execute(select(func.count()).select_from(schema.admin_credits)
+                                      .where(schema.admin_credits.c.account_id == account_id))).scalar()
+        entries = (await conn.execute(select(func.count()).select_from(schema.ledger_entries)
+                                      .where(schema.ledger_entries.c.account_id == account_id))).scalar()
+    assert row is not None and row["balance_micro_usd"] == cap
+    assert credits == entries == 5
+
+
+async def test_a_credit_exactly_to_the_cap_is_taken(engine: AsyncEngine) -> None:
+    async with engine.begin() as conn:
+        account_id = await accounts.create_account(conn, "edge@example.com", "h", balance=90)
+        assert await accounts.credit(conn, account_id, 10, "to-the-cap", max_balance=100) == 100
+    with pytest.raises(accounts.BalanceCapExceeded):
+        async with engine.begin() as conn:
+            await accounts.credit(conn, account_id, 1, "past-the-cap", max_balance=100)

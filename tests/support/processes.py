@@ -28,6 +28,9 @@ def _env(home: Path, extra: dict[str, str] | None = None) -> dict[str, str]:
     env = dict(os.environ)
     env.update({"DARKBLOOM_HOME": str(home), "PYTHONUNBUFFERED": "1"})
     env.pop("DARKBLOOM_API_KEY", None)
+    # one test client (127.0.0.1) stands for many people: no per-address sign-up and log-in limits
+    env.setdefault("DARKBLOOM_SIGNUPS_PER_ADDRESS", "0")
+    env.setdefault("DARKBLOOM_LOGIN_FAILURES_PER_ADDRESS", "0")
     env.update(extra or {})
     return env
 

@@ -72,8 +72,9 @@ def create_app(settings: CoordinatorSettings) -> FastAPI:
             await services.ledger.close()  # commits what is still queued
             await engine.dispose()
 
+    # no trailing-slash redirects: Starlette writes their Location from the request's Host header
     app = FastAPI(title="Darkbloom coordinator", version="0.1.0", lifespan=lifespan,
-                  docs_url=None, redoc_url=None, **_NO_TELEMETRY)
+                  docs_url=None, redoc_url=None, redirect_slashes=False, **_NO_TELEMETRY)
     app.add_middleware(BodyLimitMiddleware, max_bytes=settings.max_body_bytes)
     add_cors(app, settings.cors_origins)  # outermost: preflights never reach the body limit or routes
     install_handlers(app)

@@ -104,6 +104,12 @@ class CoordinatorSettings(BaseSettings):
     account_itpm: int | None = Field(None, description="Default input tokens per minute per account.")
     account_otpm: int | None = Field(None, description="Default output tokens per minute per account.")
 
+    # sign-up and log-in throttles (docs/api.md); 0 turns one off
+    login_failures_per_email: int = 10     # failed log-ins per email in 15 minutes
+    login_failures_per_address: int = 100  # failed log-ins per client address in 15 minutes
+    signups_per_address: int = 20          # sign-ups per client address in an hour
+    forwarded_allow_ips: str = "127.0.0.1,::1"  # proxies whose X-Forwarded-For names the client
+
     # trust (CONTRACT §7): runtime hashes accepted as verified (default: this release's own)
     runtime_allow_list: frozenset[str] = Field(default_factory=lambda: frozenset({runtime_hash()}))
     runtime_allow: Annotated[tuple[str, ...], NoDecode] = Field(
@@ -141,6 +147,9 @@ class CoordinatorSettings(BaseSettings):
             value = getattr(self, name)
             if value is not None and value < 1:
                 raise ValueError(f"{flag_name(name)} must be at least 1 (omit it for no limit)")
+        for name in ("login_failures_per_email", "login_failures_per_address", "signups_per_address"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{env_var(name)} must not be negative (0 turns the limit off)")
         if self.queue_max_wait < 0 or self.queue_depth < 0:
             raise ValueError("--queue-max-wait and --queue-depth must not be negative")
         for name in ("challenge_interval", "challenge_deadline", "challenge_freshness", "enrollment_cert_days",

@@ -22,6 +22,7 @@ from typing import Any, AsyncIterator
 
 from darkbloom.wire import crypto
 from darkbloom.wire import protocol
+from darkbloom.wire.token_bounds import prompt_token_bound
 from darkbloom.provider.backends import Backend, BackendError, open_stream
 from darkbloom.provider.backends.base import UsageMeter, chunk_usage, is_usage_chunk
 from darkbloom.provider.config import ProviderConfig
@@ -40,15 +41,31 @@ class Job:
     settling: asyncio.Task[None] | None = field(default=None, repr=False)  # after a cancel: the usage report
     cancelled: bool = False  # once set, nothing more is sent for this request but the usage report on cancel
     max_tokens: int | None = None  # what the coordinator asked for: the most this node ever reports
+    api: protocol.Api = "chat"
+    body: dict[str, Any] | None = field(default=None, repr=False)  # for the prompt bound, once reported
 
     def report(self, prompt_tokens: int, completion_tokens: int) -> protocol.Usage:
-        """The usage to report: an upstream that ignored ``max_tokens`` is not this node's lie to tell
-        (the coordinator distrusts a node reporting more than it asked for)."""
+        """The usage to report: an upstream that ignored ``max_tokens``, or counted more prompt tokens
+        than the body can hold, is not this node's lie to tell (the coordinator distrusts a node
+        reporting more than it asked for, or than the prompt bound it computes from the same body)."""
         if self.max_tokens is not None and completion_tokens > self.max_tokens:
             log.warning("request %s: the backend produced %d completion tokens for max_tokens %d; reporting %d",
                         self.request_id, completion_tokens, self.max_tokens, self.max_tokens)
             completion_tokens = self.max_tokens
+        bound = self._prompt_bound()
+        if bound is not None and prompt_tokens > bound:
+            log.warning("request %s: the backend counted %d prompt tokens, more than the body's bound %d; "
+                        "reporting %d", self.request_id, prompt_tokens, bound, bound)
+            prompt_tokens = bound
         return protocol.Usage(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens)
+
+    def _prompt_bound(self) -> int | None:
+        if self.body is None:
+            return None
+        try:
+            return prompt_token_bound(self.api, self.body)
+        except (KeyError, TypeError, ValueError):  # a body the backend refused anyway
+            return None
 
 
 class FleetRequests:
@@ -127,6 +144,7 @@ class FleetRequests:
             job.outbox.send(protocol.InferenceAccepted(request_id=request_id), job)
             log.info("request %s accepted for %s (%s)", request_id, model_id, frame.api)
             max_tokens = body.get("max_tokens")
+            job.api, job.body = frame.api, body
             job.max_tokens = max_tokens if isinstance(max_tokens, int) and not isinstance(max_tokens, bool) else None
             # an embeddings body has no max_tokens: nothing to hold the report to but the backend's count
             relayed = await self._relay(job, sealer, open_stream(self.backend, frame.api, model_id, body, job.meter))

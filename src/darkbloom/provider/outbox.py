@@ -9,6 +9,10 @@ the coordinator said in ``registered`` that it opens arrays (``chunk_arrays``). 
 model that makes one token at a time never waits here, so its chunks go one per frame as before;
 an upstream that answers in one burst, or a writer behind under load, sends a few frames instead of
 one per token — fewer seals, frames and parses on both sides, the same bytes to the client.
+
+No frame is ever over the coordinator's limit: a list chunk (embeddings) over SPLIT_BYTES is split
+into chunks of the same shape, each with part of its `data` (at most SPLIT_BYTES each, or one
+item); any other chunk too large for one frame fails its request (502) instead of being sent.
 """
 
 from __future__ import annotations
@@ -21,9 +25,12 @@ from typing import Any, Iterator, Protocol
 from pydantic import BaseModel
 from websockets.asyncio.client import ClientConnection
 
+from darkbloom.provider.backends.base import BackendError
 from darkbloom.wire import crypto, protocol
 
 COALESCE_BYTES = 64 * 1024  # plaintext of chunks merged into one frame, at most (a larger chunk goes alone)
+COALESCE_CHUNKS = 1024  # and at most this many chunks
+SPLIT_BYTES = 1024 * 1024  # a list chunk over this is sent as several, each with part of its data
 
 
 class _Request(Protocol):
@@ -51,9 +58,16 @@ class Outbox:
             self._queue.put_nowait((request, protocol.dump(frame)))
 
     def send_chunk(self, request: _Request, sealer: crypto.Sealer, chunk: dict[str, Any]) -> None:
-        """Queue one response chunk of `request`, to be sealed with `sealer` when it goes."""
-        if not self.closed and not request.cancelled:
-            self._queue.put_nowait(_Chunk(request, sealer, json.dumps(chunk, separators=(",", ":"))))
+        """Queue one response chunk of `request`, to be sealed with `sealer` when it goes (split when it
+        is a list over SPLIT_BYTES; BackendError 502 when it cannot fit a frame)."""
+        if self.closed or request.cancelled:
+            return
+        text = _dumps(chunk)
+        texts = _split(chunk) if len(text) > SPLIT_BYTES else [text]
+        if any(protocol.sealed_frame_bytes(len(part)) > protocol.MAX_FRAME_BYTES for part in texts):
+            raise BackendError(502, "the backend sent a chunk too large to relay")
+        for part in texts:
+            self._queue.put_nowait(_Chunk(request, sealer, part))
 
     def close(self) -> None:
         self.closed = True
@@ -82,7 +96,7 @@ def _frames(waiting: list[tuple[_Request | None, str] | _Chunk], merge: bool) ->
         if item.request.cancelled:
             continue
         texts, size = [item.text], len(item.text)
-        while merge and index < len(waiting):
+        while merge and index < len(waiting) and len(texts) < COALESCE_CHUNKS:
             after = waiting[index]
             if not (isinstance(after, _Chunk) and after.request is item.request
                     and size + len(after.text) <= COALESCE_BYTES):
@@ -93,6 +107,27 @@ def _frames(waiting: list[tuple[_Request | None, str] | _Chunk], merge: bool) ->
         plaintext = texts[0] if len(texts) == 1 else "[" + ",".join(texts) + "]"
         yield protocol.dump(protocol.InferenceResponseChunk(
             request_id=item.request.request_id, encrypted_data=item.sealer.seal(plaintext.encode())))
+
+
+def _dumps(value: Any) -> str:
+    return json.dumps(value, separators=(",", ":"))
+
+
+def _split(chunk: dict[str, Any]) -> list[str]:
+    """A list chunk as several of the same shape, each with as many of its `data` items as fit in
+    SPLIT_BYTES (at least one); any other chunk as it is."""
+    data = chunk.get("data")
+    if chunk.get("object") != "list" or not isinstance(data, list) or len(data) < 2:
+        return [_dumps(chunk)]
+    parts: list[list[Any]] = [[]]
+    size = 0
+    for item, item_size in ((item, len(_dumps(item)) + 1) for item in data):
+        if parts[-1] and size + item_size > SPLIT_BYTES:
+            parts.append([])
+            size = 0
+        parts[-1].append(item)
+        size += item_size
+    return [_dumps(dict(chunk, data=part)) for part in parts]
 
 
 def closed_outbox() -> Outbox:

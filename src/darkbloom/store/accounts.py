@@ -18,6 +18,10 @@ class EmailTaken(Exception):
     pass
 
 
+class BalanceCapExceeded(Exception):
+    """A credit would take the balance past its cap; the caller's transaction must roll back."""
+
+
 async def create_account(conn: AsyncConnection, email: str | None, password_hash: str | None,
                          balance: int = 0) -> str:
     account_id = new_id("acct_")
@@ -39,14 +43,19 @@ async def get(conn: AsyncConnection, account_id: str) -> dict[str, Any] | None:
     return dict(row) if row else None
 
 
-async def credit(conn: AsyncConnection, account_id: str, amount: int, reference: str) -> int | None:
+async def credit(conn: AsyncConnection, account_id: str, amount: int, reference: str, *,
+                 max_balance: int | None = None) -> int | None:
     """Add ``amount`` µUSD once per ``reference``; returns the new balance, or None if no account.
 
-    A reference seen before changes nothing and returns the current balance."""
+    A reference seen before changes nothing and returns the current balance. A credit that would take
+    the balance past ``max_balance`` raises BalanceCapExceeded (one conditional UPDATE decides)."""
     if await get(conn, account_id) is None:
         return None
     if await insert_ignore(conn, admin_credits, reference=reference, account_id=account_id,
                            amount_micro_usd=amount, created_at=int(time.time())):
-        await ledger.move(conn, account_id, "balance", amount, "admin_credit", reference=reference)
+        moved = await ledger.move(conn, account_id, "balance", amount, "admin_credit", reference=reference,
+                                  at_most=max_balance)
+        if moved is None:
+            raise BalanceCapExceeded(account_id)
     row = await get(conn, account_id)
     return int(row["balance_micro_usd"]) if row else None

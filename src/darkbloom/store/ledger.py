@@ -18,13 +18,16 @@ Pocket = Literal["balance", "withdrawable"]
 
 async def move(conn: AsyncConnection, account_id: str, pocket: Pocket, amount: int, kind: str, *,
                request_id: str | None = None, reference: str | None = None,
-               require_funds: bool = False) -> int | None:
-    """Add ``amount`` (may be negative) to a pocket; None when the account is missing or, with
-    ``require_funds``, when the pocket would go below zero (checked in the same UPDATE)."""
+               require_funds: bool = False, at_most: int | None = None) -> int | None:
+    """Add ``amount`` (may be negative) to a pocket; None when the account is missing, with
+    ``require_funds`` when the pocket would go below zero, or when it would pass ``at_most`` (both
+    checked in the same UPDATE, so concurrent moves cannot pass them together)."""
     column = accounts.c.balance_micro_usd if pocket == "balance" else accounts.c.withdrawable_micro_usd
     statement = update(accounts).where(accounts.c.id == account_id)
     if require_funds:
         statement = statement.where(column >= -amount)
+    if at_most is not None:
+        statement = statement.where(column <= at_most - amount)
     row = (await conn.execute(statement.values({column: column + amount}).returning(column))).first()
     if row is None:
         return None

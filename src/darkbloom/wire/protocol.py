@@ -6,10 +6,9 @@ turn raw text into one of the models below or raise ``FrameError``.
 
 Every response chunk passes through here, so a frame is first parsed and validated in one pass
 by pydantic-core (``validate_json``, ~2× cheaper than ``json.loads`` then ``validate_python``);
-anything that pass refuses goes through ``json.loads`` and ``validate_python`` as before, which
-decide whether, and why, the frame is refused. The first pass accepts nothing the second refuses
-(stdlib ``json`` is the more lenient parser: UTF-16 bytes, a BOM, lone surrogates), and gives the
-same frame for what both accept.
+what that pass refuses goes through ``json.loads`` and ``validate_python``, which decide whether,
+and why, it is refused. The first pass accepts nothing the second refuses (stdlib ``json`` is the
+more lenient: UTF-16 bytes, a BOM, lone surrogates) and gives the same frame for what both accept.
 """
 
 from __future__ import annotations
@@ -17,10 +16,14 @@ from __future__ import annotations
 import json
 from typing import Annotated, Any, Literal, Union
 
-import orjson
 from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError
 
+from darkbloom.wire.chunk_arrays import response_chunks  # noqa: F401 - the nodes' tests open chunks through here
+
 MAX_FRAME_BYTES = 8 * 1024 * 1024  # provider → coordinator (CONTRACT §5)
+# the coordinator socket's ws_max_size, from the same number: a frame over MAX_FRAME_BYTES still arrives,
+# to be refused alone (its request failed, the socket kept); only one over this closes the socket (1009)
+SOCKET_MESSAGE_LIMIT = 2 * MAX_FRAME_BYTES
 
 
 def sealed_frame_bytes(body_bytes: int) -> int:
@@ -29,17 +32,14 @@ def sealed_frame_bytes(body_bytes: int) -> int:
     return -(-(body_bytes + 40) // 3) * 4 + 1024
 
 
-# coordinator → provider: what a node of this release accepts, enough for an 8 MiB body (the contract's
-# body limit) once it is sealed; a node tells the coordinator in `register`
+# coordinator → provider: what a node of this release accepts (it says so in `register`): an 8 MiB body sealed
 MAX_REQUEST_FRAME_BYTES = sealed_frame_bytes(8 * 1024 * 1024)
 PROVIDER_WS_PATH = "/ws/provider"
 
-# The node APIs a sealed body may be for: `chat` (chat completions, also what the Responses and
-# Anthropic Messages edges translate to), `completions` (legacy prompt completions), `embeddings`.
+# the node APIs a sealed body may be for: `chat` (also what Responses and Messages become), `completions`, `embeddings`
 Api = Literal["chat", "completions", "embeddings"]
 
-# What a model may advertise in `ModelInfo.capabilities` beyond plain chat; a request that needs one
-# is placed only on sessions advertising it. `images` is also implied by `is_vision`.
+# what a model may advertise in `ModelInfo.capabilities` beyond plain chat (`images` also from `is_vision`)
 CAPABILITIES = frozenset({"tools", "structured_output", "logprobs", "completions", "embeddings", "images"})
 
 # `InferenceError.code` values the coordinator passes on to the client.
@@ -216,10 +216,8 @@ CoordinatorFrame = Annotated[
 _provider_adapter: TypeAdapter[Any] = TypeAdapter(ProviderFrame)
 _coordinator_adapter: TypeAdapter[Any] = TypeAdapter(CoordinatorFrame)
 
-PROVIDER_TYPES = frozenset(
-    ("register", "heartbeat", "inference_accepted", "inference_response_chunk",
-     "inference_complete", "inference_error", "attestation_response")
-)
+PROVIDER_TYPES = frozenset(("register", "heartbeat", "inference_accepted", "inference_response_chunk",
+                            "inference_complete", "inference_error", "attestation_response"))
 
 
 class FrameError(ValueError):
@@ -275,22 +273,6 @@ def parse_coordinator_frame(raw: str | bytes) -> Any:
 
 def dump(frame: BaseModel) -> str:
     return frame.model_dump_json(exclude_none=False)
-
-
-def response_chunks(plaintext: bytes) -> list[dict[str, Any]]:
-    """The OpenAI chunks an opened ``inference_response_chunk`` carries: one chunk object, or a
-    non-empty array of them that the node sent together (ValueError otherwise). orjson reads it (a
-    tenth of stdlib's time, on every frame of every answer); what orjson refuses and stdlib takes
-    (NaN, a BOM, lone surrogate escapes) still opens through stdlib, as it always did. (orjson reads
-    an integer past 64 bits as a float: no chunk field is one.)"""
-    try:
-        data = orjson.loads(plaintext)
-    except orjson.JSONDecodeError:
-        data = json.loads(plaintext)
-    chunks = data if isinstance(data, list) else [data]
-    if not chunks or not all(isinstance(chunk, dict) for chunk in chunks):
-        raise ValueError("a response chunk must be a JSON object or a non-empty array of them")
-    return chunks
 
 
 def _short(exc: ValidationError) -> str:

@@ -2,10 +2,16 @@
 
 from __future__ import annotations
 
+import asyncio
 import uuid
+from collections import Counter
 
+import httpx
 import pytest
+from sqlalchemy import update
 
+from darkbloom.coordinator.http.routes.admin import MAX_BALANCE, MAX_CREDIT
+from darkbloom.store import create_engine, schema
 from tests.coordinator.http.conftest import Account, Api, assert_error, bearer
 
 
@@ -94,6 +100,33 @@ def test_credits_never_take_a_balance_out_of_the_integer_range(api: Api) -> None
         assert api.credit(account, 10**15).status_code == 200
     balance = api.get("/v1/payments/balance", headers=account.auth).json()["balance_micro_usd"]
     assert balance == 3 * 10**15 and isinstance(balance, int)
+
+
+async def _set_balance(database_url: str, account_id: str, balance: int) -> None:
+    engine = create_engine(database_url)
+    try:
+        async with engine.begin() as conn:
+            await conn.execute(update(schema.accounts).where(schema.accounts.c.id == account_id)
+                               .values(balance_micro_usd=balance))
+    finally:
+        await engine.dispose()
+
+
+async def test_concurrent_credits_near_the_cap_never_take_the_balance_past_it(api: Api) -> None:
+    account = api.signup()
+    room = 5
+    await _set_balance(api.coordinator.database_url, account.account_id, MAX_BALANCE - room * MAX_CREDIT)
+    async with httpx.AsyncClient(base_url=api.coordinator.base_url, timeout=60) as client:
+        responses = await asyncio.gather(*(
+            client.post("/v1/admin/credit", headers=api.coordinator.admin(),
+                        json={"account_id": account.account_id, "amount_micro_usd": MAX_CREDIT,
+                              "reference": uuid.uuid4().hex})
+            for _ in range(16)))
+    assert Counter(r.status_code for r in responses) == {200: room, 400: 16 - room}, [r.text for r in responses]
+    for refused in (r for r in responses if r.status_code == 400):
+        assert assert_error(refused, 400, "invalid_request_error")["param"] == "amount_micro_usd"
+    assert max(r.json()["balance_micro_usd"] for r in responses if r.status_code == 200) == MAX_BALANCE
+    assert _balance(api, account.token) == MAX_BALANCE
 
 
 def test_admin_reads_the_catalog(api: Api) -> None:

@@ -229,3 +229,12 @@ def test_nul_characters_in_ids_are_never_a_server_error(api: Api, caller: Accoun
         return
     assert resp.status_code in (400, 404), resp.text
     assert_error(resp, resp.status_code, resp.json()["error"]["type"])
+
+
+@pytest.mark.parametrize("raw", [b"[" * 200_000 + b"]" * 200_000,
+                                 b'{"kid": ' + b"[" * 200_000 + b"]" * 200_000 + b"}"])
+def test_a_sealed_body_nested_past_any_recursion_limit_is_400(api: Api, key: dict[str, str], raw: bytes) -> None:
+    resp = api.post("/v1/chat/completions", content=raw,
+                    headers={**key, "Content-Type": "application/darkbloom-sealed+json"})
+    error = assert_error(resp, 400, "invalid_sealed_envelope")
+    assert "nests too deeply" in error["message"]

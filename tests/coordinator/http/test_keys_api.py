@@ -245,3 +245,30 @@ def test_an_unrestricted_key_manages_keys(api: Api) -> None:
     created = api.post("/v1/keys", json={"name": "child", "self_route_only": True}, headers=admin_key)
     assert created.status_code == 201
     assert api.delete(f"/v1/keys/{created.json()['id']}", headers=admin_key).status_code == 200
+
+
+@pytest.mark.parametrize("unknown", [
+    {"limit_micro_usd": 1000},                      # the view's own field, not an input
+    {"key": "dk-mine"}, {"id": "key_x"},
+    {"shared_only": True}, {"fallback_limit_usd": 1}, {"expires_at": 2_000_000_000}, {"disabled": True},
+])
+def test_an_unknown_key_field_is_400_naming_it_on_create_and_edit(api: Api, shared_account: Account,
+                                                                  unknown: dict[str, Any]) -> None:
+    [name] = unknown
+    created = api.post("/v1/keys", json={"name": "k", **unknown}, headers=shared_account.auth)
+    error = assert_error(created, 400, "invalid_request_error")
+    assert error["param"] == name and f"'{name}'" in error["message"]
+    key = api.create_key(shared_account)
+    edited = api.patch(f"/v1/keys/{key['id']}", json={"rpm_limit": 5, **unknown}, headers=shared_account.auth)
+    error = assert_error(edited, 400, "invalid_request_error")
+    assert error["param"] == name and f"'{name}'" in error["message"]
+    assert api.get(f"/v1/keys/{key['id']}", headers=shared_account.auth).json() == {
+        k: v for k, v in key.items() if k != "key"}  # the refused edit changed nothing
+
+
+def test_every_unknown_key_field_is_named(api: Api, shared_account: Account) -> None:
+    resp = api.post("/v1/keys", json={"name": "k", "limit_micro_usd": 1, "spend_cap": 2},
+                    headers=shared_account.auth)
+    error = assert_error(resp, 400, "invalid_request_error")
+    assert "'limit_micro_usd'" in error["message"] and "'spend_cap'" in error["message"]
+    assert error["param"] == "limit_micro_usd"

@@ -171,12 +171,14 @@ async def test_a_providers_param_and_context_code_reach_the_client_but_not_its_w
         coord: Coordinator, account: Account) -> None:
     model = _new_model(coord)
     raw = await _provider(coord, model, ALL)
+    tools = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]
     cases = [(dict(param="messages", code="context_length_exceeded"), "context_length_exceeded", "messages"),
              (dict(param="tools[0].function.parameters"), "invalid_request_error", "tools[0].function.parameters"),
              (dict(param="free text from the provider!"), "invalid_request_error", None),
              (dict(code="made_up_code"), "invalid_request_error", None)]
     for sent, code, param in cases:
-        request = asyncio.create_task(_post(coord, "/chat/completions", {"model": model, "messages": HELLO},
+        request = asyncio.create_task(_post(coord, "/chat/completions",
+                                            {"model": model, "messages": HELLO, "tools": tools},
                                             account.headers()))
         frame, _ = await asyncio.wait_for(raw.next_request(), 10)
         await raw.send_error(frame, 400, "PROVIDER WORDS", **sent)

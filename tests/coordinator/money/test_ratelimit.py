@@ -161,6 +161,31 @@ async def test_refills_over_time_up_to_capacity(rl: Harness) -> None:
     assert admitted == [True] * 6 + [False] * 2
 
 
+async def test_a_bucket_of_several_minutes_refills_its_capacity_over_them(rl: Harness) -> None:
+    bucket = Bucket("login-email:ada", "attempts", 10, minutes=15)  # one attempt back every 90 s
+    for _ in range(10):
+        assert (await take(rl, (bucket, 1))).allowed
+    refused = await take(rl, (bucket, 1))
+    assert not refused.allowed and refused.failed == bucket and refused.retry_after_seconds == 90
+
+    await rl.advance(89)
+    assert not (await take(rl, (bucket, 1))).allowed
+    await rl.advance(1.5)
+    assert (await take(rl, (bucket, 1))).allowed
+    assert not (await take(rl, (bucket, 1))).allowed
+
+    await rl.limiter.refund([Charge(bucket, 1)])  # a refund gives back one whole attempt
+    assert (await take(rl, (bucket, 1))).allowed
+    await rl.advance(15 * 60 * 2)
+    admitted = [(await take(rl, (bucket, 1))).allowed for _ in range(11)]
+    assert admitted == [True] * 10 + [False]
+
+
+def test_a_bucket_refills_over_at_least_a_minute() -> None:
+    with pytest.raises(ValueError):
+        Bucket("login-email:ada", "attempts", 10, minutes=0)
+
+
 async def test_a_refused_multi_bucket_acquire_debits_nothing(rl: Harness) -> None:
     key_rpm, key_itpm = rpm(10), itpm(50)
     acct_itpm = itpm(100, scope="acct:acct_a")

@@ -75,9 +75,8 @@ _VERSION = hashlib.sha256(b"".join(a.etag.encode() for a in _ASSETS.values())).h
 
 
 def _coordinator_url(request: Request) -> str:
-    services = getattr(request.app.state, "services", None)
-    public_url = services.settings.public_url if services is not None else None
-    return (public_url or str(request.base_url)).rstrip("/")
+    """--public-url, else the address the coordinator listens on: never the request's Host header."""
+    return str(request.app.state.services.settings.base_url).rstrip("/")
 
 
 @router.get("/console")

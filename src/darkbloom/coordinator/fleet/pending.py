@@ -13,8 +13,10 @@ from dataclasses import dataclass
 from typing import Any, Union
 
 from darkbloom.coordinator.fleet.slots import Slot
+from darkbloom.wire.chunk_arrays import response_chunks
 from darkbloom.wire.crypto import DecryptionError, ReplyKey
-from darkbloom.wire.protocol import Envelope, Usage, response_chunks
+from darkbloom.wire.openai.chunk_shapes import chunk_problem
+from darkbloom.wire.protocol import Api, Envelope, Usage
 
 log = logging.getLogger("darkbloom.relay")
 
@@ -32,13 +34,15 @@ class Completed:
 @dataclass(frozen=True)
 class Failed:
     status: int
-    message: str
-    reason: str  # provider_error | provider_unavailable | provider_timeout | untrusted_chunk
+    message: str  # always the coordinator's own sentence, never the provider's text
+    reason: str  # provider_error | provider_unavailable | provider_timeout | untrusted_chunk | untrusted_usage
     param: str | None = None  # for a request the provider refused: which parameter
-    code: str | None = None   # and why, from PROVIDER_ERROR_CODES
+    code: str | None = None   # and why, from PROVIDER_ERROR_CODES (or FRAME_TOO_LARGE, the coordinator's own)
 
 
 Event = Union[Chunk, Completed, Failed]
+FRAME_TOO_LARGE = "frame_too_large"  # the code of a failure the coordinator gives a frame it refused as too large
+_PROVIDER_FAILED = "The provider failed to serve the request."
 
 
 @dataclass(frozen=True)
@@ -54,8 +58,9 @@ class UsageBounds:
 
 
 class PendingRequest:
-    def __init__(self, request_id: str, slot: Slot, bounds: UsageBounds | None = None) -> None:
+    def __init__(self, request_id: str, slot: Slot, bounds: UsageBounds | None = None, api: Api = "chat") -> None:
         self.request_id = request_id
+        self.api = api
         self.bounds = bounds
         self.slot = slot
         self.session = slot.session
@@ -68,19 +73,23 @@ class PendingRequest:
         self.failure: Failed | None = None
         self.head: list[dict[str, Any]] = []  # chunks received before the first content
         self.first_content_at: float | None = None
+        self.sent = False  # the request went out to the provider (a session that then vanishes took it along)
+        self.taken_since_yield = 0  # events the relay took without letting the loop run others
 
     # called by the provider socket reader
 
     def on_chunk(self, envelope: Envelope) -> bool:
         """Open a sealed chunk — one OpenAI chunk object, or a non-empty array of them that the node
-        sent together; False when it does not open (the caller distrusts the provider)."""
+        sent together, each of the shape its API reads; False when it does not open (the caller
+        distrusts the provider)."""
         try:
             chunks = response_chunks(self.reply_key.open(envelope))
         except (DecryptionError, ValueError) as exc:
-            log.warning("request %s: chunk from %s does not open: %s", self.request_id, self.session.id, exc)
-            self._finish(Failed(502, "The provider sent a response chunk that failed decryption.",
-                                "untrusted_chunk"))
-            return False
+            return self._unopened(f"does not open: {exc}")
+        for chunk in chunks:
+            problem = chunk_problem(chunk, self.api)
+            if problem is not None:
+                return self._unopened(f"is malformed: {problem}")
         for chunk in chunks:
             self.events.put_nowait(Chunk(chunk))
         return True
@@ -100,12 +109,18 @@ class PendingRequest:
         return True
 
     def on_error(self, status: int, message: str, param: str | None = None, code: str | None = None) -> None:
-        self._finish(Failed(status, message or "The provider failed to serve the request.", "provider_error",
-                            param, code))
+        """The provider failed the request; its ``message`` is not kept (it never reaches a consumer)."""
+        self._finish(Failed(status, _PROVIDER_FAILED, "provider_error", param, code))
 
     def on_provider_gone(self) -> None:
         self._finish(Failed(502, "The provider disconnected before finishing the request.",
                             "provider_unavailable"))
+
+    def _unopened(self, why: str) -> bool:
+        log.warning("request %s: a chunk from %s %s", self.request_id, self.session.id, why)
+        self._finish(Failed(502, "The provider sent a response chunk that does not open (it failed decryption "
+                                 "or is not a valid chunk).", "untrusted_chunk"))
+        return False
 
     def _finish(self, event: Event) -> None:
         if not self.finished:

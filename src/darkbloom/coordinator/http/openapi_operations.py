@@ -64,11 +64,14 @@ CHAT_ERRORS = {
     409: ("no_linked_machine",),
     429: ("rate_limit_exceeded", "queue_full (type rate_limit_exceeded)",
           "queue_timeout (type rate_limit_exceeded)", "machine_busy"),
-    502: ("provider_error", "provider_unavailable", "untrusted_chunk", "untrusted_usage"),
+    502: ("provider_error", "provider_unavailable", "untrusted_chunk", "untrusted_usage",
+          "request_crashed_providers (type provider_error)", "frame_too_large (type provider_error)"),
     503: ("model_unavailable", "model_capability_unsupported (type model_unavailable)", "model_routing_blocked",
           "model_not_loaded", "machine_offline", "service_unavailable"),
     504: ("provider_timeout",),
 }
+
+_THROTTLED = {429: ("rate_limit_exceeded",), 503: ("service_unavailable",)}
 
 OPERATIONS: dict[tuple[str, str], Operation] = {
     ("get", "/health"): Operation("public", "Liveness", {200: json_answer("HealthStatus", "The process is up.")}),
@@ -104,10 +107,13 @@ OPERATIONS: dict[tuple[str, str], Operation] = {
         {200: json_answer("SelfRouteModels", "Sorted model ids.")}, auth="caller"),
     ("post", "/v1/auth/signup"): Operation(
         "accounts", "Create an account", {201: json_answer("Session", "The account and a console session.")},
-        body=_json_body("Credentials"), errors={400: INVALID, 409: ("email_taken",)}),
+        body=_json_body("Credentials"), errors={400: INVALID, 409: ("email_taken",), **_THROTTLED},
+        description="By default at most 20 sign-ups per client address an hour (429 with Retry-After)."),
     ("post", "/v1/auth/login"): Operation(
         "accounts", "Log in", {200: json_answer("Session", "A new console session (dks-).")},
-        body=_json_body("Credentials"), errors={400: INVALID, 401: ("invalid_credentials",)}),
+        body=_json_body("Credentials"), errors={400: INVALID, 401: ("invalid_credentials",), **_THROTTLED},
+        description="By default at most 10 failed log-ins per email and 100 per client address in 15 minutes "
+                    "(429 with Retry-After); a successful log-in is not counted."),
     ("post", "/v1/auth/logout"): Operation(
         "accounts", "End this console session", {200: json_answer("Status", "`{\"status\": \"logged_out\"}`.")},
         auth="caller", errors={403: ("forbidden",)}),

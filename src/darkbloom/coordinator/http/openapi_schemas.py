@@ -203,7 +203,8 @@ SCHEMAS: dict[str, Schema] = {
     "Balance": obj({"balance_micro_usd": INTEGER, "withdrawable_micro_usd": INTEGER}),
     "UsageRow": _USAGE_ROW, "UsagePage": page_of("UsageRow"),
     "EarningsRow": _EARNINGS_ROW, "EarningsPage": page_of("EarningsRow", total_micro_usd=INTEGER),
-    "ApiKeyCreate": obj(_KEY_FIELDS, ("name",)), "ApiKeyUpdate": obj(_KEY_FIELDS, ()),
+    "ApiKeyCreate": obj(_KEY_FIELDS, ("name",), additionalProperties=False),
+    "ApiKeyUpdate": obj(_KEY_FIELDS, (), additionalProperties=False),
     "ApiKey": _API_KEY,
     "ApiKeyWithSecret": {"allOf": [ref("ApiKey"), obj({"key": {
         "type": "string", "description": "The dk- secret, shown only in this answer."}})]},

@@ -97,9 +97,10 @@ def unseal(raw: bytes, key: CoordinatorKey) -> Unsealed:
         if not all(isinstance(v, str) for v in (kid, ephemeral, ciphertext)):
             raise TypeError("fields must be strings")
         client_key = public_key_from_b64(ephemeral)
+    except RecursionError:
+        raise _invalid_envelope("it nests too deeply") from None
     except (ValueError, KeyError, TypeError, DecryptionError) as exc:
-        raise ApiError(400, "invalid_sealed_envelope",
-                       f"A sealed body must be JSON {{kid, ephemeral_public_key, ciphertext}} ({exc}).") from None
+        raise _invalid_envelope(str(exc)) from None
     if kid != key.kid:
         raise ApiError(400, "kid_mismatch", "The body was sealed to another key: fetch GET /v1/encryption-key "
                                             "and seal again.")
@@ -109,3 +110,8 @@ def unseal(raw: bytes, key: CoordinatorKey) -> Unsealed:
     except (CryptoError, ValueError) as exc:
         raise ApiError(400, "decryption_failed", f"The sealed body does not open with this key ({exc}).") from None
     return Unsealed(plaintext, box)
+
+
+def _invalid_envelope(reason: str) -> ApiError:
+    return ApiError(400, "invalid_sealed_envelope",
+                    f"A sealed body must be JSON {{kid, ephemeral_public_key, ciphertext}} ({reason}).")

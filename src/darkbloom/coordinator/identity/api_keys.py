@@ -12,10 +12,12 @@ LIMIT_RESETS = ("none", "daily", "weekly", "monthly")
 _RATE_FIELDS = ("rpm_limit", "itpm_limit", "otpm_limit")
 _MAX_RATE = 2**31 - 1        # INTEGER column
 _MAX_MICRO_USD = 2**63 - 1   # BIGINT column
+KEY_FIELDS = ("name", "self_route_only", "limit_usd", "limit_reset", *_RATE_FIELDS, "allowed_models")
 
 
 def key_fields(body: dict[str, Any], *, creating: bool) -> dict[str, Any]:
-    """Store columns from a create/patch body; every bad value is a named 400."""
+    """Store columns from a create/patch body; every bad value and every unknown field is a named 400."""
+    _refuse_unknown(body)
     fields: dict[str, Any] = {}
     if "name" in body or creating:
         name = body.get("name")
@@ -47,6 +49,14 @@ def key_fields(body: dict[str, Any], *, creating: bool) -> dict[str, Any]:
             raise invalid_request("'allowed_models' must be a list of model ids or null.", param="allowed_models")
         fields["allowed_models"] = sorted(set(models)) if models is not None else None
     return fields
+
+
+def _refuse_unknown(body: dict[str, Any]) -> None:
+    unknown = [name[:64] for name in body if name not in KEY_FIELDS]
+    if unknown:
+        names = ", ".join(f"'{name}'" for name in unknown[:5]) + (", …" if len(unknown) > 5 else "")
+        raise invalid_request(f"Unknown or not supported API key field(s): {names}. "
+                              f"A key takes {', '.join(KEY_FIELDS)}.", param=unknown[0])
 
 
 def _micro_usd(value: Any) -> int | None:

@@ -1,22 +1,31 @@
 """Sign-up, log-in and log-out with an email and a password: each log-in is a new console session
-(a ``dks-`` token). Argon2id password hashes; tokens stored as SHA-256."""
+(a ``dks-`` token). Argon2id password hashes; tokens stored as SHA-256. Both are throttled
+(``auth_throttle``), and hashing runs on a few threads of its own."""
 
 from __future__ import annotations
 
 import asyncio
+import os
 import re
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 
 from argon2 import PasswordHasher
 from argon2.exceptions import InvalidHashError, VerificationError
 
 from darkbloom.wire.openai.errors import ApiError, invalid_request
+from darkbloom.coordinator.identity import auth_throttle
 from darkbloom.coordinator.identity.auth_cache import session_subject
 from darkbloom.coordinator.identity.auth_invalidation import changing
 from darkbloom.coordinator.services import Services
 from darkbloom.wire.crypto import new_token, token_hash
 from darkbloom.store import accounts, console_sessions
 
-_hasher = PasswordHasher()  # argon2id with the library's recommended parameters
+_hasher = PasswordHasher()  # argon2id, the library's recommended parameters: 64 MiB, 0.1-0.4 s of one core
+# Never the event loop's default executor, which DNS lookups and every to_thread share: a flood of
+# log-ins waits for these threads, and hashing takes at most half the cores.
+HASH_THREADS = max(1, min(4, (os.cpu_count() or 2) // 2))
+_hashing = ThreadPoolExecutor(HASH_THREADS, thread_name_prefix="argon2")
 _EMAIL = re.compile(r"^[^@\s]+@[^@\s]+\.[^@\s]+$")
 MIN_PASSWORD = 8
 
@@ -29,9 +38,14 @@ def _validate(email: object, password: object) -> tuple[str, str]:
     return email.strip().lower(), password
 
 
-async def signup(services: Services, email: object, password: object) -> tuple[str, str]:
+async def _hashed(work: Callable[..., object], *args: str) -> object:
+    return await asyncio.get_running_loop().run_in_executor(_hashing, work, *args)
+
+
+async def signup(services: Services, email: object, password: object, address: str) -> tuple[str, str]:
     email, password = _validate(email, password)
-    password_hash = await asyncio.to_thread(_hasher.hash, password)
+    await auth_throttle.take(services, auth_throttle.signup_charges(services, address))
+    password_hash = str(await _hashed(_hasher.hash, password))
     try:
         async with services.engine.begin() as conn:
             account_id = await accounts.create_account(conn, email, password_hash)
@@ -40,18 +54,23 @@ async def signup(services: Services, email: object, password: object) -> tuple[s
     return account_id, await _new_console_session(services, account_id)
 
 
-async def login(services: Services, email: object, password: object) -> tuple[str, str]:
+async def login(services: Services, email: object, password: object, address: str) -> tuple[str, str]:
+    """Every attempt counts against the email and the address until it succeeds."""
     if not isinstance(email, str) or not isinstance(password, str):
         raise _invalid_credentials()
+    email = email.strip().lower()
+    attempt = auth_throttle.login_charges(services, email, address)
+    await auth_throttle.take(services, attempt)
     async with services.engine.connect() as conn:
-        row = await accounts.get_by_email(conn, email.strip().lower())
+        row = await accounts.get_by_email(conn, email)
     if row is None or not row["password_hash"]:
-        await asyncio.to_thread(_hasher.hash, password)  # same work whether or not the email exists
+        await _hashed(_hasher.hash, password)  # same work whether or not the email exists
         raise _invalid_credentials()
     try:
-        await asyncio.to_thread(_hasher.verify, row["password_hash"], password)
+        await _hashed(_hasher.verify, row["password_hash"], password)
     except (VerificationError, InvalidHashError):
         raise _invalid_credentials() from None
+    await auth_throttle.give_back(services, attempt)
     return row["id"], await _new_console_session(services, row["id"])
 
 

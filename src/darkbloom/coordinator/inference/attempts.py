@@ -5,6 +5,11 @@ first-content budget is excluded and the next eligible session is tried (at most
 retries never queue). When the primary has produced nothing by half the budget and another
 eligible session is idle, one backup starts; the first to produce content wins and the other is
 cancelled. Every attempt uses the request's one ``RouteDecision``.
+
+A request that takes its provider's session down with it (the node disconnected before any output,
+as a node the request crashed does) may be a poison request: after that it goes to one more session
+at most (no backup either), and when a second session goes down it fails as
+``request_crashed_providers`` instead of walking the fleet.
 """
 
 from __future__ import annotations
@@ -14,16 +19,21 @@ import dataclasses
 import logging
 import time
 
+from prometheus_client import Counter
+
 from darkbloom.coordinator.fleet.pending import PendingRequest
 from darkbloom.coordinator.inference import relay
 from darkbloom.coordinator.inference.calls import InferenceCall
+from darkbloom.coordinator.inference.failures import ProviderFailure, crashed_providers
 from darkbloom.coordinator.inference.lifecycle import RequestLifecycle
-from darkbloom.coordinator.inference.relay import ProviderFailure
 from darkbloom.coordinator.routing.decision import RouteDecision
 from darkbloom.coordinator.routing.scheduler import Placement, claim, select_idle_or_free
 
 log = logging.getLogger("darkbloom.attempts")
 MAX_ATTEMPTS = 3
+SESSIONS_A_REQUEST_MAY_TAKE_DOWN = 2
+CRASHED_PROVIDERS = Counter("darkbloom_requests_crashed_providers_total",
+                            "Requests failed because their attempts took down two provider sessions before any output")
 
 
 def retryable(failure: ProviderFailure) -> bool:
@@ -43,16 +53,32 @@ class Attempts:
         self.call = call
         self.request_id = life.request_id
         self.max_tokens = max_tokens
+        self.taken_down = 0  # sessions that went away with this request before any output
+        self.sent_since_takedown: int | None = None  # attempts sent after (or still live at) the first
 
     def _dispatch(self, placement: Placement) -> PendingRequest:
         pending = relay.dispatch(placement.slot, self.call, placement.provider_model_id, self.request_id,
                                  self.max_tokens, self.life.usage_bounds)
         self.life.track(pending)
+        if self.sent_since_takedown is not None:
+            self.sent_since_takedown += 1
         return pending
 
     def _drop(self, pending: PendingRequest) -> None:
         relay.abandon(pending)
         self.decision.excluded.add(pending.session.id)
+
+    def _failed(self, pending: PendingRequest, still_live: int = 0) -> None:
+        """Drop a failed attempt, counting its session when the request took it down."""
+        if pending.sent and not pending.session.online:
+            self.taken_down += 1
+            if self.sent_since_takedown is None:
+                self.sent_since_takedown = still_live  # a backup racing it already is the one more session
+        self._drop(pending)
+
+    @property
+    def _may_send_more(self) -> bool:
+        return self.sent_since_takedown is None or self.sent_since_takedown == 0
 
     async def run(self, first: Placement) -> tuple[PendingRequest, bool]:
         """The winning attempt (also recorded on the lifecycle) and whether it already completed;
@@ -72,7 +98,12 @@ class Attempts:
                          placement.session.id, exc.failure.reason)
                 if not retryable(exc):
                     raise
-            if attempt == MAX_ATTEMPTS:
+            if self.taken_down >= SESSIONS_A_REQUEST_MAY_TAKE_DOWN:
+                CRASHED_PROVIDERS.inc()
+                log.warning("request %s took down %d provider sessions before any output: not tried again",
+                            self.request_id, self.taken_down)
+                raise crashed_providers()
+            if attempt == MAX_ATTEMPTS or not self._may_send_more:
                 break  # claiming another slot now would leak it: nothing would ever dispatch or release it
             placement = self._idle_or_free(require_idle=False)
             if placement is None:
@@ -95,13 +126,14 @@ class Attempts:
         try:
             return primary, await relay.first_content(primary, started + budget / 2)
         except ProviderFailure:
-            self._drop(primary)
+            self._failed(primary)
             raise
         except TimeoutError:
             pass
         # a prefer request served by an owned session never gets a paid backup
         owned_primary = self.decision.owns(primary.session)
-        placement = self._idle_or_free(require_idle=True, owned_only=owned_primary)
+        placement = (self._idle_or_free(require_idle=True, owned_only=owned_primary)
+                     if self.sent_since_takedown is None else None)
         if placement is None:
             try:
                 return primary, await relay.first_content(primary, started + budget)
@@ -109,7 +141,7 @@ class Attempts:
                 self._drop(primary)
                 raise relay.timed_out(budget) from None
             except ProviderFailure:
-                self._drop(primary)
+                self._failed(primary)
                 raise
         backup = self._dispatch(placement)
         log.info("request %s: %s silent after %.1f s, backup on %s", self.request_id, primary.session.id,
@@ -131,7 +163,7 @@ class Attempts:
                     except (ProviderFailure, TimeoutError) as exc:
                         failure = exc if isinstance(exc, ProviderFailure) else relay.timed_out(
                             self.services.settings.first_content_timeout)
-                        self._drop(pending)
+                        self._failed(pending, still_live=len(tasks))
                         continue
                     for other_task, other in tasks.items():
                         other_task.cancel()

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Iterator
 
 from darkbloom.coordinator.inference.chat_request import chat_needs, validate_chat_body
 from darkbloom.wire.openai.body import parse_json_object
@@ -19,6 +19,7 @@ from darkbloom.wire.openai.edges import CHAT, COMPLETIONS, EDGES, EMBEDDINGS, ME
 from darkbloom.wire.openai.errors import invalid_request
 from darkbloom.wire.openai.presenters import Presenter
 from darkbloom.wire.protocol import Api
+from darkbloom.wire.schema_bounds import repetition_problem
 
 __all__ = ["CHAT", "COMPLETIONS", "EDGES", "EMBEDDINGS", "MESSAGES", "RESPONSES", "Edge", "InferenceCall",
            "parse_call"]
@@ -64,6 +65,7 @@ def parse_call(raw: bytes, edge: Edge) -> InferenceCall:
     if not isinstance(stream, bool):
         raise invalid_request("'stream' must be a boolean.", param="stream")
     body = edge.to_node(request)
+    check_schema_bounds(edge, request)
     if edge.api == "chat":
         validate_chat_body(body)
         needs = chat_needs(body)
@@ -87,3 +89,29 @@ def _completion_logprobs(body: dict[str, Any]) -> frozenset[str]:
         else frozenset()
 
 
+def check_schema_bounds(edge: Edge, request: dict[str, Any]) -> None:
+    """400 naming the bound, in the caller's own body, of a schema no grammar could hold (a node
+    would refuse it, or crash on it)."""
+    for where in edge.schemas:
+        for schema, path in _found(request, where.split("."), ""):
+            problem = repetition_problem(schema, path)
+            if problem is not None:
+                param, message = problem
+                raise invalid_request(f"The JSON schema cannot be followed: {message}.", param=param)
+
+
+def _found(value: Any, steps: list[str], path: str) -> Iterator[tuple[Any, str]]:
+    """The values at a dotted path (``tools[*].function.parameters``), each with its own path."""
+    if not steps:
+        yield value, path
+        return
+    name, each = steps[0].removesuffix("[*]"), steps[0].endswith("[*]")
+    child = value.get(name) if isinstance(value, dict) else None
+    if child is None:
+        return
+    where = f"{path}.{name}" if path else name
+    if not each:
+        yield from _found(child, steps[1:], where)
+    elif isinstance(child, list):
+        for index, item in enumerate(child):
+            yield from _found(item, steps[1:], f"{where}[{index}]")

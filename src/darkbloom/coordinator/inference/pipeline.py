@@ -17,6 +17,7 @@ from darkbloom.coordinator.http.disconnect import DisconnectWatch
 from darkbloom.coordinator.inference import relay
 from darkbloom.coordinator.inference.attempts import Attempts
 from darkbloom.coordinator.inference.calls import Edge, InferenceCall
+from darkbloom.coordinator.inference.failures import failure_error
 from darkbloom.coordinator.inference.lifecycle import RequestLifecycle
 from darkbloom.coordinator.money.estimation import output_token_bound, prompt_token_bound
 from darkbloom.coordinator.routing import placement
@@ -54,7 +55,10 @@ async def _serve(life: RequestLifecycle, call: InferenceCall, policy: Policy,
     try:
         pending, completed = await watch.until(attempts.run(first))
     except relay.ProviderFailure as failure:
-        raise await placement.unserved_error(services, decision, failure.as_api_error()) from None
+        error = failure.as_api_error(call.request)
+        if not failure.crashed_providers:  # a poison request is told so, whatever state the machines are in
+            error = await placement.unserved_error(services, decision, error)
+        raise error from None
     headers = _routing_headers(life, caller, pending, policy)
     presenter = call.present(life.request_id)
     deadlines = relay.Deadlines.from_settings(services.settings, life.started)
@@ -65,7 +69,7 @@ async def _serve(life: RequestLifecycle, call: InferenceCall, policy: Policy,
     try:
         body = await watch.until(relay.collect(pending, completed, presenter, deadlines))
     except relay.ProviderFailure as failure:
-        raise failure.as_api_error() from None
+        raise failure.as_api_error(call.request) from None
     return JSONResponse(body, headers=headers)
 
 
@@ -85,7 +89,7 @@ async def _streamed(life: RequestLifecycle, pending: PendingRequest, completed: 
     failure = pending.failure
     await life.finish(failure.reason if failure else "ok")  # settled before the client sees the end
     if failure is not None:
-        for part in presenter.stream_error(relay.failure_error(failure)):
+        for part in presenter.stream_error(failure_error(failure)):
             yield part
         return
     assert pending.usage is not None

@@ -7,7 +7,6 @@ plain HTTP error (and may be retried on another provider).
 from __future__ import annotations
 
 import asyncio
-import re
 import time
 from dataclasses import dataclass
 from typing import Any, AsyncIterator
@@ -16,51 +15,14 @@ from darkbloom.coordinator.config import CoordinatorSettings
 from darkbloom.coordinator.fleet.pending import Chunk, Completed, Event, Failed, PendingRequest, UsageBounds
 from darkbloom.coordinator.fleet.slots import Slot
 from darkbloom.coordinator.inference.calls import InferenceCall
+from darkbloom.coordinator.inference.failures import ProviderFailure
 from darkbloom.wire.openai.chunks import has_content
-from darkbloom.wire.openai.errors import ApiError
 from darkbloom.wire.openai.presenters import Presenter
 from darkbloom.wire.protocol import Cancel, InferenceRequest, dump
 
 
-# A provider's status says whose fault a failure is; its own text never reaches the consumer.
-_REQUEST_FAULT = frozenset({400, 404, 413, 422})
-_TOO_LARGE_MESSAGE = ("The request is too large for the provider serving this model once sealed; shorten "
-                      "the prompt.")
-_REQUEST_FAULT_MESSAGE = ("The model's server refused this request as invalid for it (for example longer than "
-                          "its context, or a parameter it does not support). Change the request and retry.")
-_PROVIDER_FAULT_MESSAGE = "The provider failed to serve the request. Retry; another provider may serve it."
-_CONTEXT_MESSAGE = ("The request does not fit in this model's context window: shorten the prompt or lower "
-                    "max_tokens.")
-_PARAM = re.compile(r"[A-Za-z0-9_.\[\]-]{1,128}")  # a parameter's path, never free text from the provider
-
-
-class ProviderFailure(Exception):
-    """An attempt failed before anything reached the client."""
-
-    def __init__(self, failure: Failed) -> None:
-        super().__init__(failure.message)
-        self.failure = failure
-
-    @property
-    def request_fault(self) -> bool:
-        """The provider refused the request itself: no other provider would serve it either."""
-        return self.failure.reason == "provider_error" and self.failure.status in _REQUEST_FAULT
-
-    def as_api_error(self) -> ApiError:
-        failure = self.failure
-        if self.request_fault and failure.status == 413:
-            return ApiError(413, "request_too_large", _TOO_LARGE_MESSAGE)
-        if self.request_fault:
-            param = failure.param if failure.param and _PARAM.fullmatch(failure.param) else None
-            if failure.code == "context_length_exceeded":
-                return ApiError(400, "invalid_request_error", _CONTEXT_MESSAGE, code="context_length_exceeded",
-                                param=param or "messages")
-            return ApiError(400, "invalid_request_error", _REQUEST_FAULT_MESSAGE, param=param)
-        if failure.reason == "provider_timeout":
-            return ApiError(504, "provider_timeout", failure.message)
-        if failure.reason == "provider_error":
-            return ApiError(502, "provider_error", _PROVIDER_FAULT_MESSAGE)
-        return ApiError(502, failure.reason, failure.message)
+_YIELD_EVERY = 64  # events the relay takes from a full queue before it lets the loop run others
+_FLUSH_PARTS = 256  # events' parts gathered before they go out, even with more chunks waiting
 
 
 @dataclass(frozen=True)
@@ -80,7 +42,7 @@ def dispatch(slot: Slot, call: InferenceCall, provider_model_id: str, request_id
              bounds: UsageBounds | None = None) -> PendingRequest:
     """Send a sealed request on a claimed slot; the attempt holds the slot until ``release``."""
     session = slot.session
-    pending = PendingRequest(request_id, slot, bounds)
+    pending = PendingRequest(request_id, slot, bounds, call.api)
     session.pending[request_id] = pending
     if not session.online:
         # It disconnected after the slot was claimed (close_session already failed what it had):
@@ -95,6 +57,7 @@ def dispatch(slot: Slot, call: InferenceCall, provider_model_id: str, request_id
         # never sent: a frame over the node's limit would close its socket and every stream on it
         pending.on_error(413, f"The sealed request is {len(frame)} bytes; this provider accepts at most {limit}.")
         return pending
+    pending.sent = True
     session.send_request(pending, frame)  # another replica's session: over NATS to the replica holding it
     return pending
 
@@ -156,36 +119,51 @@ def timed_out(budget: float) -> ProviderFailure:
 
 
 async def _next_event(pending: PendingRequest, deadlines: Deadlines) -> Event:
-    """The provider's next event, or — when it stays silent past a deadline — a timeout failure
-    (the provider is told to stop)."""
-    if not pending.events.empty():
-        return pending.events.get_nowait()  # already here: no deadline to arm (the common case under load)
+    """The provider's next event, or — when it stays silent past a deadline, or floods past the
+    request's — a timeout failure (the provider is told to stop)."""
+    if not pending.events.empty():  # already here: no deadline to arm (the common case under load)
+        pending.taken_since_yield += 1
+        if pending.taken_since_yield < _YIELD_EVERY:
+            return pending.events.get_nowait()
+        pending.taken_since_yield = 0
+        await asyncio.sleep(0)  # a provider that floods the queue never holds the loop
+        if time.monotonic() >= deadlines.until:
+            return _timed_out(pending, "did not finish within the request deadline")
+        if not pending.events.empty():
+            return pending.events.get_nowait()
     remaining = deadlines.until - time.monotonic()
     wait = min(deadlines.idle, remaining)
     try:
         async with asyncio.timeout(max(wait, 0.0)):
             return await pending.events.get()
     except TimeoutError:
-        why = (f"sent nothing for {deadlines.idle:g} s" if wait == deadlines.idle and remaining > deadlines.idle
-               else "did not finish within the request deadline")
-        failure = Failed(504, f"The provider {why}; the answer is incomplete.", "provider_timeout")
-        if not pending.finished:
-            pending.session.send(dump(Cancel(request_id=pending.request_id)))
-        pending.finished, pending.failure = True, failure
-        return failure
+        return _timed_out(pending, f"sent nothing for {deadlines.idle:g} s"
+                          if wait == deadlines.idle and remaining > deadlines.idle
+                          else "did not finish within the request deadline")
+
+
+def _timed_out(pending: PendingRequest, why: str) -> Failed:
+    failure = Failed(504, f"The provider {why}; the answer is incomplete.", "provider_timeout")
+    if not pending.finished:
+        pending.session.send(dump(Cancel(request_id=pending.request_id)))
+    pending.finished, pending.failure = True, failure
+    return failure
 
 
 async def relay_chunks(pending: PendingRequest, completed: bool, presenter: Presenter,
                        deadlines: Deadlines) -> AsyncIterator[bytes]:
     """The presenter's events for the buffered head and every later chunk, until the provider
     finishes, fails or misses a deadline (then ``pending.usage`` or ``pending.failure`` says which).
-    The events of every chunk already waiting go out in one write: a model making one token at a
-    time gets one write per token, a burst (or a relay behind under load) far fewer."""
+    The events of the chunks already waiting go out together (up to _FLUSH_PARTS of them per write):
+    a model making one token at a time gets one write per token, a burst (or a relay behind under
+    load) far fewer; a long queue is drained with the loop let run every _YIELD_EVERY chunks."""
     parts = list(presenter.stream_start())
-    for data in pending.head:
+    for index, data in enumerate(pending.head):
         parts.extend(presenter.stream_chunk(data))
+        if index % _YIELD_EVERY == _YIELD_EVERY - 1:
+            await asyncio.sleep(0)
     while not completed:
-        if parts and pending.events.empty():
+        if parts and (pending.events.empty() or len(parts) >= _FLUSH_PARTS):
             yield b"".join(parts)
             parts = []
         event = await _next_event(pending, deadlines)
@@ -200,16 +178,13 @@ async def relay_chunks(pending: PendingRequest, completed: bool, presenter: Pres
         yield b"".join(parts)
 
 
-def failure_error(failure: Failed) -> ApiError:
-    """What a client is told in-band when the provider fails after the stream started."""
-    return ApiError(502, "provider_error", failure.message, code=failure.reason)
-
-
 async def collect(pending: PendingRequest, completed: bool, presenter: Presenter,
                   deadlines: Deadlines) -> dict[str, Any]:
     """Assemble the non-streamed answer from the chunks."""
-    for data in pending.head:
+    for index, data in enumerate(pending.head):
         presenter.collect(data)
+        if index % _YIELD_EVERY == _YIELD_EVERY - 1:
+            await asyncio.sleep(0)
     while not completed:
         event = await _next_event(pending, deadlines)
         if isinstance(event, Chunk):

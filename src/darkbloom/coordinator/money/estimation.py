@@ -1,44 +1,22 @@
 """Upper bounds the coordinator can compute without the model's tokenizer.
 
-Prompt tokens: byte-level BPE tokenizers (SmolLM2, Llama, GPT-style) never produce more tokens
-than the UTF-8 bytes they encode, and a chat template adds fewer tokens per message than the JSON
-punctuation around it (`{"role":"user","content":""}` is 29 bytes). So the byte length of the
-JSON-encoded messages (plus tools), or of a legacy prompt, plus a small constant for the assistant header
-(and one for the node's own words around a tool list or an output schema), bounds the prompt's token count from above.
+Prompt tokens: `wire.token_bounds.prompt_token_bound` of the body the node receives (the node clamps
+what it reports to the same bound); the output bound from max_tokens and the catalog.
 """
 
 from __future__ import annotations
 
-import json
-from typing import Any
-
+from darkbloom.wire import token_bounds
 from darkbloom.wire.catalog import CatalogModel
+from darkbloom.wire.token_bounds import INSTRUCTIONS_ALLOWANCE, TEMPLATE_ALLOWANCE, TOOL_RESULT_ALLOWANCE
 from darkbloom.coordinator.inference.calls import InferenceCall
 
-TEMPLATE_ALLOWANCE = 16
-# a node describes tools or an output schema in the prompt, with sentences of its own around their JSON
-INSTRUCTIONS_ALLOWANCE = 128
-TOOL_RESULT_ALLOWANCE = 64
+__all__ = ["INSTRUCTIONS_ALLOWANCE", "TEMPLATE_ALLOWANCE", "TOOL_RESULT_ALLOWANCE", "output_token_bound",
+           "prompt_token_bound"]
 
 
 def prompt_token_bound(call: InferenceCall) -> int:
-    body = call.body
-    if call.api == "embeddings":
-        inputs = body["input"]
-        many = isinstance(inputs, list) and bool(inputs) and not isinstance(inputs[0], int)
-        # each input its own sequence: token ids count one each, text one per byte, plus BOS/EOS
-        return sum(_input_bound(item) + 4 for item in (inputs if many else [inputs])) + TEMPLATE_ALLOWANCE
-    if call.api == "completions":
-        parts: Any = [body.get("prompt"), body.get("suffix")]
-    else:
-        parts = {name: body[name] for name in ("messages", "tools", "functions", "tool_choice", "response_format")
-                 if name in body}
-    instructed = body.get("tools") or body.get("functions") or body.get("response_format")
-    allowance = TEMPLATE_ALLOWANCE + (INSTRUCTIONS_ALLOWANCE if instructed else 0)
-    # a tool result is rendered with the name of the call it answers (at most 64 characters)
-    results = sum(1 for m in body.get("messages") or () if isinstance(m, dict) and m.get("role") in ("tool", "function"))
-    allowance += TOOL_RESULT_ALLOWANCE * results
-    return len(json.dumps(parts, ensure_ascii=False, separators=(",", ":")).encode()) + allowance
+    return token_bounds.prompt_token_bound(call.api, call.body)
 
 
 def output_token_bound(call: InferenceCall, model: CatalogModel) -> int:
@@ -47,7 +25,3 @@ def output_token_bound(call: InferenceCall, model: CatalogModel) -> int:
     if call.api == "embeddings":
         return 0
     return model.max_output_tokens if call.max_tokens is None else min(call.max_tokens, model.max_output_tokens)
-
-
-def _input_bound(item: Any) -> int:
-    return len(item) if isinstance(item, list) else len(str(item).encode())

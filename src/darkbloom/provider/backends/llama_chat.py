@@ -1,13 +1,16 @@
 """A chat completion on llama.cpp: the request checked (event loop), then generated and streamed as
 OpenAI `chat.completion.chunk`s (worker thread).
 
-The prompt is the model's own chat template (its GGUF `tokenizer.chat_template`, rendered as
-llama-cpp-python renders it, so plain chat gets the very prompt `create_chat_completion` would),
-over `chat_prompt.template_messages`. Grammars come from `tool_params`. How an answer that may be a
+The prompt is the model's own chat template over `chat_prompt.template_messages`, tokenized by
+`llama_prompt` (message text never as special tokens; bounded by the context window). A body with
+more messages than the window has tokens is refused before anything is rendered. Grammars come
+from `tool_params`. How an answer that may be a
 tool call is streamed: with a named or required choice (and in `auto` once the answer opens with
 `{`, which the grammar then holds to a call) the call's name is sent as soon as it is generated and
 its arguments as they come; in `auto` with a structured answer as the alternative, an answer opening
-with `{` is held to the end and then sent as the call or the content it turns out to be.
+with `{` is held to the end and then sent as the call or the content it turns out to be. A forced
+call cut short (max_tokens) before its name is whole is still a call: the one tool the name so far
+can be, else the name so far, with no arguments.
 """
 
 from __future__ import annotations
@@ -20,18 +23,19 @@ import uuid
 from dataclasses import dataclass
 from typing import Any, Callable
 
-from llama_cpp import llama_chat_format
-
 from darkbloom.provider.backends.base import BackendError
 from darkbloom.provider.backends.chat_prompt import template_messages
-from darkbloom.provider.backends.llama_decode import Finish, Piece, TokenLogprob, check_grammar, decode
+from darkbloom.provider.backends.llama_decode import (ContextOverflow, Finish, Piece, TokenLogprob, check_grammar,
+                                                      decode)
 from darkbloom.provider.backends.llama_instances import CountingLlama
+from darkbloom.provider.backends.llama_prompt import chat_prompt
 from darkbloom.provider.backends.params import CHAT_DEFAULTS, Sampling, chat_logprobs, sampling
 from darkbloom.provider.backends.tool_params import (ToolPlan, call_schema, response_schema, schema_grammar,
                                                      tool_grammar, tool_plan)
 
 _CALL_HEAD = re.compile(r'\s*\{\s*"name"\s*:\s*("(?:[^"\\]|\\.)*")\s*,\s*"arguments"\s*:\s*')
 _CALL_TAIL = re.compile(r"[\s}]*\Z")
+_NAME_SO_FAR = re.compile(r'\s*\{\s*"name"\s*:\s*"((?:[^"\\]|\\.)*)')
 
 
 @dataclass
@@ -44,13 +48,16 @@ class ChatJob:
     hold_calls: bool  # auto with a structured alternative: an answer opening with `{` is held to the end
 
 
-def chat_job(body: dict[str, Any], n_vocab: int | None) -> ChatJob:
+def chat_job(body: dict[str, Any], n_vocab: int | None, n_ctx: int) -> ChatJob:
     """The checked request (event loop: cheap, and a 400 before any instance is taken)."""
+    messages = body.get("messages")
+    if isinstance(messages, list) and len(messages) >= n_ctx:  # every message takes a token at least
+        raise ContextOverflow(None, n_ctx, "messages")
     plan = tool_plan(body)
     schema = response_schema(body)
     settings = sampling(body, CHAT_DEFAULTS, n_vocab)
     settings.top_logprobs = chat_logprobs(body)
-    messages = template_messages(body.get("messages"), plan, schema)
+    messages = template_messages(messages, plan, schema)
     grammar, param, hold = None, "response_format", False
     answer = schema_grammar(schema, "response_format") if schema is not None else None
     if plan.mode in ("named", "required") or (plan.mode == "auto" and schema is None):
@@ -62,25 +69,6 @@ def chat_job(body: dict[str, Any], n_vocab: int | None) -> ChatJob:
     else:
         grammar = answer
     return ChatJob(messages, settings, plan, grammar, param, hold)
-
-
-def chat_prompt(llama: CountingLlama, messages: list[dict[str, str]]) -> tuple[list[int], tuple[str, ...]]:
-    """The templated prompt's tokens and the template's stop strings (worker thread)."""
-    formatter = getattr(llama, "darkbloom_formatter", None)
-    if formatter is None:
-        template = llama.metadata.get("tokenizer.chat_template")
-        if template:
-            eos, bos = llama.token_eos(), llama.token_bos()
-            formatter = llama_chat_format.Jinja2ChatFormatter(
-                template=template, eos_token=llama._model.token_get_text(eos) if eos != -1 else "",
-                bos_token=llama._model.token_get_text(bos) if bos != -1 else "", stop_token_ids=[eos])
-        else:
-            formatter = llama_chat_format.format_chatml  # a GGUF without a template: ChatML
-        llama.darkbloom_formatter = formatter  # type: ignore[attr-defined]
-    result = formatter(messages=messages)
-    tokens = llama.tokenize(result.prompt.encode("utf-8"), add_bos=not result.added_special, special=True)
-    stops = result.stop if isinstance(result.stop, list) else [result.stop] if result.stop else []
-    return tokens, tuple(stops)
 
 
 def run_chat(llama: CountingLlama, job: ChatJob, emit: Callable[[dict[str, Any]], None]) -> None:
@@ -137,6 +125,9 @@ class _ChatChunks:
 
     def finish(self, finish: Finish) -> None:
         reason = finish.reason
+        forced = self.job.plan.mode in ("named", "required")
+        if forced:
+            self.mode = "call"  # even with nothing but space generated
         if self.mode == "call" and self.job.hold_calls:
             call = _parse_call(self.buffer, {t.name for t in self.job.plan.callable})
             if call is None:
@@ -147,6 +138,9 @@ class _ChatChunks:
                 self._args(call[1])
         elif self.mode == "call":
             self._stream_call(final=True)
+            if self.call_name is None and forced:  # cut short before the name was whole
+                self.call_name, self.buffer = self._name_so_far(), ""
+                self._head()
         if self.buffer and (self.mode != "call" or self.call_name is None):
             text, self.buffer = self.buffer, ""
             self.send({"content": text})
@@ -174,6 +168,16 @@ class _ChatChunks:
                 self.buffer = self.buffer[cut:]
         if final:
             self.buffer = ""
+
+    def _name_so_far(self) -> str:
+        start = _NAME_SO_FAR.match(self.buffer)
+        partial = start[1] if start else ""
+        try:
+            partial = json.loads(f'"{partial}"')
+        except ValueError:
+            partial = partial.split("\\", 1)[0]  # cut inside an escape
+        names = [t.name for t in self.job.plan.callable if t.name.startswith(partial)]
+        return names[0] if len(names) == 1 else partial
 
     def _head(self) -> None:
         if self.job.plan.legacy:

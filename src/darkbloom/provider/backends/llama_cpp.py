@@ -110,7 +110,7 @@ class LlamaCppBackend:
     async def stream_chat(self, model_id: str, body: dict[str, Any],
                           meter: UsageMeter | None = None) -> AsyncIterator[dict[str, Any]]:
         self._pool(model_id)
-        job = chat_job(require_object(body), self._n_vocab.get(model_id))
+        job = chat_job(require_object(body), self._n_vocab.get(model_id), self.n_ctx)
         async with _closing(self._stream(self._pools, model_id, lambda llama, _s, emit: run_chat(llama, job, emit),
                                          meter, "chatcmpl", "chat.completion.chunk", "messages")) as stream:
             async for chunk in stream:

@@ -54,9 +54,12 @@ class Finish:
 
 
 class ContextOverflow(BackendError):
-    def __init__(self, tokens: int, n_ctx: int, param: str) -> None:
+    """`tokens` None: found from the prompt's size alone; `at_least`: counting stopped there."""
+
+    def __init__(self, tokens: int | None, n_ctx: int, param: str, *, at_least: bool = False) -> None:
         what = "an input" if param == "input" else "the prompt"
-        super().__init__(400, f"{what} is {tokens} tokens, too long for this model's context window of {n_ctx}",
+        size = "" if tokens is None else f"at least {tokens} tokens, " if at_least else f"{tokens} tokens, "
+        super().__init__(400, f"{what} is {size}too long for this model's context window of {n_ctx}",
                          param=param, code="context_length_exceeded")
 
 

@@ -43,6 +43,9 @@ def _disable_extra_buffer_types() -> None:
 _disable_extra_buffer_types()
 
 
+EVAL_PIECE = 128  # prompt tokens evaluated between two looks at the cancel flag
+
+
 class Cancelled(Exception):
     """Raised in the worker thread at the next token once a request is cancelled."""
 
@@ -100,6 +103,18 @@ class CountingLlama(llama_cpp.Llama):
             stats.last_was_eog = bool(llama_cpp.llama_vocab_is_eog(self._model.vocab, token))
             stats.sync_meter()
             yield token
+
+    def eval(self, tokens: Any) -> None:
+        """The library's prefill, EVAL_PIECE tokens at a time with the cancel flag checked before each:
+        a cancelled request (or a node stopping) never waits for a whole prompt to be evaluated."""
+        stats = self.current
+        if not tokens:
+            super().eval(tokens)
+        step = min(self.n_batch, EVAL_PIECE)
+        for start in range(0, len(tokens), step):
+            if stats is not None and stats.cancel.is_set():
+                raise Cancelled()
+            super().eval(tokens[start:start + step])
 
 
 class Pool:

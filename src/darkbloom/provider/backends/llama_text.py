@@ -1,14 +1,17 @@
 """Legacy prompt completions and embeddings on llama.cpp (checked on the event loop, run on a worker).
 
 Completions: the raw prompt, no chat template, tokenized as `create_completion` does (BOS when the
-model asks for one, special tokens parsed); token-id prompts are used as they are. `echo` and
+model asks for one, special tokens parsed) but bounded as every prompt is (`llama_prompt`); token-id
+prompts are used as they are. `echo` and
 `suffix` are refused (400 naming them). `logprobs` (0–5) in the legacy shape: `tokens`,
 `token_logprobs`, `top_logprobs` ({token: logprob}), `text_offset` (from the start of the prompt).
 
 Embeddings: an instance loaded with `embedding=True`. Each input is decoded on its own, as one batch
 (so an input may have up to the instance's batch size of tokens), pooled the way the GGUF says (the
 backend loads a GGUF that says nothing, such as the bundled chat model, with mean pooling), and
-scaled to length 1 as OpenAI's are.
+scaled to length 1 as OpenAI's are. Each vector goes as soon as it is made, in a chunk of its own:
+`{"object": "list", "data": [one embedding object with its "index"]}` (the shape of the whole
+answer with part of its data), so no answer is ever one frame too large for the socket.
 Usage: every token embedded is a prompt token.
 """
 
@@ -25,6 +28,7 @@ import numpy as np
 
 from darkbloom.provider.backends.llama_decode import ContextOverflow, Piece, decode
 from darkbloom.provider.backends.llama_instances import Cancelled, CountingLlama, GenerationStats
+from darkbloom.provider.backends.llama_prompt import bounded_tokens
 from darkbloom.provider.backends.params import (COMPLETION_DEFAULTS, Sampling, check_token_ids,
                                                 completion_options, completion_prompt, embedding_inputs,
                                                 require_object, sampling)
@@ -49,7 +53,9 @@ def run_completion(llama: CountingLlama, job: CompletionJob, emit: Callable[[dic
         check_token_ids(job.prompt, llama.n_vocab(), "prompt")
         tokens, offset = job.prompt, len(llama.detokenize(job.prompt).decode("utf-8", "replace"))
     else:
-        tokens = llama.tokenize(job.prompt.encode("utf-8"), add_bos=True, special=True) or [llama.token_bos()]
+        n_ctx = llama.n_ctx()
+        tokens = bounded_tokens(llama, [(job.prompt, True)], add_bos=True, most=n_ctx - 1, window=n_ctx,
+                                param="prompt") or [llama.token_bos()]
         offset = len(job.prompt)
     created = int(time.time())
 
@@ -80,25 +86,24 @@ def embedding_job(body: Any) -> list[str | list[int]]:
 
 def run_embeddings(llama: CountingLlama, inputs: list[str | list[int]], stats: GenerationStats,
                    emit: Callable[[dict[str, Any]], None]) -> None:
-    n_ctx, n_vocab = llama.n_ctx(), llama.n_vocab()
+    n_vocab, most = llama.n_vocab(), min(llama.n_ctx(), llama.n_batch)
     token_lists = []
     for item in inputs:
         if isinstance(item, str):
-            tokens = llama.tokenize(item.encode("utf-8"), add_bos=True, special=False)
+            tokens = bounded_tokens(llama, [(item, False)], add_bos=True, most=most, window=most, param="input")
         else:
             check_token_ids(item, n_vocab, "input")
             tokens = item
-        if len(tokens) > min(n_ctx, llama.n_batch):
-            raise ContextOverflow(len(tokens), min(n_ctx, llama.n_batch), "input")
+        if len(tokens) > most:
+            raise ContextOverflow(len(tokens), most, "input")
         token_lists.append(tokens)
-    data = []
     for index, tokens in enumerate(token_lists):
         if stats.cancel.is_set():
             raise Cancelled()
-        data.append({"object": "embedding", "index": index, "embedding": _embed(llama, tokens)})
+        vector = _embed(llama, tokens)
         stats.prompt_tokens += len(tokens)
         stats.sync_meter()
-    emit({"object": "list", "data": data})
+        emit({"object": "list", "data": [{"object": "embedding", "index": index, "embedding": vector}]})
 
 
 def _embed(llama: CountingLlama, tokens: list[int]) -> list[float]:

@@ -23,6 +23,7 @@ CHAT_DEFAULTS = {"temperature": 0.2, "top_p": 0.95, "top_k": 40, "min_p": 0.05, 
                  "repeat_penalty": 1.0, "presence_penalty": 0.0, "frequency_penalty": 0.0}
 COMPLETION_DEFAULTS = {**CHAT_DEFAULTS, "temperature": 0.8}
 MAX_STOPS = 4
+MAX_EMBEDDING_INPUTS = 2048  # OpenAI's own limit; each input is a decode of its own
 
 
 @dataclass
@@ -126,6 +127,8 @@ def embedding_inputs(body: dict[str, Any]) -> list[str | list[int]]:
     if not isinstance(value, list) or not value:
         raise BackendError(400, "input must be a non-empty string, list of strings or list of token ids",
                            param="input")
+    if len(value) > MAX_EMBEDDING_INPUTS:
+        raise BackendError(400, f"input may hold at most {MAX_EMBEDDING_INPUTS} inputs", param="input")
     for item in value:
         if isinstance(item, str) and item:
             continue

@@ -6,6 +6,11 @@ model for). A named or required choice is forced with a grammar built from the t
 schemas (for several tools: the union, each name with its own parameters); `auto` allows either such a
 call or plain text that does not start with `{`; `none` adds no grammar. One call per answer:
 `parallel_tool_calls` is accepted, and an answer holds at most one call.
+
+Every schema is checked against `wire.schema_bounds` before the converter sees it (a bound of
+tens of thousands kills llama.cpp's grammar parser with the whole process), and the converter's
+string rule is replaced by upstream llama.cpp's, which admits no raw control character (a JSON
+string may not hold one, so llama-cpp-python's rule let answers be invalid JSON).
 """
 
 from __future__ import annotations
@@ -16,10 +21,17 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from darkbloom.provider.backends.base import BackendError
+from darkbloom.wire.schema_bounds import repetition_problem
 
 ToolMode = Literal["none", "auto", "required", "named"]
 NAME = re.compile(r"[A-Za-z0-9_.:-]{1,64}")  # a function's name, as OpenAI allows it
 _TEXT_OR_CALL = "root ::= [ \\n]{0,2} (tool-call | [^{ \\t\\r\\n\\x00] [^\\x00]*)"
+# upstream llama.cpp's rules: no raw control character inside a JSON string (nor DEL)
+_JSON_SAFE_RULES = {
+    "char": r'char ::= [^"\\\x7F\x00-\x1F] | [\\] (["\\/bfnrt] | "u" [0-9a-fA-F] [0-9a-fA-F] [0-9a-fA-F] [0-9a-fA-F])',
+    "dot": r'dot ::= [^"\\\x7F\x00-\x1F]',
+}
+MAX_PARAM = 128  # the longest `param` a node's error carries
 
 
 @dataclass(frozen=True)
@@ -44,11 +56,11 @@ class ToolPlan:
 def tool_plan(body: dict[str, Any]) -> ToolPlan:
     """What the request allows: `tools`/`tool_choice`, else the legacy `functions`/`function_call`."""
     if body.get("tools") is not None:
-        tools = [_tool(t, "tools") for t in _list(body["tools"], "tools")]
+        tools = [_tool(t, f"tools[{i}]") for i, t in enumerate(_list(body["tools"], "tools"))]
         choice, param = body.get("tool_choice"), "tool_choice"
         legacy = False
     elif body.get("functions") is not None:
-        tools = [_function(f, "functions") for f in _list(body["functions"], "functions")]
+        tools = [_function(f, f"functions[{i}]") for i, f in enumerate(_list(body["functions"], "functions"))]
         choice, param = body.get("function_call"), "function_call"
         legacy = True
     else:
@@ -86,20 +98,33 @@ def response_schema(body: dict[str, Any]) -> dict[str, Any] | None:
     if kind == "text":
         return None
     if kind == "json_object":
-        schema = fmt.get("schema", {"type": "object"})  # llama-cpp-python's own extension
+        schema, where = fmt.get("schema", {"type": "object"}), "response_format.schema"  # llama-cpp-python's own
     elif kind == "json_schema":
         spec = fmt.get("json_schema")
         if (not isinstance(spec, dict) or not isinstance(spec.get("name"), str) or not NAME.fullmatch(spec["name"])
                 or not isinstance(spec.get("strict", False), (bool, type(None)))):
             raise BackendError(400, "response_format.json_schema needs a name (letters, digits, _ or -) and a "
                                "schema", param="response_format")
-        schema = spec.get("schema", {"type": "object"})
+        schema, where = spec.get("schema", {"type": "object"}), "response_format.json_schema.schema"
     else:
         raise BackendError(400, 'response_format type must be "text", "json_object" or "json_schema"',
                            param="response_format")
     if not isinstance(schema, dict):
         raise BackendError(400, "response_format schema must be a JSON object", param="response_format")
+    check_bounds(schema, where)
     return schema
+
+
+def check_bounds(schema: Any, param: str, *, name_the_bound: bool = True) -> None:
+    """400 when `schema` repeats more than a grammar can hold, naming the offending bound (or only
+    `param`, for a schema that is not the request's own, such as the union of its tools)."""
+    problem = repetition_problem(schema, param)
+    if problem is None:
+        return
+    where, message = problem
+    if not name_the_bound or len(where) > MAX_PARAM:
+        where, message = param, f"the JSON schema in {param} has repetition bounds this node cannot follow"
+    raise BackendError(400, message, param=where)
 
 
 def schema_grammar(schema: dict[str, Any], param: str, rule: str = "") -> str:
@@ -107,13 +132,19 @@ def schema_grammar(schema: dict[str, Any], param: str, rule: str = "") -> str:
     converter cannot turn it into a grammar."""
     from llama_cpp.llama_grammar import SchemaConverter
 
+    check_bounds(schema, param, name_the_bound=False)  # each of the request's own schemas was checked already
     converter = SchemaConverter(prop_order={}, allow_fetch=False, dotall=False, raw_pattern=False)
     try:
         resolved = converter.resolve_refs(json.loads(json.dumps(schema)), "request")
         converter.visit(resolved, rule)
-        return str(converter.format_grammar())
+        return _json_safe(str(converter.format_grammar()))
     except Exception:  # the converter raises whatever it meets (KeyError, ValueError, AssertionError, …)
         raise BackendError(400, f"this model cannot follow the JSON schema in {param}", param=param) from None
+
+
+def _json_safe(grammar: str) -> str:
+    lines = grammar.split("\n")
+    return "\n".join(_JSON_SAFE_RULES.get(line.split(" ::= ", 1)[0], line) for line in lines)
 
 
 def call_schema(tools: list[ToolSpec]) -> dict[str, Any]:
@@ -140,13 +171,14 @@ def _list(value: Any, param: str) -> list[Any]:
     return value
 
 
-def _tool(tool: Any, param: str) -> ToolSpec:
+def _tool(tool: Any, where: str) -> ToolSpec:
     if not isinstance(tool, dict) or tool.get("type", "function") != "function":
-        raise BackendError(400, 'every tool must be {"type": "function", "function": {...}}', param=param)
-    return _function(tool.get("function"), param)
+        raise BackendError(400, 'every tool must be {"type": "function", "function": {...}}', param="tools")
+    return _function(tool.get("function"), f"{where}.function")
 
 
-def _function(function: Any, param: str) -> ToolSpec:
+def _function(function: Any, where: str) -> ToolSpec:
+    param = where.split("[", 1)[0]
     if not isinstance(function, dict) or not isinstance(function.get("name"), str) \
             or not NAME.fullmatch(function["name"]):
         raise BackendError(400, "every function needs a name of letters, digits, _ or -", param=param)
@@ -155,6 +187,7 @@ def _function(function: Any, param: str) -> ToolSpec:
     if not isinstance(description, str) or not isinstance(parameters, dict):
         raise BackendError(400, "a function's description must be a string and its parameters a JSON schema",
                            param=param)
+    check_bounds(parameters, f"{where}.parameters")
     return ToolSpec(function["name"], description, parameters)
 
 

@@ -19,16 +19,21 @@ class Edge:
     to_node: Callable[[dict[str, Any]], dict[str, Any]]  # the caller's body → the node's (400 on a bad one)
     presenter: Callable[[str, str, dict[str, Any]], Presenter]
     streams: bool = True
+    # where the caller's body holds JSON schemas a node turns into grammars (`[*]`: each item of an array)
+    schemas: tuple[str, ...] = ()
 
 
 def _as_sent(body: dict[str, Any]) -> dict[str, Any]:
     return body
 
 
-CHAT = Edge("/v1/chat/completions", "chat", "chatcmpl-", _as_sent, ChatPresenter)
-RESPONSES = Edge("/v1/responses", "chat", "resp_", responses_api.responses_to_chat, responses_api.ResponsesPresenter)
+CHAT = Edge("/v1/chat/completions", "chat", "chatcmpl-", _as_sent, ChatPresenter,
+            schemas=("response_format.json_schema.schema", "response_format.schema", "tools[*].function.parameters",
+                     "functions[*].parameters"))
+RESPONSES = Edge("/v1/responses", "chat", "resp_", responses_api.responses_to_chat, responses_api.ResponsesPresenter,
+                 schemas=("text.format.schema", "tools[*].parameters", "tools[*].function.parameters"))
 MESSAGES = Edge("/v1/messages", "chat", "msg_", anthropic_messages.messages_to_chat,
-                anthropic_messages.MessagesPresenter)
+                anthropic_messages.MessagesPresenter, schemas=("tools[*].input_schema",))
 COMPLETIONS = Edge("/v1/completions", "completions", "cmpl-", legacy.completions_request, CompletionsPresenter)
 EMBEDDINGS = Edge("/v1/embeddings", "embeddings", "embd-", legacy.embeddings_request, EmbeddingsPresenter,
                   streams=False)

@@ -8,6 +8,7 @@ from fastapi import APIRouter, Depends, Request
 from fastapi.responses import JSONResponse
 
 from darkbloom.coordinator.identity import console_login
+from darkbloom.coordinator.identity.auth_throttle import client_address
 from darkbloom.coordinator.http.auth import Caller, bearer_token, require_account_writer, require_caller
 from darkbloom.coordinator.http.json_body import json_object
 from darkbloom.coordinator.fleet.machines import linked_machines, unlink_machine
@@ -19,14 +20,16 @@ router = APIRouter()
 @router.post("/v1/auth/signup", status_code=201)
 async def signup(request: Request, services: Services = Depends(get_services)) -> dict[str, str]:
     body = await json_object(request)
-    account_id, token = await console_login.signup(services, body.get("email"), body.get("password"))
+    account_id, token = await console_login.signup(services, body.get("email"), body.get("password"),
+                                                   client_address(request))
     return {"account_id": account_id, "token": token}
 
 
 @router.post("/v1/auth/login")
 async def login(request: Request, services: Services = Depends(get_services)) -> dict[str, str]:
     body = await json_object(request)
-    account_id, token = await console_login.login(services, body.get("email"), body.get("password"))
+    account_id, token = await console_login.login(services, body.get("email"), body.get("password"),
+                                                  client_address(request))
     return {"account_id": account_id, "token": token}
 
 

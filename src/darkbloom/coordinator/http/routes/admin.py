@@ -31,18 +31,18 @@ async def credit(request: Request, services: Services = Depends(get_services)) -
     if not isinstance(reference, str) or not reference.strip() or len(reference) > 200:
         raise invalid_request("'reference' must be a non-empty string (it makes the credit idempotent).",
                               param="reference")
-    async with services.engine.begin() as conn:
-        account_id = body.get("account_id")
-        if not account_id and isinstance(body.get("email"), str):
-            row = await accounts.get_by_email(conn, body["email"].strip().lower())
-            account_id = row["id"] if row else None
-        if not isinstance(account_id, str):
-            raise ApiError(404, "account_not_found", "No account with this id or email.")
-        row = await accounts.get(conn, account_id)
-        if row is not None and int(row["balance_micro_usd"]) + amount > MAX_BALANCE:
-            raise invalid_request(f"This credit would take the balance past {MAX_BALANCE} µUSD.",
-                                  param="amount_micro_usd")
-        balance = await accounts.credit(conn, account_id, amount, reference.strip())
+    try:
+        async with services.engine.begin() as conn:
+            account_id = body.get("account_id")
+            if not account_id and isinstance(body.get("email"), str):
+                row = await accounts.get_by_email(conn, body["email"].strip().lower())
+                account_id = row["id"] if row else None
+            if not isinstance(account_id, str):
+                raise ApiError(404, "account_not_found", "No account with this id or email.")
+            balance = await accounts.credit(conn, account_id, amount, reference.strip(), max_balance=MAX_BALANCE)
+    except accounts.BalanceCapExceeded:
+        raise invalid_request(f"This credit would take the balance past {MAX_BALANCE} µUSD.",
+                              param="amount_micro_usd") from None
     if balance is None:
         raise ApiError(404, "account_not_found", "No account with this id or email.")
     return {"account_id": account_id, "balance_micro_usd": balance}

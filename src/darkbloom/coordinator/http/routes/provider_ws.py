@@ -4,13 +4,16 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import re
 import time
 
 from fastapi import APIRouter, WebSocket, WebSocketDisconnect
 
 from darkbloom.coordinator.fleet import session_lifecycle
+from darkbloom.coordinator.fleet.pending import FRAME_TOO_LARGE, PendingRequest
 from darkbloom.coordinator.fleet.session import ProviderSession
 from darkbloom.coordinator.services import Services
+from darkbloom.wire.chunk_arrays import MAX_CHUNKS_PER_FRAME
 from darkbloom.wire.protocol import (
     AttestationResponse,
     ErrorFrame,
@@ -29,7 +32,10 @@ log = logging.getLogger("darkbloom.provider_ws")
 
 MAX_BAD_FRAMES = 3
 POLICY_VIOLATION = 1008
+MESSAGE_TOO_BIG = 1009  # the socket's own limit (SOCKET_MESSAGE_LIMIT) closed it
 REGISTER_TIMEOUT = 30.0
+MAX_UNREAD_CHUNKS = 2 * MAX_CHUNKS_PER_FRAME
+_REQUEST_ID = re.compile(r'"request_id"\s*:\s*"([^"\\]{1,256})"')
 
 
 class _Strikes:
@@ -71,7 +77,11 @@ async def provider_socket(websocket: WebSocket) -> None:
     trust = asyncio.create_task(session_lifecycle.run_trust(services, session))
     try:
         await _read_frames(websocket, services, session, strikes)
-    except (WebSocketDisconnect, _TooManyBadFrames):
+    except WebSocketDisconnect as gone:
+        if gone.code == MESSAGE_TOO_BIG:
+            for pending in list(session.pending.values()):
+                pending.on_error(502, "", code=FRAME_TOO_LARGE)
+    except _TooManyBadFrames:
         pass
     finally:
         trust.cancel()
@@ -99,7 +109,19 @@ async def _receive(websocket: WebSocket, strikes: _Strikes) -> object:
         try:
             return parse_provider_frame(raw)
         except FrameError as exc:
+            if exc.code == "frame_too_large" and strikes.session is not None:
+                _fail_refused_request(strikes.session, raw)
             await strikes.strike(exc.code, exc.message)
+
+
+def _fail_refused_request(session: ProviderSession, raw: str | bytes) -> None:
+    """A frame over the limit is refused unread; the request it names fails, rather than completing
+    without what the frame carried."""
+    text = raw if isinstance(raw, str) else raw.decode("utf-8", "replace")
+    found = _REQUEST_ID.search(text)
+    pending = session.pending.get(found.group(1)) if found else None
+    if pending is not None:
+        pending.on_error(502, "", code=FRAME_TOO_LARGE)
 
 
 async def _first_register(websocket: WebSocket, strikes: _Strikes) -> Register:
@@ -118,7 +140,8 @@ async def _read_frames(websocket: WebSocket, services: Services, session: Provid
         if isinstance(frame, InferenceResponseChunk):
             pending = session.pending.get(frame.request_id)
             if pending is not None and not pending.on_chunk(frame.encrypted_data):
-                session_lifecycle.distrust(session, "a response chunk failed decryption", services)
+                session_lifecycle.distrust(session, "a response chunk did not open", services)
+            await _relayed(session, frame.request_id)
         elif isinstance(frame, InferenceComplete):
             pending = session.pending.get(frame.request_id)
             if pending is not None and not pending.on_complete(frame.usage):
@@ -134,6 +157,17 @@ async def _read_frames(websocket: WebSocket, services: Services, session: Provid
         elif isinstance(frame, Register):
             await strikes.strike("already_registered", "this session is already registered")
         # inference_accepted needs no action: the request is already counted on the session
+
+
+async def _relayed(session: ProviderSession, request_id: str) -> None:
+    """Let the loop run after each chunk frame, and read nothing more from this socket while one
+    request has more chunks waiting than MAX_UNREAD_CHUNKS: a provider cannot pile chunks up faster
+    than they are relayed (a backlog of millions of objects would stall the loop in garbage collection)."""
+    await asyncio.sleep(0)
+    while isinstance(pending := session.pending.get(request_id), PendingRequest) and \
+            pending.events.qsize() > MAX_UNREAD_CHUNKS:
+        session.last_frame_at = time.monotonic()  # it is this side that is not reading
+        await asyncio.sleep(0.01)
 
 
 async def _write_frames(websocket: WebSocket, session: ProviderSession) -> None:

@@ -3,7 +3,9 @@
 Each limit is one bucket, named by a scope (``key:key_…`` or ``acct:acct_…``) and a dimension
 (``requests``, ``input_tokens``, ``output_tokens``). A bucket holds at most ``limit_per_minute``
 tokens, starts full and refills continuously at ``limit_per_minute / 60`` tokens per second, so a
-caller may burst up to the whole minute's allowance and then proceeds at the steady rate.
+caller may burst up to the whole minute's allowance and then proceeds at the steady rate. A bucket
+with ``minutes`` > 1 refills the same capacity over that many minutes instead (the ``attempts`` of
+sign-up and log-in: ten per fifteen minutes, say).
 
 A request charges several buckets at once (its key's and its account's, for each dimension).
 ``acquire`` is all-or-nothing: the request is admitted only if every bucket holds its amount, and
@@ -12,9 +14,9 @@ part of an output-token charge), never beyond capacity. A bucket's state is its 
 it was last written; the limit itself comes with every call, so an edited limit takes effect at
 once (the level is kept, clamped to the new capacity). A bucket with no state is full.
 
-Levels are integers in units of 1/60,000,000 of a token: a bucket of limit L then refills exactly
-L units per microsecond, and Python (``memory``) and the Redis script (``redis``) do the same exact
-integer arithmetic. This module holds the interface, the values every limiter speaks in and that
+Levels are integers in units of 1/(60,000,000 × minutes) of a token: a bucket of limit L then
+refills exactly L units per microsecond, and Python (``memory``) and the Redis script (``redis``) do
+the same exact integer arithmetic. This module holds the interface, the values every limiter speaks in and that
 shared arithmetic; ``MemoryRateLimiter`` serves one process, ``RedisRateLimiter`` shares the buckets
 between coordinator replicas.
 """
@@ -25,14 +27,15 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Literal, Protocol, get_args
 
-Dimension = Literal["requests", "input_tokens", "output_tokens"]
+Dimension = Literal["requests", "input_tokens", "output_tokens", "attempts"]
 
 DIMENSIONS: tuple[Dimension, ...] = get_args(Dimension)
 MICROS = 1_000_000
-UNITS_PER_TOKEN = 60 * MICROS  # a bucket of limit L refills L units per microsecond
+UNITS_PER_TOKEN = 60 * MICROS  # a one-minute bucket of limit L refills L units per microsecond
 IMPOSSIBLE_RETRY_AFTER = 60
 _HEADER_SUFFIX: dict[str, str] = {
     "requests": "requests", "input_tokens": "input-tokens", "output_tokens": "output-tokens",
+    "attempts": "attempts",
 }
 
 
@@ -45,12 +48,19 @@ class Bucket:
     scope: str
     dimension: Dimension
     limit_per_minute: int
+    minutes: int = 1  # the time the whole capacity takes to refill
 
     def __post_init__(self) -> None:
         if self.dimension not in DIMENSIONS:
             raise ValueError(f"unknown rate-limit dimension {self.dimension!r}")
         if self.limit_per_minute < 1:
             raise ValueError(f"limit_per_minute must be at least 1, got {self.limit_per_minute}")
+        if self.minutes < 1:
+            raise ValueError(f"minutes must be at least 1, got {self.minutes}")
+
+    @property
+    def units_per_token(self) -> int:
+        return UNITS_PER_TOKEN * self.minutes
 
 
 @dataclass(frozen=True)
@@ -79,12 +89,12 @@ class RateLimiter(Protocol):
 
 # --- bucket arithmetic shared by both limiters (levels in units) ---
 
-def capacity(limit: int) -> int:
-    return limit * UNITS_PER_TOKEN
+def capacity(bucket: Bucket) -> int:
+    return bucket.limit_per_minute * bucket.units_per_token
 
 
-def refilled(level: int, elapsed_us: int, limit: int) -> int:
-    return min(capacity(limit), level + max(0, elapsed_us) * limit)
+def refilled(level: int, elapsed_us: int, bucket: Bucket) -> int:
+    return min(capacity(bucket), level + max(0, elapsed_us) * bucket.limit_per_minute)
 
 
 def _ceil_div(a: int, b: int) -> int:
@@ -119,16 +129,17 @@ def decide(charges: Sequence[Charge], levels: Sequence[int], allowed: bool) -> D
         if charge.amount > charge.bucket.limit_per_minute:  # can never fit: say so, don't loop
             return Decision(False, charge.bucket, IMPOSSIBLE_RETRY_AFTER, headers)
     for charge, level in zip(charges, levels):
-        wait = _seconds_to_hold(level, charge.amount * UNITS_PER_TOKEN, charge.bucket.limit_per_minute)
+        bucket = charge.bucket
+        wait = _seconds_to_hold(level, charge.amount * bucket.units_per_token, bucket.limit_per_minute)
         if wait > 0:
-            return Decision(False, charge.bucket, wait, headers)
+            return Decision(False, bucket, wait, headers)
     return Decision(False, charges[0].bucket, 1, headers)  # refilled since the check: retry now
 
 
 def _headers(charges: Sequence[Charge], levels: Sequence[int]) -> dict[str, str]:
     tightest: dict[str, tuple[int, Bucket, int]] = {}
     for charge, level in zip(charges, levels):
-        remaining = level // UNITS_PER_TOKEN
+        remaining = level // charge.bucket.units_per_token
         current = tightest.get(charge.bucket.dimension)
         if current is None or remaining < current[0]:
             tightest[charge.bucket.dimension] = (remaining, charge.bucket, level)
@@ -141,5 +152,5 @@ def _headers(charges: Sequence[Charge], levels: Sequence[int]) -> dict[str, str]
         suffix = _HEADER_SUFFIX[dimension]
         headers[f"x-ratelimit-limit-{suffix}"] = str(limit)
         headers[f"x-ratelimit-remaining-{suffix}"] = str(remaining)
-        headers[f"x-ratelimit-reset-{suffix}"] = f"{_seconds_to_hold(level, capacity(limit), limit)}s"
+        headers[f"x-ratelimit-reset-{suffix}"] = f"{_seconds_to_hold(level, capacity(bucket), limit)}s"
     return headers

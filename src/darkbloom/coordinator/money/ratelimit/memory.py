@@ -7,7 +7,6 @@ from collections.abc import Callable, Sequence
 
 from darkbloom.coordinator.money.ratelimit.base import (
     MICROS,
-    UNITS_PER_TOKEN,
     Bucket,
     Charge,
     Decision,
@@ -30,7 +29,7 @@ class MemoryRateLimiter:
 
     def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
         self._clock = clock
-        self._state: dict[tuple[str, str], tuple[int, int, int]] = {}  # level, at (µs), limit
+        self._state: dict[tuple[str, str], tuple[int, int, Bucket]] = {}  # level, at (µs), last bucket
         self._next_sweep_us: int | None = None
 
     def _now_us(self) -> int:
@@ -39,21 +38,21 @@ class MemoryRateLimiter:
     def _level(self, bucket: Bucket, now_us: int) -> int:
         state = self._state.get((bucket.scope, bucket.dimension))
         if state is None:
-            return capacity(bucket.limit_per_minute)
+            return capacity(bucket)
         level, at_us, _ = state
-        return refilled(level, now_us - at_us, bucket.limit_per_minute)  # clamps to a lowered limit
+        return refilled(level, now_us - at_us, bucket)  # clamps to a lowered limit
 
     def _store(self, bucket: Bucket, level: int, now_us: int) -> None:
-        self._state[(bucket.scope, bucket.dimension)] = (level, now_us, bucket.limit_per_minute)
+        self._state[(bucket.scope, bucket.dimension)] = (level, now_us, bucket)
 
     async def acquire(self, charges: Sequence[Charge]) -> Decision:
         merged = merge(charges)
         now_us = self._now_us()
         self._sweep(now_us)
         levels = [self._level(c.bucket, now_us) for c in merged]
-        allowed = all(c.amount * UNITS_PER_TOKEN <= level for c, level in zip(merged, levels))
+        allowed = all(c.amount * c.bucket.units_per_token <= level for c, level in zip(merged, levels))
         if allowed:
-            levels = [level - c.amount * UNITS_PER_TOKEN for c, level in zip(merged, levels)]
+            levels = [level - c.amount * c.bucket.units_per_token for c, level in zip(merged, levels)]
         for charge, level in zip(merged, levels):
             self._store(charge.bucket, level, now_us)
         return decide(merged, levels, allowed)
@@ -64,8 +63,8 @@ class MemoryRateLimiter:
             bucket = charge.bucket
             if (bucket.scope, bucket.dimension) not in self._state:
                 continue  # already full
-            level = self._level(bucket, now_us) + charge.amount * UNITS_PER_TOKEN
-            self._store(bucket, min(level, capacity(bucket.limit_per_minute)), now_us)
+            level = self._level(bucket, now_us) + charge.amount * bucket.units_per_token
+            self._store(bucket, min(level, capacity(bucket)), now_us)
 
     async def close(self) -> None:
         self._state.clear()
@@ -74,7 +73,7 @@ class MemoryRateLimiter:
         if self._next_sweep_us is not None and now_us < self._next_sweep_us:
             return
         self._next_sweep_us = now_us + _SWEEP_EVERY_US
-        full = [key for key, (level, at_us, limit) in self._state.items()
-                if refilled(level, now_us - at_us, limit) >= capacity(limit)]
+        full = [key for key, (level, at_us, bucket) in self._state.items()
+                if refilled(level, now_us - at_us, bucket) >= capacity(bucket)]
         for key in full:
             del self._state[key]

@@ -18,7 +18,6 @@ from redis.backoff import NoBackoff
 from redis.exceptions import RedisError
 
 from darkbloom.coordinator.money.ratelimit.base import (
-    UNITS_PER_TOKEN,
     Bucket,
     Charge,
     Decision,
@@ -31,15 +30,14 @@ log = logging.getLogger("darkbloom.ratelimit")
 
 IDLE_TTL_MS = 120_000
 
-# ARGV: units per token, idle ttl (ms), then limit and amount for each key in KEYS.
+# ARGV: idle ttl (ms), then limit, amount and units per token for each key in KEYS.
 # A bucket of limit L refills L units per microsecond (L * 1000 per millisecond).
 _PRELUDE = """
 local clock = redis.call('TIME')
 local now = tonumber(clock[1]) * 1000000 + tonumber(clock[2])
-local units = tonumber(ARGV[1])
-local idle_ms = tonumber(ARGV[2])
+local idle_ms = tonumber(ARGV[1])
 
-local function level_now(key, limit)
+local function level_now(key, limit, units)
   local cap = limit * units
   local state = redis.call('HMGET', key, 'level', 'at')
   if not state[1] then return cap, false end
@@ -47,7 +45,7 @@ local function level_now(key, limit)
   return math.min(cap, tonumber(state[1]) + elapsed * limit), true
 end
 
-local function store(key, limit, level)
+local function store(key, limit, units, level)
   local text = string.format('%.0f', level)
   redis.call('HSET', key, 'level', text, 'at', string.format('%.0f', now))
   local full_in_ms = math.ceil((limit * units - level) / (limit * 1000))
@@ -60,24 +58,24 @@ _ACQUIRE_LUA = _PRELUDE + """
 local levels = {}
 local allowed = 1
 for i = 1, #KEYS do
-  local limit, need = tonumber(ARGV[2 * i + 1]), tonumber(ARGV[2 * i + 2]) * units
-  levels[i] = level_now(KEYS[i], limit)
-  if levels[i] < need then allowed = 0 end
+  local limit, units = tonumber(ARGV[3 * i - 1]), tonumber(ARGV[3 * i + 1])
+  levels[i] = level_now(KEYS[i], limit, units)
+  if levels[i] < tonumber(ARGV[3 * i]) * units then allowed = 0 end
 end
 local out = {allowed}
 for i = 1, #KEYS do
-  local limit, need = tonumber(ARGV[2 * i + 1]), tonumber(ARGV[2 * i + 2]) * units
-  if allowed == 1 then levels[i] = levels[i] - need end
-  out[i + 1] = store(KEYS[i], limit, levels[i])
+  local limit, units = tonumber(ARGV[3 * i - 1]), tonumber(ARGV[3 * i + 1])
+  if allowed == 1 then levels[i] = levels[i] - tonumber(ARGV[3 * i]) * units end
+  out[i + 1] = store(KEYS[i], limit, units, levels[i])
 end
 return out
 """
 
 _REFUND_LUA = _PRELUDE + """
 for i = 1, #KEYS do
-  local limit, amount = tonumber(ARGV[2 * i + 1]), tonumber(ARGV[2 * i + 2]) * units
-  local level, exists = level_now(KEYS[i], limit)
-  if exists then store(KEYS[i], limit, math.min(limit * units, level + amount)) end
+  local limit, units = tonumber(ARGV[3 * i - 1]), tonumber(ARGV[3 * i + 1])
+  local level, exists = level_now(KEYS[i], limit, units)
+  if exists then store(KEYS[i], limit, units, math.min(limit * units, level + tonumber(ARGV[3 * i]) * units)) end
 end
 return 0
 """
@@ -104,9 +102,9 @@ class RedisRateLimiter:
 
     def _call(self, charges: list[Charge]) -> tuple[list[str], list[int]]:
         keys = [self.key(c.bucket) for c in charges]
-        args = [UNITS_PER_TOKEN, IDLE_TTL_MS]
+        args = [IDLE_TTL_MS]
         for charge in charges:
-            args += [charge.bucket.limit_per_minute, charge.amount]
+            args += [charge.bucket.limit_per_minute, charge.amount, charge.bucket.units_per_token]
         return keys, args
 
     async def acquire(self, charges: Sequence[Charge]) -> Decision:

@@ -1,0 +1,129 @@
+"""Prompts as tokens, bounded by the context window and cancellable (worker thread).
+
+Chat: the model's own chat template (its GGUF `tokenizer.chat_template`, rendered as
+llama-cpp-python renders it, ChatML for a GGUF without one) is rendered once with a marker in place
+of each message's content. The template's own text is tokenized with special tokens (its
+`<|im_start|>` stays a control token), every content without them: text a caller sends can never
+become a control token (a forged system turn). A template that drops or repeats a content (no marker
+found exactly once, in order) gets its real rendering tokenized without special tokens at all.
+
+Every prompt is bounded before and while it is tokenized: more bytes than the window could hold
+(`n_ctx` × the model's longest token) is a 400 at once; text is tokenized in pieces of at most
+PIECE_CHARS (cut before a word where it can be), the cancel flag checked between them, and the count
+stops as soon as the window is full.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Iterator
+
+from llama_cpp import llama_chat_format
+
+from darkbloom.provider.backends.llama_decode import ContextOverflow
+from darkbloom.provider.backends.llama_instances import Cancelled, CountingLlama
+
+log = logging.getLogger(__name__)
+PIECE_CHARS = 8192
+_MARK = "\ue000{}\ue001"  # private-use characters: in no template
+_LONGEST: dict[str, int] = {}  # model file → its longest token in bytes
+Segment = tuple[str, bool]  # text, and whether its special-token text is parsed as special tokens
+
+
+def chat_prompt(llama: CountingLlama, messages: list[dict[str, str]]) -> tuple[list[int], tuple[str, ...]]:
+    """The templated prompt's tokens and the template's stop strings."""
+    formatter = _formatter(llama)
+    marked = formatter(messages=[dict(m, content=_MARK.format(i)) for i, m in enumerate(messages)])
+    segments = _segments(marked.prompt, messages)
+    if segments is None:
+        log.warning("this model's chat template reshapes message contents; its prompt is tokenized without "
+                    "special tokens")
+        segments = [(formatter(messages=messages).prompt, False)]
+    stops = marked.stop if isinstance(marked.stop, list) else [marked.stop] if marked.stop else []
+    n_ctx = llama.n_ctx()
+    tokens = bounded_tokens(llama, segments, add_bos=not marked.added_special, most=n_ctx - 1, window=n_ctx,
+                            param="messages")
+    return tokens, tuple(stops)
+
+
+def bounded_tokens(llama: CountingLlama, segments: list[Segment], *, add_bos: bool, most: int, window: int,
+                   param: str) -> list[int]:
+    """`segments` tokenized in order; ContextOverflow (naming `window`) as soon as they come to more
+    than `most` tokens, or hold more bytes than `most` tokens could; Cancelled once the request is."""
+    size = sum(len(text.encode("utf-8")) for text, _ in segments)
+    if size > most and size > most * longest_token_bytes(llama):
+        raise ContextOverflow(None, window, param)
+    tokens: list[int] = []
+    first = add_bos
+    for text, special in segments:
+        for piece in _pieces(text):
+            _check_cancel(llama)
+            tokens += llama.tokenize(piece.encode("utf-8"), add_bos=first, special=special)
+            first = False
+            if len(tokens) > most:
+                raise ContextOverflow(len(tokens), window, param, at_least=True)
+    if first:  # nothing at all to tokenize: still the BOS the model asks for
+        tokens = llama.tokenize(b"", add_bos=True, special=False)
+    return tokens
+
+
+def longest_token_bytes(llama: CountingLlama) -> int:
+    """The most bytes one token of this model's vocabulary stands for (computed once per model file)."""
+    longest = _LONGEST.get(llama.model_path)
+    if longest is None:
+        longest = max(1, max((len(llama.detokenize([i], special=True)) for i in range(llama.n_vocab())), default=1))
+        _LONGEST[llama.model_path] = longest
+    return longest
+
+
+def _formatter(llama: CountingLlama) -> llama_chat_format.ChatFormatter:
+    formatter = getattr(llama, "darkbloom_formatter", None)
+    if formatter is None:
+        template = llama.metadata.get("tokenizer.chat_template")
+        if template:
+            eos, bos = llama.token_eos(), llama.token_bos()
+            formatter = llama_chat_format.Jinja2ChatFormatter(
+                template=template, eos_token=llama._model.token_get_text(eos) if eos != -1 else "",
+                bos_token=llama._model.token_get_text(bos) if bos != -1 else "", stop_token_ids=[eos])
+        else:
+            formatter = llama_chat_format.format_chatml  # a GGUF without a template: ChatML
+        llama.darkbloom_formatter = formatter  # type: ignore[attr-defined]
+    return formatter  # type: ignore[no-any-return]
+
+
+def _segments(rendered: str, messages: list[dict[str, str]]) -> list[Segment] | None:
+    """The marked rendering cut at its markers: template text (special) and contents (not)."""
+    segments: list[Segment] = []
+    position = 0
+    for index, message in enumerate(messages):
+        mark = _MARK.format(index)
+        at = rendered.find(mark, position)
+        if at < 0 or rendered.find(mark, at + len(mark)) >= 0:
+            return None
+        segments += [(rendered[position:at], True), (message["content"], False)]
+        position = at + len(mark)
+    if "\ue000" in rendered[position:]:
+        return None
+    segments.append((rendered[position:], True))
+    return [segment for segment in segments if segment[0]]
+
+
+def _pieces(text: str) -> Iterator[str]:
+    """`text` in pieces of at most PIECE_CHARS, each cut before a space that starts a word where
+    there is one (where a byte-level BPE pre-tokenizer cuts anyway)."""
+    start = 0
+    while len(text) - start > PIECE_CHARS:
+        cut = text.rfind(" ", start + 1, start + PIECE_CHARS)
+        while cut > start and (text[cut - 1].isspace() or text[cut + 1].isspace()):
+            cut = text.rfind(" ", start + 1, cut)
+        if cut <= start:
+            cut = start + PIECE_CHARS
+        yield text[start:cut]
+        start = cut
+    yield text[start:]
+
+
+def _check_cancel(llama: CountingLlama) -> None:
+    stats = llama.current
+    if stats is not None and stats.cancel.is_set():
+        raise Cancelled()

@@ -1,0 +1,79 @@
+"""Password hashing never runs on the event loop's default executor: a flood of log-ins waits for
+the few threads of its own, and work others put on the default executor is not held up by it."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import threading
+import time
+from collections.abc import AsyncIterator, Callable
+from concurrent.futures import Future, ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from darkbloom.coordinator.app import create_app
+from darkbloom.coordinator.config import CoordinatorSettings
+from darkbloom.coordinator.identity import console_login
+
+PASSWORD = "correct horse battery"
+
+
+class RecordingExecutor(ThreadPoolExecutor):
+    """The loop's default executor, remembering every callable it was given."""
+
+    def __init__(self) -> None:
+        super().__init__(max_workers=8)
+        self.given: list[str] = []
+
+    def submit(self, fn: Callable[..., Any], /, *args: Any, **kwargs: Any) -> Future[Any]:
+        self.given.append(repr((fn, args)))
+        return super().submit(fn, *args, **kwargs)
+
+
+@pytest.fixture
+async def http(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> AsyncIterator[httpx.AsyncClient]:
+    """The coordinator app in this test's event loop, so the loop's default executor is the test's."""
+    for name in ("LOGIN_FAILURES_PER_EMAIL", "LOGIN_FAILURES_PER_ADDRESS", "SIGNUPS_PER_ADDRESS"):
+        monkeypatch.setenv(f"DARKBLOOM_{name}", "1000")
+    app = create_app(CoordinatorSettings(database_url=f"sqlite+aiosqlite:///{tmp_path / 'coordinator.db'}"))
+    async with app.router.lifespan_context(app):
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://coordinator") as client:
+            assert (await client.post("/v1/auth/signup", json={"email": "ada@example.com", "password": PASSWORD})
+                    ).status_code == 201
+            yield client
+
+
+async def _attempt(http: httpx.AsyncClient, email: str, password: str) -> int:
+    return (await http.post("/v1/auth/login", json={"email": email, "password": password})).status_code
+
+
+async def test_argon2_never_runs_on_the_default_executor(http: httpx.AsyncClient) -> None:
+    recording = RecordingExecutor()
+    asyncio.get_running_loop().set_default_executor(recording)
+    signup = await http.post("/v1/auth/signup", json={"email": "bob@example.com", "password": PASSWORD})
+    outcomes = await asyncio.gather(*(_attempt(http, email, password) for email, password in (
+        ("ada@example.com", PASSWORD), ("ada@example.com", "wrong password"), ("nobody@example.com", PASSWORD))))
+    assert signup.status_code == 201 and outcomes == [200, 401, 401]
+    assert not [call for call in recording.given if "argon2" in call.lower() or "PasswordHasher" in call]
+
+
+async def test_fifty_log_ins_at_once_leave_the_default_executor_free(http: httpx.AsyncClient) -> None:
+    loop = asyncio.get_running_loop()
+    loop.set_default_executor(ThreadPoolExecutor(max_workers=4))
+    hashing = asyncio.gather(*(_attempt(http, "ada@example.com", f"guess {i}") for i in range(50)))
+    await asyncio.sleep(1.0)  # the log-ins are queued for their threads by now
+    started = time.monotonic()
+    await loop.run_in_executor(None, time.sleep, 0)  # what a DNS lookup or to_thread would wait for
+    waited = time.monotonic() - started
+    hash_threads = [t for t in threading.enumerate() if t.name.startswith("argon2")]
+    still_hashing = not hashing.done()
+    hashing.cancel()  # the queued ones never start
+    with contextlib.suppress(asyncio.CancelledError):
+        await hashing
+    assert still_hashing
+    assert waited < 0.5, f"the default executor was busy for {waited:.2f} s"
+    assert 1 <= len(hash_threads) <= console_login.HASH_THREADS
