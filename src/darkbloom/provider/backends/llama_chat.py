@@ -4,10 +4,11 @@ OpenAI `chat.completion.chunk`s (worker thread).
 The prompt is the model's own chat template over `chat_prompt.template_messages`, tokenized by
 `llama_prompt` (message text never as special tokens; bounded by the context window). A body with
 more messages than the window has tokens is refused before anything is rendered. Grammars come
-from `tool_params`. How an answer that may be a
-tool call is streamed: with a named or required choice (and in `auto` once the answer opens with
-`{`, which the grammar then holds to a call) the call's name is sent as soon as it is generated and
-its arguments as they come; in `auto` with a structured answer as the alternative, an answer opening
+from `tool_params`.
+
+How an answer that may be a tool call is streamed: with a named or required choice (and in `auto`
+once the answer opens with `{`, which the grammar then holds to a call) the call's name is sent as
+soon as it is generated and its arguments as they come; in `auto` with a structured answer as the alternative, an answer opening
 with `{` is held to the end and then sent as the call or the content it turns out to be. A forced
 call cut short (max_tokens) before its name is whole is still a call: the one tool the name so far
 can be, else the name so far, with no arguments.

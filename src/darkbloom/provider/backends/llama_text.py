@@ -2,9 +2,9 @@
 
 Completions: the raw prompt, no chat template, tokenized as `create_completion` does (BOS when the
 model asks for one, special tokens parsed) but bounded as every prompt is (`llama_prompt`); token-id
-prompts are used as they are. `echo` and
-`suffix` are refused (400 naming them). `logprobs` (0–5) in the legacy shape: `tokens`,
-`token_logprobs`, `top_logprobs` ({token: logprob}), `text_offset` (from the start of the prompt).
+prompts are used as they are. `echo` and `suffix` are refused (400 naming them). `logprobs` (0–5)
+in the legacy shape: `tokens`, `token_logprobs`, `top_logprobs` ({token: logprob}), `text_offset`
+(from the start of the prompt).
 
 Embeddings: an instance loaded with `embedding=True`. Each input is decoded on its own, as one batch
 (so an input may have up to the instance's batch size of tokens), pooled the way the GGUF says (the
