@@ -10,6 +10,7 @@ from typing import Any
 from pydantic import BaseModel
 from websockets.asyncio.server import Server, ServerConnection, serve
 
+from darkbloom.wire.chunk_arrays import response_chunks
 from darkbloom.wire import crypto, protocol
 
 
@@ -36,7 +37,7 @@ class Conn:
         chunks: list[dict[str, Any]] = []
         while len(chunks) < count:
             frame = await self.recv_type(protocol.InferenceResponseChunk, timeout)
-            chunks.extend(protocol.response_chunks(reply_key.open(frame.encrypted_data)))
+            chunks.extend(response_chunks(reply_key.open(frame.encrypted_data)))
         return chunks
 
     async def send(self, frame: BaseModel | dict[str, Any]) -> None:

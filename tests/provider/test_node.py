@@ -15,6 +15,7 @@ from typing import Any, AsyncIterator
 import pytest
 
 from darkbloom import paths
+from darkbloom.wire.chunk_arrays import response_chunks
 from darkbloom.wire import crypto
 from darkbloom.wire import protocol
 from darkbloom.provider.backends import create_backend
@@ -147,7 +148,7 @@ async def test_sealed_request_is_answered_with_sealed_chunks(harness: Harness) -
             break
         keys.add(frame.encrypted_data.ephemeral_public_key)
         assert b"chat.completion" not in base64.b64decode(frame.encrypted_data.ciphertext)
-        chunks.extend(protocol.response_chunks(reply_key.open(frame.encrypted_data)))
+        chunks.extend(response_chunks(reply_key.open(frame.encrypted_data)))
     assert len(keys) == 1 and envelope.ephemeral_public_key not in keys  # one sealer per request
     assert all(chunk["choices"] and "usage" not in chunk for chunk in chunks)  # usage is not a content chunk
     assert "".join(c["choices"][0]["delta"].get("content", "") for c in chunks).strip()

@@ -7,6 +7,7 @@ from typing import Any
 
 import pytest
 
+from darkbloom.wire.chunk_arrays import response_chunks
 from darkbloom.wire import protocol
 from darkbloom.provider.registration import with_capabilities
 from tests.provider.fake_coordinator import Conn
@@ -21,7 +22,7 @@ async def answer(conn: Conn, request_id: str, api: str, body: dict[str, Any]) ->
         frame = await conn.recv_type((protocol.InferenceAccepted, protocol.InferenceResponseChunk,
                                       protocol.InferenceComplete, protocol.InferenceError))
         if isinstance(frame, protocol.InferenceResponseChunk):
-            chunks.extend(protocol.response_chunks(reply_key.open(frame.encrypted_data)))
+            chunks.extend(response_chunks(reply_key.open(frame.encrypted_data)))
         elif not isinstance(frame, protocol.InferenceAccepted):
             return chunks, frame
 

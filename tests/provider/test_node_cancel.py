@@ -19,6 +19,7 @@ from typing import Any, AsyncIterator
 import httpx
 import pytest
 
+from darkbloom.wire.chunk_arrays import response_chunks
 from darkbloom.wire import crypto
 from darkbloom.wire import protocol
 from darkbloom.provider.backends import Backend
@@ -182,7 +183,7 @@ async def test_cancel_on_the_openai_backend_with_a_real_upstream(home: Path, ups
         while content < 4:
             frame = await conn.recv_type(protocol.InferenceResponseChunk)
             content += sum(bool(chunk["choices"][0]["delta"].get("content"))
-                           for chunk in protocol.response_chunks(reply_key.open(frame.encrypted_data)))
+                           for chunk in response_chunks(reply_key.open(frame.encrypted_data)))
         await conn.send(protocol.Cancel(request_id="req_1"))
         report = await settle(conn, "req_1")
         # llama_cpp.server streams no usage: the prompt estimate, one token per content chunk the

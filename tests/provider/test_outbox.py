@@ -13,6 +13,7 @@ import pytest
 
 from darkbloom.provider.backends.base import BackendError
 from darkbloom.provider.outbox import COALESCE_BYTES, COALESCE_CHUNKS, SPLIT_BYTES, Outbox
+from darkbloom.wire.chunk_arrays import response_chunks
 from darkbloom.wire import crypto, protocol
 
 
@@ -48,7 +49,7 @@ async def drain(outbox: Outbox, socket: Socket) -> None:
 
 
 def opened(reply: crypto.ReplyKey, frame: protocol.InferenceResponseChunk) -> list[str]:
-    return [c["choices"][0]["delta"]["content"] for c in protocol.response_chunks(reply.open(frame.encrypted_data))]
+    return [c["choices"][0]["delta"]["content"] for c in response_chunks(reply.open(frame.encrypted_data))]
 
 
 def sealer_for(reply: crypto.ReplyKey) -> crypto.Sealer:
@@ -167,7 +168,7 @@ async def test_a_list_chunk_over_a_mebibyte_leaves_in_parts_of_the_same_shape() 
     outbox.send_chunk(Request("r1"), sealer_for(reply), answer)
     await drain(outbox, socket)
     plaintexts = [reply.open(frame.encrypted_data) for frame in socket.sent]
-    parts = [protocol.response_chunks(plaintext) for plaintext in plaintexts]
+    parts = [response_chunks(plaintext) for plaintext in plaintexts]
     assert len(parts) >= 10 and all(len(plaintext) <= SPLIT_BYTES + 100 for plaintext in plaintexts)
     indices = []
     for [part] in parts:  # each frame one chunk: none is merged past 64 KiB
@@ -192,4 +193,4 @@ async def test_no_more_than_coalesce_chunks_share_a_frame() -> None:
     for _ in range(COALESCE_CHUNKS + 10):
         outbox.send_chunk(request, sealer_for(reply), {"i": 1})
     await drain(outbox, socket)
-    assert [len(protocol.response_chunks(reply.open(f.encrypted_data))) for f in socket.sent] == [COALESCE_CHUNKS, 10]
+    assert [len(response_chunks(reply.open(f.encrypted_data))) for f in socket.sent] == [COALESCE_CHUNKS, 10]

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-from pathlib import Path
 from typing import Any, Iterator
 
 import httpx
@@ -27,7 +26,7 @@ from tests.support.accounts import Account, create_account
 from tests.support.hostile import (
     HealthWatch, balance, balance_settles_at, device_token, new_model, registered, send_plaintext, sse_data,
     usage_ids)
-from tests.support.processes import Coordinator, start_coordinator
+from tests.support.processes import Coordinator, sqlite_coordinator
 
 pytestmark = pytest.mark.e2e
 
@@ -36,13 +35,8 @@ HELLO = [{"role": "user", "content": "hi"}]
 
 @pytest.fixture(scope="module")
 def coord(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Coordinator]:
-    root: Path = tmp_path_factory.mktemp("hostile-chunks")
-    process = start_coordinator(root / "home", f"sqlite+aiosqlite:///{root / 'coordinator.db'}",
-                                "--first-content-timeout", "10")
-    try:
+    with sqlite_coordinator(tmp_path_factory.mktemp("hostile-chunks"), "--first-content-timeout", "10") as process:
         yield process
-    finally:
-        process.stop()
 
 
 @pytest.fixture(scope="module")

@@ -12,7 +12,6 @@ import asyncio
 import json
 import secrets
 import time
-from pathlib import Path
 from typing import Any, Iterator
 
 import httpx
@@ -21,7 +20,8 @@ import pytest
 from darkbloom.wire.crypto import Sealer, public_key_from_b64
 from darkbloom.wire.protocol import MAX_REQUEST_FRAME_BYTES, Cancel, InferenceResponseChunk, TrustStatus, dump
 from tests.support.accounts import Account, create_account
-from tests.support.processes import Coordinator, start_coordinator
+from tests.support.hostile import balance, balance_settles_at, new_model, registered, sse_data
+from tests.support.processes import Coordinator, sqlite_coordinator
 from tests.support.raw_provider import RawProvider
 
 pytestmark = pytest.mark.e2e
@@ -32,13 +32,9 @@ SECRET = "PROVIDER-SECRET-TEXT-" + secrets.token_hex(4)
 
 @pytest.fixture(scope="module")
 def coord(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Coordinator]:
-    root: Path = tmp_path_factory.mktemp("hostile")
-    process = start_coordinator(root / "home", f"sqlite+aiosqlite:///{root / 'coordinator.db'}",
-                                "--idle-timeout", "1", "--request-timeout", "4", "--first-content-timeout", "5")
-    try:
+    with sqlite_coordinator(tmp_path_factory.mktemp("hostile"), "--idle-timeout", "1", "--request-timeout", "4",
+                            "--first-content-timeout", "5") as process:
         yield process
-    finally:
-        process.stop()
 
 
 @pytest.fixture(scope="module")
@@ -46,43 +42,11 @@ def account(coord: Coordinator) -> Account:
     return create_account(coord, credit_micro_usd=CREDIT)
 
 
-def _new_model(coord: Coordinator) -> str:
-    """A priced catalog model only the test's raw providers serve."""
-    model = "hostile-" + secrets.token_hex(4)
-    catalog = httpx.get(coord.api_url + "/admin/catalog", headers=coord.admin()).json()
-    catalog["models"].append({"id": model, "input_price": 1_000, "output_price": 1_000})
-    httpx.put(coord.api_url + "/admin/catalog", json=catalog, headers=coord.admin()).raise_for_status()
-    return model
-
-
-def _balance(coord: Coordinator, account: Account) -> int:
-    return int(httpx.get(coord.api_url + "/payments/balance", headers=account.headers()).json()
-               ["balance_micro_usd"])
-
-
-async def _registered(coord: Coordinator, model: str) -> RawProvider:
-    raw = RawProvider(coord.base_url, models=(model,))
-    await raw.register()
-    return raw
-
-
-def _events(text: str) -> list[Any]:
-    return [line[6:] if line[6:] == "[DONE]" else json.loads(line[6:])
-            for line in text.splitlines() if line.startswith("data: ")]
-
-
-async def _wait_balance(coord: Coordinator, account: Account, expected: int) -> None:
-    deadline = time.monotonic() + 10
-    while _balance(coord, account) != expected and time.monotonic() < deadline:
-        await asyncio.sleep(0.1)
-    assert _balance(coord, account) == expected
-
-
 async def test_a_provider_silent_after_first_content_is_stopped_at_the_idle_deadline(
         coord: Coordinator, account: Account) -> None:
-    model = _new_model(coord)
-    raw = await _registered(coord, model)
-    before = _balance(coord, account)
+    model = new_model(coord)
+    raw = await registered(coord, model)
+    before = balance(coord, account)
     async with httpx.AsyncClient(timeout=30) as http:
         request = asyncio.create_task(http.post(coord.api_url + "/chat/completions", headers=account.headers(),
                                                 json={"model": model, "stream": True,
@@ -92,10 +56,10 @@ async def test_a_provider_silent_after_first_content_is_stopped_at_the_idle_dead
         cancel = await asyncio.wait_for(raw.recv_until(Cancel), 10)
         response = await request
     assert cancel.request_id == inference.request_id
-    events = _events(response.text)
+    events = sse_data(response.text)
     assert events[0]["choices"][0]["delta"]["content"] == "first words"
     assert events[-1]["error"]["code"] == "provider_timeout" and "[DONE]" not in events
-    await _wait_balance(coord, account, before)  # the reservation went back; nothing charged
+    await balance_settles_at(coord, account, before)  # the reservation went back; nothing charged
     # the slot was freed: the next request reaches the provider again
     async with httpx.AsyncClient(timeout=30) as http:
         again = asyncio.create_task(http.post(coord.api_url + "/chat/completions", headers=account.headers(),
@@ -107,8 +71,8 @@ async def test_a_provider_silent_after_first_content_is_stopped_at_the_idle_dead
 
 
 async def test_a_non_streaming_request_gets_a_504_at_the_idle_deadline(coord: Coordinator, account: Account) -> None:
-    model = _new_model(coord)
-    raw = await _registered(coord, model)
+    model = new_model(coord)
+    raw = await registered(coord, model)
     async with httpx.AsyncClient(timeout=30) as http:
         request = asyncio.create_task(http.post(coord.api_url + "/chat/completions", headers=account.headers(),
                                                 json={"model": model,
@@ -122,8 +86,8 @@ async def test_a_non_streaming_request_gets_a_504_at_the_idle_deadline(coord: Co
 
 async def test_a_provider_that_never_finishes_is_stopped_at_the_request_deadline(
         coord: Coordinator, account: Account) -> None:
-    model = _new_model(coord)
-    raw = await _registered(coord, model)
+    model = new_model(coord)
+    raw = await registered(coord, model)
     started = time.monotonic()
     async with httpx.AsyncClient(timeout=30) as http:
         request = asyncio.create_task(http.post(coord.api_url + "/chat/completions", headers=account.headers(),
@@ -134,7 +98,7 @@ async def test_a_provider_that_never_finishes_is_stopped_at_the_request_deadline
             await raw.send_chunk(inference, ".")
             await asyncio.sleep(0.3)
         response = await request
-    events = _events(response.text)
+    events = sse_data(response.text)
     assert events[-1]["error"]["code"] == "provider_timeout"
     assert "request deadline" in events[-1]["error"]["message"]
     await raw.close()
@@ -146,9 +110,9 @@ async def test_a_provider_that_never_finishes_is_stopped_at_the_request_deadline
 ])
 async def test_the_providers_own_error_text_never_reaches_the_consumer(
         coord: Coordinator, account: Account, status: int, expected_status: int, expected_type: str) -> None:
-    model = _new_model(coord)
-    raw = await _registered(coord, model)
-    before = _balance(coord, account)
+    model = new_model(coord)
+    raw = await registered(coord, model)
+    before = balance(coord, account)
     async with httpx.AsyncClient(timeout=30) as http:
         request = asyncio.create_task(http.post(coord.api_url + "/chat/completions", headers=account.headers(),
                                                 json={"model": model,
@@ -159,14 +123,14 @@ async def test_the_providers_own_error_text_never_reaches_the_consumer(
     assert response.status_code == expected_status
     assert response.json()["error"]["type"] == expected_type
     assert SECRET not in response.text
-    await _wait_balance(coord, account, before)
+    await balance_settles_at(coord, account, before)
     await raw.close()
 
 
 async def test_a_request_the_provider_refuses_as_invalid_is_not_retried_elsewhere(
         coord: Coordinator, account: Account) -> None:
-    model = _new_model(coord)
-    first, second = await _registered(coord, model), await _registered(coord, model)
+    model = new_model(coord)
+    first, second = await registered(coord, model), await registered(coord, model)
     async with httpx.AsyncClient(timeout=30) as http:
         request = asyncio.create_task(http.post(coord.api_url + "/chat/completions", headers=account.headers(),
                                                 json={"model": model,
@@ -189,9 +153,9 @@ async def test_a_request_the_provider_refuses_as_invalid_is_not_retried_elsewher
 @pytest.mark.parametrize("prompt_tokens,completion_tokens", [(2**63, 1), (2**31, 1), (3, 10_000)])
 async def test_impossible_usage_fails_the_request_unbilled_and_distrusts_the_provider(
         coord: Coordinator, account: Account, prompt_tokens: int, completion_tokens: int) -> None:
-    model = _new_model(coord)
-    raw = await _registered(coord, model)
-    before = _balance(coord, account)
+    model = new_model(coord)
+    raw = await registered(coord, model)
+    before = balance(coord, account)
     async with httpx.AsyncClient(timeout=30) as http:
         request = asyncio.create_task(http.post(coord.api_url + "/chat/completions", headers=account.headers(),
                                                 json={"model": model, "max_tokens": 16,
@@ -203,7 +167,7 @@ async def test_impossible_usage_fails_the_request_unbilled_and_distrusts_the_pro
         status = await asyncio.wait_for(raw.recv_until(TrustStatus), 10)
     assert response.status_code == 502 and response.json()["error"]["type"] == "untrusted_usage"
     assert status.trust_level == "untrusted"
-    await _wait_balance(coord, account, before)
+    await balance_settles_at(coord, account, before)
     usage = httpx.get(coord.api_url + "/payments/usage", headers=account.headers()).json()["data"]
     assert inference.request_id not in [row["request_id"] for row in usage]
     await raw.close()
@@ -225,7 +189,7 @@ async def _chunk_sealed_to(raw: RawProvider, request_id: str, ephemeral_key: str
 @pytest.mark.parametrize("forgery", ["wrong_key", "cross_request", "replayed", "plaintext"])
 async def test_a_chunk_that_does_not_open_fails_the_request_and_distrusts_the_provider(
         coord: Coordinator, account: Account, forgery: str) -> None:
-    model = _new_model(coord)
+    model = new_model(coord)
     raw = RawProvider(coord.base_url, models=(model,), max_concurrency=2)
     await raw.register()
     body = {"model": model, "max_tokens": 8, "messages": [{"role": "user", "content": "hi"}]}
@@ -241,7 +205,7 @@ async def test_a_chunk_that_does_not_open_fails_the_request_and_distrusts_the_pr
             earlier, _ = await raw.next_request()
             await raw.answer(earlier, "earlier answer")
             assert (await finished).status_code == 200
-        before = _balance(coord, account)
+        before = balance(coord, account)
         victim = post(http)
         inference, _ = await raw.next_request()
         neighbour = None
@@ -265,7 +229,7 @@ async def test_a_chunk_that_does_not_open_fails_the_request_and_distrusts_the_pr
             neighbour.cancel()
     assert response.status_code == 502 and response.json()["error"]["type"] == "untrusted_chunk"
     assert status.trust_level == "untrusted"
-    await _wait_balance(coord, account, before)
+    await balance_settles_at(coord, account, before)
     await raw.close()
 
 
@@ -277,8 +241,8 @@ def _content_chunk(text: str) -> dict[str, Any]:
 @pytest.mark.parametrize("stream", [False, True])
 async def test_chunks_sent_together_in_one_frame_are_relayed_in_order(coord: Coordinator, account: Account,
                                                                       stream: bool) -> None:
-    model = _new_model(coord)
-    raw = await _registered(coord, model)
+    model = new_model(coord)
+    raw = await registered(coord, model)
     assert raw.registered is not None and raw.registered["chunk_arrays"] is True  # it says it opens arrays
     async with httpx.AsyncClient(timeout=30) as http:
         request = asyncio.create_task(http.post(
@@ -303,9 +267,9 @@ async def test_chunks_sent_together_in_one_frame_are_relayed_in_order(coord: Coo
 @pytest.mark.parametrize("payload", [[], [{"choices": []}, "text"]])
 async def test_an_array_that_is_not_all_chunks_fails_the_request_and_distrusts_the_provider(
         coord: Coordinator, account: Account, payload: list[Any]) -> None:
-    model = _new_model(coord)
-    raw = await _registered(coord, model)
-    before = _balance(coord, account)
+    model = new_model(coord)
+    raw = await registered(coord, model)
+    before = balance(coord, account)
     async with httpx.AsyncClient(timeout=30) as http:
         request = asyncio.create_task(http.post(coord.api_url + "/chat/completions", headers=account.headers(),
                                                 json={"model": model, "messages": [{"role": "user", "content": "hi"}]}))
@@ -315,13 +279,13 @@ async def test_an_array_that_is_not_all_chunks_fails_the_request_and_distrusts_t
         status = await asyncio.wait_for(raw.recv_until(TrustStatus), 10)
     assert response.status_code == 502 and response.json()["error"]["type"] == "untrusted_chunk"
     assert status.trust_level == "untrusted"
-    await _wait_balance(coord, account, before)
+    await balance_settles_at(coord, account, before)
     await raw.close()
 
 
 async def test_chunks_for_unknown_requests_are_ignored(coord: Coordinator, account: Account) -> None:
-    model = _new_model(coord)
-    raw = await _registered(coord, model)
+    model = new_model(coord)
+    raw = await registered(coord, model)
     await _chunk_sealed_to(raw, "chatcmpl-nobody", raw.identity.public_key_b64, "noise")
     async with httpx.AsyncClient(timeout=30) as http:
         request = asyncio.create_task(http.post(coord.api_url + "/chat/completions", headers=account.headers(),
@@ -342,8 +306,8 @@ BIG_PROMPT = "x" * 6_800_000  # under the 8 MiB body limit; its sealed frame is 
 
 async def test_a_request_too_large_for_a_providers_frame_limit_fails_alone(coord: Coordinator,
                                                                           account: Account) -> None:
-    model = _new_model(coord)
-    raw = await _registered(coord, model)  # advertises no limit: the protocol's 8 MiB
+    model = new_model(coord)
+    raw = await registered(coord, model)  # advertises no limit: the protocol's 8 MiB
     async with httpx.AsyncClient(timeout=60) as http:
         big = await http.post(coord.api_url + "/chat/completions", headers=account.headers(),
                               json={"model": model, "messages": [{"role": "user", "content": BIG_PROMPT}]})
@@ -358,7 +322,7 @@ async def test_a_request_too_large_for_a_providers_frame_limit_fails_alone(coord
 
 
 async def test_a_body_near_the_limit_reaches_a_node_of_this_release(coord: Coordinator, account: Account) -> None:
-    model = _new_model(coord)
+    model = new_model(coord)
     raw = RawProvider(coord.base_url, models=(model,), max_request_frame_bytes=MAX_REQUEST_FRAME_BYTES)
     await raw.register()
     async with httpx.AsyncClient(timeout=60) as http:
@@ -376,9 +340,9 @@ async def test_a_body_near_the_limit_reaches_a_node_of_this_release(coord: Coord
 async def test_a_malformed_completion_ends_at_the_idle_deadline(coord: Coordinator, account: Account) -> None:
     """A malformed `inference_complete` is a bad frame (an error frame back); the request it claimed
     to finish does not hang: it ends at the idle deadline, unbilled."""
-    model = _new_model(coord)
-    raw = await _registered(coord, model)
-    before = _balance(coord, account)
+    model = new_model(coord)
+    raw = await registered(coord, model)
+    before = balance(coord, account)
     async with httpx.AsyncClient(timeout=30) as http:
         request = asyncio.create_task(http.post(coord.api_url + "/chat/completions", headers=account.headers(),
                                                 json={"model": model, "stream": True,
@@ -389,8 +353,8 @@ async def test_a_malformed_completion_ends_at_the_idle_deadline(coord: Coordinat
         await raw.ws.send(json.dumps({"type": "inference_complete", "request_id": inference.request_id,
                                       "usage": {"prompt_tokens": -5, "completion_tokens": "many"}}))
         response = await request
-    assert _events(response.text)[-1]["error"]["code"] == "provider_timeout"
-    await _wait_balance(coord, account, before)
+    assert sse_data(response.text)[-1]["error"]["code"] == "provider_timeout"
+    await balance_settles_at(coord, account, before)
     await raw.close()
 
 
@@ -415,8 +379,8 @@ async def test_a_node_advertising_an_over_long_model_id_breaks_no_view(coord: Co
 
 
 async def test_a_second_register_is_a_bad_frame_and_changes_nothing(coord: Coordinator, account: Account) -> None:
-    model = _new_model(coord)
-    raw = await _registered(coord, model)
+    model = new_model(coord)
+    raw = await registered(coord, model)
     assert raw.ws is not None
     forged = raw.register_frame().model_copy(update={"models": raw.register_frame().models * 2,
                                                      "max_concurrency": 64})

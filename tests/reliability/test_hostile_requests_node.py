@@ -21,6 +21,7 @@ from typing import Any, AsyncIterator
 
 import pytest
 
+from darkbloom.wire.chunk_arrays import response_chunks
 from darkbloom.wire import crypto, protocol
 from tests.provider.fake_coordinator import Conn, FakeCoordinator
 from tests.support.processes import Process, darkbloom_cmd, spawn
@@ -62,7 +63,7 @@ async def ask(conn: Conn, request_id: str, body: dict[str, Any], api: protocol.A
         if getattr(frame, "request_id", request_id) != request_id:
             continue
         if isinstance(frame, protocol.InferenceResponseChunk):
-            chunks += protocol.response_chunks(reply.open(frame.encrypted_data))
+            chunks += response_chunks(reply.open(frame.encrypted_data))
         elif isinstance(frame, (protocol.InferenceComplete, protocol.InferenceError)):
             return chunks, frame
 

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import asyncio
 import secrets
-from pathlib import Path
 from typing import Any, Iterator
 
 import httpx
@@ -21,7 +20,7 @@ import pytest
 from tests.support.accounts import Account, create_account
 from tests.support.hostile import (
     balance, balance_settles_at, crash_on_request, crashed_counter, new_model, registered, usage_ids)
-from tests.support.processes import Coordinator, start_coordinator
+from tests.support.processes import Coordinator, sqlite_coordinator
 
 pytestmark = pytest.mark.e2e
 
@@ -31,13 +30,8 @@ HELLO = [{"role": "user", "content": "hi"}]
 
 @pytest.fixture(scope="module")
 def coord(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Coordinator]:
-    root: Path = tmp_path_factory.mktemp("poison")
-    process = start_coordinator(root / "home", f"sqlite+aiosqlite:///{root / 'coordinator.db'}",
-                                "--first-content-timeout", "10")
-    try:
+    with sqlite_coordinator(tmp_path_factory.mktemp("poison"), "--first-content-timeout", "10") as process:
         yield process
-    finally:
-        process.stop()
 
 
 @pytest.fixture(scope="module")

@@ -31,7 +31,7 @@ import httpx
 import pytest
 
 from tests.support.accounts import Account, create_account, wait_model_listed
-from tests.support.processes import ADMIN_TOKEN, Coordinator, start_coordinator
+from tests.support.processes import ADMIN_TOKEN, Coordinator, sqlite_coordinator
 from tests.support.raw_provider import RawProvider
 
 pytestmark = pytest.mark.e2e
@@ -53,14 +53,9 @@ DESTRUCTIVE = ("DELETE /v1/me/providers/{machine_id}", "DELETE /v1/keys/{key_id}
 
 @pytest.fixture(scope="module")
 def coord(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Coordinator]:
-    root: Path = tmp_path_factory.mktemp("schemathesis")
     # the raw provider sends no heartbeats: keep it connected for the whole module
-    process = start_coordinator(root / "home", f"sqlite+aiosqlite:///{root / 'coordinator.db'}",
-                                "--heartbeat-timeout", "3600")
-    try:
+    with sqlite_coordinator(tmp_path_factory.mktemp("schemathesis"), "--heartbeat-timeout", "3600") as process:
         yield process
-    finally:
-        process.stop()
 
 
 @pytest.fixture(scope="module")

@@ -8,6 +8,8 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -115,6 +117,16 @@ def start_coordinator(home: Path, database_url: str, *extra_args: str, port: int
     base_url = f"http://127.0.0.1:{port}"
     wait_http(base_url + "/health", process)
     return Coordinator(process, base_url, home, database_url, extra_args=list(extra_args))
+
+
+@contextmanager
+def sqlite_coordinator(root: Path, *extra_args: str) -> Iterator[Coordinator]:
+    """A coordinator on its own SQLite database under ``root``, stopped on leaving (a module's fixture)."""
+    process = start_coordinator(root / "home", f"sqlite+aiosqlite:///{root / 'coordinator.db'}", *extra_args)
+    try:
+        yield process
+    finally:
+        process.stop()
 
 
 def wait_http(url: str, process: Process, timeout: float = 60) -> None:

@@ -6,6 +6,7 @@ import json
 
 import pytest
 
+from darkbloom.wire.chunk_arrays import response_chunks
 from darkbloom.wire.protocol import (
     MAX_REQUEST_FRAME_BYTES,
     MAX_FRAME_BYTES,
@@ -28,7 +29,6 @@ from darkbloom.wire.protocol import (
     dump,
     parse_coordinator_frame,
     parse_provider_frame,
-    response_chunks,
 )
 
 ENVELOPE = {"ephemeral_public_key": "AAAA", "ciphertext": "BBBB"}

@@ -18,7 +18,6 @@ from typing import Annotated, Any, Literal, Union
 
 from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError
 
-from darkbloom.wire.chunk_arrays import response_chunks  # noqa: F401 - the nodes' tests open chunks through here
 
 MAX_FRAME_BYTES = 8 * 1024 * 1024  # provider → coordinator (CONTRACT §5)
 # the coordinator socket's ws_max_size, from the same number: a frame over MAX_FRAME_BYTES still arrives,

@@ -11,14 +11,13 @@ import json
 import secrets
 import struct
 import time
-from pathlib import Path
 from typing import Any, Iterator
 
 import httpx
 import pytest
 
 from tests.support.accounts import Account, create_account
-from tests.support.processes import Coordinator, start_coordinator
+from tests.support.processes import Coordinator, sqlite_coordinator
 from tests.support.raw_provider import RawProvider
 
 pytestmark = pytest.mark.e2e
@@ -30,12 +29,8 @@ HELLO = [{"role": "user", "content": "hi"}]
 
 @pytest.fixture(scope="module")
 def coord(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Coordinator]:
-    root: Path = tmp_path_factory.mktemp("edges")
-    process = start_coordinator(root / "home", f"sqlite+aiosqlite:///{root / 'coordinator.db'}")
-    try:
+    with sqlite_coordinator(tmp_path_factory.mktemp("edges")) as process:
         yield process
-    finally:
-        process.stop()
 
 
 @pytest.fixture(scope="module")

@@ -9,6 +9,7 @@ then every attempt on it fails as ``provider_unavailable``.
 from __future__ import annotations
 
 import asyncio
+from typing import Any
 
 import pytest
 from prometheus_client import REGISTRY
@@ -32,14 +33,21 @@ def crash(registry: Registry, provider: SimProvider) -> None:
         pending.on_provider_gone()
 
 
-async def test_two_sessions_taken_down_fail_the_request_by_name_and_spare_the_rest() -> None:
+async def retried_after_a_crash() -> tuple[Registry, list[SimProvider], asyncio.Task[Any], SimProvider,
+                                       SimProvider]:
+    """Three providers; the request's first session crashes on it, and its retry is on a second."""
     registry = Registry()
     providers = fleet(registry, 3)
-    before = crashed_count()
     _, run = start(registry)
     first = await dispatched(providers)
     crash(registry, first)
     second = await dispatched([p for p in providers if p is not first])
+    return registry, providers, run, first, second
+
+
+async def test_two_sessions_taken_down_fail_the_request_by_name_and_spare_the_rest() -> None:
+    before = crashed_count()
+    registry, providers, run, first, second = await retried_after_a_crash()
     crash(registry, second)
     with pytest.raises(ProviderFailure) as failure:
         await asyncio.wait_for(run, 2)
@@ -52,12 +60,7 @@ async def test_two_sessions_taken_down_fail_the_request_by_name_and_spare_the_re
 
 
 async def test_one_session_taken_down_is_retried_once_and_may_still_succeed() -> None:
-    registry = Registry()
-    providers = fleet(registry, 3)
-    _, run = start(registry)
-    first = await dispatched(providers)
-    crash(registry, first)
-    second = await dispatched([p for p in providers if p is not first])
+    registry, providers, run, first, second = await retried_after_a_crash()
     second.reply(REQUEST_ID, "fine")
     pending, _ = await asyncio.wait_for(run, 2)
     assert pending.session is second.session
@@ -65,12 +68,7 @@ async def test_one_session_taken_down_is_retried_once_and_may_still_succeed() ->
 
 async def test_after_a_takedown_any_failure_of_the_one_retry_ends_the_request() -> None:
     """Not a third session, whatever the retry failed of (here a provider 503)."""
-    registry = Registry()
-    providers = fleet(registry, 3)
-    _, run = start(registry)
-    first = await dispatched(providers)
-    crash(registry, first)
-    second = await dispatched([p for p in providers if p is not first])
+    registry, providers, run, first, second = await retried_after_a_crash()
     second.error(REQUEST_ID, 503)
     with pytest.raises(ProviderFailure) as failure:
         await asyncio.wait_for(run, 2)
@@ -80,12 +78,7 @@ async def test_after_a_takedown_any_failure_of_the_one_retry_ends_the_request() 
 
 
 async def test_the_retry_after_a_takedown_gets_no_backup() -> None:
-    registry = Registry()
-    providers = fleet(registry, 3)
-    _, run = start(registry)
-    first = await dispatched(providers)
-    crash(registry, first)
-    second = await dispatched([p for p in providers if p is not first])
+    registry, providers, run, first, second = await retried_after_a_crash()
     await asyncio.sleep(BUDGET * 0.75)  # past half the budget: a backup would have started by now
     third, = [p for p in providers if p not in (first, second)]
     assert third.requests() == []

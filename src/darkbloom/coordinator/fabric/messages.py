@@ -89,6 +89,7 @@ class SplitFrames:
     def __init__(self, max_buffered: int) -> None:
         self.max_buffered = max_buffered
         self._parts: dict[str, tuple[str, float, list[bytes]]] = {}  # ticket → (sender, first arrival, parts)
+        self._bytes: dict[str, int] = {}  # sender → bytes of its unfinished frames
 
     def add(self, sender: str, header: dict[str, Any], payload: bytes) -> bytes | None:
         """The frame once all its parts are in; None until then, or when it can never be whole."""
@@ -103,35 +104,44 @@ class SplitFrames:
         if entry is not None and entry[0] != sender:
             refuse("impersonation", "replica %s sent a part of replica %s's frame", sender, entry[0])
             return None
-        if self._buffered(sender) + len(payload) > self.max_buffered:
+        if self._bytes.get(sender, 0) + len(payload) > self.max_buffered:
             refuse("over_limit", "replica %s has more than %d bytes of unfinished frames here", sender,
                    self.max_buffered)
-            self._parts.pop(ticket, None)
+            self._drop(ticket)
             return None
         _, _, parts = self._parts.setdefault(ticket, (sender, time.monotonic(), []))
         if int(header.get("p", len(parts))) != len(parts):  # a part went missing: the frame cannot be whole
             log.warning("a part of the frame for %s went missing: dropped", ticket)
-            del self._parts[ticket]
+            self._drop(ticket)
             return None
         parts.append(payload)
+        self._bytes[sender] = self._bytes.get(sender, 0) + len(payload)
         if len(parts) < count:
             return None
-        del self._parts[ticket]
+        self._drop(ticket)
         return b"".join(parts)
 
     def forget(self, sender: str) -> None:
         for ticket in [t for t, (by, _, _) in self._parts.items() if by == sender]:
-            del self._parts[ticket]
+            self._drop(ticket)
 
     def reap(self, started_before: float) -> None:
         for ticket in [t for t, (_, since, _) in self._parts.items() if since < started_before]:
-            del self._parts[ticket]
+            self._drop(ticket)
 
     def __len__(self) -> int:
         return len(self._parts)
 
-    def _buffered(self, sender: str) -> int:
-        return sum(len(part) for by, _, parts in self._parts.values() if by == sender for part in parts)
+    def _drop(self, ticket: str) -> None:
+        entry = self._parts.pop(ticket, None)
+        if entry is None:
+            return
+        sender, _, parts = entry
+        left = self._bytes.get(sender, 0) - sum(map(len, parts))
+        if left > 0:
+            self._bytes[sender] = left
+        else:
+            self._bytes.pop(sender, None)
 
 
 def read_hold(data: bytes) -> tuple[dict[str, Any], bytes]:
