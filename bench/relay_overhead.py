@@ -137,6 +137,7 @@ def main() -> None:
     parser.add_argument("--kinds", default="paid,self", help="relayed paths per stack: paid, self or both")
     parser.add_argument("--no-tree", action="store_true", help="only the --variant stacks")
     parser.add_argument("--profile", type=Path, default=None, help="directory for py-spy profiles (c=16, plain)")
+    parser.add_argument("--profile-mode", choices=MODES, default="plain", help="the mode the profiles load")
     parser.add_argument("--profile-seconds", type=float, default=10.0, help="seconds per py-spy pass (two passes)")
     parser.add_argument("--profile-paths", default="paid,self", help="relayed paths to profile, e.g. paid,self@base")
     parser.add_argument("--profile-concurrency", type=int, default=16)
@@ -189,7 +190,7 @@ def main() -> None:
             by_label = {s.label: s for s in stacks}
             for path in args.profile_paths.split(","):
                 stack = by_label[path.partition("@")[2]]
-                print(profile(targets["plain"][path], scripts, {"coordinator": stack.coord.process,
+                print(profile(targets[args.profile_mode][path], scripts, {"coordinator": stack.coord.process,
                                                                 "node": stack.node},
                               args.profile_seconds, args.profile / path.replace("@", "-"),
                               args.profile_concurrency), flush=True)
