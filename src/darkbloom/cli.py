@@ -1,4 +1,4 @@
-"""`darkbloom` command line (CONTRACT §1). Each command is a thin call into the packages."""
+"""`darkbloom` command line (docs/cli.md "Commands"). Each command is a thin call into the packages."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Where Darkbloom keeps its files ($DARKBLOOM_HOME, CONTRACT §2)."""
+"""Where Darkbloom keeps its files ($DARKBLOOM_HOME; docs/cli.md "Files")."""
 
 from __future__ import annotations
 

@@ -222,8 +222,8 @@ def test_chat_with_my_machine_off_at_zero_balance_says_out_of_credit(linked: Con
 
 
 def test_my_machine_at_zero_balance_is_out_of_credit_too(linked: Console) -> None:
-    """prefer reserves the worst case up front (CONTRACT §4): with no credit it is refused with 402,
-    even though the person's machine is online — and the console asks nothing else."""
+    """prefer reserves the worst case up front (docs/self-route.md "Exclusive vs prefer"): with no credit it
+    is refused with 402, even though the person's machine is online — and the console asks nothing else."""
     page, tab = linked.page, linked.tab
     my_machine(page, True)
     expect(page.locator("#machine-state")).to_contain_text("online")

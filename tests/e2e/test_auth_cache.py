@@ -29,7 +29,7 @@ pytestmark = pytest.mark.e2e
 
 MODEL = "smollm2-135m"
 CHAT = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 8}
-DEADLINE = 1.0  # CONTRACT: effective on other processes within 1 s
+DEADLINE = 1.0  # effective on other processes within 1 s (docs/security.md "Leaked key")
 _HITS = re.compile(r'^darkbloom_auth_cache_lookups_total\{result="hit"\} ([0-9.e+]+)$', re.M)
 _LISTENING = re.compile(r"^darkbloom_auth_invalidation_listening ([0-9.]+)$", re.M)
 OBSERVED: list[tuple[str, float]] = []

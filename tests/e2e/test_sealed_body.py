@@ -1,4 +1,4 @@
-"""The optional sealed body (CONTRACT §6): the client seals its request to GET /v1/encryption-key,
+"""The optional sealed body (docs/api.md "Sealed bodies"): the client seals its request to GET /v1/encryption-key,
 the answer (each SSE event when streaming) comes back sealed to the client's ephemeral key."""
 
 from __future__ import annotations

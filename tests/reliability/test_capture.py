@@ -1,5 +1,6 @@
 """No prompt or completion byte crosses the coordinator↔provider WebSocket in the clear, and none is
-logged or stored (CONTRACT §6; issue 12's capture test).
+logged or stored (docs/security.md "Consumer (anyone with an account and an API key)"; issue 12's
+capture test).
 
 One real coordinator (SQLite, its database inside its home) and one real linked node on the bundled
 model, with tshark capturing every packet to and from the coordinator's port on loopback. Each kind

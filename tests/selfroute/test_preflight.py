@@ -1,4 +1,5 @@
-"""Exclusive self-route errors (CONTRACT §4 pre-flight table): each one a named, actionable error,
+"""Exclusive self-route errors (the pre-flight table of docs/self-route.md "When your machine can't serve
+(exclusive only)"): each one a named, actionable error,
 never a fallback to the public fleet, never a charge.
 
 Acceptance points 4, 5, 6, 7 and 8 of issue 5 (and the capability row of the table). The module's

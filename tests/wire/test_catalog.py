@@ -1,4 +1,4 @@
-"""The model catalog: costs (CONTRACT §0), aliases, uniqueness, JSON and TOML files."""
+"""The model catalog: costs (docs/billing.md "Money"), aliases, uniqueness, JSON and TOML files."""
 
 from __future__ import annotations
 
@@ -34,7 +34,7 @@ def test_cost_rounds_each_side_up(prompt: int, completion: int, expected: int) -
 
 def test_cost_ceil_is_per_side_not_on_the_sum() -> None:
     model = _model(input_price=500_000, output_price=500_000)
-    # 0.5 + 0.5 = 1.0 would be 1 on the sum; the contract rounds each term up: 1 + 1
+    # 0.5 + 0.5 = 1.0 would be 1 on the sum; the cost rounds each term up: 1 + 1
     assert model.cost(1, 1) == 2
 
 

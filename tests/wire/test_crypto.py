@@ -1,4 +1,5 @@
-"""NaCl envelopes, reply keys, attestation blobs, private files and tokens (CONTRACT §6, §7)."""
+"""NaCl envelopes, reply keys, attestation blobs, private files and tokens (docs/protocol.md "Sealing",
+"Registration and trust")."""
 
 from __future__ import annotations
 

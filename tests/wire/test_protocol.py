@@ -1,4 +1,4 @@
-"""WebSocket frames (CONTRACT §5): every type parses, bad frames raise FrameError with a code."""
+"""WebSocket frames (docs/protocol.md "Frames"): every type parses, bad frames raise FrameError with a code."""
 
 from __future__ import annotations
 

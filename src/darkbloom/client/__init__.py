@@ -1,5 +1,5 @@
-"""Direct-first client (CONTRACT §8): your own node's local endpoint first, the coordinator's
-Self-Route (`X-Darkbloom-Route: self`) only when the local endpoint cannot be reached.
+"""Direct-first client (docs/direct-mode.md "The direct-first client"): your own node's local endpoint first,
+the coordinator's Self-Route (`X-Darkbloom-Route: self`) only when the local endpoint cannot be reached.
 
     from darkbloom.client import direct_first_openai
     client = direct_first_openai("http://127.0.0.1:8080", "dk-…")   # local endpoint from local.json

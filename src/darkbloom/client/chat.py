@@ -1,4 +1,4 @@
-"""`darkbloom chat`: one prompt, the answer streamed to stdout (CONTRACT §1)."""
+"""`darkbloom chat`: one prompt, the answer streamed to stdout (docs/direct-mode.md "From the terminal")."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""The direct-first rule (CONTRACT §8) as an httpx transport.
+"""The direct-first rule (docs/direct-mode.md "The direct-first client") as an httpx transport.
 
 Every request goes to the local endpoint first (its token replaces the caller's Authorization).
 Whatever HTTP response comes back is the answer, errors included. Only when no connection could be

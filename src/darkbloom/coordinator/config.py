@@ -1,4 +1,5 @@
-"""Coordinator settings: every flag of CONTRACT §1 plus the periods tests may shorten.
+"""Coordinator settings: every flag of `darkbloom coordinator` (docs/cli.md "Coordinator flags") plus the
+periods tests may shorten.
 
 This is the one place their defaults and help live; `darkbloom coordinator` builds its options from
 it. A setting not given as a keyword is read from ``DARKBLOOM_<FLAG_NAME>``, else its default.
@@ -110,7 +111,8 @@ class CoordinatorSettings(BaseSettings):
     signups_per_address: int = 20          # sign-ups per client address in an hour
     forwarded_allow_ips: str = "127.0.0.1,::1"  # proxies whose X-Forwarded-For names the client
 
-    # trust (CONTRACT §7): runtime hashes accepted as verified (default: this release's own)
+    # trust (docs/protocol.md "Registration and trust"): runtime hashes accepted as verified (default: this
+    # release's own)
     runtime_allow_list: frozenset[str] = Field(default_factory=lambda: frozenset({runtime_hash()}))
     runtime_allow: Annotated[tuple[str, ...], NoDecode] = Field(
         default_factory=tuple,

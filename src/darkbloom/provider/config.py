@@ -1,4 +1,5 @@
-"""The node's configuration: `$DARKBLOOM_HOME/provider.toml` plus command-line overrides (CONTRACT §2)."""
+"""The node's configuration: `$DARKBLOOM_HOME/provider.toml` plus command-line overrides (docs/cli.md
+"provider.toml", "Node flags")."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""`darkbloom login`: the device-code flow that links this machine to an account (CONTRACT §3.4)."""
+"""`darkbloom login`: the device-code flow that links this machine to an account (docs/api.md "Device login")."""
 
 from __future__ import annotations
 

@@ -26,7 +26,7 @@ class CatalogModel(BaseModel):
     weight_hash: str | None = None
 
     def cost(self, prompt_tokens: int, completion_tokens: int) -> int:
-        """Raw cost in µUSD, before any minimum charge (CONTRACT §0)."""
+        """Raw cost in µUSD, before any minimum charge (docs/billing.md "Money")."""
         return _ceil_per_million(prompt_tokens * self.input_price) + _ceil_per_million(
             completion_tokens * self.output_price)
 

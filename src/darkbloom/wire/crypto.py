@@ -1,4 +1,5 @@
-"""NaCl envelopes, node identity keys, attestation blobs and token hashing (CONTRACT §6, §7).
+"""NaCl envelopes, node identity keys, attestation blobs and token hashing (docs/protocol.md "Sealing",
+"Registration and trust").
 
 An envelope is a NaCl box (X25519 + XSalsa20-Poly1305) from a fresh ephemeral key pair
 to the recipient's X25519 key; ``ciphertext`` is base64(24-byte nonce ‖ box).

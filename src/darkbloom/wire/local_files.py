@@ -1,4 +1,4 @@
-"""Direct mode's two files in `$DARKBLOOM_HOME` (CONTRACT §2): the bearer token `local_token` and the
+"""Direct mode's two files in `$DARKBLOOM_HOME` (docs/cli.md "Files"): the bearer token `local_token` and the
 discovery file `local.json`. The node writes them; the client reads them. Both are 0600."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Every WebSocket message between provider node and coordinator (CONTRACT §5).
+"""Every WebSocket message between provider node and coordinator (docs/protocol.md "Frames").
 
 Both sides import this module and nothing else of each other. Frames are JSON text
 with a ``type`` discriminator; ``parse_provider_frame`` / ``parse_coordinator_frame``
@@ -19,7 +19,7 @@ from typing import Annotated, Any, Literal, Union
 from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError
 
 
-MAX_FRAME_BYTES = 8 * 1024 * 1024  # provider → coordinator (CONTRACT §5)
+MAX_FRAME_BYTES = 8 * 1024 * 1024  # provider → coordinator (docs/protocol.md "Robustness")
 # the coordinator socket's ws_max_size, from the same number: a frame over MAX_FRAME_BYTES still arrives,
 # to be refused alone (its request failed, the socket kept); only one over this closes the socket (1009)
 SOCKET_MESSAGE_LIMIT = 2 * MAX_FRAME_BYTES

@@ -1,6 +1,6 @@
 """The runtime hash: a digest of the installed provider code, reported at registration.
 
-The coordinator's default allow-list is its own installed release's hash (CONTRACT §7)."""
+The coordinator's default allow-list is its own installed release's hash (docs/protocol.md "Registration and trust")."""
 
 from __future__ import annotations
 

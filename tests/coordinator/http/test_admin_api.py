@@ -1,4 +1,4 @@
-"""Admin credits (CONTRACT §3.3): by account id or email, idempotent on reference."""
+"""Admin credits (docs/api.md "Admin"): by account id or email, idempotent on reference."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Sign-up, log-in, log-out and who may call what (CONTRACT §3.2)."""
+"""Sign-up, log-in, log-out and who may call what (docs/api.md "Accounts", "Who may change the account")."""
 
 from __future__ import annotations
 

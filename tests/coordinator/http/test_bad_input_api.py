@@ -1,4 +1,4 @@
-"""Bad input gets the OpenAI error envelope with the right status (CONTRACT §0, §3.1)."""
+"""Bad input gets the OpenAI error envelope with the right status (docs/api.md "Bodies", "Error codes")."""
 
 from __future__ import annotations
 

@@ -1,4 +1,5 @@
-"""Device login over HTTP (CONTRACT §3.4) and the linked machines it creates (§3.2)."""
+"""Device login over HTTP (docs/api.md "Device login") and the linked machines it creates (docs/api.md
+"Linked machines")."""
 
 from __future__ import annotations
 

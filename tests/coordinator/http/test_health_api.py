@@ -1,4 +1,4 @@
-"""Public endpoints (CONTRACT §3.5): liveness, readiness, Prometheus metrics."""
+"""Public endpoints (docs/api.md "Public endpoints"): liveness, readiness, Prometheus metrics."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""API key management over HTTP (CONTRACT §3.2)."""
+"""API key management over HTTP (docs/api.md "API keys")."""
 
 from __future__ import annotations
 

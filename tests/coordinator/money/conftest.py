@@ -19,7 +19,7 @@ from darkbloom.store import accounts, create_engine, keys, migrate
 from darkbloom.store.schema import (PLATFORM_ACCOUNT_ID, accounts as accounts_table, admin_credits, key_spend,
                                     ledger_entries, reservations, usage_records)
 
-# Prices with fractional µUSD per token, so the per-part ceiling of CONTRACT §0 is visible.
+# Prices with fractional µUSD per token, so the per-part ceiling of the cost (docs/billing.md "Money") is visible.
 PRICED = CatalogModel(id="priced-model", input_price=1_333_333, output_price=4_666_667, max_output_tokens=256)
 
 MakeServices = Callable[..., Awaitable[Services]]

@@ -1,5 +1,5 @@
-"""billing.settle_bill (via settle_paid) and billing.refund: the cost from usage (CONTRACT §0), the split, idempotency, and
-the ledger from which every pocket can be recomputed."""
+"""billing.settle_bill (via settle_paid) and billing.refund: the cost from usage (docs/billing.md "Money"),
+the split, idempotency, and the ledger from which every pocket can be recomputed."""
 
 from __future__ import annotations
 
@@ -26,7 +26,7 @@ from tests.support.money import settle_paid
 
 
 def expected_cost(model: CatalogModel, prompt: int, completion: int, min_charge: int = 100) -> int:
-    """CONTRACT §0, computed independently with exact fractions."""
+    """The cost of docs/billing.md "Money", computed independently with exact fractions."""
     raw = (math.ceil(Fraction(prompt * model.input_price, 1_000_000))
            + math.ceil(Fraction(completion * model.output_price, 1_000_000)))
     return max(min_charge, raw)

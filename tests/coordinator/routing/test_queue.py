@@ -1,5 +1,5 @@
 """The per-model queue: fail fast, depth, timeout, drain order, waiters that cannot be placed,
-cancelled waiters, and the drain tick (CONTRACT §3.1 "Capacity")."""
+cancelled waiters, and the drain tick (docs/routing.md "Fail fast, or queue")."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""The web console (CONTRACT §9): server-rendered page shells; the pages' scripts talk to the
+"""The web console (docs/console.md "Pages"): server-rendered page shells; the pages' scripts talk to the
 coordinator only through the public HTTP API with the console session token."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""The enrollment CA behind ``hardware`` trust (CONTRACT §7, §3.3).
+"""The enrollment CA behind ``hardware`` trust (docs/protocol.md "Registration and trust", docs/api.md "Admin").
 
 The coordinator keeps one CA: an Ed25519 key and a self-signed X.509 certificate, created the
 first time it is needed and stored in the database (``stored_settings``, name ``enrollment_ca``)

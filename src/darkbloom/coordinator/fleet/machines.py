@@ -72,9 +72,9 @@ async def _close_when_idle(services: Services, session: ProviderSession) -> None
 
 
 async def enroll_machine(services: Services, machine_id: str) -> dict[str, Any]:
-    """Grant ``hardware`` trust (CONTRACT §7): the enrollment CA certifies the Ed25519 identity key
-    the machine registered with; the certificate is stored on the machine and handed to its live
-    sessions, and the node presents it at every later registration."""
+    """Grant ``hardware`` trust (docs/protocol.md "Registration and trust"): the enrollment CA certifies the
+    Ed25519 identity key the machine registered with; the certificate is stored on the machine and handed to
+    its live sessions, and the node presents it at every later registration."""
     async with services.engine.connect() as conn:
         row = await machines.get(conn, machine_id)
     if row is None or row["unlinked_at"] is not None:

@@ -48,7 +48,8 @@ _PROVIDER_FAILED = "The provider failed to serve the request."
 @dataclass(frozen=True)
 class UsageBounds:
     """The most a provider can truthfully report for a request: the prompt's proven upper bound
-    and the ``max_tokens`` it was sent (CONTRACT §0 reservations are sized from the same two)."""
+    and the ``max_tokens`` it was sent (reservations are sized from the same two: docs/billing.md
+    "1. Admission: the reservation")."""
 
     prompt_tokens: int
     completion_tokens: int

@@ -9,8 +9,8 @@ sends ``registered`` and marks it ``online``. After that ``run_trust`` challenge
 ``challenge_interval`` until it disconnects or becomes untrusted.
 
 ``online`` means "connected and registered"; ``untrusted_reason`` (set by ``distrust``) means
-"failed a check, never routable again". An untrusted session stays online (CONTRACT §7), so every
-routing path must check ``untrusted_reason is None`` besides ``online``.
+"failed a check, never routable again". An untrusted session stays online (docs/protocol.md "Registration
+and trust"), so every routing path must check ``untrusted_reason is None`` besides ``online``.
 """
 
 from __future__ import annotations

@@ -1,4 +1,5 @@
-"""Trust (CONTRACT §7): what a node proves at registration and keeps proving through challenges.
+"""Trust (docs/protocol.md "Registration and trust"): what a node proves at registration and keeps proving
+through challenges.
 
 Everything here is a pure function of a registration, a session, the settings and a clock; the
 lifecycle that sends challenges and applies the results lives in ``session_lifecycle``.

@@ -74,7 +74,7 @@ async def _load_grant(engine: AsyncEngine, kind: CallerKind, digest: str) -> Gra
                      (machine_subject(owner[1]),)) if owner else None
 
 
-# Anthropic's clients send the key as `x-api-key`; the Messages API takes it there too (CONTRACT §3).
+# Anthropic's clients send the key as `x-api-key`; the Messages API takes it there too (docs/api.md "Authentication").
 X_API_KEY_PATHS = frozenset({"/v1/messages"})
 
 
@@ -103,7 +103,7 @@ def restricted(key: dict[str, Any]) -> bool:
 
 async def require_account_writer(caller: Caller = Depends(require_caller)) -> Caller:
     """Account writes (keys, device approval, unlinking): a console session or an unrestricted API
-    key. Device tokens may do inference and account reads only (CONTRACT §3.2)."""
+    key. Device tokens may do inference and account reads only (docs/api.md "Who may change the account")."""
     if caller.kind == "device":
         raise ApiError(403, "forbidden", "A device token can run inference and read the account, not change it; "
                                          "use a console session or an unrestricted API key.")

@@ -1,4 +1,4 @@
-"""CORS for browser apps calling the API directly (``--cors-origins``, CONTRACT §3.1): Starlette's
+"""CORS for browser apps calling the API directly (``--cors-origins``, docs/api.md "CORS"): Starlette's
 middleware, answering preflights and exposing the headers a client acts on."""
 
 from __future__ import annotations
@@ -11,9 +11,9 @@ from starlette.responses import Response
 from darkbloom.wire.openai.errors import ApiError
 
 EXPOSED = ["X-Request-Id", "X-Provider-Id", "X-Darkbloom-Routed", "X-Darkbloom-Billing", "Retry-After",
-           "x-should-retry", "x-ratelimit-limit-requests", "x-ratelimit-remaining-requests",
-           "x-ratelimit-reset-requests", "x-ratelimit-limit-tokens", "x-ratelimit-remaining-tokens",
-           "x-ratelimit-reset-tokens"]
+           "x-should-retry", *(f"x-ratelimit-{what}-{dimension}" for dimension in
+                                ("requests", "tokens", "input-tokens", "output-tokens")
+                                for what in ("limit", "remaining", "reset"))]
 
 
 class _EnvelopeCORSMiddleware(CORSMiddleware):

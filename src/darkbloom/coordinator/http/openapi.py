@@ -97,7 +97,7 @@ def install_openapi(app: FastAPI) -> None:
 def build_document(app: FastAPI) -> dict[str, Any]:
     document = get_openapi(title=app.title, version=app.version, routes=app.routes,
                            description="The Darkbloom coordinator: an OpenAI-compatible API with Self-Route "
-                                       "(CONTRACT §3). Every error body is the OpenAI envelope "
+                                       "(docs/api.md). Every error body is the OpenAI envelope "
                                        "`{\"error\": {message, type, code, param}}`; unless listed with its "
                                        "type, `code == type`.")
     paths: dict[str, dict[str, Any]] = document.setdefault("paths", {})

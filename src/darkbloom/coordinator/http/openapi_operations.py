@@ -1,6 +1,6 @@
 """What each route of the coordinator takes and answers, for the OpenAPI document: its request body,
 its successful answers and every error status it can return with the ``code``s behind it (the
-routes and the modules they call raise them; CONTRACT §3, §4 and §6 name them)."""
+routes and the modules they call raise them; docs/api.md "Error codes" lists them)."""
 
 from __future__ import annotations
 
@@ -81,7 +81,7 @@ OPERATIONS: dict[tuple[str, str], Operation] = {
     ("get", "/metrics"): Operation("public", "Prometheus metrics", {
         200: Answer("Prometheus text exposition format.", {"text/plain": "MetricsText"})}),
     ("get", "/v1/encryption-key"): Operation("public", "The key a request body may be sealed to", {
-        200: json_answer("EncryptionKey", "The coordinator's X25519 public key (CONTRACT §6).")}),
+        200: json_answer("EncryptionKey", "The coordinator's X25519 public key (docs/api.md, \"Sealed bodies\").")}),
     ("get", "/openapi.json"): Operation("public", "This document", {
         200: json_answer("OpenApiDocument", "The OpenAPI document of the coordinator.")}),
     ("post", "/v1/chat/completions"): Operation(

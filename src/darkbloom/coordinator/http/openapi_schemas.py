@@ -28,7 +28,7 @@ def obj(properties: dict[str, Schema], required: tuple[str, ...] | None = None, 
 
 
 def page_of(item: str, **extra: Schema) -> Schema:
-    """CONTRACT §3.2 lists: ``{"object": "list", "data": [...], "next_cursor": str|null}``."""
+    """A list (docs/api.md "Conventions"): ``{"object": "list", "data": [...], "next_cursor": str|null}``."""
     return obj({"object": {"const": "list"}, "data": {"type": "array", "items": ref(item)},
                 "next_cursor": {**NULLABLE_STRING, "description": "Pass as ?cursor= for the next page."},
                 **extra})

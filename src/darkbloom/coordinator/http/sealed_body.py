@@ -1,4 +1,4 @@
-"""Optional consumer → coordinator sealing (CONTRACT §6, "sealed body").
+"""Optional consumer → coordinator sealing (docs/api.md "Sealed bodies").
 
 A client fetches ``GET /v1/encryption-key`` and posts ``Content-Type: application/darkbloom-sealed+json``
 with ``{kid, ephemeral_public_key, ciphertext}``: a NaCl box from its ephemeral key to the

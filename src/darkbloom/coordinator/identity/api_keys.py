@@ -1,4 +1,4 @@
-"""Validation and shaping of consumer API keys (CONTRACT §3.2)."""
+"""Validation and shaping of consumer API keys (docs/api.md "API keys", "API key fields")."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Device login (RFC 8628 shape, CONTRACT §3.4): a node gets a device token for an account."""
+"""Device login (RFC 8628 shape; docs/api.md "Device login"): a node gets a device token for an account."""
 
 from __future__ import annotations
 

@@ -152,7 +152,7 @@ async def settle_bill(services: Services, bill: Bill, usage: Usage, served: Serv
     An exclusive request (no reservation) writes its usage row through the same writer."""
     settings = services.settings
     owned = served.provider_account_id == bill.account_id
-    # exclusive guarantees $0 (CONTRACT §4): a machine unlinked mid-flight makes it no one's own,
+    # exclusive guarantees $0 (docs/self-route.md "Billing"): a machine unlinked mid-flight makes it no one's own,
     # but the request still costs nothing and pays nobody, and its usage row says why
     ownership_changed = bill.exclusive and not owned
     free = (bill.self_routed and owned) or bill.exclusive

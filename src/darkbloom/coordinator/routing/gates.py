@@ -1,5 +1,5 @@
 """The scheduler's gates: named checks in a fixed order, each a reason in logs, metrics and the
-Self-Route errors (CONTRACT §4, §7)."""
+Self-Route errors (docs/routing.md "The gates, in order")."""
 
 from __future__ import annotations
 

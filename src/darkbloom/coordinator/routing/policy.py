@@ -1,4 +1,5 @@
-"""Route policy (CONTRACT §4): public, exclusive self-route or prefer, and an optional pinned machine.
+"""Route policy (docs/self-route.md "Three ways to ask for your own machine"): public, exclusive self-route or
+prefer, and an optional pinned machine.
 
 The policy comes only from server-side facts: the ``X-Darkbloom-Route`` header (a request, never
 a body field), the API key's ``self_route_only`` ceiling and the authenticated account. The

@@ -1,4 +1,4 @@
-"""Per-model queues for requests whose eligible sessions are all busy (CONTRACT §3.1 "Capacity").
+"""Per-model queues for requests whose eligible sessions are all busy (docs/routing.md "Fail fast, or queue").
 
 A waiter keeps its own ``RouteDecision``; each drain re-evaluates every waiter in arrival order
 with its own rules, and a waiter that cannot be placed keeps its place. Drains run whenever a

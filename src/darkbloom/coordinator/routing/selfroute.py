@@ -1,5 +1,6 @@
-"""Self-Route's errors (CONTRACT §4 pre-flight table): why an exclusive request for the caller's
-own machine cannot be served, each as a named error with a sentence that says what to do."""
+"""Self-Route's errors (the pre-flight table of docs/self-route.md "When your machine can't serve (exclusive
+only)"): why an exclusive request for the caller's own machine cannot be served, each as a named error with
+a sentence that says what to do."""
 
 from __future__ import annotations
 
@@ -47,7 +48,8 @@ def machine_busy(retry_after: int) -> ApiError:
 
 def preflight_error(decision: RouteDecision, found: Survey, *, ever_linked: bool, pinned_owned: bool,
                     owned_online: int) -> ApiError:
-    """Why an exclusive request cannot be served, in the order of the CONTRACT §4 table."""
+    """Why an exclusive request cannot be served, in the order of the table in docs/self-route.md "When your
+    machine can't serve (exclusive only)"."""
     if decision.pinned and not pinned_owned:
         return machine_not_found()
     if decision.pinned and owned_online == 0:

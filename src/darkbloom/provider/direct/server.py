@@ -1,4 +1,4 @@
-"""Direct mode (CONTRACT §8): an OpenAI-compatible server on the node itself.
+"""Direct mode (docs/direct-mode.md "Serving it"): an OpenAI-compatible server on the node itself.
 
 `GET /health` (open), `GET /v1/models`, `GET /v1/models/{id}`, and the inference APIs
 `POST /v1/chat/completions`, `/v1/completions`, `/v1/embeddings`, `/v1/responses` and `/v1/messages`

@@ -11,7 +11,7 @@ from starlette.requests import Request
 
 from darkbloom.wire.openai.errors import ApiError, invalid_request
 
-DEFAULT_MAX_BODY_BYTES = 8 * 1024 * 1024  # CONTRACT: bodies over 8 MiB get 413
+DEFAULT_MAX_BODY_BYTES = 8 * 1024 * 1024  # bodies over 8 MiB get 413 (docs/api.md "Bodies")
 
 
 def size_text(size: int) -> str:

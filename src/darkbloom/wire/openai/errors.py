@@ -8,7 +8,7 @@ from typing import Any
 from starlette.responses import JSONResponse
 
 
-# Errors a retry cannot fix (CONTRACT §3.1): SDKs read this header and stop retrying them.
+# Errors a retry cannot fix (docs/api.md "Errors and retries"): SDKs read this header and stop retrying them.
 NOT_RETRYABLE = frozenset({400, 401, 402, 403, 404, 409})
 
 

@@ -175,7 +175,8 @@ function machineOffline() {
 }
 
 /** With My Machine on, every request carries `X-Darkbloom-Route: prefer` (a header, never a body
- *  field; CONTRACT §4): your machine first, for free; the paid network when it can't serve. */
+ * field; docs/self-route.md "Exclusive vs prefer"): your machine first, for free; the paid network when it
+ * can't serve. */
 async function ask(text, model) {
   const turn = h("li", { class: "turn assistant", "aria-busy": "true" });
   const meta = h("div", { class: "meta" }, h("span", { class: "model-name" }, model));

@@ -2,7 +2,7 @@
 import { h } from "./layout.js";
 
 const SENTENCES = {
-  // Self-Route (CONTRACT §4)
+  // Self-Route (docs/self-route.md "When your machine can't serve (exclusive only)")
   no_linked_machine: () => "No machine is linked to your account — link one under Link a machine (run `darkbloom login` on it), then start it with `darkbloom serve`.",
   machine_offline: () => "Your machine is offline — start your Darkbloom node and retry.",
   machine_not_found: () => "That machine isn't linked to your account — pick one from Machines.",

@@ -1,4 +1,4 @@
-"""Device login endpoints (CONTRACT §3.4)."""
+"""Device login endpoints (docs/api.md "Device login")."""
 
 from __future__ import annotations
 

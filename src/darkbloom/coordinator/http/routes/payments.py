@@ -50,7 +50,7 @@ async def usage(limit: int = Query(50, ge=1, le=500), cursor: str | None = None,
         "provider_id": r["provider_id"], "prompt_tokens": r["prompt_tokens"],
         "completion_tokens": r["completion_tokens"], "cost_micro_usd": r["cost_micro_usd"],
         "self_routed": bool(r["self_routed"]), "routed": r["routed"],
-        # the contract's row, plus the flag only where it is true (an exclusive request whose
+        # the documented row (docs/api.md "Usage rows"), plus the flag only where it is true (an exclusive request whose
         # machine changed owner mid-flight: still free)
         **({"ownership_changed": True} if r["ownership_changed"] else {})} for r in page]}
 

@@ -1,4 +1,4 @@
-"""WebSocket endpoint the provider nodes dial into (CONTRACT §5)."""
+"""WebSocket endpoint the provider nodes dial into (docs/protocol.md "Frames")."""
 
 from __future__ import annotations
 
