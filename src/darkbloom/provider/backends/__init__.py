@@ -31,4 +31,4 @@ def create_backend(config: ProviderConfig) -> Backend:
 
     return LlamaCppBackend({spec.id: resolve_model_path(spec) for spec in config.models},
                            max_concurrency=config.max_concurrency, n_ctx=config.context_length,
-                           n_threads=config.threads)
+                           n_threads=config.threads, extra_buffer_types=config.extra_buffer_types)
