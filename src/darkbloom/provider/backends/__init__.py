@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import os
 
-from darkbloom.provider.backends.base import Backend, BackendError, backend_capabilities, open_stream
+from darkbloom.provider.backends.base import Backend, BackendError, open_stream
 from darkbloom.provider.config import ConfigError, ProviderConfig, resolve_model_path
 
-__all__ = ["Backend", "BackendError", "backend_capabilities", "create_backend", "open_stream"]
+__all__ = ["Backend", "BackendError", "create_backend", "open_stream"]
 
 
 def create_backend(config: ProviderConfig) -> Backend:
