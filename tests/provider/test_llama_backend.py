@@ -13,7 +13,7 @@ import pytest
 from darkbloom.provider.backends.base import BackendError, UsageMeter
 from darkbloom.provider.backends.llama_cpp import LlamaCppBackend, _invalid_request_message
 from darkbloom.provider.backends.llama_instances import CountingLlama
-from tests.provider.recording_backend import RecordingLlamaCppBackend
+from tests.support.recording_backend import RecordingLlamaCppBackend
 
 LONG_STORY = [{"role": "user", "content": "Write a very long story about a dragon and a lighthouse."}]
 

@@ -13,7 +13,7 @@ import pytest
 from darkbloom.provider.backends.base import BackendError, UsageMeter, open_stream
 from darkbloom.provider.backends.llama_cpp import LlamaCppBackend
 from darkbloom.wire.protocol import CAPABILITIES
-from tests.provider.recording_backend import RecordingLlamaCppBackend
+from tests.support.recording_backend import RecordingLlamaCppBackend
 
 MODEL = "smollm2-135m"
 STORY = "Once upon a time, in a lighthouse by the sea, there lived"

@@ -25,7 +25,7 @@ from darkbloom.provider import node as node_module
 from darkbloom.provider.node import ProviderNode
 from darkbloom.wire.runtime import runtime_hash
 from tests.provider.fake_coordinator import Conn, FakeCoordinator
-from tests.provider.recording_backend import RecordingLlamaCppBackend
+from tests.support.recording_backend import RecordingLlamaCppBackend
 
 LONG_STORY = [{"role": "user", "content": "Write a very long story about a dragon and a lighthouse."}]
 

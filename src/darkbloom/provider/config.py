@@ -1,5 +1,5 @@
 """The node's configuration: `$DARKBLOOM_HOME/provider.toml` plus command-line overrides (docs/cli.md
-"provider.toml", "Node flags")."""
+"provider.toml", "Node flags"), and `DARKBLOOM_LLAMA_EXTRA_BUFTS` from the environment."""
 
 from __future__ import annotations
 
@@ -59,7 +59,8 @@ class ProviderConfig:
 
 
 def load_config(home: Path, overrides: dict[str, object]) -> ProviderConfig:
-    """provider.toml (if present), then `overrides` (keys as the CLI passes them), validated."""
+    """provider.toml (if present), then the environment, then `overrides` (keys as the CLI passes
+    them), validated."""
     config = ProviderConfig()
     path = provider_config_path(home)
     if path.exists():
