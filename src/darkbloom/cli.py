@@ -225,9 +225,8 @@ def chat(
     import sys
 
     from darkbloom.client.chat import ChatError, ChatSettings, default_model, provider_toml_defaults, run_chat
-    from darkbloom.client.endpoints import darkbloom_home_path
 
-    home = darkbloom_home_path()
+    home = darkbloom_home(create=False)
     settings = ChatSettings(prompt=prompt, model=model or default_model(home),
                             coordinator_url=coordinator or provider_toml_defaults(home)[0], api_key=api_key,
                             local_first=local_first, home=home, max_tokens=max_tokens)

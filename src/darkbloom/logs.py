@@ -8,4 +8,4 @@ import os
 
 def configure_logging() -> None:
     level = os.environ.get("DARKBLOOM_LOG_LEVEL", "INFO").upper()
-    logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s %(message)s")
+    logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")

@@ -6,10 +6,13 @@ import os
 from pathlib import Path
 
 
-def darkbloom_home() -> Path:
+def darkbloom_home(*, create: bool = True) -> Path:
+    """`$DARKBLOOM_HOME`, default ~/.config/darkbloom; created unless `create` is False (a client
+    that only reads files there leaves the disk as it found it)."""
     configured = os.environ.get("DARKBLOOM_HOME")
     home = Path(configured).expanduser() if configured else Path.home() / ".config" / "darkbloom"
-    home.mkdir(parents=True, exist_ok=True)
+    if create:
+        home.mkdir(parents=True, exist_ok=True)
     return home
 
 

@@ -28,10 +28,22 @@ def home(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     return path
 
 
-# llama_cpp.server, started through our backend module so the same llama.cpp workaround applies
-# (see _disable_extra_buffer_types: AMX kernels crash on some VMs).
-_SERVER = ("import sys, runpy; import darkbloom.provider.backends.llama_cpp; "
-           "runpy.run_module('llama_cpp.server', run_name='__main__', alter_sys=True)")
+# llama_cpp.server with llama.cpp's extra buffer types off, as the node's default has them (see
+# `CountingLlama`: AMX kernels crash on some VMs); the server has no option for it.
+_SERVER = """
+import runpy
+import llama_cpp.llama_cpp as raw
+
+library_defaults = raw.llama_model_default_params
+
+def defaults_without_extra_buffer_types():
+    params = library_defaults()
+    params.use_extra_bufts = False
+    return params
+
+raw.llama_model_default_params = defaults_without_extra_buffer_types
+runpy.run_module("llama_cpp.server", run_name="__main__", alter_sys=True)
+"""
 
 
 def _free_port() -> int:

@@ -68,6 +68,19 @@ def test_overrides_win_over_the_file(home: Path, gguf: Path) -> None:
     assert (config.local_endpoint, config.local_port, config.local_bind) == (True, 8123, "0.0.0.0")
 
 
+def test_extra_buffer_types_are_off_unless_the_file_or_the_environment_turns_them_on(
+        home: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("DARKBLOOM_LLAMA_EXTRA_BUFTS", raising=False)
+    assert load_config(home, {}).extra_buffer_types is False
+    write_toml(home, "[backend]\nextra_buffer_types = true\n")
+    assert load_config(home, {}).extra_buffer_types is True
+    monkeypatch.setenv("DARKBLOOM_LLAMA_EXTRA_BUFTS", "0")
+    assert load_config(home, {}).extra_buffer_types is False
+    (home / "provider.toml").unlink()
+    monkeypatch.setenv("DARKBLOOM_LLAMA_EXTRA_BUFTS", "1")
+    assert load_config(home, {}).extra_buffer_types is True
+
+
 def test_openai_backend_takes_model_names_without_files(home: Path) -> None:
     config = load_config(home, {"backend": "openai", "upstream_url": "http://127.0.0.1:11434/v1/",
                                 "models": ["llama3.2:1b"]})

@@ -32,6 +32,9 @@ class FakeBackend:
     async def close(self) -> None:
         pass
 
+    def capabilities(self, model_id: str) -> frozenset[str]:
+        return frozenset()
+
     async def stream_chat(self, model_id: str, body: dict[str, Any],
                           meter: UsageMeter | None = None) -> AsyncIterator[dict[str, Any]]:
         self.streams_started += 1

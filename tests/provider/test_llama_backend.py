@@ -7,17 +7,20 @@ from pathlib import Path
 from typing import Any, AsyncIterator
 
 import jinja2
+import llama_cpp
 import pytest
 
 from darkbloom.provider.backends.base import BackendError, UsageMeter
 from darkbloom.provider.backends.llama_cpp import LlamaCppBackend, _invalid_request_message
+from darkbloom.provider.backends.llama_instances import CountingLlama
+from tests.support.recording_backend import RecordingLlamaCppBackend
 
 LONG_STORY = [{"role": "user", "content": "Write a very long story about a dragon and a lighthouse."}]
 
 
 @pytest.fixture
-async def backend(gguf: Path) -> AsyncIterator[LlamaCppBackend]:
-    instance = LlamaCppBackend({"smollm2-135m": gguf}, max_concurrency=2, n_ctx=1024)
+async def backend(gguf: Path) -> AsyncIterator[RecordingLlamaCppBackend]:
+    instance = RecordingLlamaCppBackend({"smollm2-135m": gguf}, max_concurrency=2, n_ctx=1024)
     await instance.start()
     try:
         yield instance
@@ -29,7 +32,7 @@ async def collect(backend: LlamaCppBackend, body: dict[str, Any]) -> list[dict[s
     return [chunk async for chunk in backend.stream_chat("smollm2-135m", body)]
 
 
-async def wait_for_records(backend: LlamaCppBackend, count: int) -> None:
+async def wait_for_records(backend: RecordingLlamaCppBackend, count: int) -> None:
     while len(backend.recent) < count:  # bounded by the test timeout, not asserted on
         await asyncio.sleep(0.01)
 
@@ -69,7 +72,7 @@ async def test_length_limit_counts_every_token(backend: LlamaCppBackend) -> None
     assert chunks[-1]["usage"]["completion_tokens"] == 6
 
 
-async def test_two_concurrent_requests_use_two_instances(backend: LlamaCppBackend) -> None:
+async def test_two_concurrent_requests_use_two_instances(backend: RecordingLlamaCppBackend) -> None:
     bodies = [{"messages": [{"role": "user", "content": f"Tell me about the number {n}."}], "max_tokens": 16}
               for n in (7, 42)]
     results = await asyncio.gather(*(collect(backend, body) for body in bodies))
@@ -80,7 +83,7 @@ async def test_two_concurrent_requests_use_two_instances(backend: LlamaCppBacken
     assert len(backend._pools["smollm2-135m"].instances) == 2
 
 
-async def test_closing_the_stream_stops_generation(backend: LlamaCppBackend) -> None:
+async def test_closing_the_stream_stops_generation(backend: RecordingLlamaCppBackend) -> None:
     stream = backend.stream_chat("smollm2-135m", {"messages": LONG_STORY, "max_tokens": 400, "temperature": 0})
     first = await stream.__anext__()
     assert first["choices"][0]["delta"] == {"role": "assistant"}
@@ -94,7 +97,7 @@ async def test_closing_the_stream_stops_generation(backend: LlamaCppBackend) -> 
     assert chunks[-1]["usage"]["completion_tokens"] > 0
 
 
-async def test_the_meter_counts_a_stopped_generation_once_the_worker_stops(backend: LlamaCppBackend) -> None:
+async def test_the_meter_counts_a_stopped_generation_once_the_worker_stops(backend: RecordingLlamaCppBackend) -> None:
     meter = UsageMeter()
     stream = backend.stream_chat("smollm2-135m", {"messages": LONG_STORY, "max_tokens": 400, "temperature": 0},
                                  meter)
@@ -117,7 +120,7 @@ async def test_the_meter_agrees_with_the_final_usage_chunk(backend: LlamaCppBack
     assert await meter.stopped(0)
 
 
-async def test_cancelling_the_consumer_task_stops_generation(backend: LlamaCppBackend) -> None:
+async def test_cancelling_the_consumer_task_stops_generation(backend: RecordingLlamaCppBackend) -> None:
     started = asyncio.Event()
 
     async def consume() -> None:
@@ -173,3 +176,17 @@ async def test_unknown_model_is_404_and_unknown_params_are_ignored(backend: Llam
                                      "user": "u1", "metadata": {"a": 1},
                                      "stream_options": {"include_usage": True}})
     assert chunks[-1]["usage"]["completion_tokens"] > 0
+
+
+async def test_instances_load_without_extra_buffer_types_by_default(backend: LlamaCppBackend) -> None:
+    [llama] = backend._pools["smollm2-135m"].instances  # decoding with them crashes on some VMs (AMX)
+    assert llama.model_params.use_extra_bufts is False
+    assert llama_cpp.llama_model_default_params().use_extra_bufts is True  # the library itself is untouched
+
+
+def test_extra_buffer_types_are_the_library_default_when_asked_for(gguf: Path) -> None:
+    llama = CountingLlama(model_path=str(gguf), vocab_only=True, extra_buffer_types=True, verbose=False)
+    try:
+        assert llama.model_params.use_extra_bufts is True
+    finally:
+        llama.close()

@@ -13,14 +13,15 @@ import pytest
 from darkbloom.provider.backends.base import BackendError, UsageMeter, open_stream
 from darkbloom.provider.backends.llama_cpp import LlamaCppBackend
 from darkbloom.wire.protocol import CAPABILITIES
+from tests.support.recording_backend import RecordingLlamaCppBackend
 
 MODEL = "smollm2-135m"
 STORY = "Once upon a time, in a lighthouse by the sea, there lived"
 
 
 @pytest.fixture
-async def backend(gguf: Path) -> AsyncIterator[LlamaCppBackend]:
-    instance = LlamaCppBackend({MODEL: gguf}, max_concurrency=1, n_ctx=512)
+async def backend(gguf: Path) -> AsyncIterator[RecordingLlamaCppBackend]:
+    instance = RecordingLlamaCppBackend({MODEL: gguf}, max_concurrency=1, n_ctx=512)
     await instance.start()
     try:
         yield instance
@@ -138,7 +139,7 @@ async def test_context_overflow_is_context_length_exceeded(backend: LlamaCppBack
     assert "context window of 512" in error.message and "word" not in error.message
 
 
-async def test_a_stopped_completion_reports_the_tokens_used(backend: LlamaCppBackend) -> None:
+async def test_a_stopped_completion_reports_the_tokens_used(backend: RecordingLlamaCppBackend) -> None:
     meter = UsageMeter()
     stream = open_stream(backend, "completions", MODEL, {"prompt": STORY, "max_tokens": 300, "temperature": 0},
                          meter)
@@ -152,7 +153,7 @@ async def test_a_stopped_completion_reports_the_tokens_used(backend: LlamaCppBac
     assert 3 <= meter.completion_tokens < 300
 
 
-async def test_a_stopped_tool_call_reports_the_tokens_used(backend: LlamaCppBackend) -> None:
+async def test_a_stopped_tool_call_reports_the_tokens_used(backend: RecordingLlamaCppBackend) -> None:
     tool = {"type": "function", "function": {"name": "story", "parameters": {
         "type": "object", "properties": {"text": {"type": "string"}}, "required": ["text"]}}}
     meter = UsageMeter()

@@ -25,12 +25,14 @@ from darkbloom.provider import node as node_module
 from darkbloom.provider.node import ProviderNode
 from darkbloom.wire.runtime import runtime_hash
 from tests.provider.fake_coordinator import Conn, FakeCoordinator
+from tests.support.recording_backend import RecordingLlamaCppBackend
 
 LONG_STORY = [{"role": "user", "content": "Write a very long story about a dragon and a lighthouse."}]
 
 
 class Harness:
-    def __init__(self, fake: FakeCoordinator, node: ProviderNode, backend: LlamaCppBackend, home: Path) -> None:
+    def __init__(self, fake: FakeCoordinator, node: ProviderNode, backend: RecordingLlamaCppBackend,
+                 home: Path) -> None:
         self.fake, self.node, self.backend, self.home = fake, node, backend, home
         self.stop = asyncio.Event()
         self.task: asyncio.Task[None] | None = None
@@ -69,8 +71,10 @@ async def harness(home: Path, request: pytest.FixtureRequest) -> AsyncIterator[H
         config.heartbeat_interval_secs = 0.2
         config.name = "test-node"
         config.context_length = 1024
-        backend = create_backend(config)
-        assert isinstance(backend, LlamaCppBackend) and backend.max_concurrency == max_concurrency
+        built = create_backend(config)
+        assert isinstance(built, LlamaCppBackend) and built.max_concurrency == max_concurrency
+        backend = RecordingLlamaCppBackend(built.models, max_concurrency=built.max_concurrency, n_ctx=built.n_ctx,
+                                           n_threads=built.n_threads, extra_buffer_types=built.extra_buffer_types)
         node = ProviderNode(config, home, backend)
         node.reconnect_base = 0.05
         h = Harness(fake, node, backend, home)

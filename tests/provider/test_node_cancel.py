@@ -105,6 +105,9 @@ class StallingBackend:
     async def close(self) -> None:
         pass
 
+    def capabilities(self, model_id: str) -> frozenset[str]:
+        return frozenset()
+
     async def stream_chat(self, model_id: str, body: dict[str, Any],
                           meter: UsageMeter | None = None) -> AsyncIterator[dict[str, Any]]:
         meter = meter if meter is not None else UsageMeter()

@@ -31,6 +31,9 @@ class _IdleBackend:
     async def close(self) -> None:
         pass
 
+    def capabilities(self, model_id: str) -> frozenset[str]:
+        return frozenset()
+
     def stream_chat(self, *_args: Any) -> Any:  # pragma: no cover - never called
         raise AssertionError("no inference expected")
 

@@ -30,6 +30,9 @@ class FirstTokenDelayBackend:
     async def close(self) -> None:
         await self.inner.close()
 
+    def capabilities(self, model_id: str) -> frozenset[str]:
+        return frozenset()  # plain chat: the wrapper serves `stream_chat` alone
+
     async def stream_chat(self, model_id: str, body: dict[str, Any],
                           meter: UsageMeter | None = None) -> AsyncIterator[dict[str, Any]]:
         await asyncio.sleep(self.delay)  # a cancel raises CancelledError here: nothing was generated
@@ -59,6 +62,9 @@ class FailingBackend:
 
     async def close(self) -> None:
         pass
+
+    def capabilities(self, model_id: str) -> frozenset[str]:
+        return frozenset()
 
     async def stream_chat(self, model_id: str, body: dict[str, Any],
                           meter: UsageMeter | None = None) -> AsyncIterator[dict[str, Any]]:

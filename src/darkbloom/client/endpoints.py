@@ -7,6 +7,7 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
+from darkbloom.paths import darkbloom_home
 from darkbloom.wire.local_files import read_discovery
 
 
@@ -24,15 +25,9 @@ class Endpoint:
         return root[: -len("/v1")] if root.endswith("/v1") else root
 
 
-def darkbloom_home_path() -> Path:
-    """`$DARKBLOOM_HOME` (default ~/.config/darkbloom), without creating it: a client only reads."""
-    configured = os.environ.get("DARKBLOOM_HOME")
-    return Path(configured).expanduser() if configured else Path.home() / ".config" / "darkbloom"
-
-
 def discover_local_endpoint(home: Path | None = None) -> Endpoint | None:
     """The endpoint in `local.json`, unless missing, malformed or left behind by a node that is gone."""
-    discovery = read_discovery(home if home is not None else darkbloom_home_path())
+    discovery = read_discovery(home if home is not None else darkbloom_home(create=False))
     if discovery is None or not _alive(discovery.pid):
         return None
     return Endpoint(discovery.base_url, discovery.api_key)

@@ -1,8 +1,9 @@
 """The node's configuration: `$DARKBLOOM_HOME/provider.toml` plus command-line overrides (docs/cli.md
-"provider.toml", "Node flags")."""
+"provider.toml", "Node flags"), and `DARKBLOOM_LLAMA_EXTRA_BUFTS` from the environment."""
 
 from __future__ import annotations
 
+import os
 import socket
 import tomllib
 from dataclasses import dataclass, field
@@ -49,6 +50,7 @@ class ProviderConfig:
     name: str = field(default_factory=socket.gethostname)
     context_length: int = 2048  # llama-cpp n_ctx per instance
     threads: int = 0  # llama-cpp threads per instance; 0 = cores / max_concurrency
+    extra_buffer_types: bool = False  # llama-cpp: llama.cpp's repacked-weight (AMX) kernels; off: plain CPU
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES  # direct mode: larger request bodies get 413
 
     @property
@@ -57,7 +59,8 @@ class ProviderConfig:
 
 
 def load_config(home: Path, overrides: dict[str, object]) -> ProviderConfig:
-    """provider.toml (if present), then `overrides` (keys as the CLI passes them), validated."""
+    """provider.toml (if present), then the environment, then `overrides` (keys as the CLI passes
+    them), validated."""
     config = ProviderConfig()
     path = provider_config_path(home)
     if path.exists():
@@ -66,6 +69,7 @@ def load_config(home: Path, overrides: dict[str, object]) -> ProviderConfig:
         except (tomllib.TOMLDecodeError, UnicodeDecodeError) as exc:
             raise ConfigError(f"{path} is not valid TOML ({exc}); fix or delete it") from None
         _apply_toml(config, data, path)
+    _apply_environment(config)
     _apply_overrides(config, overrides)
     _validate(config)
     return config
@@ -143,6 +147,7 @@ class _BackendTable(_Table):
     max_concurrency: int | None = None
     context_length: int | None = None
     threads: int | None = None
+    extra_buffer_types: bool | None = None
 
 
 class _LocalTable(_Table):
@@ -207,6 +212,16 @@ def _problem(error: ErrorDetails) -> str:
     if expected is None:
         return f"{where}: {error['msg']}"
     return f"{where} must be of type {expected}, not {error['input']!r}"
+
+
+EXTRA_BUFFER_TYPES_ENV = "DARKBLOOM_LLAMA_EXTRA_BUFTS"
+
+
+def _apply_environment(config: ProviderConfig) -> None:
+    """Settings the environment may give over provider.toml: `DARKBLOOM_LLAMA_EXTRA_BUFTS=1` (or 0)."""
+    extra_buffer_types = os.environ.get(EXTRA_BUFFER_TYPES_ENV)
+    if extra_buffer_types is not None:
+        config.extra_buffer_types = extra_buffer_types == "1"
 
 
 _OVERRIDE_FIELDS = {"coordinator_url", "backend", "upstream_url", "private_only", "max_concurrency",

@@ -18,7 +18,7 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
 from darkbloom import paths
 from darkbloom.wire import crypto
 from darkbloom.wire import protocol
-from darkbloom.provider.backends import Backend, backend_capabilities
+from darkbloom.provider.backends import Backend
 from darkbloom.provider.config import ProviderConfig
 
 log = logging.getLogger(__name__)
@@ -42,7 +42,7 @@ def with_capabilities(models: list[protocol.ModelInfo], backend: Backend) -> lis
     """Each model with the capabilities its backend serves it with (images also for a vision model)."""
     out = []
     for info in models:
-        names = set(backend_capabilities(backend, info.id)) | ({"images"} if info.is_vision else set())
+        names = set(backend.capabilities(info.id)) | ({"images"} if info.is_vision else set())
         out.append(info.model_copy(update={"capabilities": sorted(names & protocol.CAPABILITIES)}))
     return out
 

@@ -12,6 +12,7 @@ import time
 from pathlib import Path
 
 from darkbloom import paths
+from darkbloom.logs import configure_logging
 from darkbloom.provider.backends import Backend, BackendError
 from darkbloom.provider.config import ConfigError, ProviderConfig, load_config
 from darkbloom.provider.direct.endpoint import LocalEndpointError
@@ -30,7 +31,7 @@ def serve_forever(config: ProviderConfig, home: Path, local_only: bool = False, 
                   direct_backend: Backend | None = None) -> None:
     """Run the node in the foreground until SIGINT / SIGTERM; `local_only`: direct mode, no coordinator.
     `backend` (default: the one `config` names) and `direct_backend` go to `ProviderNode`."""
-    _configure_logging()
+    configure_logging()
     try:
         asyncio.run(_serve(config, home, local_only, backend, direct_backend))
     except KeyboardInterrupt:
@@ -52,13 +53,6 @@ async def _serve(config: ProviderConfig, home: Path, local_only: bool, backend: 
         except (NotImplementedError, RuntimeError):  # not the main thread, or no signals here
             pass
     await ProviderNode(config, home, backend, local_only=local_only, direct_backend=direct_backend).run(stop)
-
-
-def _configure_logging() -> None:
-    root = logging.getLogger()
-    if not root.handlers:
-        logging.basicConfig(level=os.environ.get("DARKBLOOM_LOG_LEVEL", "INFO").upper(),
-                            format="%(asctime)s %(levelname)s %(name)s: %(message)s")
 
 
 def start_background(config: ProviderConfig, home: Path, local_only: bool) -> int:
@@ -172,12 +166,7 @@ def _read_pid(pid_file: Path) -> int | None:
 
 
 def _alive(pid: int) -> bool:
-    try:
-        reaped, _ = os.waitpid(pid, os.WNOHANG)  # our own child (tests): reap it once it exits
-        if reaped == pid:
-            return False
-    except ChildProcessError:
-        pass
+    """Running, and not a zombie (an exited child its parent has not reaped yet) where /proc tells."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:

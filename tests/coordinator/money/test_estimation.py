@@ -9,7 +9,6 @@ from typing import Any, Iterator
 
 import pytest
 
-import darkbloom.provider.backends.llama_cpp  # noqa: F401  (applies the AMX workaround before any Llama)
 import llama_cpp
 from llama_cpp import llama_chat_format
 
@@ -17,6 +16,7 @@ from darkbloom.wire.catalog import CatalogModel
 from darkbloom.coordinator.money import billing
 from darkbloom.coordinator.inference.calls import CHAT, parse_call
 from darkbloom.coordinator.money.estimation import output_token_bound, prompt_token_bound
+from darkbloom.provider.backends.llama_instances import CountingLlama
 from darkbloom.provider.bundled_model import bundled_gguf_path
 
 
@@ -80,7 +80,7 @@ def _as_text(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
 def test_real_count_matches_a_full_model_run(vocab: llama_cpp.Llama) -> None:
     """The counting above is what the model really consumes (checked once against llama.cpp's usage)."""
-    llm = llama_cpp.Llama(model_path=str(bundled_gguf_path()), n_ctx=512, verbose=False)
+    llm = CountingLlama(model_path=str(bundled_gguf_path()), n_ctx=512, verbose=False)  # as the node loads it
     try:
         messages = PROMPTS["english prose"]
         usage = llm.create_chat_completion(messages=messages, max_tokens=1)["usage"]

@@ -37,6 +37,9 @@ class ApiBackend:
 
     async def close(self) -> None: ...
 
+    def capabilities(self, model_id: str) -> frozenset[str]:
+        return frozenset()
+
     async def _stream(self, api: str, model_id: str, body: dict[str, Any]) -> AsyncIterator[dict[str, Any]]:
         self.bodies.append((api, body))
         chunks = self.chunks.get(api, [])

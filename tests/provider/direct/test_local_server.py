@@ -42,6 +42,9 @@ class ScriptedBackend:
 
     async def close(self) -> None: ...
 
+    def capabilities(self, model_id: str) -> frozenset[str]:
+        return frozenset()
+
     async def stream_chat(self, model_id: str, body: dict[str, Any],
                           meter: UsageMeter | None = None) -> AsyncIterator[dict[str, Any]]:
         self.calls += 1

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import os
 
-from darkbloom.provider.backends.base import Backend, BackendError, backend_capabilities, open_stream
+from darkbloom.provider.backends.base import Backend, BackendError, open_stream
 from darkbloom.provider.config import ConfigError, ProviderConfig, resolve_model_path
 
-__all__ = ["Backend", "BackendError", "backend_capabilities", "create_backend", "open_stream"]
+__all__ = ["Backend", "BackendError", "create_backend", "open_stream"]
 
 
 def create_backend(config: ProviderConfig) -> Backend:
@@ -31,4 +31,4 @@ def create_backend(config: ProviderConfig) -> Backend:
 
     return LlamaCppBackend({spec.id: resolve_model_path(spec) for spec in config.models},
                            max_concurrency=config.max_concurrency, n_ctx=config.context_length,
-                           n_threads=config.threads)
+                           n_threads=config.threads, extra_buffer_types=config.extra_buffer_types)

@@ -108,12 +108,6 @@ def open_stream(backend: Backend, api: Api, model_id: str, body: dict[str, Any],
     return stream
 
 
-def backend_capabilities(backend: Backend, model_id: str) -> frozenset[str]:
-    """`backend.capabilities(model_id)`, or none for a backend without the method (a test double)."""
-    method = getattr(backend, "capabilities", None)
-    return frozenset(method(model_id)) if method is not None else frozenset()
-
-
 def new_completion_id(prefix: str = "chatcmpl") -> str:
     return f"{prefix}-{uuid.uuid4().hex}"
 

@@ -30,7 +30,6 @@ import contextlib
 import logging
 import os
 import re
-from collections import deque
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, AsyncIterator, Callable
@@ -51,12 +50,12 @@ Work = Callable[[CountingLlama, GenerationStats, Callable[[dict[str, Any]], None
 
 class LlamaCppBackend:
     def __init__(self, models: dict[str, Path], *, max_concurrency: int = 2, n_ctx: int = 2048,
-                 n_threads: int = 0) -> None:
+                 n_threads: int = 0, extra_buffer_types: bool = False) -> None:
         self.models = dict(models)
         self.max_concurrency = max_concurrency
         self.n_ctx = n_ctx
         self.n_threads = n_threads or max(1, (os.cpu_count() or 1) // max_concurrency)
-        self.recent: deque[GenerationStats] = deque(maxlen=64)
+        self.extra_buffer_types = extra_buffer_types  # llama.cpp's repacked-weight kernels (`CountingLlama`)
         self._pools: dict[str, Pool] = {}
         self._embedding_pools: dict[str, Pool] = {}
         self._n_vocab: dict[str, int] = {}
@@ -66,7 +65,8 @@ class LlamaCppBackend:
 
     def _load(self, path: Path) -> CountingLlama:
         return CountingLlama(model_path=str(path), n_ctx=self.n_ctx, n_threads=self.n_threads,
-                             n_threads_batch=self.n_threads, verbose=False)
+                             n_threads_batch=self.n_threads, extra_buffer_types=self.extra_buffer_types,
+                             verbose=False)
 
     def _load_embedding(self, path: Path) -> CountingLlama:
         # One input is one batch (pooling needs the whole sequence at once), so an input may have up to
@@ -77,7 +77,7 @@ class LlamaCppBackend:
         batch = min(self.n_ctx, EMBEDDING_BATCH)
         return CountingLlama(model_path=str(path), n_ctx=self.n_ctx, n_batch=batch, n_ubatch=batch,
                              n_threads=self.n_threads, n_threads_batch=self.n_threads, embedding=True,
-                             pooling_type=pooling, verbose=False)
+                             pooling_type=pooling, extra_buffer_types=self.extra_buffer_types, verbose=False)
 
     async def start(self) -> None:
         self._executor = ThreadPoolExecutor(max_workers=self.max_concurrency, thread_name_prefix="llama")
@@ -210,15 +210,12 @@ class LlamaCppBackend:
         except BackendError as exc:
             terminal = ("error", exc)
         except (ValueError, TypeError, jinja2.TemplateError) as exc:
-            stats.error = str(exc)  # kept in memory only (`recent`): it may quote the prompt
             terminal = ("error", BackendError(400, _invalid_request_message(exc), param=param))
         except Exception as exc:  # a crash must still return the instance
             log.exception("llama.cpp request failed")
-            stats.error = repr(exc)
             terminal = ("error", BackendError(500, f"generation failed ({type(exc).__name__})"))
         finally:
             llama.current = None
-            self.recent.append(stats)
             release(llama)  # queued before the terminal item, so the instance is free when the caller resumes
             emit(terminal)
 

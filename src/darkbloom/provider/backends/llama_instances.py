@@ -7,7 +7,6 @@ rules); a pool hands instances out exclusively, creating them lazily up to its s
 from __future__ import annotations
 
 import asyncio
-import os
 import threading
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -19,30 +18,6 @@ from llama_cpp import _internals as llama_internals
 from darkbloom.provider.backends.base import BackendError, UsageMeter
 
 
-def _disable_extra_buffer_types() -> None:
-    """llama.cpp's "extra buffer types" repack weights for special kernels (AMX among them). Some
-    VMs advertise AMX in cpuinfo without enabling it, and the AMX matmul then kills the process with
-    SIGSEGV on the first decode. `Llama()` has no switch for `use_extra_bufts`, so default it off for
-    this process (plain CPU kernels; DARKBLOOM_LLAMA_EXTRA_BUFTS=1 keeps the library default)."""
-    raw = llama_cpp.llama_cpp
-    if os.environ.get("DARKBLOOM_LLAMA_EXTRA_BUFTS") == "1" or getattr(raw.llama_model_default_params,
-                                                                       "_darkbloom", False):
-        return
-    original = raw.llama_model_default_params
-
-    def model_default_params() -> Any:
-        params = original()
-        if hasattr(params, "use_extra_bufts"):
-            params.use_extra_bufts = False
-        return params
-
-    model_default_params._darkbloom = True  # type: ignore[attr-defined]
-    raw.llama_model_default_params = model_default_params
-
-
-_disable_extra_buffer_types()
-
-
 EVAL_PIECE = 128  # prompt tokens evaluated between two looks at the cancel flag
 
 
@@ -52,7 +27,7 @@ class Cancelled(Exception):
 
 @dataclass(eq=False)
 class GenerationStats:
-    """One finished (or cancelled) generation, kept in `LlamaCppBackend.recent` for tests and metrics."""
+    """One generation's counts and cancel flag, shared by the event loop and the worker thread running it."""
 
     model_id: str
     instance: int
@@ -60,7 +35,6 @@ class GenerationStats:
     sampled: int = 0
     last_was_eog: bool = False
     cancelled: bool = False
-    error: str | None = None
     cancel: threading.Event = field(default_factory=threading.Event, repr=False)
     meter: UsageMeter = field(default_factory=UsageMeter, repr=False)
 
@@ -74,8 +48,30 @@ class GenerationStats:
 
 
 class CountingLlama(llama_cpp.Llama):
+    """A `Llama` that counts, cancels and biases the generation it runs (`current`).
+
+    `extra_buffer_types` is llama.cpp's `use_extra_bufts`: weights repacked for special kernels (AMX
+    among them). Some VMs advertise AMX in cpuinfo without enabling it, and the AMX matmul then kills
+    the process with SIGSEGV on the first decode, so the node's default is off (plain CPU kernels)."""
+
     current: GenerationStats | None = None
     logit_bias: dict[int, float] = {}  # of the generation running now (set by `llama_decode.decode`)
+
+    def __init__(self, *args: Any, extra_buffer_types: bool = False, **kwargs: Any) -> None:
+        self._extra_buffer_types = extra_buffer_types
+        super().__init__(*args, **kwargs)
+
+    @property
+    def model_params(self) -> Any:
+        return self._model_params
+
+    @model_params.setter
+    def model_params(self, params: Any) -> None:
+        """`Llama.__init__` sets the library's defaults here before loading; it has no switch for
+        `use_extra_bufts`, so this is where ours goes in."""
+        if hasattr(params, "use_extra_bufts"):
+            params.use_extra_bufts = self._extra_buffer_types
+        self._model_params = params
 
     def _init_sampler(self, *args: Any, **kwargs: Any) -> Any:
         """The library's sampler chain, behind llama.cpp's own logit-bias sampler when one is asked for."""
