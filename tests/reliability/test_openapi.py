@@ -19,7 +19,7 @@ from openapi_spec_validator import validate
 from darkbloom.coordinator.app import create_app
 from darkbloom.coordinator.config import CoordinatorSettings
 from darkbloom.coordinator.http.allowed_methods import http_routes
-from darkbloom.coordinator.http.openapi_schemas import ERROR_ENVELOPE
+from darkbloom.coordinator.http.openapi.schemas import ERROR_ENVELOPE
 from darkbloom.wire.openai.errors import ApiError, error_body
 
 HTTP_METHODS = ("get", "put", "post", "delete", "options", "head", "patch", "trace")

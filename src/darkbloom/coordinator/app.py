@@ -21,7 +21,7 @@ from darkbloom.coordinator.http.disconnect import ClientDisconnected
 from darkbloom.coordinator.http.cors import add_cors
 from darkbloom.coordinator.http.errors import install_handlers
 from darkbloom.coordinator.http.allowed_methods import install_allowed_methods
-from darkbloom.coordinator.http.openapi import install_openapi
+from darkbloom.coordinator.http.openapi.document import install_openapi
 from darkbloom.coordinator.http.routes import account, admin, device, health, inference, keys, payments, provider_ws
 from darkbloom.coordinator.http.sealed_body import load_or_create_key
 from darkbloom.coordinator.identity import auth_invalidation

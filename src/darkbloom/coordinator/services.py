@@ -13,7 +13,7 @@ from darkbloom.coordinator.config import CoordinatorSettings
 from darkbloom.coordinator.identity.auth_cache import AuthCache
 from darkbloom.coordinator.routing.queue import RequestQueues
 from darkbloom.coordinator.money.ratelimit import RateLimiter
-from darkbloom.coordinator.money.ledger_writer import LedgerWriter
+from darkbloom.coordinator.money.ledger.writer import LedgerWriter
 from darkbloom.coordinator.fleet.registry import Registry
 from darkbloom.wire.crypto import new_id
 

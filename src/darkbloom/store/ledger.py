@@ -1,7 +1,7 @@
 """The ledger's SQLAlchemy side: ``move`` (admin credits: one pocket, one entry with the pocket's new
 value, so any balance can be recomputed from its entries) and the reads (open reservations, usage
 pages, payout totals). A request's reservation, settlement, refund and usage row are written by
-the coordinator's ledger writer (``coordinator/money/ledger_writer.py``), in batches."""
+the coordinator's ledger writer (``coordinator/money/ledger/writer.py``), in batches."""
 
 from __future__ import annotations
 

@@ -8,10 +8,11 @@ from typing import Any
 import pytest
 
 from darkbloom.coordinator.inference.calls import CHAT, COMPLETIONS, EMBEDDINGS, MESSAGES, RESPONSES, Edge, parse_call
-from darkbloom.coordinator.money.estimation import TEMPLATE_ALLOWANCE, output_token_bound, prompt_token_bound
+from darkbloom.coordinator.money.estimation import output_token_bound, prompt_token_bound
 from darkbloom.wire.catalog import CatalogModel
 from darkbloom.wire.openai.errors import ApiError
 from darkbloom.wire.openai.legacy import LEGACY_DEFAULT_MAX_TOKENS
+from darkbloom.wire.token_bounds import TEMPLATE_ALLOWANCE
 
 MODEL = CatalogModel(id="smollm2-135m", input_price=1, output_price=1, max_output_tokens=512)
 HELLO = [{"role": "user", "content": "hi"}]

@@ -13,8 +13,9 @@ import pytest
 from sqlalchemy import text
 from sqlalchemy.exc import OperationalError
 
-from darkbloom.coordinator.money import billing, ledger_plan
-from darkbloom.coordinator.money.ledger_writer import LedgerUnavailable, LedgerWriter, backend_for
+from darkbloom.coordinator.money import billing
+from darkbloom.coordinator.money.ledger import rules
+from darkbloom.coordinator.money.ledger.writer import LedgerUnavailable, LedgerWriter, backend_for
 from darkbloom.coordinator.services import Services
 from darkbloom.store.schema import PLATFORM_ACCOUNT_ID, reservations, usage_records
 from darkbloom.wire.openai.errors import ApiError
@@ -102,7 +103,7 @@ class Flaky:
     def __init__(self, real: Any, failures: int, after_commit: bool = False) -> None:
         self.real, self.failures, self.after_commit = real, failures, after_commit
 
-    async def apply(self, steps: list[ledger_plan.Step]) -> list[Any]:
+    async def apply(self, steps: list[rules.Step]) -> list[Any]:
         if self.failures:
             self.failures -= 1
             if self.after_commit:
@@ -138,8 +139,8 @@ async def test_a_failed_batch_is_retried_without_losing_or_repeating_a_step(
 
 async def test_one_bad_step_does_not_sink_its_batch(services: Services) -> None:
     account = await new_account(services, credit=10_000)
-    bad = ledger_plan.Settle("ghost", "acct_missing", None, PRICED.id, "prov_w", None, 1, 1, 0, 500,
-                             reserved=False, self_routed=True, routed="owned")  # its usage row breaks a FK
+    bad = rules.Settle("ghost", "acct_missing", None, PRICED.id, "prov_w", None, 1, 1, 0, 500,
+                       reserved=False, self_routed=True, routed="owned")  # its usage row breaks a FK
     before = services.ledger.batches
     first, failed, second = await together(billing.reserve(services, "ok-1", account, None, 1_000),
                                            services.ledger.run(bad),
@@ -173,7 +174,7 @@ async def test_a_closed_writer_refuses_new_steps(services: Services) -> None:
     await services.ledger.close()  # commits what is queued first
     assert isinstance(await queued, billing.Reservation)
     with pytest.raises(LedgerUnavailable):
-        services.ledger.submit(ledger_plan.Refund("last"))
+        services.ledger.submit(rules.Refund("last"))
 
 
 async def test_exclusive_usage_rows_go_through_the_writer(services: Services,

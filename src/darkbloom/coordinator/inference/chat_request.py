@@ -6,7 +6,7 @@ from __future__ import annotations
 from typing import Any
 
 from darkbloom.wire.openai.errors import invalid_request
-from darkbloom.wire.openai.legacy import SAMPLING_RANGES
+from darkbloom.wire.openai.parameters import SAMPLING_RANGES
 
 
 def validate_chat_body(body: dict[str, Any]) -> None:

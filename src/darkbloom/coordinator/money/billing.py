@@ -1,5 +1,5 @@
 """Prices → cost, reservation, settlement and refund. Each step goes through the process's ledger
-writer (``services.ledger``: group commit, see ``ledger_writer``), is atomic, and is keyed by the
+writer (``services.ledger``: group commit, see ``ledger.writer``), is atomic, and is keyed by the
 request id, so a repeated step (duplicate completion, retry, crash) is a no-op.
 
 Ledger view of a paid request: ``reservation −R`` at admission; at settlement ``refund +R`` and
@@ -17,8 +17,8 @@ from typing import Any, Callable
 
 from darkbloom.wire.catalog import CatalogModel
 from darkbloom.wire.openai.errors import ApiError
-from darkbloom.coordinator.money import ledger_plan
-from darkbloom.coordinator.money.ledger_writer import LedgerUnavailable
+from darkbloom.coordinator.money.ledger import rules
+from darkbloom.coordinator.money.ledger.writer import LedgerUnavailable
 from darkbloom.coordinator.services import Services
 from darkbloom.wire.protocol import Usage
 
@@ -84,8 +84,8 @@ async def reserve(services: Services, request_id: str, account_id: str, key: dic
     cap = key.get("limit_micro_usd") if key else None
     window = spend_window_start(key["limit_reset"]) if key and cap is not None else None
     key_id = key["id"] if key else None
-    step = ledger_plan.Reserve(request_id, account_id, key_id, amount, None if cap is None else int(cap), window,
-                               services.instance_id)
+    step = rules.Reserve(request_id, account_id, key_id, amount, None if cap is None else int(cap), window,
+                         services.instance_id)
     future = services.ledger.submit(step)
     try:
         result = await asyncio.shield(future)
@@ -96,15 +96,15 @@ async def reserve(services: Services, request_id: str, account_id: str, key: dic
         log.exception("request %s: the reservation could not be written", request_id)
         raise ApiError(503, "service_unavailable", "Billing is temporarily unavailable; retry in a few seconds.",
                        headers={"Retry-After": "5"}) from None
-    if result == ledger_plan.SPEND_CAP_EXCEEDED:
+    if result == rules.SPEND_CAP_EXCEEDED:
         raise ApiError(402, "spend_cap_exceeded",
                        "This API key has reached its spend limit for the current period. Raise the key's "
                        "limit or wait for it to reset.")
-    if result == ledger_plan.INSUFFICIENT_FUNDS:
+    if result == rules.INSUFFICIENT_FUNDS:
         raise ApiError(402, "insufficient_funds",
                        f"Your balance cannot cover this request (it needs up to {amount} µUSD). "
                        "Add credit, or lower max_tokens.", code="insufficient_quota")
-    if result == ledger_plan.DUPLICATE:
+    if result == rules.DUPLICATE:
         raise DuplicateReservation(f"request {request_id} already has a reservation")
     return Reservation(request_id, account_id, key_id, amount, window)
 
@@ -114,11 +114,11 @@ class DuplicateReservation(Exception):
 
 
 def _refund_orphan(services: Services, request_id: str, done: asyncio.Future[Any]) -> None:
-    if done.cancelled() or done.exception() is not None or done.result() != ledger_plan.RESERVED:
+    if done.cancelled() or done.exception() is not None or done.result() != rules.RESERVED:
         return
     log.info("request %s: its caller went away while the reservation committed; refunding it", request_id)
     try:
-        services.ledger.submit(ledger_plan.Refund(request_id)).add_done_callback(_log_failure(request_id))
+        services.ledger.submit(rules.Refund(request_id)).add_done_callback(_log_failure(request_id))
     except LedgerUnavailable:
         log.error("request %s: reservation left open (the ledger writer is closed); the reconciler of the "
                   "next start refunds it", request_id)
@@ -162,7 +162,7 @@ async def settle_bill(services: Services, bill: Bill, usage: Usage, served: Serv
         log.warning("request %s: reported usage costs %d µUSD, above its reservation %d; charging the reservation",
                     bill.request_id, cost, reservation.amount)
         cost = reservation.amount
-    result = await services.ledger.run(ledger_plan.Settle(
+    result = await services.ledger.run(rules.Settle(
         bill.request_id, bill.account_id, bill.key_id, bill.model.id, served.provider_id,
         served.provider_account_id, usage.prompt_tokens, usage.completion_tokens, cost, settings.platform_fee_bps,
         reserved=reservation is not None, self_routed=free, routed="owned" if owned else "fleet",
@@ -181,4 +181,4 @@ async def refund(services: Services, reservation: Reservation) -> bool:
 
 
 async def refund_request(services: Services, request_id: str) -> bool:
-    return bool(await services.ledger.run(ledger_plan.Refund(request_id)))
+    return bool(await services.ledger.run(rules.Refund(request_id)))

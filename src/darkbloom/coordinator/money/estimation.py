@@ -8,11 +8,7 @@ from __future__ import annotations
 
 from darkbloom.wire import token_bounds
 from darkbloom.wire.catalog import CatalogModel
-from darkbloom.wire.token_bounds import INSTRUCTIONS_ALLOWANCE, TEMPLATE_ALLOWANCE, TOOL_RESULT_ALLOWANCE
 from darkbloom.coordinator.inference.calls import InferenceCall
-
-__all__ = ["INSTRUCTIONS_ALLOWANCE", "TEMPLATE_ALLOWANCE", "TOOL_RESULT_ALLOWANCE", "output_token_bound",
-           "prompt_token_bound"]
 
 
 def prompt_token_bound(call: InferenceCall) -> int:

@@ -35,6 +35,12 @@ def sse(data: dict[str, Any]) -> bytes:
     return b"data: " + json.dumps(data, separators=(",", ":")).encode() + b"\n\n"
 
 
+def sse_event(kind: str, data: dict[str, Any]) -> bytes:
+    """A named SSE event (`event: <kind>` then its `data:` line), as the Responses and Messages
+    streams send them."""
+    return f"event: {kind}\n".encode() + sse(data)
+
+
 class MessageBuilder:
     """Merges streamed chat deltas into one assistant message as OpenAI returns it: text, a refusal,
     tool calls (by index), a legacy function call, logprobs (``content`` entries in order) and the

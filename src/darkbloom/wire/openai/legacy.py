@@ -10,12 +10,11 @@ from __future__ import annotations
 from typing import Any
 
 from darkbloom.wire.openai.errors import invalid_request
+from darkbloom.wire.openai.parameters import check_model, check_sampling, check_stream
 
 MAX_EMBEDDING_INPUTS = 2048  # OpenAI's own limit on one request's inputs
 
 LEGACY_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions without max_tokens
-SAMPLING_RANGES = {"temperature": (0.0, 2.0), "top_p": (0.0, 1.0), "presence_penalty": (-2.0, 2.0),
-                  "frequency_penalty": (-2.0, 2.0)}
 
 
 def _is_int(value: Any) -> bool:
@@ -24,22 +23,6 @@ def _is_int(value: Any) -> bool:
 
 def _is_token_list(value: Any) -> bool:
     return isinstance(value, list) and bool(value) and all(_is_int(x) and x >= 0 for x in value)
-
-
-def check_model(body: dict[str, Any]) -> str:
-    model = body.get("model")
-    if not isinstance(model, str) or not model.strip():
-        raise invalid_request("you must provide a model parameter", param="model")
-    return model.strip()
-
-
-def check_stream(body: dict[str, Any]) -> bool:
-    stream = body.get("stream")
-    if stream is None:
-        return False
-    if not isinstance(stream, bool):
-        raise invalid_request("'stream' must be a boolean.", param="stream")
-    return stream
 
 
 def completions_request(body: dict[str, Any]) -> dict[str, Any]:
@@ -64,11 +47,7 @@ def completions_request(body: dict[str, Any]) -> dict[str, Any]:
     logprobs = body.get("logprobs")
     if logprobs is not None and (not _is_int(logprobs) or not 0 <= logprobs <= 5):
         raise invalid_request("'logprobs' must be an integer from 0 to 5.", param="logprobs")
-    for field, (low, high) in SAMPLING_RANGES.items():
-        value = body.get(field)
-        if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))
-                                  or not low <= value <= high):
-            raise invalid_request(f"'{field}' must be a number from {low:g} to {high:g}.", param=field)
+    check_sampling(body)
     for field in ("echo",):
         if body.get(field) is not None and not isinstance(body[field], bool):
             raise invalid_request(f"'{field}' must be a boolean.", param=field)

@@ -2,7 +2,7 @@
 
 A batch is one transaction: lock and read the rows it touches with set-based ``SELECT … FOR UPDATE``
 in ONE statement, in the one global lock order (reservations by request id, then key windows, then
-accounts by id; so two coordinators' batches never deadlock), run ``ledger_plan.plan``, then write
+accounts by id; so two coordinators' batches never deadlock), run ``rules.plan``, then write
 every change in ONE statement (data-modifying CTEs over ``unnest`` arrays). Round trips per batch,
 whatever its size: BEGIN, one read, one write, COMMIT. (The rules stay in Python, shared with
 SQLite; a server-side function would save BEGIN and COMMIT but hold a second copy of them.)"""
@@ -14,8 +14,8 @@ from typing import Any
 
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
 
-from darkbloom.coordinator.money import ledger_plan
-from darkbloom.coordinator.money.ledger_plan import Changes, State, Step
+from darkbloom.coordinator.money.ledger import rules
+from darkbloom.coordinator.money.ledger.rules import Changes, State, Step
 
 # One statement locks and reads everything a batch touches. UNION ALL runs its parts in order, each
 # locking its rows sorted: reservations, then key windows, then accounts — the one global lock order.
@@ -101,7 +101,7 @@ class PostgresLedger:
         try:
             async with raw.transaction():
                 state = await _read(raw, steps)
-                results, changes = ledger_plan.plan(steps, state, int(time.time()))
+                results, changes = rules.plan(steps, state, int(time.time()))
                 if not changes.empty():
                     await raw.execute(_WRITE, *_columns(changes))
         except BaseException:
@@ -121,9 +121,9 @@ class PostgresLedger:
 async def _read(raw: Any, steps: list[Step]) -> State:
     """One round trip: the rows the batch needs, locked (its reservations' own windows and accounts included)."""
     state = State()
-    reserving = ledger_plan.window_keys(steps, {})
-    rows = await raw.fetch(_LOCK, ledger_plan.reservation_ids(steps), [k for k, _ in reserving],
-                           [w for _, w in reserving], ledger_plan.account_ids(steps, {}), ledger_plan.usage_ids(steps))
+    reserving = rules.window_keys(steps, {})
+    rows = await raw.fetch(_LOCK, rules.reservation_ids(steps), [k for k, _ in reserving],
+                           [w for _, w in reserving], rules.account_ids(steps, {}), rules.usage_ids(steps))
     for row in rows:
         part = row["part"]
         if part == "r":

@@ -4,8 +4,8 @@ them takes the chat route's policy headers, admission, errors and sealing (``inf
 
 from __future__ import annotations
 
-from darkbloom.coordinator.http.openapi_operations import CHAT_ERRORS, Answer, Operation
-from darkbloom.coordinator.http.openapi_schemas import INTEGER, NULLABLE_STRING, STRING, TIMESTAMP, Schema, obj, ref
+from darkbloom.coordinator.http.openapi.operations import CHAT_ERRORS, Answer, Operation
+from darkbloom.coordinator.http.openapi.schemas import INTEGER, NULLABLE_STRING, STRING, TIMESTAMP, Schema, obj, ref
 from darkbloom.coordinator.http.sealed_body import SEALED_CONTENT_TYPE
 from darkbloom.wire.catalog import BUNDLED_MODEL_ID
 

@@ -19,7 +19,7 @@ class Answer:
 
     description: str
     content: dict[str, str] = field(default_factory=dict)
-    headers: tuple[str, ...] = ()  # names in openapi.HEADERS
+    headers: tuple[str, ...] = ()  # names in document.HEADERS
 
 
 def json_answer(schema: str, description: str) -> Answer:

@@ -1,6 +1,6 @@
 """The ledger writer: one per coordinator process, the only path by which requests move money.
 
-Callers ``submit`` steps (reservations, settlements, refunds — ``ledger_plan``) and await their own
+Callers ``submit`` steps (reservations, settlements, refunds — ``rules``) and await their own
 results. One task takes every step queued at that moment and applies them, in arrival order, in
 ONE transaction (group commit): while a batch commits, the next one queues up, so under load a
 commit carries many requests and when idle a step goes alone at once. A refused step (402) is just
@@ -21,7 +21,7 @@ from typing import Any, Protocol
 
 from sqlalchemy.ext.asyncio import AsyncEngine
 
-from darkbloom.coordinator.money.ledger_plan import Step
+from darkbloom.coordinator.money.ledger.rules import Step
 
 log = logging.getLogger("darkbloom.ledger")
 MAX_BATCH = 512
@@ -41,10 +41,10 @@ class Backend(Protocol):
 
 def backend_for(engine: AsyncEngine) -> Backend:
     if engine.dialect.name == "sqlite":
-        from darkbloom.coordinator.money.ledger_sqlite import SqliteLedger
+        from darkbloom.coordinator.money.ledger.sqlite import SqliteLedger
 
         return SqliteLedger(engine.url.database or "")
-    from darkbloom.coordinator.money.ledger_postgres import PostgresLedger
+    from darkbloom.coordinator.money.ledger.postgres import PostgresLedger
 
     return PostgresLedger(engine)
 

@@ -4,7 +4,7 @@ FastAPI generates the paths and parameters from the routes; since the routes rea
 hand (to keep their own messages and codes), this module adds what the generator cannot see: each
 request body, every response with its status (errors with the OpenAI envelope), the Self-Route
 request headers, the routing response headers and the security schemes. Each operation's part
-comes from ``openapi_operations.OPERATIONS``; a route missing there is an error when the document
+comes from ``operations.OPERATIONS``; a route missing there is an error when the document
 is built, so a new route cannot go undocumented.
 """
 
@@ -20,9 +20,9 @@ from fastapi.routing import APIRoute
 from starlette.routing import Route
 
 from darkbloom.coordinator.http.allowed_methods import http_routes
-from darkbloom.coordinator.http.openapi_inference import INFERENCE_OPERATIONS, INFERENCE_SCHEMAS
-from darkbloom.coordinator.http.openapi_operations import OPERATIONS, Operation, extra_schemas
-from darkbloom.coordinator.http.openapi_schemas import SCHEMAS, Schema, ref
+from darkbloom.coordinator.http.openapi.inference import INFERENCE_OPERATIONS, INFERENCE_SCHEMAS
+from darkbloom.coordinator.http.openapi.operations import OPERATIONS, Operation, extra_schemas
+from darkbloom.coordinator.http.openapi.schemas import SCHEMAS, Schema, ref
 from darkbloom.wire.openai.errors import NOT_RETRYABLE
 
 ERROR_MEANINGS = {
@@ -113,7 +113,7 @@ def build_document(app: FastAPI) -> dict[str, Any]:
         for method, operation in item.items():
             spec = OPERATIONS.get((method, path)) or INFERENCE_OPERATIONS.get((method, path))
             if spec is None:
-                raise LookupError(f"{method.upper()} {path} has no entry in openapi_operations.OPERATIONS")
+                raise LookupError(f"{method.upper()} {path} has no entry in openapi.operations.OPERATIONS")
             _apply(operation, spec, path)
     components = document.setdefault("components", {})
     schemas = components.setdefault("schemas", {})

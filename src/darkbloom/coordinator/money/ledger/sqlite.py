@@ -1,5 +1,5 @@
 """The ledger writer's SQLite side: one call into the writer's own thread applies a whole batch —
-``BEGIN IMMEDIATE``, point reads of the rows it touches, ``ledger_plan.plan``, ``executemany`` writes,
+``BEGIN IMMEDIATE``, point reads of the rows it touches, ``rules.plan``, ``executemany`` writes,
 ``COMMIT`` — with prepared statements straight on a ``sqlite3`` connection (no SQLAlchemy, no hop
 back to the event loop between statements). SQLite serialises writers, so the lock order is moot."""
 
@@ -11,8 +11,8 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
-from darkbloom.coordinator.money import ledger_plan
-from darkbloom.coordinator.money.ledger_plan import Changes, State, Step
+from darkbloom.coordinator.money.ledger import rules
+from darkbloom.coordinator.money.ledger.rules import Changes, State, Step
 
 _RESERVATION = ("SELECT request_id, account_id, key_id, amount_micro_usd, window_start, status, instance_id "
                 "FROM reservations WHERE request_id = ?")
@@ -56,7 +56,7 @@ class SqliteLedger:
         try:
             conn.execute("BEGIN IMMEDIATE")
             state = _read(conn, steps)
-            results, changes = ledger_plan.plan(steps, state, int(time.time()))
+            results, changes = rules.plan(steps, state, int(time.time()))
             _write(conn, changes)
             conn.execute("COMMIT")
         except BaseException:
@@ -69,19 +69,19 @@ class SqliteLedger:
 def _read(conn: sqlite3.Connection, steps: list[Step]) -> State:
     state = State()
     names = ("request_id", "account_id", "key_id", "amount_micro_usd", "window_start", "status", "instance_id")
-    for request_id in ledger_plan.reservation_ids(steps):
+    for request_id in rules.reservation_ids(steps):
         row = conn.execute(_RESERVATION, (request_id,)).fetchone()
         if row is not None:
             state.reservations[request_id] = dict(zip(names, row))
-    for key in ledger_plan.window_keys(steps, state.reservations):
+    for key in rules.window_keys(steps, state.reservations):
         row = conn.execute(_WINDOW, key).fetchone()
         if row is not None:
             state.windows[key] = [int(row[0]), int(row[1])]
-    for account_id in ledger_plan.account_ids(steps, state.reservations):
+    for account_id in rules.account_ids(steps, state.reservations):
         row = conn.execute(_ACCOUNT, (account_id,)).fetchone()
         if row is not None:
             state.accounts[account_id] = [int(row[0]), int(row[1])]
-    for request_id in ledger_plan.usage_ids(steps):
+    for request_id in rules.usage_ids(steps):
         if conn.execute(_USED, (request_id,)).fetchone() is not None:
             state.used.add(request_id)
     return state
