@@ -37,7 +37,7 @@ BUCKETS = {
     "provider WebSocket side: uvicorn sansio protocol + provider_ws": r"websockets_sansio_impl",
     "`websockets` library (frame parsing/serialising)": r"\(websockets/",
     "FastAPI sync dependency in the thread pool (`run_in_threadpool`)": r"run_in_threadpool",
-    "`http/disconnect` (the request's disconnect watcher)": r"DisconnectWatch|until_disconnect|_wait_disconnect",
+    "`inference/disconnect` (the request's disconnect watcher)": r"DisconnectWatch|until_disconnect|_wait_disconnect",
     "`wire/protocol.parse_provider_frame`": r"parse_provider_frame",
     "`fleet/pending.PendingRequest.on_chunk` (open + parse each chunk)": r"on_chunk",
     "NaCl (seal/open)": r"\(nacl/",

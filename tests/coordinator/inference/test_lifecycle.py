@@ -15,8 +15,8 @@ from typing import Any, Sequence
 import pytest
 from sqlalchemy import select
 
-from darkbloom.coordinator.http.auth import Caller
-from darkbloom.coordinator.http.disconnect import ClientDisconnected
+from darkbloom.coordinator.identity.caller import Caller
+from darkbloom.coordinator.inference.disconnect import ClientDisconnected
 from darkbloom.coordinator.inference import relay
 from darkbloom.coordinator.inference.attempts import Attempts
 from darkbloom.coordinator.inference.lifecycle import RequestLifecycle

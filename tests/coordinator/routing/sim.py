@@ -21,7 +21,7 @@ from darkbloom.coordinator.fleet.registry import Registry
 from darkbloom.coordinator.fleet.slots import Slot, Slots
 from darkbloom.coordinator.fleet.session import ProviderSession
 from darkbloom.coordinator.routing.decision import RouteDecision
-from darkbloom.coordinator.http.auth import Caller
+from darkbloom.coordinator.identity.caller import Caller
 from darkbloom.coordinator.inference.lifecycle import RequestLifecycle
 from darkbloom.coordinator.services import Services
 from darkbloom.wire.crypto import NodeIdentity, Sealer, open_envelope, public_key_from_b64

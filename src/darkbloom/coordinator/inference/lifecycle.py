@@ -27,9 +27,9 @@ from typing import Any, Awaitable, Callable
 
 from darkbloom.coordinator.fleet.pending import PendingRequest, UsageBounds
 from darkbloom.coordinator.fleet.slots import Slot
-from darkbloom.coordinator.http.auth import Caller
+from darkbloom.coordinator.identity.caller import Caller
 from darkbloom.coordinator.inference import relay
-from darkbloom.coordinator.http.disconnect import ClientDisconnected
+from darkbloom.coordinator.inference.disconnect import ClientDisconnected
 from darkbloom.coordinator.money import admission, billing
 from darkbloom.coordinator.money.ratelimit import Charge
 from darkbloom.coordinator.services import Services

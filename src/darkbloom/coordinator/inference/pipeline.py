@@ -12,8 +12,8 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
 from darkbloom.coordinator.fleet.pending import PendingRequest
-from darkbloom.coordinator.http.auth import Caller
-from darkbloom.coordinator.http.disconnect import DisconnectWatch
+from darkbloom.coordinator.identity.caller import Caller
+from darkbloom.coordinator.inference.disconnect import DisconnectWatch
 from darkbloom.coordinator.inference import relay
 from darkbloom.coordinator.inference.attempts import Attempts
 from darkbloom.coordinator.inference.calls import Edge, InferenceCall

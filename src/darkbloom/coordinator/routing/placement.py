@@ -8,7 +8,7 @@ import dataclasses
 from typing import Callable
 
 from darkbloom.coordinator.fleet.slots import Slot
-from darkbloom.coordinator.http.auth import Caller
+from darkbloom.coordinator.identity.caller import Caller
 from darkbloom.coordinator.routing import selfroute
 from darkbloom.coordinator.routing.decision import RouteDecision
 from darkbloom.coordinator.routing.gates import CAPABILITY_GATE

@@ -9,7 +9,8 @@ from typing import Awaitable, Callable
 from fastapi import APIRouter, Depends, FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
-from darkbloom.coordinator.http.auth import Caller, require_caller
+from darkbloom.coordinator.http.auth import require_caller
+from darkbloom.coordinator.identity.caller import Caller
 from darkbloom.coordinator.http.sealed_body import is_sealed, unseal
 from darkbloom.coordinator.inference.calls import EDGES, Edge, parse_call
 from darkbloom.coordinator.inference.lifecycle import RequestLifecycle
