@@ -138,7 +138,8 @@ class Registry:
         return set(self._by_machine.get(machine_id, ()))
 
     def silent_since(self, deadline: float) -> list[ProviderSession]:
-        return [s for s in self._sessions.values() if s.last_frame_at < deadline and s.link.hops == 0]
+        """Sessions that sent nothing since ``deadline`` (a stand-in never: its replica's silence removes it)."""
+        return [s for s in self._sessions.values() if s.last_frame_at < deadline]
 
     # views
 
