@@ -35,7 +35,8 @@ from nacl.public import PrivateKey  # noqa: E402
 from darkbloom.wire.catalog import BUNDLED_MODEL_ID, CatalogModel  # noqa: E402
 from darkbloom.coordinator.config import CoordinatorSettings  # noqa: E402
 from darkbloom.coordinator.fleet.registry import Registry  # noqa: E402
-from darkbloom.coordinator.fleet.session import ProviderSession
+from darkbloom.coordinator.fleet.session import ProviderSession  # noqa: E402
+from darkbloom.coordinator.fleet.socket_link import SocketLink  # noqa: E402
 from darkbloom.coordinator.routing.scheduler import try_place  # noqa: E402
 from darkbloom.coordinator.routing.decision import RouteDecision
 from darkbloom.wire.crypto import b64e  # noqa: E402
@@ -57,7 +58,7 @@ def build_fleet(size: int, owned: int = 2, seed: int = 7, distinct_speeds: bool 
     for index in range(size):
         account = OWNER if index < owned else f"acct_{index:06d}"
         session = ProviderSession(id=f"prov_{index:024x}", account_id=account, machine_id=f"mach_{index:024x}",
-                                  registration=register, public_key=key, trust_level="self_signed")
+                                  registration=register, public_key=key, link=SocketLink(), trust_level="self_signed")
         session.online = True
         session.runtime_verified = True
         session.challenge_passed_at = now

@@ -17,7 +17,7 @@ from darkbloom.coordinator.console import routes as console_routes
 from darkbloom.coordinator.fleet import session_lifecycle
 from darkbloom.coordinator.fleet.registry import Registry
 from darkbloom.coordinator.http.body_limit import BodyLimitMiddleware
-from darkbloom.coordinator.http.disconnect import ClientDisconnected
+from darkbloom.coordinator.inference.disconnect import ClientDisconnected
 from darkbloom.coordinator.http.cors import add_cors
 from darkbloom.coordinator.http.errors import install_handlers
 from darkbloom.coordinator.http.allowed_methods import install_allowed_methods

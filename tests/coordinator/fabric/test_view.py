@@ -12,8 +12,7 @@ from darkbloom.coordinator.fabric import messages
 from darkbloom.coordinator.fabric.authentication import Authenticator, ReplicaKey, Roster
 from darkbloom.coordinator.fabric.connection import Connection
 from darkbloom.coordinator.fabric.holder import Holder
-from darkbloom.coordinator.fabric.outbound import Outbound
-from darkbloom.coordinator.fabric.remote_session import RemoteSession
+from darkbloom.coordinator.fabric.remote_link import Outbound, RemoteLink
 from darkbloom.coordinator.fabric.subjects import Subjects
 from darkbloom.coordinator.fabric.view import FleetView
 from darkbloom.coordinator.fleet.registry import Registry
@@ -50,7 +49,7 @@ async def test_an_announced_session_is_routable_here() -> None:
     sim = SimProvider(account="acct_owner", machine="mach_1", max_concurrency=2, decode_tps=12.0)
     announce(view, sim)
     stand_in = registry.get(sim.session.id)
-    assert isinstance(stand_in, RemoteSession) and stand_in.holder == HOLDER
+    assert stand_in is not None and isinstance(stand_in.link, RemoteLink) and stand_in.link.holder == HOLDER
     assert stand_in.registration.auth_token is None  # a device token never crosses the fabric
     public = RouteDecision(model=MODEL)
     assert first_failed_gate(stand_in, public, view.services.settings, 0.0 + stand_in.challenge_passed_at) is None
@@ -137,7 +136,8 @@ async def test_a_replica_speaks_only_for_itself_and_its_own_sessions() -> None:
                               "sessions": [messages.announcement(ours.session)]})
     view.apply("inst_other", {"replica": "inst_other", "full": False, "sessions": [], "gone": [theirs.session.id]})
     stand_in = registry.get(theirs.session.id)
-    assert isinstance(stand_in, RemoteSession) and stand_in.holder == HOLDER and not gone
+    assert stand_in is not None and isinstance(stand_in.link, RemoteLink) and stand_in.link.holder == HOLDER
+    assert not gone
     assert registry.get(ours.session.id) is ours.session
     assert dropped("impersonation") == before + 3  # the leaving for another, and two sessions it does not hold
 

@@ -14,6 +14,7 @@ from darkbloom import cli
 from darkbloom.coordinator.config import CoordinatorSettings
 from darkbloom.coordinator.fleet.enrollment import EnrollmentCA
 from darkbloom.coordinator.fleet.session import ProviderSession
+from darkbloom.coordinator.fleet.socket_link import SocketLink
 from darkbloom.coordinator.fleet.trust import (
     attestation_trust,
     certificate_problem,
@@ -163,7 +164,7 @@ def test_wrong_answers_fail(node: NodeIdentity) -> None:
 
 def _session(node: NodeIdentity) -> ProviderSession:
     return ProviderSession(id="prov_x", account_id=None, machine_id=None, registration=_register(node),
-                           public_key=None, trust_level="self_signed")
+                           public_key=None, link=SocketLink(), trust_level="self_signed")
 
 
 def test_challenge_freshness_window(node: NodeIdentity) -> None:

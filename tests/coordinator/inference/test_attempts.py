@@ -1,7 +1,7 @@
 """Getting to first content: sequential retry and the speculative backup, driven frame by frame.
 
 Each simulated session's ``outbox`` shows what the coordinator sent it (``inference_request``,
-``cancel``); the test answers for the provider by calling the attempt's ``PendingRequest`` with
+``cancel``); the test answers for the provider by calling the ``Attempt`` (the inbox it opened) with
 chunks sealed to the request's reply key. ``first_content_timeout`` is 0.4 s (backup at 0.2 s).
 """
 
@@ -14,8 +14,8 @@ import pytest
 
 from darkbloom.coordinator.inference.attempts import MAX_ATTEMPTS, Attempts
 from darkbloom.coordinator.fleet.registry import Registry
-from darkbloom.coordinator.inference.relay import ProviderFailure
-from darkbloom.coordinator.fleet.pending import PendingRequest
+from darkbloom.coordinator.inference.failures import ProviderFailure
+from darkbloom.coordinator.inference.attempt import Attempt
 from darkbloom.coordinator.routing.scheduler import try_place
 from darkbloom.coordinator.routing.decision import RouteDecision
 from tests.coordinator.routing.sim import SimProvider, chat, decision, end_as_gone, fleet, lifecycle, services, settings
@@ -26,7 +26,7 @@ BUDGET = 0.4
 
 
 def start(registry: Registry, route: RouteDecision | None = None,
-          **settings_fields: Any) -> tuple[Attempts, asyncio.Task[tuple[PendingRequest, bool]]]:
+          **settings_fields: Any) -> tuple[Attempts, asyncio.Task[tuple[Attempt, bool]]]:
     """Place the request on a session (the first placement, as the queue would) and run its attempts."""
     route = route or decision()
     svc = services(registry, settings(first_content_timeout=BUDGET, **settings_fields))

@@ -7,7 +7,8 @@ from typing import Any
 
 import pytest
 
-from darkbloom.coordinator.inference.calls import CHAT, COMPLETIONS, EMBEDDINGS, MESSAGES, RESPONSES, Edge, parse_call
+from darkbloom.coordinator.inference.calls import parse_call
+from darkbloom.wire.openai.edges import CHAT, COMPLETIONS, EMBEDDINGS, MESSAGES, RESPONSES, Edge
 from darkbloom.coordinator.money.estimation import output_token_bound, prompt_token_bound
 from darkbloom.wire.catalog import CatalogModel
 from darkbloom.wire.openai.errors import ApiError
@@ -88,7 +89,7 @@ def test_bad_bodies_are_refused_naming_the_parameter(edge: Edge, body: dict[str,
 
 
 def test_every_edge_has_its_own_id_prefix_and_path() -> None:
-    from darkbloom.coordinator.inference.calls import EDGES
+    from darkbloom.wire.openai.edges import EDGES
 
     assert len({edge.path for edge in EDGES}) == len({edge.id_prefix for edge in EDGES}) == len(EDGES)
 

@@ -6,9 +6,10 @@ from __future__ import annotations
 
 import pytest
 
-from darkbloom.coordinator.fleet.pending import FRAME_TOO_LARGE, Failed, PendingRequest
+from darkbloom.coordinator.fleet.session import FRAME_TOO_LARGE
+from darkbloom.coordinator.inference.attempt import Attempt
 from darkbloom.coordinator.fleet.slots import Slots
-from darkbloom.coordinator.inference.failures import ProviderFailure, failure_error, names_a_field
+from darkbloom.coordinator.inference.failures import Failed, ProviderFailure, failure_error, names_a_field
 from tests.coordinator.routing.sim import SimProvider
 
 BODY = {"model": "m", "messages": [{"role": "user", "content": [{"type": "text", "text": "hi"}]}],
@@ -32,10 +33,10 @@ def test_anything_else_does_not(path: str) -> None:
 
 
 def _refusal(param: str | None, code: str | None = None) -> ProviderFailure:
-    pending = PendingRequest("chatcmpl-f", Slots().claim(SimProvider().session))
-    pending.on_error(400, SECRET, param, code)
-    assert pending.failure is not None
-    return ProviderFailure(pending.failure)
+    attempt = Attempt("chatcmpl-f", Slots().claim(SimProvider().session))
+    attempt.on_error(400, SECRET, param, code)
+    assert attempt.failure is not None
+    return ProviderFailure(attempt.failure)
 
 
 def test_a_refusals_param_passes_only_when_it_names_the_callers_field() -> None:

@@ -10,7 +10,8 @@ from typing import Any
 
 import pytest
 
-from darkbloom.coordinator.inference.calls import CHAT, COMPLETIONS, MESSAGES, RESPONSES, Edge, parse_call
+from darkbloom.coordinator.inference.calls import parse_call
+from darkbloom.wire.openai.edges import CHAT, COMPLETIONS, MESSAGES, RESPONSES, Edge
 from darkbloom.wire.openai.errors import ApiError
 
 HUGE = {"type": "string", "maxLength": 20000}

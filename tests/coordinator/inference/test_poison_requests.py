@@ -16,7 +16,7 @@ from prometheus_client import REGISTRY
 
 from darkbloom.coordinator.fleet.registry import Registry
 from darkbloom.coordinator.inference.attempts import Attempts
-from darkbloom.coordinator.inference.relay import ProviderFailure
+from darkbloom.coordinator.inference.failures import ProviderFailure
 from darkbloom.coordinator.routing.scheduler import try_place
 from tests.coordinator.inference.test_attempts import BUDGET, REQUEST_ID, dispatched, start, total_active
 from tests.coordinator.routing.sim import SimProvider, chat, decision, fleet, lifecycle, services, settings
@@ -29,8 +29,7 @@ def crashed_count() -> float:
 def crash(registry: Registry, provider: SimProvider) -> None:
     """The node died on the request: its socket closed, so its session leaves and its attempts fail."""
     registry.remove(provider.session)
-    for pending in list(provider.session.pending.values()):
-        pending.on_provider_gone()
+    provider.session.disconnected()
 
 
 async def retried_after_a_crash() -> tuple[Registry, list[SimProvider], asyncio.Task[Any], SimProvider,

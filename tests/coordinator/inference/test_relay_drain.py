@@ -9,9 +9,8 @@ import asyncio
 import time
 from typing import Any, AsyncIterator, Awaitable, Callable
 
-from darkbloom.coordinator.fleet.pending import Chunk, Completed, PendingRequest
+from darkbloom.coordinator.inference.attempt import Attempt, Chunk, Completed, Deadlines
 from darkbloom.coordinator.fleet.slots import Slots
-from darkbloom.coordinator.inference import relay
 from darkbloom.wire.openai.presenters import ChatPresenter
 from darkbloom.wire.protocol import Usage
 from tests.coordinator.routing.sim import SimProvider
@@ -23,8 +22,8 @@ def _chunk(text: str) -> dict[str, Any]:
     return {"choices": [{"index": 0, "delta": {"content": text}, "finish_reason": None}]}
 
 
-def _flooded(*, head: int = 0, queued: int = CHUNKS, complete: bool = True) -> PendingRequest:
-    pending = PendingRequest("chatcmpl-drain", Slots().claim(SimProvider().session))
+def _flooded(*, head: int = 0, queued: int = CHUNKS, complete: bool = True) -> Attempt:
+    pending = Attempt("chatcmpl-drain", Slots().claim(SimProvider().session))
     pending.head.extend(_chunk("h") for _ in range(head))
     for _ in range(queued):
         pending.events.put_nowait(Chunk(_chunk("x")))
@@ -55,8 +54,8 @@ async def _ticks_while(work: Callable[[], Awaitable[Any]]) -> tuple[int, Any]:
     return ticks, result
 
 
-def _deadlines(seconds: float = 60.0) -> relay.Deadlines:
-    return relay.Deadlines(idle=seconds, until=time.monotonic() + seconds)
+def _deadlines(seconds: float = 60.0) -> Deadlines:
+    return Deadlines(idle=seconds, until=time.monotonic() + seconds)
 
 
 async def _streamed(stream: AsyncIterator[bytes]) -> bytes:
@@ -65,7 +64,7 @@ async def _streamed(stream: AsyncIterator[bytes]) -> bytes:
 
 async def test_collect_lets_the_loop_run_while_it_drains() -> None:
     pending = _flooded(head=CHUNKS)
-    ticks, body = await _ticks_while(lambda: relay.collect(pending, False, ChatPresenter("chatcmpl-1", "m", {}),
+    ticks, body = await _ticks_while(lambda: pending.collect(False, ChatPresenter("chatcmpl-1", "m", {}),
                                                            _deadlines()))
     assert body["choices"][0]["message"]["content"] == "h" * CHUNKS + "x" * CHUNKS
     assert ticks >= (2 * CHUNKS) // 64 - 2
@@ -76,7 +75,7 @@ async def test_a_stream_lets_the_loop_run_and_writes_as_it_goes() -> None:
     writes: list[bytes] = []
 
     async def drain() -> None:
-        async for part in relay.relay_chunks(pending, False, ChatPresenter("chatcmpl-1", "m", {}), _deadlines()):
+        async for part in pending.relay(False, ChatPresenter("chatcmpl-1", "m", {}), _deadlines()):
             writes.append(part)
 
     ticks, _ = await _ticks_while(drain)
@@ -88,6 +87,6 @@ async def test_a_stream_lets_the_loop_run_and_writes_as_it_goes() -> None:
 async def test_a_flood_past_the_request_deadline_is_stopped() -> None:
     pending = _flooded(queued=CHUNKS, complete=False)
     presenter = ChatPresenter("chatcmpl-1", "m", {})
-    out = await _streamed(relay.relay_chunks(pending, False, presenter, relay.Deadlines(idle=60, until=0.0)))
+    out = await _streamed(pending.relay(False, presenter, Deadlines(idle=60, until=0.0)))
     assert pending.failure is not None and pending.failure.reason == "provider_timeout"
     assert out.count(b"data: ") < 64  # stopped at the first look at the clock

@@ -14,7 +14,8 @@ from llama_cpp import llama_chat_format
 
 from darkbloom.wire.catalog import CatalogModel
 from darkbloom.coordinator.money import billing
-from darkbloom.coordinator.inference.calls import CHAT, parse_call
+from darkbloom.coordinator.inference.calls import parse_call
+from darkbloom.wire.openai.edges import CHAT
 from darkbloom.coordinator.money.estimation import output_token_bound, prompt_token_bound
 from darkbloom.provider.backends.llama_instances import CountingLlama
 from darkbloom.provider.bundled_model import bundled_gguf_path
@@ -182,7 +183,7 @@ async def test_prompt_bound_covers_what_the_node_adds_for_tools_and_schemas(back
 
 
 async def test_prompt_bound_covers_legacy_completions_and_embeddings(backend: Any) -> None:
-    from darkbloom.coordinator.inference.calls import COMPLETIONS, EMBEDDINGS
+    from darkbloom.wire.openai.edges import COMPLETIONS, EMBEDDINGS
 
     prompt = "Once upon a time, " * 20
     completion = parse_call(json.dumps({"model": "m", "prompt": prompt, "max_tokens": 2}).encode(), COMPLETIONS)

@@ -2,8 +2,9 @@
 
 A ``SimProvider`` is a real ``ProviderSession`` (built from a ``protocol.Register`` frame with a real
 X25519 key) plus the node side a test needs: it reads the frames the coordinator queued on the
-session's ``outbox`` and answers an ``inference_request`` by calling the attempt's
-``PendingRequest`` the way the socket reader would, with chunks sealed to the request's reply key.
+session's socket link (``outbox``) and answers an ``inference_request`` by calling the inbox the
+attempt opened on the session, as the socket reader's deliveries do, with chunks sealed to the
+request's reply key.
 """
 
 from __future__ import annotations
@@ -15,14 +16,16 @@ import time
 from typing import Any
 
 from darkbloom.wire.catalog import BUNDLED_MODEL_ID, CatalogModel
-from darkbloom.coordinator.inference.calls import CHAT, InferenceCall, parse_call
+from darkbloom.coordinator.inference.calls import InferenceCall, parse_call
+from darkbloom.wire.openai.edges import CHAT
 from darkbloom.coordinator.config import CoordinatorSettings
 from darkbloom.coordinator.fleet.registry import Registry
 from darkbloom.coordinator.fleet.slots import Slot, Slots
 from darkbloom.coordinator.fleet.session import ProviderSession
+from darkbloom.coordinator.fleet.socket_link import SocketLink
 from darkbloom.coordinator.routing.decision import RouteDecision
-from darkbloom.coordinator.http.auth import Caller
-from darkbloom.coordinator.inference.lifecycle import RequestLifecycle
+from darkbloom.coordinator.identity.caller import Caller
+from darkbloom.coordinator.inference.settlement import RequestLifecycle
 from darkbloom.coordinator.services import Services
 from darkbloom.wire.crypto import NodeIdentity, Sealer, open_envelope, public_key_from_b64
 from darkbloom.wire.protocol import Cancel, InferenceRequest, ModelInfo, Register, Usage, parse_coordinator_frame
@@ -82,10 +85,11 @@ class SimProvider:
             backend="sim", version="test", runtime_hash=RUNTIME, public_key=self.identity.public_key_b64,
             identity_key=self.identity.identity_key_b64, encrypted_response_chunks=encrypted,
             private_only=private_only, max_concurrency=max_concurrency)
+        self.link = SocketLink()
         self.session = ProviderSession(
             id=session_id or f"prov_sim{next(_ids):04d}", account_id=account, machine_id=machine,
             registration=register, public_key=public_key_from_b64(register.public_key) if with_key else None,
-            trust_level=trust)
+            link=self.link, trust_level=trust)
         self.session.online = online
         self.session.runtime_verified = runtime_verified
         self.session.challenge_passed_at = None if challenge_age is None else time.monotonic() - challenge_age
@@ -120,12 +124,12 @@ class SimProvider:
 
     def frames(self) -> list[Any]:
         """Read everything queued so far (non-blocking); returns all frames seen."""
-        while not self.session.outbox.empty():
-            self._take(self.session.outbox.get_nowait())
+        while not self.link.outbox.empty():
+            self._take(self.link.outbox.get_nowait())
         return self.seen
 
     async def next_frame(self, timeout: float = 2.0) -> Any:
-        return self._take(await asyncio.wait_for(self.session.outbox.get(), timeout))
+        return self._take(await asyncio.wait_for(self.link.outbox.get(), timeout))
 
     async def next_request(self, timeout: float = 2.0) -> InferenceRequest:
         while True:
@@ -152,17 +156,16 @@ class SimProvider:
         sealer = Sealer(public_key_from_b64(request.encrypted_body.ephemeral_public_key))
         chunk = {"id": "x", "object": "chat.completion.chunk", "created": 0, "model": "m",
                  "choices": [{"index": 0, "delta": {"role": "assistant", "content": text}, "finish_reason": None}]}
-        pending = self.session.pending[request_id]
-        assert pending.on_chunk(sealer.seal(json.dumps(chunk).encode()))
+        assert self.session.inboxes[request_id].on_chunk(sealer.seal(json.dumps(chunk).encode()))
 
     def complete(self, request_id: str) -> None:
-        self.session.pending[request_id].on_complete(Usage(prompt_tokens=3, completion_tokens=1))
+        self.session.inboxes[request_id].on_complete(Usage(prompt_tokens=3, completion_tokens=1))
 
     def error(self, request_id: str, status: int, message: str = "failed") -> None:
-        self.session.pending[request_id].on_error(status, message)
+        self.session.inboxes[request_id].on_error(status, message)
 
     def gone(self, request_id: str) -> None:
-        self.session.pending[request_id].on_provider_gone()
+        self.session.inboxes[request_id].on_provider_gone()
 
 
 def fleet(registry: Registry, count: int, **fields: Any) -> list[SimProvider]:

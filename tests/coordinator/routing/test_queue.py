@@ -13,7 +13,7 @@ import pytest
 from darkbloom.coordinator.routing import queue as queueing
 from darkbloom.coordinator.routing.queue import NoEligibleSession, QueueRefused, RequestQueues
 from darkbloom.coordinator.fleet.registry import Registry
-from darkbloom.coordinator.routing.scheduler import Placement
+from darkbloom.coordinator.routing.scheduler import Claim
 from darkbloom.coordinator.routing.decision import RouteDecision
 from tests.coordinator.routing.sim import MODEL, SimProvider, decision, fleet, settings
 
@@ -24,7 +24,7 @@ def queues(registry: Registry, **fields: Any) -> RequestQueues:
     return RequestQueues(registry, settings(**fields))
 
 
-async def enqueue(q: RequestQueues, d: RouteDecision) -> asyncio.Task[Placement]:
+async def enqueue(q: RequestQueues, d: RouteDecision) -> asyncio.Task[Claim]:
     """Start ``place`` and let it reach the queue."""
     task = asyncio.ensure_future(q.place(d))
     for _ in range(5):

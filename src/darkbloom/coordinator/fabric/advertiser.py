@@ -10,22 +10,19 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from typing import TYPE_CHECKING
 
 from darkbloom.coordinator.fabric import messages
 from darkbloom.coordinator.fabric.connection import Connection
 from darkbloom.coordinator.fabric.subjects import Subjects
+from darkbloom.coordinator.fleet.registry import Registry
 from darkbloom.coordinator.fleet.session import ProviderSession
-
-if TYPE_CHECKING:
-    from darkbloom.coordinator.fleet.registry import Registry
 
 log = logging.getLogger("darkbloom.fabric")
 FLUSH_DELAY = 0.005  # seconds: changes within it leave in one message (a burst of claims and releases)
 
 
 class Advertiser:
-    def __init__(self, registry: "Registry", connection: Connection, subjects: Subjects, heartbeat: float) -> None:
+    def __init__(self, registry: Registry, connection: Connection, subjects: Subjects, heartbeat: float) -> None:
         self.registry = registry
         self.connection = connection
         self.subjects = subjects
@@ -36,8 +33,8 @@ class Advertiser:
         connection.on_up(self.announce_all)
 
     def _changed(self, session: ProviderSession) -> None:
-        if session.remote:
-            return
+        if session.link.hops:
+            return  # another replica's session: its holder announces it
         self._dirty[session.id] = session
         if self._flush_at is None:
             self._flush_at = asyncio.get_running_loop().call_later(FLUSH_DELAY, self._flush)

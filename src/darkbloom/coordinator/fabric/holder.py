@@ -2,8 +2,8 @@
 
 A claim (``claim.<this>``, request/reply) takes a real slot with ``Slots.claim`` on the real session,
 under the ticket the admitting replica chose. A sealed request (``hold.<this>``) is written to the
-node's WebSocket as a local one is, and a ``Forwarder`` stands in the session's ``pending`` for it:
-the socket reader feeds it the node's frames as it would a local attempt, and it sends them on to
+node's WebSocket as a local one is, and a ``Forwarder`` is the inbox the session delivers to for it:
+the session hands it the node's frames as it would a local attempt, and it sends them on to
 ``back.<admitter>.<ticket>`` untouched (sealed chunks, usage with the session's owner now, error,
 disconnection). The slot is released when the node ends the request (complete, error, gone), when
 the admitter releases it (after a cancel, a lost race, a request that never dispatched), when the
@@ -17,7 +17,7 @@ import json
 import logging
 import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from darkbloom.coordinator.fabric import messages
 from darkbloom.coordinator.fabric.authentication import Opened, refuse
@@ -28,11 +28,9 @@ from darkbloom.coordinator.fleet.enrollment import load_ca
 from darkbloom.coordinator.fleet.session import ProviderSession
 from darkbloom.coordinator.fleet.slots import Slot
 from darkbloom.coordinator.fleet.trust import UNTRUSTED
+from darkbloom.coordinator.services import Services
 from darkbloom.wire.protocol import (MAX_REQUEST_FRAME_BYTES, Cancel, Envelope, FrameError, InferenceRequest,
                                      Usage, dump, parse_coordinator_frame)
-
-if TYPE_CHECKING:
-    from darkbloom.coordinator.services import Services
 
 log = logging.getLogger("darkbloom.fabric")
 REAP_EVERY = 1.0
@@ -56,7 +54,7 @@ class Hosted:
 
 
 class Forwarder:
-    """In a real session's ``pending`` for a remote attempt: the node's frames go back as they came."""
+    """A real session's inbox for a remote attempt: the node's frames go back as they came."""
 
     def __init__(self, holder: "Holder", hosted: Hosted, request_id: str) -> None:
         self.holder = holder
@@ -81,6 +79,9 @@ class Forwarder:
     def on_provider_gone(self) -> None:
         self._end(messages.back_gone())
 
+    def unread(self) -> int:
+        return 0  # nothing waits here: every chunk is posted as it arrives
+
     def _end(self, last: bytes) -> None:
         if not self.finished:
             self.finished = True
@@ -89,7 +90,7 @@ class Forwarder:
 
 
 class Holder:
-    def __init__(self, services: "Services", connection: Connection, subjects: Subjects) -> None:
+    def __init__(self, services: Services, connection: Connection, subjects: Subjects) -> None:
         self.services = services
         self.connection = connection
         self.subjects = subjects
@@ -116,7 +117,7 @@ class Holder:
         if hosted is not None:
             return (True, "") if hosted.admitter == admitter and hosted.session.id == session_id else (False, "busy")
         session = self.services.registry.get(session_id)
-        if session is None or session.remote or not session.online:
+        if session is None or session.link.hops or not session.online:
             return False, "gone"
         if session.untrusted_reason is not None or session.draining or not session.has_free_slot:
             return False, "busy"
@@ -130,9 +131,7 @@ class Holder:
         forwarder = hosted.forwarder
         if forwarder is not None:
             forwarder.finished = True
-            pending = hosted.session.pending
-            if pending.get(forwarder.request_id) is forwarder:
-                del pending[forwarder.request_id]
+            hosted.session.close_inbox(forwarder.request_id, forwarder)
         hosted.slot.release()
 
     def _cancel(self, hosted: Hosted) -> None:
@@ -197,7 +196,7 @@ class Holder:
                     admitter, request_id)
             return
         session = self._local(header["s"])
-        if session is not None and (request_id in session.pending or len(data) > session.registration.max_request_frame_bytes):
+        if session is not None and (request_id in session.inboxes or len(data) > session.registration.max_request_frame_bytes):
             refuse("not_a_request", "replica %s sent request %s, already on %s or too big for it", admitter,
                     request_id, session.id)
             self.connection.post(back, messages.back_gone("busy"), admitter)
@@ -208,12 +207,12 @@ class Holder:
             return
         hosted = self.hosted[ticket]
         session = hosted.session
-        if not session.online or session.close_code is not None or hosted.forwarder is not None:
+        if not session.online or session.link.closing or hosted.forwarder is not None:
             self.connection.post(back, messages.back_gone(), admitter)
             self.end(hosted)
             return
         hosted.forwarder = Forwarder(self, hosted, request_id)
-        session.pending[request_id] = hosted.forwarder  # type: ignore[assignment]  # fed like a PendingRequest
+        session.open_inbox(request_id, hosted.forwarder)
         session.send(dump(frame))
 
     def _frame(self, sender: str, header: dict[str, Any], data: bytes) -> None:
@@ -244,7 +243,7 @@ class Holder:
 
     def _local(self, session_id: str) -> ProviderSession | None:
         session = self.services.registry.get(session_id)
-        return session if session is not None and not session.remote else None
+        return session if session is not None and session.link.hops == 0 else None
 
     # the admitting replica went away, and claims nobody used
 
@@ -263,7 +262,7 @@ class Holder:
             now = time.monotonic()
             self.split_frames.reap(now - unused_after)  # split frames whose last parts never came
             for hosted in list(self.hosted.values()):
-                if hosted.session.close_code is not None and hosted.forwarder is None:
+                if hosted.session.link.closing and hosted.forwarder is None:
                     self.end(hosted)  # claimed, never used, and its session is closing
                     continue
                 age = now - hosted.claimed_at

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from typing import TYPE_CHECKING, Any, Awaitable, Callable
+from typing import Any, Awaitable, Callable
 
 from nats.aio.client import Client
 from nats.aio.msg import Msg
@@ -20,18 +20,16 @@ from darkbloom.coordinator.fabric.authentication import Authenticator, Opened, R
 from darkbloom.coordinator.fabric.connection import Connection
 from darkbloom.coordinator.fabric.holder import Holder
 from darkbloom.coordinator.fabric.nats_auth import connect_options
-from darkbloom.coordinator.fabric.outbound import Outbound
+from darkbloom.coordinator.fabric.remote_link import Outbound
 from darkbloom.coordinator.fabric.subjects import Subjects
 from darkbloom.coordinator.fabric.view import FleetView
-
-if TYPE_CHECKING:
-    from darkbloom.coordinator.services import Services
+from darkbloom.coordinator.services import Services
 
 log = logging.getLogger("darkbloom.fabric")
 
 
 class Fabric:
-    def __init__(self, services: "Services") -> None:
+    def __init__(self, services: Services) -> None:
         settings = services.settings
         assert settings.nats_url is not None
         self.services = services

@@ -1,4 +1,5 @@
-"""The other replicas' sessions, kept in this replica's registry as ``RemoteSession`` stand-ins.
+"""The other replicas' sessions, kept in this replica's registry as stand-ins: sessions whose link
+(``fabric.remote_link.RemoteLink``) goes to the replica holding them.
 
 Every announcement on ``<prefix>.fleet`` from another replica adds or updates its stand-ins (a full
 one also drops those it no longer lists). A replica silent for ``--replica-timeout`` — killed,
@@ -16,19 +17,17 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from typing import TYPE_CHECKING, Any, Callable
+from typing import Any, Callable
 
 from prometheus_client import Gauge
 
 from darkbloom.coordinator.fabric import messages
 from darkbloom.coordinator.fabric.authentication import Opened, refuse
-from darkbloom.coordinator.fabric.outbound import Outbound
-from darkbloom.coordinator.fabric.remote_session import RemoteSession
+from darkbloom.coordinator.fabric.remote_link import Outbound, RemoteLink
 from darkbloom.coordinator.fleet import slots
+from darkbloom.coordinator.fleet.session import ProviderSession
+from darkbloom.coordinator.services import Services
 from darkbloom.wire.crypto import DecryptionError, public_key_from_b64
-
-if TYPE_CHECKING:
-    from darkbloom.coordinator.services import Services
 
 log = logging.getLogger("darkbloom.fabric")
 REPLICAS = Gauge("darkbloom_fabric_replicas", "Other coordinator replicas this one hears over NATS")
@@ -36,14 +35,14 @@ REMOTE_SESSIONS = Gauge("darkbloom_fabric_remote_sessions", "Provider sessions h
 
 
 class FleetView:
-    def __init__(self, services: "Services", outbound: Outbound, on_replica_gone: Callable[[str], None]) -> None:
+    def __init__(self, services: Services, outbound: Outbound, on_replica_gone: Callable[[str], None]) -> None:
         self.services = services
         self.registry = services.registry
         self.outbound = outbound
         self.me = outbound.subjects.replica
         self.on_replica_gone = on_replica_gone
         self.heard: dict[str, float] = {}  # replica → when it was last heard (monotonic, here)
-        self.stand_ins: dict[str, RemoteSession] = {}
+        self.links: dict[str, RemoteLink] = {}  # session id → the link of its stand-in
 
     async def on_message(self, opened: Opened, msg: Any) -> None:
         try:
@@ -68,64 +67,57 @@ class FleetView:
         gone = set(body["gone"])
         if body["full"]:
             listed = {announced["id"] for announced in body["sessions"]}
-            gone |= {sid for sid, s in self.stand_ins.items() if s.holder == replica and sid not in listed}
+            gone |= {sid for sid, link in self.links.items() if link.holder == replica and sid not in listed}
         for session_id in gone:
-            stand_in = self.stand_ins.get(session_id)
-            if stand_in is not None and stand_in.holder == replica:
+            link = self.links.get(session_id)
+            if link is not None and link.holder == replica:
                 self.drop(session_id)
         self._count()
         self.services.queues.drain()  # a slot freed anywhere may place a waiter here
 
     def _upsert(self, replica: str, announced: dict[str, Any]) -> None:
         now = time.monotonic()
-        stand_in = self.stand_ins.get(announced["id"])
-        if stand_in is not None and stand_in.holder != replica or (
-                stand_in is None and self.registry.get(announced["id"]) is not None):
+        link = self.links.get(announced["id"])
+        if link is not None and link.holder != replica or (
+                link is None and self.registry.get(announced["id"]) is not None):
             # another replica's session, or one of ours
             refuse("impersonation", "replica %s announced session %s, which it does not hold", replica, announced["id"])
             return
-        if stand_in is None:
-            stand_in = self._stand_in(replica, announced, now)
-            if stand_in is not None:
-                self.stand_ins[stand_in.id] = stand_in
-                self.registry.add(stand_in)
+        if link is None:
+            link = self._stand_in(replica, announced, now)
+            self.links[link.session.id] = link
+            self.registry.add(link.session)
             return
-        stand_in.syncing = True
-        try:
-            _update(stand_in, announced, now)
-        finally:
-            stand_in.syncing = False
+        stand_in = link.session
+        _update(stand_in, announced, now)
         if announced["account_id"] is None and stand_in.account_id is not None:
             self.registry.disown(stand_in)
 
-    def _stand_in(self, replica: str, announced: dict[str, Any], now: float) -> RemoteSession | None:
+    def _stand_in(self, replica: str, announced: dict[str, Any], now: float) -> RemoteLink:
         try:
             public_key = public_key_from_b64(announced["public_key"]) if announced["public_key"] else None
         except DecryptionError:
             public_key = None
-        stand_in = RemoteSession(id=announced["id"], account_id=announced["account_id"],
-                                 machine_id=announced["machine_id"],
-                                 registration=messages.registration_of(announced),
-                                 public_key=public_key,  # type: ignore[arg-type]
-                                 holder=replica, outbound=self.outbound, syncing=True)
+        link = RemoteLink(replica, self.outbound)
+        stand_in = link.session = ProviderSession(
+            id=announced["id"], account_id=announced["account_id"], machine_id=announced["machine_id"],
+            registration=messages.registration_of(announced), public_key=public_key, link=link)
         stand_in.connected_at = now - float(announced["connected_age"])
         stand_in.last_frame_at = float("inf")  # never evicted here: its replica's silence removes it
         _update(stand_in, announced, now)
         stand_in.online = True
-        stand_in.syncing = False
-        return stand_in
+        return link
 
     def drop(self, session_id: str) -> None:
-        stand_in = self.stand_ins.pop(session_id, None)
-        if stand_in is None:
+        link = self.links.pop(session_id, None)
+        if link is None:
             return
-        self.registry.remove(stand_in)
-        for pending in list(stand_in.pending.values()):
-            pending.on_provider_gone()
+        self.registry.remove(link.session)
+        link.session.disconnected()
 
     def replica_gone(self, replica: str, why: str) -> None:
         heard = self.heard.pop(replica, None) is not None
-        dropped = [sid for sid, s in self.stand_ins.items() if s.holder == replica]
+        dropped = [sid for sid, link in self.links.items() if link.holder == replica]
         for session_id in dropped:
             self.drop(session_id)
         if heard or dropped:
@@ -147,10 +139,10 @@ class FleetView:
 
     def _count(self) -> None:
         REPLICAS.set(len(self.heard))
-        REMOTE_SESSIONS.set(len(self.stand_ins))
+        REMOTE_SESSIONS.set(len(self.links))
 
 
-def _update(stand_in: RemoteSession, announced: dict[str, Any], now: float) -> None:
+def _update(stand_in: ProviderSession, announced: dict[str, Any], now: float) -> None:
     """The holder's current facts; the one-way ones (untrusted, draining) only ever set."""
     age = announced["challenge_age"]
     stand_in.challenge_passed_at = None if age is None else now - float(age)

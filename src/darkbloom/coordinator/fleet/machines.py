@@ -57,15 +57,12 @@ def retire(services: Services, session: ProviderSession) -> None:
     and closes once idle — closed by the replica that holds it (told so when it is another one)."""
     services.registry.disown(session)
     session.draining = True
-    if session.remote:
-        session.unlinked()  # type: ignore[attr-defined]  # fabric.remote_session.RemoteSession
-    else:
-        services.spawn(_close_when_idle(services, session))
+    session.link.retire(lambda: services.spawn(_close_when_idle(services, session)))
 
 
 async def _close_when_idle(services: Services, session: ProviderSession) -> None:
     deadline = time.monotonic() + UNLINK_DRAIN_LIMIT
-    while session.pending and time.monotonic() < deadline:
+    while session.inboxes and time.monotonic() < deadline:
         await asyncio.sleep(0.1)
     await session_lifecycle.close_session(services, session)
     session.close(1000)

@@ -121,8 +121,8 @@ class Registry:
         return list(self._sessions.values())
 
     def local(self) -> list[ProviderSession]:
-        """The sessions connected to this process (not other replicas' stand-ins)."""
-        return [s for s in self._sessions.values() if not s.remote]
+        """The sessions whose socket is on this replica (not other replicas' stand-ins)."""
+        return [s for s in self._sessions.values() if s.link.hops == 0]
 
     def serving(self, model_ids: Iterable[str]) -> set[ProviderSession]:
         """Online sessions advertising any of these model ids (an id and its aliases)."""
@@ -138,7 +138,8 @@ class Registry:
         return set(self._by_machine.get(machine_id, ()))
 
     def silent_since(self, deadline: float) -> list[ProviderSession]:
-        return [s for s in self._sessions.values() if s.last_frame_at < deadline and not s.remote]
+        """Sessions that sent nothing since ``deadline`` (a stand-in never: its replica's silence removes it)."""
+        return [s for s in self._sessions.values() if s.last_frame_at < deadline]
 
     # views
 

@@ -1,46 +1,106 @@
-"""One connected provider as the coordinator sees it (a fresh ``prov_`` id per connection)."""
+"""One connected provider as the coordinator sees it (a fresh ``prov_`` id per connection).
+
+A session reaches its node through its ``Link``: the WebSocket of this replica
+(``fleet.socket_link.SocketLink``) or, for a session another replica holds, that replica
+(``fabric.remote_link.RemoteLink``). The node's frames for a request come back to the session,
+which delivers them to the ``Inbox`` the request's attempt opened when it was dispatched
+(``inference.attempt.Attempt``; on a holding replica, ``fabric.holder.Forwarder``).
+"""
 
 from __future__ import annotations
 
-import asyncio
 import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Callable, ClassVar
+from typing import Any, Callable, Protocol
 
 from nacl.public import PublicKey
 
-from darkbloom.wire.protocol import Register
-
-if TYPE_CHECKING:
-    from darkbloom.coordinator.fleet.pending import PendingRequest
-    from darkbloom.coordinator.fleet.slots import Slot
+from darkbloom.wire.protocol import Envelope, Register, Usage
 
 # what the registry's views of free sessions depend on: setting one of these calls the session's
 # ``_watch`` (the registry's, while the session is listed), whoever sets it
 WATCHED = frozenset({"_active", "decode_tps", "online", "draining", "untrusted_reason", "trust_level",
                      "runtime_verified", "public_key", "account_id"})
+FRAME_TOO_LARGE = "frame_too_large"  # the code of a failure the coordinator gives a frame it refused as too large
+
+
+class Link(Protocol):
+    """Everything that differs between a session on this replica's socket and one another replica
+    holds; nothing above the link asks which one it has."""
+
+    hops: int  # replicas between this one and the node's socket: 0 (the socket is here) or 1
+    only_proven_chunks: bool  # every chunk it carries is sealed with the node's registered key
+
+    @property
+    def closing(self) -> bool:
+        """Closing the node's socket was asked for here (that link takes no new work)."""
+
+    def send(self, frame_json: str) -> None:
+        """A frame for the node (never blocks, never interleaves with another)."""
+
+    def send_request(self, request_id: str, ticket: str | None, frame_json: str) -> None:
+        """The sealed ``inference_request`` of an attempt on the slot claimed under ``ticket``."""
+
+    def cancel(self, request_id: str, ticket: str | None) -> None:
+        """Tell the node to stop the request (it reports the usage so far)."""
+
+    def claimed(self) -> str | None:
+        """A slot was claimed: the ticket the session's holder knows the claim by (None here)."""
+
+    async def confirm(self, ticket: str | None) -> bool:
+        """Whether the slot claimed under ``ticket`` really is the session's."""
+
+    def released(self, ticket: str | None) -> None:
+        """The slot claimed under ``ticket`` was given back."""
+
+    def report_speed(self, decode_tps: float) -> None:
+        """This replica measured the session's decode speed."""
+
+    def retire(self, close_here: Callable[[], object]) -> None:
+        """The machine was unlinked: the replica whose socket it is closes the session once idle
+        (``close_here`` when that is this one)."""
+
+    def close(self, code: int = 1000) -> None:
+        """Close the node's socket once the frames queued before now are sent."""
+
+
+class Inbox(Protocol):
+    """Where a session delivers the node's frames for one request."""
+
+    def on_chunk(self, envelope: Envelope) -> bool:
+        """False when the chunk does not open (the caller distrusts the provider)."""
+
+    def on_complete(self, usage: Usage) -> bool:
+        """False when the usage is impossible for the request (the caller distrusts the provider)."""
+
+    def on_error(self, status: int, message: str, param: str | None = None, code: str | None = None) -> None:
+        """The node failed the request."""
+
+    def on_provider_gone(self) -> None:
+        """The node went away before finishing the request."""
+
+    def unread(self) -> int:
+        """Chunks delivered and not yet relayed."""
 
 
 @dataclass(eq=False)
 class ProviderSession:
     """One connected provider (a fresh ``prov_`` id per connection). With replicas, the sessions other
-    replicas hold are listed too, as ``fabric.remote_session.RemoteSession`` stand-ins (``remote``)."""
+    replicas hold are listed too, as stand-ins whose link goes to their holder."""
 
-    remote: ClassVar[bool] = False
     id: str
     account_id: str | None           # stamped from the device token at registration; None = unowned
     machine_id: str | None
     registration: Register
     public_key: PublicKey | None
+    link: Link
     trust_level: str = "none"
     connected_at: float = field(default_factory=time.monotonic)
     last_frame_at: float = field(default_factory=time.monotonic)
     _active: int = 0                  # claimed slots; only fleet.slots changes it
     online: bool = False              # listed as routable only after registration completes
-    outbox: asyncio.Queue[str | None] = field(default_factory=asyncio.Queue)
-    pending: dict[str, "PendingRequest"] = field(default_factory=dict)
+    inboxes: dict[str, Inbox] = field(default_factory=dict)  # request id → where its frames go
     advertised_models: frozenset[str] = frozenset()
-    close_code: int | None = None
     untrusted_reason: str | None = None      # set once the session fails a check; never routable again
     runtime_verified: bool = False           # runtime hash in the coordinator's allow-list
     challenge_passed_at: float | None = None  # monotonic time of the last passed attestation challenge
@@ -75,20 +135,51 @@ class ProviderSession:
     def has_free_slot(self) -> bool:
         return self.active < self.max_concurrency
 
+    @property
+    def chunks_proven(self) -> bool:
+        """Whether its chunks are sealed with the node's registered key, so that they prove their node."""
+        return self.registration.authenticated_chunks or self.link.only_proven_chunks
+
     def send(self, frame_json: str) -> None:
-        """Queue a frame for this session's single writer task (never blocks, never interleaves)."""
-        self.outbox.put_nowait(frame_json)
-
-    def send_request(self, pending: "PendingRequest", frame_json: str) -> None:
-        """Send the sealed ``inference_request`` of an attempt on one of this session's slots."""
-        self.send(frame_json)
-
-    async def confirm(self, slot: "Slot") -> bool:
-        """Whether a slot claimed here is really this session's (always, for a session of this process)."""
-        return True
+        self.link.send(frame_json)
 
     def close(self, code: int = 1000) -> None:
-        """Ask the writer to close the socket once the frames queued before now are sent."""
-        if self.close_code is None:
-            self.close_code = code
-            self.outbox.put_nowait(None)
+        self.link.close(code)
+
+    # the node's frames, delivered to the inbox of their request (none: the request is over here)
+
+    def open_inbox(self, request_id: str, inbox: Inbox) -> None:
+        self.inboxes[request_id] = inbox
+
+    def close_inbox(self, request_id: str, inbox: Inbox) -> None:
+        """Later frames for the request are ignored."""
+        if self.inboxes.get(request_id) is inbox:
+            del self.inboxes[request_id]
+
+    def deliver_chunk(self, request_id: str, envelope: Envelope) -> bool:
+        inbox = self.inboxes.get(request_id)
+        return inbox is None or inbox.on_chunk(envelope)
+
+    def deliver_complete(self, request_id: str, usage: Usage) -> bool:
+        inbox = self.inboxes.get(request_id)
+        return inbox is None or inbox.on_complete(usage)
+
+    def deliver_error(self, request_id: str, status: int, message: str, param: str | None = None,
+                      code: str | None = None) -> None:
+        inbox = self.inboxes.get(request_id)
+        if inbox is not None:
+            inbox.on_error(status, message, param, code)
+
+    def deliver_gone(self, request_id: str) -> None:
+        inbox = self.inboxes.get(request_id)
+        if inbox is not None:
+            inbox.on_provider_gone()
+
+    def unread(self, request_id: str) -> int:
+        inbox = self.inboxes.get(request_id)
+        return 0 if inbox is None else inbox.unread()
+
+    def disconnected(self) -> None:
+        """The node is gone: every request still on the session fails as a disconnected provider's."""
+        for inbox in list(self.inboxes.values()):
+            inbox.on_provider_gone()

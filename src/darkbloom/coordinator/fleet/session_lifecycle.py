@@ -22,7 +22,7 @@ import time
 from dataclasses import dataclass
 
 from darkbloom.coordinator.fleet.enrollment import EnrollmentCA, load_ca
-from darkbloom.coordinator.fleet.session import ProviderSession
+from darkbloom.coordinator.fleet.session import Link, ProviderSession
 from darkbloom.coordinator.services import Services
 from darkbloom.coordinator.fleet.trust import (
     UNTRUSTED,
@@ -57,8 +57,9 @@ async def _owner_of(services: Services, auth_token: str | None) -> tuple[str, st
         return await devices.token_owner(conn, token_hash(auth_token))
 
 
-async def open_session(services: Services, registration: Register) -> ProviderSession:
-    """Create the session; the owner comes only from the device token, never from the frame."""
+async def open_session(services: Services, registration: Register, link: Link) -> ProviderSession:
+    """Create the session, reached through ``link``; the owner comes only from the device token,
+    never from the frame."""
     owner = await _owner_of(services, registration.auth_token)
     try:
         public_key = public_key_from_b64(registration.public_key)
@@ -66,7 +67,7 @@ async def open_session(services: Services, registration: Register) -> ProviderSe
         public_key = None
     session = ProviderSession(
         id=new_id("prov_"), account_id=owner[0] if owner else None, machine_id=owner[1] if owner else None,
-        registration=registration, public_key=public_key,  # type: ignore[arg-type]
+        registration=registration, public_key=public_key, link=link,
         trust_level=await _registration_trust(services, registration) if public_key is not None else "none")
     session.runtime_verified = runtime_allowed(services.settings, registration.runtime_hash)
     if not session.runtime_verified:
@@ -116,7 +117,7 @@ async def run_trust(services: Services, session: ProviderSession) -> None:
 
 async def complete_registration(services: Services, session: ProviderSession) -> None:
     """After the first challenge: list the session (online, routable if trusted) and tell the node."""
-    if session.close_code is not None:
+    if session.link.closing:
         return  # the socket is closing; never list it
     services.registry.add(session)
     session.send(dump(Registered(provider_id=session.id, account_id=session.account_id,
@@ -136,8 +137,7 @@ async def close_session(services: Services, session: ProviderSession) -> None:
     """Take the session out of routing and fail whatever it was serving. Idempotent."""
     if not services.registry.remove(session):
         return
-    for pending in list(session.pending.values()):
-        pending.on_provider_gone()
+    session.disconnected()
     log.info("provider %s disconnected", session.id)
     await _record_machine(services, session)
 

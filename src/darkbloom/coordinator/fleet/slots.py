@@ -27,11 +27,11 @@ Ties = list[list[ProviderSession]]  # the members of equally ranked buckets (one
 class Slot:
     __slots__ = ("session", "_book", "released", "ticket")
 
-    def __init__(self, session: ProviderSession, book: "Slots") -> None:
+    def __init__(self, session: ProviderSession, book: "Slots", ticket: str | None = None) -> None:
         self.session = session
         self._book = book
         self.released = False
-        self.ticket: str | None = None  # a slot on another replica's session: its claim there
+        self.ticket = ticket  # what the session's link knows the claim by (a claim on another replica)
 
     def release(self) -> None:
         if not self.released:
@@ -48,19 +48,13 @@ class Slots:
 
     def claim(self, session: ProviderSession) -> Slot:
         session._active += 1  # the session reports the change to the registry's views
-        slot = Slot(session, self)
-        if session.remote:
-            session.claimed(slot)  # type: ignore[attr-defined]  # fabric.remote_session: a ticket for the holder
-        return slot
+        return Slot(session, self, session.link.claimed())
 
     def _give_back(self, slot: Slot) -> None:
         session = slot.session
-        if session.remote:
-            # another replica's count, overwritten by its announcements: never below zero here
-            session._active = max(0, session._active - 1)
-            session.released(slot)  # type: ignore[attr-defined]
-        else:
-            session._active -= 1
+        # never below zero: a stand-in's count is its holder's, overwritten by the announcements
+        session._active = max(0, session._active - 1)
+        session.link.released(slot.ticket)
         for listener in self._listeners:
             listener()
 
@@ -68,7 +62,6 @@ class Slots:
 def mirror(session: ProviderSession, active: int) -> None:
     """A stand-in for another replica's session takes the count its holder announced (or, until the
     next announcement, a full one): with claim and release, the only writes to a session's count."""
-    assert session.remote, "a local session's count moves only by claim and release"
     session._active = active
 
 

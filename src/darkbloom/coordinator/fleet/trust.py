@@ -20,15 +20,12 @@ from __future__ import annotations
 import json
 import os
 import time
-from typing import TYPE_CHECKING
 
 from darkbloom.coordinator.config import TRUST_LEVELS, CoordinatorSettings
+from darkbloom.coordinator.fleet.enrollment import EnrollmentCA
+from darkbloom.coordinator.fleet.session import ProviderSession
 from darkbloom.wire.crypto import attestation_body, b64d, b64e, challenge_message, verify_signature
 from darkbloom.wire.protocol import AttestationChallenge, AttestationResponse, Register
-
-if TYPE_CHECKING:
-    from darkbloom.coordinator.fleet.enrollment import EnrollmentCA
-    from darkbloom.coordinator.fleet.session import ProviderSession
 
 ATTESTATION_SKEW_SECONDS = 120
 CHALLENGE_NONCE_BYTES = 32
@@ -55,7 +52,7 @@ def attestation_trust(registration: Register, now: float | None = None) -> str:
     return "self_signed" if verify_signature(registration.identity_key, body, signature) else "none"
 
 
-def certificate_problem(registration: Register, ca: "EnrollmentCA | None", now: float | None = None) -> str | None:
+def certificate_problem(registration: Register, ca: EnrollmentCA | None, now: float | None = None) -> str | None:
     """Why the registration's certificate does not prove ``hardware``, or None when it does."""
     if not registration.certificate:
         return "no certificate presented"
@@ -64,7 +61,7 @@ def certificate_problem(registration: Register, ca: "EnrollmentCA | None", now: 
     return ca.verify(registration.certificate, registration.identity_key, now)
 
 
-def registration_trust(registration: Register, ca: "EnrollmentCA | None", now: float | None = None) -> str:
+def registration_trust(registration: Register, ca: EnrollmentCA | None, now: float | None = None) -> str:
     """The level a registration proves: ``hardware`` needs a valid attestation *and* a certificate
     from ``ca`` for the registration's identity key; a certificate never lifts a bad attestation."""
     level = attestation_trust(registration, now)
@@ -77,7 +74,7 @@ def runtime_allowed(settings: CoordinatorSettings, runtime_hash: str) -> bool:
     return bool(runtime_hash) and runtime_hash in settings.runtime_allow_list
 
 
-def effective_trust(session: "ProviderSession") -> str:
+def effective_trust(session: ProviderSession) -> str:
     """What users and the node see: ``untrusted`` once a check failed, else the proven level."""
     return UNTRUSTED if session.untrusted_reason is not None else session.trust_level
 
@@ -87,7 +84,7 @@ def trust_at_least(level: str, floor: str) -> bool:
     return level in _RANK and _RANK[level] >= _RANK[floor]
 
 
-def challenge_fresh(session: "ProviderSession", settings: CoordinatorSettings, now: float | None = None) -> bool:
+def challenge_fresh(session: ProviderSession, settings: CoordinatorSettings, now: float | None = None) -> bool:
     """The session's last passed challenge is at most ``challenge_freshness`` seconds old
     (``now`` on the ``time.monotonic()`` clock). Says nothing about ``untrusted_reason``."""
     passed = session.challenge_passed_at

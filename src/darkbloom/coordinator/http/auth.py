@@ -1,33 +1,20 @@
 """Who is calling: consumer API keys (dk-), console sessions (dks-), device tokens (dkp-), admin.
-Tokens resolve through the process's AuthCache (coordinator/identity/auth_cache.py)."""
+Tokens resolve through the process's AuthCache (coordinator/identity/auth_cache.py) to a ``Caller``
+(coordinator/identity/caller.py)."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any
 
 from fastapi import Depends, Request
 from sqlalchemy.ext.asyncio import AsyncEngine
 
 from darkbloom.coordinator.identity.auth_cache import Grant, key_subject, machine_subject, session_subject
+from darkbloom.coordinator.identity.caller import Caller, CallerKind
 from darkbloom.coordinator.services import Services, get_services
 from darkbloom.wire.openai.errors import ApiError, unauthorized
 from darkbloom.wire.crypto import constant_time_equal, token_hash
 from darkbloom.store import console_sessions, devices, keys
-
-CallerKind = Literal["api_key", "console_session", "device"]
-
-
-@dataclass(frozen=True)
-class Caller:
-    account_id: str
-    kind: CallerKind
-    key: dict[str, Any] | None = None  # the API key row when kind == "api_key"
-    machine_id: str | None = None      # the machine when kind == "device"
-
-    @property
-    def key_id(self) -> str | None:
-        return self.key["id"] if self.key else None
 
 
 def bearer_token(request: Request) -> str | None:

@@ -26,16 +26,14 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from typing import TYPE_CHECKING, Any, AsyncIterator
+from typing import Any, AsyncIterator
 
 from prometheus_client import Gauge
 from sqlalchemy import text
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
 
 from darkbloom.coordinator.identity.auth_cache import AuthCache
-
-if TYPE_CHECKING:
-    from darkbloom.coordinator.services import Services
+from darkbloom.coordinator.services import Services
 
 log = logging.getLogger("darkbloom.auth")
 

@@ -21,13 +21,12 @@ import time
 
 from prometheus_client import Counter
 
-from darkbloom.coordinator.fleet.pending import PendingRequest
-from darkbloom.coordinator.inference import relay
+from darkbloom.coordinator.inference.attempt import Attempt
 from darkbloom.coordinator.inference.calls import InferenceCall
-from darkbloom.coordinator.inference.failures import ProviderFailure, crashed_providers
-from darkbloom.coordinator.inference.lifecycle import RequestLifecycle
+from darkbloom.coordinator.inference.failures import ProviderFailure, crashed_providers, timed_out
+from darkbloom.coordinator.inference.settlement import RequestLifecycle
 from darkbloom.coordinator.routing.decision import RouteDecision
-from darkbloom.coordinator.routing.scheduler import Placement, claim, select_idle_or_free
+from darkbloom.coordinator.routing.scheduler import Claim, claim, select_idle_or_free
 
 log = logging.getLogger("darkbloom.attempts")
 MAX_ATTEMPTS = 3
@@ -56,46 +55,46 @@ class Attempts:
         self.taken_down = 0  # sessions that went away with this request before any output
         self.sent_since_takedown: int | None = None  # attempts sent after (or still live at) the first
 
-    def _dispatch(self, placement: Placement) -> PendingRequest:
-        pending = relay.dispatch(placement.slot, self.call, placement.provider_model_id, self.request_id,
-                                 self.max_tokens, self.life.usage_bounds)
-        self.life.track(pending)
+    def _dispatch(self, claimed: Claim) -> Attempt:
+        attempt = Attempt(self.request_id, claimed.slot, self.life.usage_bounds, self.call.api)
+        attempt.dispatch(self.call, claimed.provider_model_id, self.max_tokens)
+        self.life.track(attempt)
         if self.sent_since_takedown is not None:
             self.sent_since_takedown += 1
-        return pending
+        return attempt
 
-    def _drop(self, pending: PendingRequest) -> None:
-        relay.abandon(pending)
-        self.decision.excluded.add(pending.session.id)
+    def _drop(self, attempt: Attempt) -> None:
+        attempt.abandon()
+        self.decision.excluded.add(attempt.session.id)
 
-    def _failed(self, pending: PendingRequest, still_live: int = 0) -> None:
+    def _failed(self, attempt: Attempt, still_live: int = 0) -> None:
         """Drop a failed attempt, counting its session when the request took it down."""
-        if pending.sent and not pending.session.online:
+        if attempt.sent and not attempt.session.online:
             self.taken_down += 1
             if self.sent_since_takedown is None:
                 self.sent_since_takedown = still_live  # a backup racing it already is the one more session
-        self._drop(pending)
+        self._drop(attempt)
 
     @property
     def _may_send_more(self) -> bool:
         return self.sent_since_takedown is None or self.sent_since_takedown == 0
 
-    async def run(self, first: Placement) -> tuple[PendingRequest, bool]:
+    async def run(self, first: Claim) -> tuple[Attempt, bool]:
         """The winning attempt (also recorded on the lifecycle) and whether it already completed;
         raises the last ProviderFailure."""
-        placement: Placement | None = first
+        claimed: Claim | None = first
         failure: ProviderFailure | None = None
-        for attempt in range(1, MAX_ATTEMPTS + 1):
-            assert placement is not None
-            primary = self._dispatch(placement)
+        for number in range(1, MAX_ATTEMPTS + 1):
+            assert claimed is not None
+            primary = self._dispatch(claimed)
             try:
                 winner, completed = await self._first_content(primary)
                 self.life.serve_with(winner)
                 return winner, completed
             except ProviderFailure as exc:
                 failure = exc
-                log.info("request %s: attempt %d on %s failed: %s", self.request_id, attempt,
-                         placement.session.id, exc.failure.reason)
+                log.info("request %s: attempt %d on %s failed: %s", self.request_id, number,
+                         claimed.session.id, exc.failure.reason)
                 if not retryable(exc):
                     raise
             if self.taken_down >= SESSIONS_A_REQUEST_MAY_TAKE_DOWN:
@@ -103,28 +102,28 @@ class Attempts:
                 log.warning("request %s took down %d provider sessions before any output: not tried again",
                             self.request_id, self.taken_down)
                 raise crashed_providers()
-            if attempt == MAX_ATTEMPTS or not self._may_send_more:
+            if number == MAX_ATTEMPTS or not self._may_send_more:
                 break  # claiming another slot now would leak it: nothing would ever dispatch or release it
-            placement = self._idle_or_free(require_idle=False)
-            if placement is None:
+            claimed = self._idle_or_free(require_idle=False)
+            if claimed is None:
                 break
         assert failure is not None
         raise failure
 
-    def _idle_or_free(self, *, require_idle: bool, owned_only: bool = False) -> Placement | None:
+    def _idle_or_free(self, *, require_idle: bool, owned_only: bool = False) -> Claim | None:
         decision = dataclasses.replace(self.decision, owned_only=True) if owned_only else self.decision
         session = select_idle_or_free(self.services.registry, decision, self.services.settings, require_idle)
         if session is None:
             return None
-        placement = claim(self.services.registry, session, decision)
-        self.life.hold(placement.slot)
-        return placement
+        claimed = claim(self.services.registry, session, decision)
+        self.life.hold(claimed.slot)
+        return claimed
 
-    async def _first_content(self, primary: PendingRequest) -> tuple[PendingRequest, bool]:
+    async def _first_content(self, primary: Attempt) -> tuple[Attempt, bool]:
         budget = self.services.settings.first_content_timeout
         started = time.monotonic()
         try:
-            return primary, await relay.first_content(primary, started + budget / 2)
+            return primary, await primary.first_content(started + budget / 2)
         except ProviderFailure:
             self._failed(primary)
             raise
@@ -132,43 +131,43 @@ class Attempts:
             pass
         # a prefer request served by an owned session never gets a paid backup
         owned_primary = self.decision.owns(primary.session)
-        placement = (self._idle_or_free(require_idle=True, owned_only=owned_primary)
-                     if self.sent_since_takedown is None else None)
-        if placement is None:
+        claimed = (self._idle_or_free(require_idle=True, owned_only=owned_primary)
+                   if self.sent_since_takedown is None else None)
+        if claimed is None:
             try:
-                return primary, await relay.first_content(primary, started + budget)
+                return primary, await primary.first_content(started + budget)
             except TimeoutError:
                 self._drop(primary)
-                raise relay.timed_out(budget) from None
+                raise timed_out(budget) from None
             except ProviderFailure:
                 self._failed(primary)
                 raise
-        backup = self._dispatch(placement)
+        backup = self._dispatch(claimed)
         log.info("request %s: %s silent after %.1f s, backup on %s", self.request_id, primary.session.id,
                  budget / 2, backup.session.id)
         return await self._race(primary, backup, {primary: started + budget,
                                                   backup: time.monotonic() + budget})
 
-    async def _race(self, primary: PendingRequest, backup: PendingRequest,
-                    deadlines: dict[PendingRequest, float]) -> tuple[PendingRequest, bool]:
-        tasks = {asyncio.ensure_future(relay.first_content(p, deadlines[p])): p for p in (primary, backup)}
+    async def _race(self, primary: Attempt, backup: Attempt,
+                    deadlines: dict[Attempt, float]) -> tuple[Attempt, bool]:
+        tasks = {asyncio.ensure_future(a.first_content(deadlines[a])): a for a in (primary, backup)}
         failure: ProviderFailure | None = None
         try:
             while tasks:
                 done, _ = await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
                 for task in done:
-                    pending = tasks.pop(task)
+                    attempt = tasks.pop(task)
                     try:
                         completed = task.result()
                     except (ProviderFailure, TimeoutError) as exc:
-                        failure = exc if isinstance(exc, ProviderFailure) else relay.timed_out(
+                        failure = exc if isinstance(exc, ProviderFailure) else timed_out(
                             self.services.settings.first_content_timeout)
-                        self._failed(pending, still_live=len(tasks))
+                        self._failed(attempt, still_live=len(tasks))
                         continue
                     for other_task, other in tasks.items():
                         other_task.cancel()
                         self._drop(other)
-                    return pending, completed
+                    return attempt, completed
         finally:
             for task in tasks:
                 task.cancel()

@@ -13,16 +13,13 @@ import json
 from dataclasses import dataclass
 from typing import Any, Iterator
 
-from darkbloom.coordinator.inference.chat_request import chat_needs, validate_chat_body
+from darkbloom.coordinator.inference.chat_validation import chat_needs, validate_chat_body
 from darkbloom.wire.openai.body import parse_json_object
-from darkbloom.wire.openai.edges import CHAT, COMPLETIONS, EDGES, EMBEDDINGS, MESSAGES, RESPONSES, Edge
+from darkbloom.wire.openai.edges import Edge
 from darkbloom.wire.openai.errors import invalid_request
 from darkbloom.wire.openai.presenters import Presenter
 from darkbloom.wire.protocol import Api
 from darkbloom.wire.schema_bounds import repetition_problem
-
-__all__ = ["CHAT", "COMPLETIONS", "EDGES", "EMBEDDINGS", "MESSAGES", "RESPONSES", "Edge", "InferenceCall",
-           "parse_call"]
 
 
 @dataclass(frozen=True)

@@ -1,15 +1,16 @@
-"""What a consumer is told when its provider fails: always the coordinator's own sentence, before the
-answer started (an HTTP error) or after (the stream's error event). Of a provider's refusal only
-``param`` may pass, and only when it names a path of the caller's own body; and ``code`` when it
-is one the coordinator knows.
+"""How an attempt fails (``Failed``, ``ProviderFailure``), and what a consumer is told when its provider
+fails: always the coordinator's own sentence, before the answer started (an HTTP error) or after
+(the stream's error event). Of a provider's refusal only ``param`` may pass, and only when it names a
+path of the caller's own body; and ``code`` when it is one the coordinator knows.
 """
 
 from __future__ import annotations
 
 import re
+from dataclasses import dataclass
 from typing import Any
 
-from darkbloom.coordinator.fleet.pending import FRAME_TOO_LARGE, Failed
+from darkbloom.coordinator.fleet.session import FRAME_TOO_LARGE
 from darkbloom.wire.openai.errors import ApiError
 from darkbloom.wire.protocol import MAX_FRAME_BYTES
 
@@ -29,6 +30,17 @@ CRASHED_PROVIDERS = "request_crashed_providers"
 _CRASHED_MESSAGE = ("This request ended the connections of two providers before any output, so it was not "
                     "tried on another one. Change the request (a very large schema bound, say) before retrying.")
 _PATH_STEP = re.compile(r"\.?([^.\[\]]+)|\[(\d+)\]")
+
+
+@dataclass(frozen=True)
+class Failed:
+    """How an attempt failed, as its last event."""
+
+    status: int
+    message: str  # always the coordinator's own sentence, never the provider's text
+    reason: str  # provider_error | provider_unavailable | provider_timeout | untrusted_chunk | untrusted_usage
+    param: str | None = None  # for a request the provider refused: which parameter
+    code: str | None = None   # and why, from PROVIDER_ERROR_CODES (or FRAME_TOO_LARGE, the coordinator's own)
 
 
 class ProviderFailure(Exception):
@@ -68,6 +80,11 @@ class ProviderFailure(Exception):
         if failure.reason == "provider_error":
             return ApiError(502, "provider_error", _PROVIDER_FAULT_MESSAGE)
         return ApiError(502, failure.reason, failure.message)
+
+
+def timed_out(budget: float) -> ProviderFailure:
+    """The failure of an attempt that produced nothing within the first-content budget."""
+    return ProviderFailure(Failed(504, f"The provider produced no output within {budget:g} s.", "provider_timeout"))
 
 
 def crashed_providers() -> ProviderFailure:

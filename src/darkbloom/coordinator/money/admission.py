@@ -4,7 +4,7 @@ estimates) and the reservation amount. What a request took is kept — and given
 
 from __future__ import annotations
 
-from darkbloom.coordinator.http.auth import Caller
+from darkbloom.coordinator.identity.caller import Caller
 from darkbloom.coordinator.money.ratelimit import Bucket, Charge, Decision, Dimension, RateLimiterUnavailable
 from darkbloom.coordinator.services import Services
 from darkbloom.wire.openai.errors import ApiError

@@ -7,7 +7,7 @@ import time
 from typing import Any
 
 from darkbloom.wire.catalog import MAX_MODEL_ID, CatalogModel
-from darkbloom.coordinator.http.auth import Caller
+from darkbloom.coordinator.identity.caller import Caller
 from darkbloom.wire.openai.errors import ApiError
 from darkbloom.coordinator.routing.scheduler import routable_public
 from darkbloom.coordinator.routing.decision import RouteDecision

@@ -8,13 +8,13 @@ import dataclasses
 from typing import Callable
 
 from darkbloom.coordinator.fleet.slots import Slot
-from darkbloom.coordinator.http.auth import Caller
+from darkbloom.coordinator.identity.caller import Caller
 from darkbloom.coordinator.routing import selfroute
 from darkbloom.coordinator.routing.decision import RouteDecision
 from darkbloom.coordinator.routing.gates import CAPABILITY_GATE
 from darkbloom.coordinator.routing.policy import Policy
 from darkbloom.coordinator.routing.queue import NoEligibleSession, QueueRefused
-from darkbloom.coordinator.routing.scheduler import Placement, survey
+from darkbloom.coordinator.routing.scheduler import Claim, survey
 from darkbloom.coordinator.services import Services
 from darkbloom.wire.catalog import MAX_MODEL_ID, CatalogModel
 from darkbloom.wire.openai.errors import ApiError
@@ -53,21 +53,21 @@ def decide(services: Services, policy: Policy, model: CatalogModel, *, needs: fr
 
 
 async def place(services: Services, decision: RouteDecision, policy: Policy,
-                hold: Callable[[Slot], None]) -> Placement:
+                hold: Callable[[Slot], None]) -> Claim:
     """A claimed slot now or after the queue; otherwise the named error of why not. ``hold`` takes each
-    claimed slot at once (the request's lifecycle, which gives it back on every end). A slot on another
-    replica's session is confirmed there first (one NATS round trip); when that replica says the
-    session is busy or gone, the slot is given back and the request placed again, as if that slot had
-    not been free."""
+    claimed slot at once (the request's lifecycle, which gives it back on every end). The session's
+    link confirms the claim (at once here; one NATS round trip for another replica's session); when
+    it is refused (the session is busy or gone there), the slot is given back and the request placed
+    again, as if that slot had not been free."""
     while True:
-        placement = await _place(services, decision, policy)
-        hold(placement.slot)
-        if not placement.session.remote or await placement.session.confirm(placement.slot):
-            return placement
-        placement.slot.release()
+        claimed = await _place(services, decision, policy)
+        hold(claimed.slot)
+        if await claimed.session.link.confirm(claimed.slot.ticket):
+            return claimed
+        claimed.slot.release()
 
 
-async def _place(services: Services, decision: RouteDecision, policy: Policy) -> Placement:
+async def _place(services: Services, decision: RouteDecision, policy: Policy) -> Claim:
     try:
         return await services.queues.place(decision)
     except NoEligibleSession as exc:

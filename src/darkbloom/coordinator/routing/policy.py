@@ -13,7 +13,7 @@ from typing import Literal
 
 from starlette.datastructures import Headers
 
-from darkbloom.coordinator.http.auth import Caller
+from darkbloom.coordinator.identity.caller import Caller
 from darkbloom.wire.openai.errors import ApiError, invalid_request
 
 RouteMode = Literal["public", "exclusive", "prefer"]

@@ -22,7 +22,7 @@ from typing import Callable
 
 from darkbloom.coordinator.config import CoordinatorSettings
 from darkbloom.coordinator.fleet.registry import Registry
-from darkbloom.coordinator.routing.scheduler import Placement, Survey, any_eligible, survey, try_place
+from darkbloom.coordinator.routing.scheduler import Claim, Survey, any_eligible, survey, try_place
 from darkbloom.coordinator.routing.decision import RouteDecision
 
 log = logging.getLogger("darkbloom.queue")
@@ -56,7 +56,7 @@ class QueueRefused(Exception):
 @dataclass(eq=False)
 class _Waiter:
     decision: RouteDecision
-    future: asyncio.Future[Placement]
+    future: asyncio.Future[Claim]
     enqueued_at: float = field(default_factory=time.monotonic)
 
 
@@ -72,7 +72,7 @@ class RequestQueues:
     def depth(self, model_id: str) -> int:
         return len(self._queues.get(model_id, ()))
 
-    async def place(self, decision: RouteDecision) -> Placement:
+    async def place(self, decision: RouteDecision) -> Claim:
         """A claimed slot now, or after waiting in the model's queue; raises NoEligibleSession or QueueRefused."""
         if not self._queues.get(decision.model.id):
             placement = try_place(self.registry, decision, self.settings)

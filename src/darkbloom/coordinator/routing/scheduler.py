@@ -35,7 +35,7 @@ REJECTIONS = Counter("darkbloom_scheduler_rejections_total", "Sessions a gate tu
 
 
 @dataclass(frozen=True)
-class Placement:
+class Claim:
     """A claimed slot on a session that can serve the request, and the model id it knows it by."""
 
     slot: Slot
@@ -110,13 +110,13 @@ def choose(available: list[ProviderSession], decision: RouteDecision) -> Optiona
     return random.choice([s for s in pool if expected_wait(s) == best])
 
 
-def claim(registry: Registry, session: ProviderSession, decision: RouteDecision) -> Placement:
+def claim(registry: Registry, session: ProviderSession, decision: RouteDecision) -> Claim:
     provider_model_id = next(name for name in decision.names if name in session.advertised_models)
-    return Placement(registry.slots.claim(session), provider_model_id, owned=decision.owns(session))
+    return Claim(registry.slots.claim(session), provider_model_id, owned=decision.owns(session))
 
 
 def try_place(registry: Registry, decision: RouteDecision, settings: CoordinatorSettings,
-              found: Survey | None = None) -> Placement | None:
+              found: Survey | None = None) -> Claim | None:
     """Select and claim; from ``found`` (a survey already made) when given."""
     session = choose(found.available, decision) if found is not None else select(registry, decision, settings)
     return claim(registry, session, decision) if session is not None else None

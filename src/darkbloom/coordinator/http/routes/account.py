@@ -9,7 +9,8 @@ from fastapi.responses import JSONResponse
 
 from darkbloom.coordinator.identity import console_login
 from darkbloom.coordinator.identity.auth_throttle import client_address
-from darkbloom.coordinator.http.auth import Caller, bearer_token, require_account_writer, require_caller
+from darkbloom.coordinator.http.auth import bearer_token, require_account_writer, require_caller
+from darkbloom.coordinator.identity.caller import Caller
 from darkbloom.coordinator.http.json_body import json_object
 from darkbloom.coordinator.fleet.machines import linked_machines, unlink_machine
 from darkbloom.coordinator.services import Services, get_services

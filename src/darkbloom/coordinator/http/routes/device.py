@@ -7,7 +7,8 @@ from typing import Any
 from fastapi import APIRouter, Depends, Request
 
 from darkbloom.coordinator.identity import device_login
-from darkbloom.coordinator.http.auth import Caller, require_account_writer
+from darkbloom.coordinator.http.auth import require_account_writer
+from darkbloom.coordinator.identity.caller import Caller
 from darkbloom.coordinator.http.json_body import json_object
 from darkbloom.coordinator.services import Services, get_services
 

@@ -1,6 +1,6 @@
 """Inference routes — chat completions, the Responses API, Anthropic Messages, legacy completions,
-embeddings — one handler over one pipeline (``inference.calls`` says how each API translates); and
-the model list."""
+embeddings — one handler that hands each request to ``inference.serving.serve`` (``wire.openai.edges``
+says how each API translates); and the model list."""
 
 from __future__ import annotations
 
@@ -9,31 +9,16 @@ from typing import Awaitable, Callable
 from fastapi import APIRouter, Depends, FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
-from darkbloom.coordinator.http.auth import Caller, require_caller
-from darkbloom.coordinator.http.sealed_body import is_sealed, unseal
-from darkbloom.coordinator.inference.calls import EDGES, Edge, parse_call
-from darkbloom.coordinator.inference.lifecycle import RequestLifecycle
-from darkbloom.coordinator.inference.pipeline import new_request_id, serve
-from darkbloom.coordinator.money.admission import request_charges
+from darkbloom.coordinator.http.auth import require_caller
+from darkbloom.coordinator.http.sealed_body import Unsealed, is_sealed, unseal
+from darkbloom.coordinator.identity.caller import Caller
+from darkbloom.coordinator.inference.serving import serve
 from darkbloom.coordinator.routing.model_views import list_models, model_entry, owned_models
 from darkbloom.coordinator.routing.policy import resolve_policy
 from darkbloom.coordinator.services import Services, get_services
+from darkbloom.wire.openai.edges import EDGES, Edge
 
 router = APIRouter()
-
-
-async def _serve(edge: Edge, request: Request, caller: Caller, services: Services) -> StreamingResponse | JSONResponse:
-    unsealed = None
-    async with RequestLifecycle(services, caller, new_request_id(edge)) as life:
-        request.state.request_id = life.request_id  # also on an error answer (wire.openai.handlers)
-        await life.charge_rates(request_charges(services, caller))  # RPM, before the body is read
-        raw = await request.body()
-        if is_sealed(request.headers.get("content-type")):
-            unsealed = unseal(raw, services.consumer_key)
-            raw = unsealed.plaintext
-        call = parse_call(raw, edge)
-        response = await serve(life, call, resolve_policy(request.headers, caller), request)
-    return unsealed.seal_response(response) if unsealed else response
 
 
 def add_inference_routes(app: FastAPI) -> None:
@@ -49,8 +34,30 @@ def add_inference_routes(app: FastAPI) -> None:
 def _endpoint(edge: Edge) -> Callable[[Request], Awaitable[StreamingResponse | JSONResponse]]:
     async def endpoint(request: Request) -> StreamingResponse | JSONResponse:
         services: Services = request.app.state.services
-        return await _serve(edge, request, await require_caller(request, services), services)
+        caller = await require_caller(request, services)
+        body = _Body(request, services)
+        return body.answered(await serve(edge, request, caller, services, body.read))
     return endpoint
+
+
+class _Body:
+    """A request's body as the serving function reads it (after the RPM charge): opened when it came
+    sealed to the coordinator's key, whose answer then goes back sealed the same way."""
+
+    def __init__(self, request: Request, services: Services) -> None:
+        self._request = request
+        self._services = services
+        self._unsealed: Unsealed | None = None
+
+    async def read(self) -> bytes:
+        raw = await self._request.body()
+        if not is_sealed(self._request.headers.get("content-type")):
+            return raw
+        self._unsealed = unseal(raw, self._services.consumer_key)
+        return self._unsealed.plaintext
+
+    def answered(self, response: StreamingResponse | JSONResponse) -> StreamingResponse | JSONResponse:
+        return self._unsealed.seal_response(response) if self._unsealed else response
 
 
 @router.get("/v1/models")

@@ -9,7 +9,8 @@ from fastapi import APIRouter, Depends, Query, Request
 from darkbloom.coordinator.identity.api_keys import key_fields, key_view
 from darkbloom.coordinator.identity.auth_cache import key_subject
 from darkbloom.coordinator.identity.auth_invalidation import changing
-from darkbloom.coordinator.http.auth import Caller, require_account_writer, require_caller
+from darkbloom.coordinator.http.auth import require_account_writer, require_caller
+from darkbloom.coordinator.identity.caller import Caller
 from darkbloom.wire.openai.errors import ApiError
 from darkbloom.coordinator.http.json_body import json_object
 from darkbloom.coordinator.services import Services, get_services

@@ -6,7 +6,8 @@ from typing import Any
 
 from fastapi import APIRouter, Depends, Query
 
-from darkbloom.coordinator.http.auth import Caller, require_caller
+from darkbloom.coordinator.http.auth import require_caller
+from darkbloom.coordinator.identity.caller import Caller
 from darkbloom.wire.openai.errors import invalid_request
 from darkbloom.coordinator.services import Services, get_services
 from darkbloom.store import accounts, ledger

@@ -10,8 +10,8 @@ import time
 from fastapi import APIRouter, WebSocket, WebSocketDisconnect
 
 from darkbloom.coordinator.fleet import session_lifecycle
-from darkbloom.coordinator.fleet.pending import FRAME_TOO_LARGE, PendingRequest
-from darkbloom.coordinator.fleet.session import ProviderSession
+from darkbloom.coordinator.fleet.session import FRAME_TOO_LARGE, ProviderSession
+from darkbloom.coordinator.fleet.socket_link import SocketLink
 from darkbloom.coordinator.services import Services
 from darkbloom.wire.chunk_arrays import MAX_CHUNKS_PER_FRAME
 from darkbloom.wire.protocol import (
@@ -70,17 +70,18 @@ async def provider_socket(websocket: WebSocket) -> None:
     except (TimeoutError, WebSocketDisconnect, _TooManyBadFrames):
         await _close_quietly(websocket, POLICY_VIOLATION)
         return
-    session = await session_lifecycle.open_session(services, registration)
+    link = SocketLink()
+    session = await session_lifecycle.open_session(services, registration, link)
     strikes.session = session
-    writer = asyncio.create_task(_write_frames(websocket, session))
+    writer = asyncio.create_task(_write_frames(websocket, link))
     # The first challenge, then `registered`, then periodic challenges: beside the reader, never in its way.
     trust = asyncio.create_task(session_lifecycle.run_trust(services, session))
     try:
         await _read_frames(websocket, services, session, strikes)
     except WebSocketDisconnect as gone:
         if gone.code == MESSAGE_TOO_BIG:
-            for pending in list(session.pending.values()):
-                pending.on_error(502, "", code=FRAME_TOO_LARGE)
+            for request_id in list(session.inboxes):
+                session.deliver_error(request_id, 502, "", code=FRAME_TOO_LARGE)
     except _TooManyBadFrames:
         pass
     finally:
@@ -119,9 +120,8 @@ def _fail_refused_request(session: ProviderSession, raw: str | bytes) -> None:
     without what the frame carried."""
     text = raw if isinstance(raw, str) else raw.decode("utf-8", "replace")
     found = _REQUEST_ID.search(text)
-    pending = session.pending.get(found.group(1)) if found else None
-    if pending is not None:
-        pending.on_error(502, "", code=FRAME_TOO_LARGE)
+    if found is not None:
+        session.deliver_error(found.group(1), 502, "", code=FRAME_TOO_LARGE)
 
 
 async def _first_register(websocket: WebSocket, strikes: _Strikes) -> Register:
@@ -138,18 +138,14 @@ async def _read_frames(websocket: WebSocket, services: Services, session: Provid
         frame = await _receive(websocket, strikes)
         session.last_frame_at = time.monotonic()
         if isinstance(frame, InferenceResponseChunk):
-            pending = session.pending.get(frame.request_id)
-            if pending is not None and not pending.on_chunk(frame.encrypted_data):
+            if not session.deliver_chunk(frame.request_id, frame.encrypted_data):
                 session_lifecycle.distrust(session, "a response chunk did not open", services)
             await _relayed(session, frame.request_id)
         elif isinstance(frame, InferenceComplete):
-            pending = session.pending.get(frame.request_id)
-            if pending is not None and not pending.on_complete(frame.usage):
+            if not session.deliver_complete(frame.request_id, frame.usage):
                 session_lifecycle.distrust(session, "it reported impossible token usage", services)
         elif isinstance(frame, InferenceError):
-            pending = session.pending.get(frame.request_id)
-            if pending is not None:
-                pending.on_error(frame.status_code, frame.message, frame.param, frame.code)
+            session.deliver_error(frame.request_id, frame.status_code, frame.message, frame.param, frame.code)
         elif isinstance(frame, Heartbeat):
             await session_lifecycle.on_heartbeat(services, session, frame)
         elif isinstance(frame, AttestationResponse):
@@ -164,18 +160,17 @@ async def _relayed(session: ProviderSession, request_id: str) -> None:
     request has more chunks waiting than MAX_UNREAD_CHUNKS: a provider cannot pile chunks up faster
     than they are relayed (a backlog of millions of objects would stall the loop in garbage collection)."""
     await asyncio.sleep(0)
-    while isinstance(pending := session.pending.get(request_id), PendingRequest) and \
-            pending.events.qsize() > MAX_UNREAD_CHUNKS:
+    while session.unread(request_id) > MAX_UNREAD_CHUNKS:
         session.last_frame_at = time.monotonic()  # it is this side that is not reading
         await asyncio.sleep(0.01)
 
 
-async def _write_frames(websocket: WebSocket, session: ProviderSession) -> None:
+async def _write_frames(websocket: WebSocket, link: SocketLink) -> None:
     """The session's only writer; a ``None`` in the outbox closes the socket with its code."""
     while True:
-        frame = await session.outbox.get()
+        frame = await link.outbox.get()
         if frame is None:
-            await _close_quietly(websocket, session.close_code or 1000)
+            await _close_quietly(websocket, link.close_code or 1000)
             return
         try:
             await websocket.send_text(frame)

@@ -15,11 +15,12 @@ from typing import Any, Sequence
 import pytest
 from sqlalchemy import select
 
-from darkbloom.coordinator.http.auth import Caller
-from darkbloom.coordinator.http.disconnect import ClientDisconnected
-from darkbloom.coordinator.inference import relay
+from darkbloom.coordinator.identity.caller import Caller
+from darkbloom.coordinator.inference.disconnect import ClientDisconnected
+from darkbloom.coordinator.inference.attempt import Deadlines
 from darkbloom.coordinator.inference.attempts import Attempts
-from darkbloom.coordinator.inference.lifecycle import RequestLifecycle
+from darkbloom.coordinator.inference.failures import ProviderFailure
+from darkbloom.coordinator.inference.settlement import RequestLifecycle
 from darkbloom.coordinator.money.admission import request_charges
 from darkbloom.coordinator.money.ratelimit import Charge, Decision, MemoryRateLimiter
 from darkbloom.coordinator.routing.scheduler import try_place
@@ -32,7 +33,7 @@ from tests.coordinator.routing.sim import MODEL, RUNTIME, SimProvider, chat, dec
 
 CREDIT = 1_000_000
 PROMPT_BOUND, OUTPUT_BOUND = 400, 64
-DEADLINES = relay.Deadlines(idle=10.0, until=float("inf"))
+DEADLINES = Deadlines(idle=10.0, until=float("inf"))
 
 
 class CountingLimiter(MemoryRateLimiter):
@@ -118,7 +119,7 @@ async def test_success_settles_and_frees_the_slot(world: World) -> None:
         world.provider.reply("req-ok")
         world.provider.complete("req-ok")  # 3 prompt + 1 completion tokens
         pending, completed = await run
-        await relay.collect(pending, completed, ChatPresenter("req-ok", MODEL.id, {}), DEADLINES)
+        await pending.collect(completed, ChatPresenter("req-ok", MODEL.id, {}), DEADLINES)
         assert world.provider.session.active == 1
     assert world.provider.session.active == 0
     assert await world.reservation_state("req-ok") == "settled"
@@ -131,7 +132,7 @@ async def test_success_settles_and_frees_the_slot(world: World) -> None:
 
 async def test_failure_before_first_content_refunds_and_keeps_the_rpm_charge(world: World) -> None:
     life = world.lifecycle("req-unserved")
-    with pytest.raises(relay.ProviderFailure):
+    with pytest.raises(ProviderFailure):
         async with life:
             attempts = await world.admit_and_place(life)
             run = asyncio.ensure_future(attempts.run(world.first))
@@ -147,7 +148,7 @@ async def test_failure_before_first_content_refunds_and_keeps_the_rpm_charge(wor
 
 async def test_failure_after_first_content_refunds_the_reservation(world: World) -> None:
     life = world.lifecycle("req-broke")
-    with pytest.raises(relay.ProviderFailure):
+    with pytest.raises(ProviderFailure):
         async with life:
             attempts = await world.admit_and_place(life)
             run = asyncio.ensure_future(attempts.run(world.first))
@@ -155,7 +156,7 @@ async def test_failure_after_first_content_refunds_the_reservation(world: World)
             world.provider.reply("req-broke")
             pending, completed = await run
             world.provider.error("req-broke", 500, "crashed")
-            await relay.collect(pending, completed, ChatPresenter("req-broke", MODEL.id, {}), DEADLINES)
+            await pending.collect(completed, ChatPresenter("req-broke", MODEL.id, {}), DEADLINES)
     assert world.provider.session.active == 0
     assert await world.reservation_state("req-broke") == "refunded"
     assert await world.usage_rows("req-broke") == []

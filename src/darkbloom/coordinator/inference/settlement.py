@@ -1,4 +1,5 @@
-"""One request's lifecycle: everything it takes, and the one place that gives back what it did not use.
+"""A request's settlement: everything it takes is recorded on its ``RequestLifecycle`` as it is
+taken, and this is the one place that gives back what it did not use and settles what it did.
 
 A request takes, in order: rate charges (RPM before the body, ITPM/OTPM after), a reservation
 (paid and prefer requests), and provider slots (the first placement, retries, a backup). The
@@ -25,11 +26,10 @@ import logging
 import time
 from typing import Any, Awaitable, Callable
 
-from darkbloom.coordinator.fleet.pending import PendingRequest, UsageBounds
 from darkbloom.coordinator.fleet.slots import Slot
-from darkbloom.coordinator.http.auth import Caller
-from darkbloom.coordinator.inference import relay
-from darkbloom.coordinator.http.disconnect import ClientDisconnected
+from darkbloom.coordinator.identity.caller import Caller
+from darkbloom.coordinator.inference.attempt import Attempt, UsageBounds
+from darkbloom.coordinator.inference.disconnect import ClientDisconnected
 from darkbloom.coordinator.money import admission, billing
 from darkbloom.coordinator.money.ratelimit import Charge
 from darkbloom.coordinator.services import Services
@@ -55,9 +55,9 @@ class RequestLifecycle:
         self.self_routed = False
         self.exclusive = False
         self.usage_bounds: UsageBounds | None = None
-        self.serving: PendingRequest | None = None  # the attempt whose content goes to the client
+        self.serving: Attempt | None = None  # the attempt whose content goes to the client
         self._slots: list[Slot] = []
-        self._attempts: list[PendingRequest] = []
+        self._attempts: list[Attempt] = []
         self._handed_off = False
         self._ended = False
 
@@ -88,12 +88,12 @@ class RequestLifecycle:
         """A claimed slot is the lifecycle's until an attempt is dispatched on it (or the end)."""
         self._slots.append(slot)
 
-    def track(self, pending: PendingRequest) -> None:
+    def track(self, attempt: Attempt) -> None:
         """A dispatched attempt: cancelled and released at the end unless it is the one serving."""
-        self._attempts.append(pending)
+        self._attempts.append(attempt)
 
-    def serve_with(self, pending: PendingRequest) -> None:
-        self.serving = pending
+    def serve_with(self, attempt: Attempt) -> None:
+        self.serving = attempt
 
     def hand_off(self) -> None:
         """The response stream ends this request from now on (the handler's ``async with`` exits early)."""
@@ -135,10 +135,10 @@ class RequestLifecycle:
             self._ended = True
             self.services.spawn(self._settle("client_disconnected", charge_partial=True))
 
-    def _release_attempts(self, keep: PendingRequest | None = None) -> None:
-        for pending in self._attempts:
-            if pending is not keep:
-                relay.abandon(pending)
+    def _release_attempts(self, keep: Attempt | None = None) -> None:
+        for attempt in self._attempts:
+            if attempt is not keep:
+                attempt.abandon()
         for slot in self._slots:
             slot.release()  # a no-op for the slots an attempt already released
 
@@ -155,15 +155,15 @@ class RequestLifecycle:
             await self.services.rate_limiter.refund(charges)
 
     async def _settle(self, outcome: str, *, charge_partial: bool) -> None:
-        services, pending = self.services, self.serving
-        assert pending is not None and self.model is not None
+        services, attempt = self.services, self.serving
+        assert attempt is not None and self.model is not None
         if charge_partial:
-            await relay.stop(pending, services.settings.cancel_grace)
-        relay.release(pending)
-        self._release_attempts(keep=pending)
-        _measure_decode_speed(pending)
-        usage = pending.usage if (outcome == "ok" or charge_partial) else None
-        session = pending.session
+            await attempt.stop(services.settings.cancel_grace)
+        attempt.release()
+        self._release_attempts(keep=attempt)
+        _measure_decode_speed(attempt)
+        usage = attempt.usage if (outcome == "ok" or charge_partial) else None
+        session = attempt.session
         # the owner is re-read from the serving session object, even if it has disconnected since
         served = billing.Served(provider_id=session.id, provider_account_id=session.account_id)
         bill = billing.Bill(self.request_id, self.caller.account_id, self.caller.key_id, self.model,
@@ -202,15 +202,16 @@ class RequestLifecycle:
                  usage.completion_tokens if usage else None, (time.monotonic() - self.started) * 1000)
 
 
-def _measure_decode_speed(pending: PendingRequest) -> None:
+def _measure_decode_speed(attempt: Attempt) -> None:
     """Keep an EWMA of the session's completion tokens per second (used to rank sessions)."""
-    usage, started = pending.usage, pending.first_content_at
+    usage, started = attempt.usage, attempt.first_content_at
     if usage is None or started is None or usage.completion_tokens < 2:
         return
     elapsed = time.monotonic() - started
     if elapsed <= 0:
         return
     observed = usage.completion_tokens / elapsed
-    session = pending.session
+    session = attempt.session
     session.decode_tps = observed if session.decode_tps <= 0 else (
         (1 - DECODE_SPEED_WEIGHT) * session.decode_tps + DECODE_SPEED_WEIGHT * observed)
+    session.link.report_speed(session.decode_tps)  # another replica's session: its holder keeps it for all

@@ -1,8 +1,9 @@
 """Racing a request's work against the client going away (vLLM's ``with_cancellation``).
 
-One watcher task per request listens for ``http.disconnect`` for as long as the handler runs; while
-the handler awaits a piece of work through ``until``, a disconnect cancels that work in place (the
-handler's own task: no task per await) and ``until`` raises ``ClientDisconnected``.
+One watcher task per request listens for ``http.disconnect`` while the watch is open (``with
+DisconnectWatch(request) as watch:``); while the handler awaits a piece of work through ``until``, a
+disconnect cancels that work in place (the handler's own task: no task per await) and ``until``
+raises ``ClientDisconnected``.
 """
 
 from __future__ import annotations
@@ -54,6 +55,12 @@ class DisconnectWatch:
             raise
         finally:
             self._waiting = None
+
+    def __enter__(self) -> "DisconnectWatch":
+        return self
+
+    def __exit__(self, *_exc: object) -> None:
+        self.close()  # a streamed answer's own response notices a client that goes away later
 
     def close(self) -> None:
         if self._watcher is not None:

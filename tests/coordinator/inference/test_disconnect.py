@@ -8,7 +8,7 @@ from typing import Any
 import pytest
 from starlette.requests import Request
 
-from darkbloom.coordinator.http.disconnect import ClientDisconnected, DisconnectWatch
+from darkbloom.coordinator.inference.disconnect import ClientDisconnected, DisconnectWatch
 
 
 class Client:

@@ -6,7 +6,8 @@ import json
 
 import pytest
 
-from darkbloom.coordinator.inference.calls import CHAT, InferenceCall, parse_call
+from darkbloom.coordinator.inference.calls import InferenceCall, parse_call
+from darkbloom.wire.openai.edges import CHAT
 from darkbloom.wire.openai.errors import ApiError
 
 HELLO = [{"role": "user", "content": "hi"}]
