@@ -9,8 +9,7 @@
   docs/architecture.md, and every ``.py`` that tree names exists.
 
 Size follows the idea: a module past WARN_LINES lines is reported as a warning (is it still one
-idea?), never a failure. A rule the code does not keep yet can be "on its way in": its breaches
-are printed as warnings until its flag (``*_FAIL`` below) is set, one line, once they are gone.
+idea?), never a failure.
 
 The tree is the first fenced code block of docs/architecture.md. Each line is one entry, indented
 two spaces per level under the folder it belongs to (a name ending in ``/``), then a ``#`` and what
@@ -39,9 +38,6 @@ EDGE_MOUNTS = frozenset({"darkbloom.coordinator.app"})  # the app factory, the o
 ARCHITECTURE = ROOT.parent / "docs" / "architecture.md"
 TREE_INDENT = 2
 
-# Rules on their way in (issue 20): warnings while the code still breaks them, failures once True.
-TYPE_CHECKING_CYCLES_FAIL = False  # fleet.pending → slots → session → pending; fabric.outbound ↔ remote_session
-UPWARD_IMPORTS_FAIL = False  # Caller (http.auth) and ClientDisconnected (http.disconnect) used below the edge
 
 
 def module_name(path: Path) -> str:
@@ -216,7 +212,6 @@ def check(paths: list[Path], architecture: str) -> tuple[list[str], list[str]]:
     every = import_graph(paths, modules, type_checking=True)
     problems: list[str] = []
     warnings: list[str] = []
-    upward = problems if UPWARD_IMPORTS_FAIL else warnings
     for path in paths:
         name, text = module_name(path), path.read_text()
         where = path.relative_to(ROOT)
@@ -232,15 +227,14 @@ def check(paths: list[Path], architecture: str) -> tuple[list[str], list[str]]:
                         problems.append(f"{name} imports {target}: {mine} and {theirs} never import each other")
         if not in_edge(name) and name not in EDGE_MOUNTS:
             for target in sorted(t for t in every[name] if in_edge(t)):
-                upward.append(f"{name} imports {target}: the layers below the HTTP edge never import it "
+                problems.append(f"{name} imports {target}: the layers below the HTTP edge never import it "
                               "(move what they share out of http/)")
     runtime_cycles = cycles(runtime)
     for component in runtime_cycles:
         problems.append("import cycle: " + _cycle_line(component, runtime, runtime))
-    type_only = problems if TYPE_CHECKING_CYCLES_FAIL else warnings
     for component in cycles(every):
         if not any(set(c) <= set(component) for c in runtime_cycles):
-            type_only.append("import cycle: " + _cycle_line(component, every, runtime))
+            problems.append("import cycle: " + _cycle_line(component, every, runtime))
     problems += tree_problems(paths, architecture)
     return problems, warnings
 
@@ -253,8 +247,7 @@ def main() -> int:
     for warning in warnings:
         print("warning: " + warning)
     if not problems:
-        cycles_kept = "no import cycle" + ("" if TYPE_CHECKING_CYCLES_FAIL else " at run time")
-        print(f"layout ok: {len(paths)} modules, {cycles_kept}, each in the tree of docs/architecture.md"
+        print(f"layout ok: {len(paths)} modules, no import cycle, each in the tree of docs/architecture.md"
               + (f" ({len(warnings)} warnings above)" if warnings else ""))
     return 1 if problems else 0
 
