@@ -17,9 +17,9 @@ from typing import Any, Iterator
 import httpx
 import pytest
 
-from tests.support.accounts import Account, create_account
+from tests.support.accounts import Account, balance, create_account
 from tests.support.hostile import (
-    balance, balance_settles_at, crash_on_request, crashed_counter, new_model, registered, usage_ids)
+    balance_settles_at, crash_on_request, crashed_counter, new_model, registered, usage_ids)
 from tests.support.processes import Coordinator, sqlite_coordinator
 
 pytestmark = pytest.mark.e2e
