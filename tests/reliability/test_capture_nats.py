@@ -49,7 +49,7 @@ import nats
 import pytest
 
 import tests.reliability.test_capture as ws_capture
-from tests.coordinator.money.stack import node_home, wait_registered
+from tests.support.billing import node_home, wait_registered
 from tests.support.accounts import Account, create_account, device_token, wait_model_listed, wait_online
 from tests.support.capture import (CaptureUnavailable, Connection, NatsDecode, NatsMessage, Tshark, WsMessage,
                                    find_any, nats_messages, read_connections, secret_forms,

@@ -42,10 +42,10 @@ from sqlalchemy.ext.asyncio import create_async_engine
 
 from darkbloom.store.schema import PLATFORM_ACCOUNT_ID
 
-from tests.coordinator.money.conftest import check_ledger_consistency
-from tests.coordinator.money.stack import (billing_coordinator, check_trails, credit, money_snapshot,
-                                           new_key, node_home, open_reservations, read_db, signup, start_serve,
-                                           wait_registered, wait_settled, write_catalog)
+from tests.support.billing import (billing_coordinator, check_trails, credit, money_snapshot,
+                                   new_key, node_home, open_reservations, read_db, signup, start_serve,
+                                   wait_registered, wait_settled, write_catalog)
+from tests.support.money import check_ledger_consistency
 from tests.coordinator.money.test_conservation import (FEE_BPS, INPUT_PRICE, MODEL, OUTPUT_PRICE, Outcome,
                                                        Spender, one_request)
 from tests.support.accounts import Account, device_token

@@ -49,9 +49,9 @@ import pytest
 from sqlalchemy.ext.asyncio import create_async_engine
 
 import tests.reliability.test_chaos_money as chaos
-from tests.coordinator.money.stack import (check_trails, credit, money_snapshot, new_key, node_home,
-                                           open_reservations, read_db, signup, wait_registered, wait_settled,
-                                           write_catalog)
+from tests.support.billing import (check_trails, credit, money_snapshot, new_key, node_home,
+                                   open_reservations, read_db, signup, wait_registered, wait_settled,
+                                   write_catalog)
 from tests.coordinator.money.test_conservation import FEE_BPS, INPUT_PRICE, MODEL, OUTPUT_PRICE, Spender
 from tests.support.accounts import Account, device_token
 from tests.support.processes import Coordinator, Process, darkbloom_cmd, spawn, start_fixed_upstream, wait_until

@@ -67,7 +67,7 @@ from darkbloom.wire.crypto import ReplyKey, Sealer, b64d, b64e, public_key_from_
 from darkbloom.wire.protocol import InferenceRequest, TrustStatus, dump
 from darkbloom.wire.runtime import runtime_hash
 
-from tests.coordinator.money.stack import node_home, start_serve, table, wait_registered
+from tests.support.billing import node_home, start_serve, table, wait_registered
 from tests.support.accounts import Account, create_account, device_token
 from tests.support.processes import Coordinator, Process, wait_until
 from tests.support.raw_provider import ThreadedRaw

@@ -31,9 +31,9 @@ from darkbloom.store.schema import PLATFORM_ACCOUNT_ID
 
 from tests.support.processes import start_fixed_upstream
 from tests.support.databases import database_for
-from tests.coordinator.money.stack import (billing_coordinator, check_trails, credit, money_snapshot,
-                                           new_key, node_home, read_db, signup, start_serve, wait_registered,
-                                           wait_settled, write_catalog)
+from tests.support.billing import (billing_coordinator, check_trails, credit, money_snapshot,
+                                   new_key, node_home, read_db, signup, start_serve, wait_registered,
+                                   wait_settled, write_catalog)
 from tests.support.accounts import Account, device_token
 
 pytestmark = pytest.mark.e2e

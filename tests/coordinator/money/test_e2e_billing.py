@@ -17,9 +17,9 @@ import pytest
 from darkbloom.store.schema import PLATFORM_ACCOUNT_ID, admin_credits, ledger_entries, reservations, usage_records
 
 from tests.support.databases import database_for
-from tests.coordinator.money.stack import (billing_coordinator, credit, new_key, node_home, pockets,
-                                 signup, start_serve, table, wait_log, wait_registered, wait_settled,
-                                 write_catalog)
+from tests.support.billing import (billing_coordinator, credit, new_key, node_home, pockets,
+                                   signup, start_serve, table, wait_log, wait_registered, wait_settled,
+                                   write_catalog)
 from tests.support.accounts import Account, create_account, device_token
 from tests.support.processes import Coordinator, Process
 

@@ -22,9 +22,6 @@ from darkbloom.store.schema import (accounts, admin_credits, key_spend, ledger_e
 from tests.support.processes import Coordinator, Process, darkbloom_cmd, spawn, start_coordinator, wait_until
 
 
-ROOT = Path(__file__).resolve().parents[3]
-
-
 def write_catalog(path: Path, *models: dict[str, Any]) -> Path:
     path.write_text(json.dumps({"models": list(models)}))
     return path
