@@ -61,7 +61,7 @@ def create_app(settings: CoordinatorSettings) -> FastAPI:
         finally:
             for task in background:
                 task.cancel()
-            for session in services.registry.local():
+            for session in services.registry.held_here():
                 await session_lifecycle.close_session(services, session)
                 session.close(1001)
             if services.fabric is not None:

@@ -33,8 +33,6 @@ class Advertiser:
         connection.on_up(self.announce_all)
 
     def _changed(self, session: ProviderSession) -> None:
-        if session.link.hops:
-            return  # another replica's session: its holder announces it
         self._dirty[session.id] = session
         if self._flush_at is None:
             self._flush_at = asyncio.get_running_loop().call_later(FLUSH_DELAY, self._flush)
@@ -54,7 +52,7 @@ class Advertiser:
                                  messages.fleet_message(self.subjects.replica, changed, gone, full=False))
 
     def announce_all(self) -> None:
-        sessions = [messages.announcement(s) for s in self.registry.local() if self._listed(s)]
+        sessions = [messages.announcement(s) for s in self.registry.held_here() if self._listed(s)]
         self.connection.post(self.subjects.fleet,
                              messages.fleet_message(self.subjects.replica, sessions, [], full=True))
 

@@ -116,8 +116,8 @@ class Holder:
         hosted = self.hosted.get(ticket)
         if hosted is not None:
             return (True, "") if hosted.admitter == admitter and hosted.session.id == session_id else (False, "busy")
-        session = self.services.registry.get(session_id)
-        if session is None or session.link.hops or not session.online:
+        session = self.services.registry.held(session_id)
+        if session is None or not session.online:
             return False, "gone"
         if session.untrusted_reason is not None or session.draining or not session.has_free_slot:
             return False, "busy"
@@ -242,8 +242,7 @@ class Holder:
             await session_lifecycle.on_enrolled(self.services, session, certificate, ca)
 
     def _local(self, session_id: str) -> ProviderSession | None:
-        session = self.services.registry.get(session_id)
-        return session if session is not None and session.link.hops == 0 else None
+        return self.services.registry.held(session_id)
 
     # the admitting replica went away, and claims nobody used
 

@@ -33,7 +33,6 @@ CLAIM_TIMEOUT = 2.0  # seconds for the holder to answer a claim; after it, the s
 class RemoteLink:
     """A stand-in's link to ``holder``, the replica (instance id) holding the real session."""
 
-    hops = 1
     only_proven_chunks = True  # a replica announces only sessions whose chunks prove their node
     closing = False            # not this replica's socket: the holder closes it
     session: ProviderSession   # the stand-in, bound as it is made (``fabric.view``)

@@ -86,7 +86,7 @@ class FleetView:
         if link is None:
             link = self._stand_in(replica, announced, now)
             self.links[link.session.id] = link
-            self.registry.add(link.session)
+            self.registry.add_stand_in(link.session)
             return
         stand_in = link.session
         _update(stand_in, announced, now)

@@ -65,7 +65,8 @@ class Registry:
         self._public_views: dict[str, list[SessionView]] = defaultdict(list)  # by advertised name
         self._account_views: dict[str, list[SessionView]] = defaultdict(list)
         self._member_of: dict[ProviderSession, set[SessionView]] = {}
-        # told of every change to a listed session (added, removed, disowned, a watched field): the
+        self._stand_ins: set[str] = set()  # other replicas' sessions (fabric/view): neither held nor announced here
+        # told of every change to a session held here (added, removed, disowned, a watched field): the
         # replica fabric's announcer, when there is one
         self.listeners: list[Callable[[ProviderSession], None]] = []
 
@@ -84,6 +85,11 @@ class Registry:
         self._recheck(session)
         self._tell(session)
 
+    def add_stand_in(self, session: ProviderSession) -> None:
+        """Another replica's session, listed here for routing; its holder announces it."""
+        self._stand_ins.add(session.id)
+        self.add(session)
+
     def remove(self, session: ProviderSession) -> bool:
         if self._sessions.pop(session.id, None) is None:
             return False
@@ -99,6 +105,7 @@ class Registry:
         if session.machine_id:
             _discard(self._by_machine, session.machine_id, session)
         self._tell(session)
+        self._stand_ins.discard(session.id)
         return True
 
     def disown(self, session: ProviderSession) -> None:
@@ -120,9 +127,13 @@ class Registry:
     def all(self) -> Iterable[ProviderSession]:
         return list(self._sessions.values())
 
-    def local(self) -> list[ProviderSession]:
-        """The sessions whose socket is on this replica (not other replicas' stand-ins)."""
-        return [s for s in self._sessions.values() if s.link.hops == 0]
+    def held(self, session_id: str) -> ProviderSession | None:
+        """The session, when its socket is on this replica (not another replica's stand-in)."""
+        return None if session_id in self._stand_ins else self._sessions.get(session_id)
+
+    def held_here(self) -> list[ProviderSession]:
+        """The sessions whose socket is on this replica."""
+        return [s for s in self._sessions.values() if s.id not in self._stand_ins]
 
     def serving(self, model_ids: Iterable[str]) -> set[ProviderSession]:
         """Online sessions advertising any of these model ids (an id and its aliases)."""
@@ -177,6 +188,8 @@ class Registry:
         self._tell(session)
 
     def _tell(self, session: ProviderSession) -> None:
+        if session.id in self._stand_ins:
+            return
         for listener in self.listeners:
             listener(session)
 

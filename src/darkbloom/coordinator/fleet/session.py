@@ -28,7 +28,6 @@ class Link(Protocol):
     """Everything that differs between a session on this replica's socket and one another replica
     holds; nothing above the link asks which one it has."""
 
-    hops: int  # replicas between this one and the node's socket: 0 (the socket is here) or 1
     only_proven_chunks: bool  # every chunk it carries is sealed with the node's registered key
 
     @property

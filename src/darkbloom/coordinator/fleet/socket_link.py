@@ -11,7 +11,6 @@ from darkbloom.wire.protocol import Cancel, dump
 
 
 class SocketLink:
-    hops = 0
     only_proven_chunks = False  # the registration says whether its chunks are sealed with its key
 
     def __init__(self) -> None:
