@@ -49,19 +49,17 @@ def coordinator(tmp_path: Path, sqlite_url: str) -> Iterator[Coordinator]:
 
 # Modules that share one thing on the machine run one after another, on one worker: Redis db 0 (the
 # sign-up and log-in counters of 127.0.0.1); loopback captures by tshark (one interface, filters by
-# port) whose tests also count every request. The bundled model, run in the test process or by
-# llama_cpp.server (the ``upstream`` fixture, in "llama-b"), is in two groups of about equal length:
-# two generations at once on two cores, never four.
+# port) whose tests also count every request; and the bundled model run in the test process or by
+# llama_cpp.server (the ``upstream`` fixture): two at once only slow each other down.
 SHARED = {
     "tests/coordinator/http/test_auth_throttle_api.py": "redis-db0",
     "tests/e2e/test_rate_limits.py": "redis-db0",
     "tests/reliability/test_capture.py": "capture",
     "tests/reliability/test_capture_nats.py": "capture",
-    **{f"tests/{module}.py": "llama-a" for module in (
-        "provider/test_llama_backend", "provider/test_llama_hostile_requests", "provider/test_llama_text_apis")},
-    **{f"tests/{module}.py": "llama-b" for module in (
+    **{f"tests/{module}.py": "llama" for module in (
         "coordinator/money/test_estimation", "provider/direct/test_direct_apis_real",
-        "provider/direct/test_local_server", "provider/direct/test_node_direct", "provider/test_llama_tools",
+        "provider/direct/test_local_server", "provider/direct/test_node_direct", "provider/test_llama_backend",
+        "provider/test_llama_hostile_requests", "provider/test_llama_text_apis", "provider/test_llama_tools",
         "provider/test_node", "provider/test_node_cancel", "provider/test_openai_backend")},
 }
 # Packages whose processes are package-scoped fixtures: the whole package on one worker.
