@@ -1,10 +1,14 @@
-# Two set-up commands: `make demo` and `make test` (see README.md).
+# Two set-up commands: `make demo` and `make test` (see README.md); `make check` is the fast lane.
 VENV   := .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed-stamp
 PYTEST_ARGS ?=
+# pytest-xdist: every test module (or group of modules sharing a resource, tests/conftest.py) runs
+# whole on one worker; most tests wait on processes, so more workers than cores pays
+WORKERS ?= 4
+XDIST   := -n $(WORKERS) --dist loadgroup
 
-.PHONY: install chromium tshark wrk node-clients demo test services layout bench clean
+.PHONY: install chromium tshark wrk node-clients demo test check services layout bench clean
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || python3 -m venv $(VENV)
@@ -71,8 +75,13 @@ services:
 layout:
 	$(PY) scripts/check_layout.py
 
+# The fast lane while developing: layout and every test not marked e2e, on an installed .venv (no
+# installs: `make test` once first)
+check: services layout
+	$(PY) -m pytest -q -m "not e2e" $(XDIST) $(PYTEST_ARGS)
+
 test: install services layout
-	$(PY) -m pytest -q $(PYTEST_ARGS)
+	$(PY) -m pytest -q $(XDIST) $(PYTEST_ARGS)
 	@# docs/compatibility.md from this run's tests/clients results (absent when PYTEST_ARGS left them out)
 	@if [ -f tests/clients/.results.json ]; then $(PY) scripts/compatibility_table.py; fi
 

@@ -1,7 +1,9 @@
-"""Shared fixtures: database URLs (SQLite and the machine's Postgres), real coordinator processes."""
+"""Shared fixtures: database URLs (SQLite and the machine's Postgres), real coordinator processes;
+and how the suite is marked and split among pytest-xdist's workers (``--dist loadgroup``)."""
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import Iterator
 
@@ -9,6 +11,12 @@ import pytest
 
 from tests.support.databases import database_for, postgres_database
 from tests.support.processes import Coordinator, start_coordinator
+
+# llama.cpp's threads meet at an OpenMP barrier after every step; by default they spin there, and on
+# a machine busier than its cores (xdist workers, nodes, coordinators) a spinning thread holds the
+# core its peer needs: a generation ran 4x slower. Waiting threads sleep instead, here and in every
+# process a test starts (set before llama.cpp is loaded).
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 
 @pytest.fixture
@@ -37,3 +45,51 @@ def coordinator(tmp_path: Path, sqlite_url: str) -> Iterator[Coordinator]:
         yield coord
     finally:
         coord.stop()
+
+
+# Modules that share one thing on the machine run one after another, on one worker: Redis db 0 (the
+# sign-up and log-in counters of 127.0.0.1); loopback captures by tshark (one interface, filters by
+# port) whose tests also count every request. The bundled model, run in the test process or by
+# llama_cpp.server (the ``upstream`` fixture, in "llama-b"), is in two groups of about equal length:
+# two generations at once on two cores, never four.
+SHARED = {
+    "tests/coordinator/http/test_auth_throttle_api.py": "redis-db0",
+    "tests/e2e/test_rate_limits.py": "redis-db0",
+    "tests/reliability/test_capture.py": "capture",
+    "tests/reliability/test_capture_nats.py": "capture",
+    **{f"tests/{module}.py": "llama-a" for module in (
+        "provider/test_llama_backend", "provider/test_llama_hostile_requests", "provider/test_llama_text_apis")},
+    **{f"tests/{module}.py": "llama-b" for module in (
+        "coordinator/money/test_estimation", "provider/direct/test_direct_apis_real",
+        "provider/direct/test_local_server", "provider/direct/test_node_direct", "provider/test_llama_tools",
+        "provider/test_node", "provider/test_node_cancel", "provider/test_openai_backend")},
+}
+# Packages whose processes are package-scoped fixtures: the whole package on one worker.
+PACKAGES = ("tests/clients/",)
+
+
+@pytest.hookimpl(tryfirst=True)  # before xdist's own, which appends each item's group to its node id
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    for item in items:
+        if _uses_postgres(item):
+            item.add_marker(pytest.mark.postgres)
+        if item.get_closest_marker("xdist_group") is None:
+            item.add_marker(pytest.mark.xdist_group(_group(item, config.rootpath)))
+
+
+def _group(item: pytest.Item, root: Path) -> str:
+    """The unit a worker runs whole: a module by default (its module-scoped coordinators and nodes
+    start once), a package where fixtures are package-scoped, or a group of modules sharing a resource."""
+    module = item.path.relative_to(root).as_posix()
+    for package in PACKAGES:
+        if module.startswith(package):
+            return package
+    return SHARED.get(module, module)
+
+
+def _uses_postgres(item: pytest.Item) -> bool:
+    """A fresh database from ``postgres_url``, the ``postgres`` case of a backend parameter, or
+    tests/selfroute run across replicas (on Postgres). Other replica sets are marked by their module."""
+    callspec = getattr(item, "callspec", None)
+    return ("postgres_url" in item.fixturenames or "across_replicas" in item.fixturenames
+            or (callspec is not None and "postgres" in callspec.params.values()))

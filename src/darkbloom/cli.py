@@ -180,7 +180,8 @@ def start(local: Annotated[bool, typer.Option("--local", help="Direct mode only;
     if local:
         host = {"0.0.0.0": "127.0.0.1", "": "127.0.0.1", "::": "::1"}.get(config.local_bind, config.local_bind)
         host = f"[{host}]" if ":" in host else host
-        console.print(f"Direct mode: http://{host}:{config.local_port}/v1 — token in {home / 'local_token'}; "
+        port = config.local_port or "PORT"  # 0: the system chooses; local.json and `darkbloom status` name it
+        console.print(f"Direct mode: http://{host}:{port}/v1 — token in {home / 'local_token'}; "
                       "`darkbloom status` shows it once it is up.", soft_wrap=True)
 
 

@@ -20,10 +20,10 @@ import pytest
 
 from darkbloom.client import async_direct_first_openai, direct_first_openai
 from darkbloom.wire.local_files import Discovery, write_discovery
-from tests.provider.direct.support import (MODEL, SHORT, balance, docs_snippet, run_chat, run_python, usage_rows,
+from tests.provider.direct.support import (MODEL, SHORT, docs_snippet, run_chat, run_python, usage_rows,
                                   wait_discovery)
-from tests.support.accounts import Account, create_account, login_node, online_sessions
-from tests.support.processes import Coordinator, Process, free_port, node_cmd, spawn, start_coordinator, wait_until
+from tests.support.accounts import Account, balance, create_account, login_node, online_sessions
+from tests.support.processes import Coordinator, Process, node_cmd, spawn, start_coordinator, wait_until
 
 pytestmark = pytest.mark.e2e
 
@@ -53,7 +53,7 @@ def test_via_local_then_via_coordinator_once_the_local_endpoint_stops(coord: Coo
     owner = create_account(coord)  # zero balance: only free self-routed requests can succeed
     home = tmp_path / "node"
     login_node(coord, home, owner)
-    node = start_node(coord, home, "--local-endpoint", "--port", str(free_port()))
+    node = start_node(coord, home, "--local-endpoint", "--port", "0")
     try:
         session = wait_new_session(coord, owner)
         found = wait_discovery(home)
@@ -125,7 +125,7 @@ def test_a_local_500_is_the_answer_and_is_not_rerouted(coord: Coordinator, tmp_p
     home = tmp_path / "node"
     login_node(coord, home, owner)
     # direct mode runs on a backend that answers 500 (tests/support/backends.py); fleet requests on the real one
-    node = start_node(coord, home, "--local-endpoint", "--port", str(free_port()), direct_fail=500)
+    node = start_node(coord, home, "--local-endpoint", "--port", "0", direct_fail=500)
     try:
         wait_new_session(coord, owner)
         wait_discovery(home)

@@ -14,7 +14,7 @@ import jsonschema
 import pytest
 from pydantic import BaseModel, ConfigDict
 
-from tests.support.accounts import Account
+from tests.support.accounts import Account, balance
 from tests.support.processes import Coordinator, Process, wait_until
 
 HERE = Path(__file__).resolve().parent
@@ -126,9 +126,7 @@ class Stack:
         return key
 
     def balance(self, account: Account) -> int:
-        response = httpx.get(self.api_url + "/payments/balance", headers=account.headers(), timeout=30)
-        assert response.status_code == 200, response.text
-        return int(response.json()["balance_micro_usd"])
+        return balance(self.coordinator, account)
 
     def usage_row(self, account: Account, request_id: str) -> dict[str, Any]:
         """The usage row of one request (waits for the ledger writer to commit it)."""

@@ -32,6 +32,9 @@ HTML_UPSTREAM = Path(__file__).with_name("html_upstream.py")
 
 @pytest.fixture(scope="module")
 def browser() -> Iterator[Any]:
+    from playwright.sync_api import expect
+
+    expect.set_options(timeout=30_000)  # expect()'s own 5 s is too short on a busy machine (a failure bound)
     # module scope, not session: Playwright's sync API keeps an event loop running in this thread
     # while it is open, and later modules' asyncio.run() calls would fail
     if not Path(CHROMIUM).exists():
@@ -81,7 +84,7 @@ def open_tab(browser: Any, base_url: str) -> tuple[Any, Tab]:
     context = browser.new_context(viewport=DESKTOP, base_url=base_url, reduced_motion="reduce")
     context.grant_permissions(["clipboard-read", "clipboard-write"], origin=base_url)
     page = context.new_page()
-    page.set_default_timeout(20_000)
+    page.set_default_timeout(60_000)  # bounds a failure only: a busy machine (xdist workers, nodes) is slow
     tab = Tab(page)
     page.on("pageerror", lambda exc: tab.errors.append(f"page error: {exc}"))
     page.on("console", lambda msg: tab.errors.append(f"console {msg.type}: {msg.text}")

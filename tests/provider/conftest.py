@@ -1,17 +1,14 @@
 from __future__ import annotations
 
 import contextlib
-import socket
-import subprocess
 import sys
-import time
 from pathlib import Path
 from typing import AsyncIterator, Iterator
 
-import httpx
 import pytest
 
 from darkbloom.provider.bundled_model import bundled_gguf_path
+from tests.support.processes import listening_port, spawn, wait_http
 from tests.support.scripted_upstream import Handler, Scripted, scripted_upstream
 
 
@@ -46,38 +43,18 @@ runpy.run_module("llama_cpp.server", run_name="__main__", alter_sys=True)
 """
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
 @pytest.fixture(scope="session")
 def upstream(gguf: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     """llama-cpp-python's own OpenAI-compatible server on the bundled model: a real third-party upstream."""
-    port = _free_port()
-    log_path = tmp_path_factory.mktemp("upstream") / "server.log"
-    with log_path.open("wb") as log_file:
-        process = subprocess.Popen(
-            [sys.executable, "-c", _SERVER, "--model", str(gguf), "--model_alias", "smollm2-135m",
-             "--host", "127.0.0.1", "--port", str(port), "--n_ctx", "1024", "--n_threads", "1"],
-            stdout=log_file, stderr=subprocess.STDOUT)
-    url = f"http://127.0.0.1:{port}"
+    process = spawn([sys.executable, "-c", _SERVER, "--model", str(gguf), "--model_alias", "smollm2-135m",
+                     "--host", "127.0.0.1", "--port", "0", "--n_ctx", "1024", "--n_threads", "1"],
+                    tmp_path_factory.mktemp("upstream"), "server.log")
     try:
-        deadline = time.monotonic() + 120
-        while True:
-            assert process.poll() is None, f"llama_cpp.server exited: {log_path.read_text()[-2000:]}"
-            try:
-                if httpx.get(url + "/v1/models", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            assert time.monotonic() < deadline, "llama_cpp.server did not start"
-            time.sleep(0.2)
+        url = f"http://127.0.0.1:{listening_port(process, timeout=120)}"
+        wait_http(url + "/v1/models", process, timeout=120)
         yield url
     finally:
-        process.terminate()
-        process.wait(timeout=30)
+        process.stop(timeout=30)
 
 
 @pytest.fixture

@@ -49,8 +49,8 @@ import nats
 import pytest
 
 import tests.reliability.test_capture as ws_capture
-from tests.coordinator.money.stack import link_token, node_home, wait_registered
-from tests.support.accounts import Account, create_account, wait_model_listed, wait_online
+from tests.support.billing import node_home, wait_registered
+from tests.support.accounts import Account, create_account, device_token, wait_model_listed, wait_online
 from tests.support.capture import (CaptureUnavailable, Connection, NatsDecode, NatsMessage, Tshark, WsMessage,
                                    find_any, nats_messages, read_connections, secret_forms,
                                    websocket_messages)
@@ -58,7 +58,7 @@ from tests.support.databases import postgres_database
 from tests.support.processes import Coordinator, Process, darkbloom_cmd, free_port, spawn, wait_until
 from tests.support.replicas import NATS_URL, Replicas
 
-pytestmark = [pytest.mark.e2e, pytest.mark.timeout(300)]
+pytestmark = [pytest.mark.e2e, pytest.mark.postgres, pytest.mark.timeout(300)]
 
 MODEL = ws_capture.MODEL
 NATS_PORT = 4222
@@ -273,7 +273,7 @@ def run(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Run]:
                 wait_until(lambda: _up(f"http://127.0.0.1:{upstream_port}", upstream), timeout=30, what="echo upstream")
                 owner = create_account(b, credit_micro_usd=10_000_000)
                 consumer = create_account(b, credit_micro_usd=10_000_000)
-                token = link_token(b, owner)
+                token = device_token(b, owner)
                 node = spawn(darkbloom_cmd("serve", "--coordinator", a.base_url, "--backend", "openai",
                                            "--upstream-url", f"http://127.0.0.1:{upstream_port}", "--model", MODEL,
                                            "--max-concurrency", "2"), node_home(root, "node", token), "node.log")

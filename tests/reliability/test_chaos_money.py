@@ -42,13 +42,13 @@ from sqlalchemy.ext.asyncio import create_async_engine
 
 from darkbloom.store.schema import PLATFORM_ACCOUNT_ID
 
-from tests.coordinator.money.conftest import check_ledger_consistency
-from tests.coordinator.money.stack import (billing_coordinator, check_trails, credit, link_token, money_snapshot,
-                                           new_key, node_home, open_reservations, read_db, signup, start_serve,
-                                           wait_registered, wait_settled, write_catalog)
+from tests.support.billing import (billing_coordinator, check_trails, credit, money_snapshot,
+                                   new_key, node_home, open_reservations, read_db, signup, start_serve,
+                                   wait_registered, wait_settled, write_catalog)
+from tests.support.money import check_ledger_consistency
 from tests.coordinator.money.test_conservation import (FEE_BPS, INPUT_PRICE, MODEL, OUTPUT_PRICE, Outcome,
                                                        Spender, one_request)
-from tests.support.accounts import Account
+from tests.support.accounts import Account, device_token
 from tests.support.databases import database_for
 from tests.support.processes import Coordinator, Process, start_coordinator, start_fixed_upstream, wait_until
 
@@ -185,7 +185,7 @@ def test_chaos_money_run(backend: str, tmp_path: Path) -> None:
             owner_of_node = {"p1": prefer, "p2": None, "p3": exclusive}
             for name, owner_id, session in [("p1", prefer, prefer_session), ("p2", None, None),
                                             ("p3", exclusive, exclusive_session)]:
-                token = link_token(coord, Account(owner_id, session, "", "")) if owner_id else None
+                token = device_token(coord, Account(owner_id, session, "", "")) if owner_id else None
                 node = start_serve(coord, node_home(tmp_path, name, token), "--backend", "openai", "--upstream-url",
                                    upstream_url, "--model", MODEL, "--max-concurrency", str(CONCURRENCY))
                 processes.append(node)

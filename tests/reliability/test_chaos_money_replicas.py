@@ -49,15 +49,15 @@ import pytest
 from sqlalchemy.ext.asyncio import create_async_engine
 
 import tests.reliability.test_chaos_money as chaos
-from tests.coordinator.money.stack import (check_trails, credit, link_token, money_snapshot, new_key, node_home,
-                                           open_reservations, read_db, signup, wait_registered, wait_settled,
-                                           write_catalog)
+from tests.support.billing import (check_trails, credit, money_snapshot, new_key, node_home,
+                                   open_reservations, read_db, signup, wait_registered, wait_settled,
+                                   write_catalog)
 from tests.coordinator.money.test_conservation import FEE_BPS, INPUT_PRICE, MODEL, OUTPUT_PRICE, Spender
-from tests.support.accounts import Account
+from tests.support.accounts import Account, device_token
 from tests.support.processes import Coordinator, Process, darkbloom_cmd, spawn, start_fixed_upstream, wait_until
 from tests.support.replicas import Replicas, TcpProxy, replica_set
 
-pytestmark = pytest.mark.e2e
+pytestmark = [pytest.mark.e2e, pytest.mark.postgres]
 
 CONCURRENCY = 128
 REQUESTS = 2_000         # planned; a request refused at the connection (a dead replica) is sent again
@@ -222,7 +222,7 @@ def test_chaos_money_across_three_replicas(tmp_path: Path) -> None:
                                                  ("p2", None, None, coords[1].base_url),
                                                  ("p3", exclusive, exclusive_session, proxy.url),
                                                  ("p4", None, None, proxy.url)]:
-                token = link_token(coords[1], Account(owner, session, "", "")) if owner else None
+                token = device_token(coords[1], Account(owner, session, "", "")) if owner else None
                 node = spawn(darkbloom_cmd("serve", "--coordinator", target, "--backend", "openai", "--upstream-url",
                                            upstream_url, "--model", MODEL, "--max-concurrency", str(CONCURRENCY)),
                              node_home(tmp_path, name, token), "node.log")

@@ -1,8 +1,8 @@
 """Issue 18's attacker, as a test suite: anyone who can reach NATS but holds no replica's key.
 
 Two real replicas of one coordinator (Postgres, Redis, the machine's NATS under the set's own
-subject prefix): replica A holds every machine — a hand-driven `Raw` provider owned by the victim
-(public, answers at once), hand-held `Raw` providers that answer when a test says (model ``HELD``),
+subject prefix): replica A holds every machine — a hand-driven `ThreadedRaw` provider owned by the victim
+(public, answers at once), hand-held `ThreadedRaw` providers that answer when a test says (model ``HELD``),
 and a real `darkbloom serve` node on the bundled model (private-only) — and every consumer calls
 replica B, so every request crosses NATS.
 
@@ -67,13 +67,13 @@ from darkbloom.wire.crypto import ReplyKey, Sealer, b64d, b64e, public_key_from_
 from darkbloom.wire.protocol import InferenceRequest, TrustStatus, dump
 from darkbloom.wire.runtime import runtime_hash
 
-from tests.coordinator.fabric.raw_threads import Raw
-from tests.coordinator.money.stack import link_token, node_home, start_serve, table, wait_registered
-from tests.support.accounts import Account, create_account
+from tests.support.billing import node_home, start_serve, table, wait_registered
+from tests.support.accounts import Account, create_account, device_token
 from tests.support.processes import Coordinator, Process, wait_until
+from tests.support.raw_provider import ThreadedRaw
 from tests.support.replicas import NATS_URL, Replicas, readyz, replica_set
 
-pytestmark = [pytest.mark.e2e, pytest.mark.timeout(300)]
+pytestmark = [pytest.mark.e2e, pytest.mark.postgres, pytest.mark.timeout(300)]
 
 MODEL = "smollm2-135m"  # the victim's public machine and the real node
 HELD = "held-model"     # the hand-held machines only: paid requests for MODEL never land on them
@@ -376,18 +376,18 @@ class World:
     spy: Attacker
     victim: Account      # owns `honest`
     payer: Account       # pays for the positive controls
-    honest: Raw          # the victim's public machine on A
+    honest: ThreadedRaw  # the victim's public machine on A
     node_owner: Account  # owns the real node
     node: Process        # a real `darkbloom serve` on A (bundled model, private-only)
     node_session: str
     node_home: Path
     a_id: str = ""
     b_id: str = ""
-    raws: list[Raw] = field(default_factory=list)
+    raws: list[ThreadedRaw] = field(default_factory=list)
 
-    def held_machine(self) -> tuple[Raw, Account]:
+    def held_machine(self) -> tuple[ThreadedRaw, Account]:
         owner = create_account(self.b)
-        raw = Raw(self.a, owner, answer=None, models=(HELD,))
+        raw = ThreadedRaw(self.a.base_url, device_token(self.a, owner), answer=None, models=(HELD,))
         self.raws.append(raw)
         wait_until(lambda: listed(self.b, owner, raw.session_id), timeout=20, what="the held machine on B")
         return raw, owner
@@ -421,14 +421,14 @@ def world(tmp_path_factory: pytest.TempPathFactory) -> Iterator[World]:
                      "--runtime-allow", runtime_hash()) as replicas:
         a, b = replicas.coordinators
         spy = Attacker(replicas.prefix)
-        raws: list[Raw] = []
+        raws: list[ThreadedRaw] = []
         node: Process | None = None
         try:
             victim = create_account(b)
-            honest = Raw(a, victim, answer=HONEST_ANSWER)
+            honest = ThreadedRaw(a.base_url, device_token(a, victim), answer=HONEST_ANSWER)
             raws.append(honest)
             node_owner = create_account(b)
-            home = node_home(root, "node", link_token(b, node_owner))
+            home = node_home(root, "node", device_token(b, node_owner))
             node = start_serve(a, home, "--private-only", "--max-concurrency", "2")
             node_session = wait_registered(node)
             payer = create_account(b, credit_micro_usd=10_000_000)
@@ -506,7 +506,7 @@ def assert_no_leak_to_attacker(w: World, fake_ids: list[str]) -> None:
 
 @dataclass
 class HeldRequest:
-    raw: Raw
+    raw: ThreadedRaw
     owner: Account
     request_id: str
     ticket: str
@@ -516,7 +516,7 @@ class HeldRequest:
     result: Any      # the client's (status, text), a Future
 
 
-def hold_open(w: World, pool: ThreadPoolExecutor, raw: Raw, owner: Account) -> HeldRequest:
+def hold_open(w: World, pool: ThreadPoolExecutor, raw: ThreadedRaw, owner: Account) -> HeldRequest:
     result = pool.submit(stream, w.b, owner.api_key, HELD, SELF)
     request_id = wait_until(lambda: next(iter(raw.requests), None), timeout=20, what="the request on A")
     captured = w.spy.wait(lambda h: h.subject == w.subject("hold", w.a_id) and h.hold()[0].get("r") == request_id
@@ -707,7 +707,7 @@ def test_request_reusing_a_live_request_id(world: World) -> None:
     raw, owner = w.held_machine()
     with ThreadPoolExecutor(1) as pool:
         held = hold_open(w, pool, raw, owner)
-        original = raw.requests[held.request_id]
+        original = raw.frames[held.request_id]
         key = public_key_from_b64(w.announced(raw.session_id)[1]["public_key"])
         body = {"model": HELD, "messages": [{"role": "user", "content": "Answer me instead."}], "max_tokens": 16}
         frame = dump(InferenceRequest(request_id=held.request_id,
@@ -720,7 +720,7 @@ def test_request_reusing_a_live_request_id(world: World) -> None:
         before = dropped(w.a)
         w.spy.publish(w.subject("hold", w.a_id), *payloads(batch), held.captured.data)
         wait_dropped(w.a, before, expected(batch) + Counter(replayed=1), "A dropping the reused request id")
-        assert raw.requests[held.request_id] is original and list(raw.requests) == [held.request_id]
+        assert raw.frames[held.request_id] is original and list(raw.requests) == [held.request_id]
         assert raw.cancels == []
         body = finish(held)
     assert content(body) == "the real words", body

@@ -22,10 +22,9 @@ import pytest
 
 from darkbloom.wire.chunk_arrays import MAX_CHUNKS_PER_FRAME
 from darkbloom.wire.protocol import MAX_FRAME_BYTES, SOCKET_MESSAGE_LIMIT, TrustStatus
-from tests.support.accounts import Account, create_account
+from tests.support.accounts import Account, balance, create_account, device_token
 from tests.support.hostile import (
-    HealthWatch, balance, balance_settles_at, device_token, new_model, registered, send_plaintext, sse_data,
-    usage_ids)
+    HealthWatch, balance_settles_at, new_model, registered, send_plaintext, sse_data, usage_ids)
 from tests.support.processes import Coordinator, sqlite_coordinator
 
 pytestmark = pytest.mark.e2e

@@ -19,8 +19,8 @@ import pytest
 
 from darkbloom.wire.crypto import Sealer, public_key_from_b64
 from darkbloom.wire.protocol import MAX_REQUEST_FRAME_BYTES, Cancel, InferenceResponseChunk, TrustStatus, dump
-from tests.support.accounts import Account, create_account
-from tests.support.hostile import balance, balance_settles_at, new_model, registered, sse_data
+from tests.support.accounts import Account, balance, create_account, device_token
+from tests.support.hostile import balance_settles_at, new_model, registered, sse_data
 from tests.support.processes import Coordinator, sqlite_coordinator
 from tests.support.raw_provider import RawProvider
 
@@ -358,16 +358,9 @@ async def test_a_malformed_completion_ends_at_the_idle_deadline(coord: Coordinat
     await raw.close()
 
 
-def _device_token(coord: Coordinator, account: Account) -> str:
-    code = httpx.post(coord.api_url + "/device/code").json()
-    httpx.post(coord.api_url + "/device/approve", json={"user_code": code["user_code"]},
-               headers=account.headers(account.session)).raise_for_status()
-    return httpx.post(coord.api_url + "/device/token", json={"device_code": code["device_code"]}).json()["token"]
-
-
 async def test_a_node_advertising_an_over_long_model_id_breaks_no_view(coord: Coordinator) -> None:
     owner = create_account(coord)
-    raw = RawProvider(coord.base_url, auth_token=_device_token(coord, owner), models=("m" * 300, "ok-model"))
+    raw = RawProvider(coord.base_url, auth_token=device_token(coord, owner), models=("m" * 300, "ok-model"))
     await raw.register()
     for path, headers in (("/me/self-route-models", {}), ("/models", {"X-Darkbloom-Route": "self"}),
                           ("/me/providers", {})):

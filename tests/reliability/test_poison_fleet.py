@@ -13,8 +13,8 @@ from typing import Any, Iterator
 import httpx
 import pytest
 
-from tests.support.accounts import Account, create_account, login_node, start_node, wait_online
-from tests.support.hostile import balance, usage_ids
+from tests.support.accounts import Account, balance, create_account, login_node, start_node, wait_online
+from tests.support.hostile import usage_ids
 from tests.support.processes import Coordinator, Process, sqlite_coordinator
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(300)]

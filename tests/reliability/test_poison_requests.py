@@ -17,9 +17,9 @@ from typing import Any, Iterator
 import httpx
 import pytest
 
-from tests.support.accounts import Account, create_account
+from tests.support.accounts import Account, balance, create_account
 from tests.support.hostile import (
-    balance, balance_settles_at, crash_on_request, crashed_counter, new_model, registered, usage_ids)
+    balance_settles_at, crash_on_request, crashed_counter, new_model, registered, usage_ids)
 from tests.support.processes import Coordinator, sqlite_coordinator
 
 pytestmark = pytest.mark.e2e
@@ -65,8 +65,13 @@ async def test_a_schema_bound_no_grammar_holds_is_refused_before_anything_is_res
     assert response.status_code == 400, response.text
     assert response.json()["error"]["type"] == "invalid_request_error"
     assert response.json()["error"]["param"] == param
-    await asyncio.sleep(0.3)
-    assert raw.seen_requests == set() and balance(coord, account) == before
+    assert balance(coord, account) == before
+    async with httpx.AsyncClient(timeout=30) as http:  # the provider's next request: one sent before would be first
+        probe = _post(coord, account, "/chat/completions", {"model": model, "messages": HELLO}, http)
+        request, _ = await raw.next_request()
+        await raw.answer(request, "probe")
+        assert (await probe).status_code == 200
+    assert raw.seen_requests == {request.request_id}
     await raw.close()
 
 

@@ -27,10 +27,9 @@ import threading
 from pathlib import Path
 from typing import Iterator
 
-import httpx
 import pytest
 
-from tests.support.accounts import Account, create_account, wait_model_listed
+from tests.support.accounts import Account, create_account, device_token, wait_model_listed
 from tests.support.processes import ADMIN_TOKEN, Coordinator, sqlite_coordinator
 from tests.support.raw_provider import RawProvider
 
@@ -63,15 +62,6 @@ def account(coord: Coordinator) -> Account:
     return create_account(coord, credit_micro_usd=100_000_000)
 
 
-def _device_token(coord: Coordinator, account: Account) -> str:
-    code = httpx.post(coord.api_url + "/device/code").json()
-    httpx.post(coord.api_url + "/device/approve", json={"user_code": code["user_code"]},
-               headers=account.headers()).raise_for_status()
-    token = httpx.post(coord.api_url + "/device/token", json={"device_code": code["device_code"]})
-    token.raise_for_status()
-    return str(token.json()["token"])
-
-
 class _AnsweringMachine:
     """The account's own machine: a raw provider, in its own thread and event loop, answering every
     request with one sealed chunk."""
@@ -95,7 +85,7 @@ class _AnsweringMachine:
 
 @pytest.fixture(scope="module")
 def own_machine(coord: Coordinator, account: Account) -> _AnsweringMachine:
-    machine = _AnsweringMachine(coord.base_url, _device_token(coord, account))
+    machine = _AnsweringMachine(coord.base_url, device_token(coord, account))
     machine.thread.start()
     assert machine.registered.wait(60), "the raw provider did not register"
     wait_model_listed(coord, account)

@@ -17,7 +17,6 @@ import json
 import os
 import re
 import sqlite3
-import threading
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -25,13 +24,12 @@ from urllib.parse import urlsplit
 
 import httpx
 
-from darkbloom.wire.protocol import Heartbeat, InferenceRequest, dump
 from darkbloom.store.schema import PLATFORM_ACCOUNT_ID
 
-from tests.support.accounts import Account, create_account
+from tests.support.accounts import Account, balance, create_account, device_token
 from tests.support.processes import Coordinator, Process, node_cmd, spawn, start_coordinator, wait_until
 from tests.support.processes import start_fixed_upstream
-from tests.support.raw_provider import RawProvider
+from tests.support.raw_provider import ThreadedRaw
 from tests.support.replicas import replica_set
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -131,14 +129,8 @@ class Stack:
         return str(response.json()["key"])
 
     def link(self, account: Account) -> str:
-        """What `darkbloom login` does, over HTTP: a `dkp-` device token for the account (one new machine)."""
-        code = httpx.post(self.url + "/device/code").json()
-        approved = httpx.post(self.url + "/device/approve", json={"user_code": code["user_code"]},
-                              headers={"Authorization": f"Bearer {account.session}"})
-        assert approved.status_code == 200, approved.text
-        token = httpx.post(self.url + "/device/token", json={"device_code": code["device_code"]}).json()
-        assert token["status"] == "authorized", token
-        return str(token["token"])
+        """A `dkp-` device token for the account (one new machine), from the consumer side."""
+        return device_token(self.consumer_side, account)
 
     # provider nodes
 
@@ -210,9 +202,7 @@ class Stack:
                          timeout=30)
 
     def balance(self, account: Account) -> int:
-        response = self.get("/payments/balance", account.api_key)
-        assert response.status_code == 200, response.text
-        return int(response.json()["balance_micro_usd"])
+        return balance(self.consumer_side, account)
 
     def usage(self, account: Account) -> list[dict[str, Any]]:
         response = self.get("/payments/usage?limit=500", account.session)
@@ -299,78 +289,3 @@ def streamed_text(text: str) -> str:
 def error_of(response: httpx.Response) -> dict[str, Any]:
     return dict(response.json()["error"])
 
-
-class ThreadedRaw:
-    """A `RawProvider` run on its own event loop in a background thread: it registers, answers
-    challenges (as ``challenge_answer`` says), heartbeats, and records every `inference_request`;
-    with ``answer`` set it replies to each with that text."""
-
-    def __init__(self, base_url: str, auth_token: str | None, *, answer: str | None = None,
-                 heartbeat_every: float = 2.0, **options: Any) -> None:
-        self.provider = RawProvider(base_url, auth_token, **options)
-        self.answer_text = answer
-        self.heartbeat_every = heartbeat_every
-        self.requests: list[str] = []
-        self.registered: dict[str, Any] | None = None
-        self._loop = asyncio.new_event_loop()
-        self._ready = threading.Event()
-        self._error: BaseException | None = None
-        self._task: asyncio.Task[None] | None = None
-        self._thread = threading.Thread(target=self._run, daemon=True)
-        self._thread.start()
-        if not self._ready.wait(30):
-            raise AssertionError("raw provider did not register in 30 s")
-        if self._error is not None:
-            raise AssertionError(f"raw provider failed: {self._error!r}")
-
-    @property
-    def session_id(self) -> str:
-        assert self.provider.provider_id is not None
-        return self.provider.provider_id
-
-    def _run(self) -> None:
-        asyncio.set_event_loop(self._loop)
-        self._task = self._loop.create_task(self._main())
-        try:
-            self._loop.run_until_complete(self._task)
-        except BaseException:  # noqa: BLE001 - cancelled at close
-            pass
-
-    async def _main(self) -> None:
-        try:
-            self.registered = await self.provider.register()
-        except BaseException as exc:  # noqa: BLE001
-            self._error = exc
-            self._ready.set()
-            return
-        self._ready.set()
-        beats = asyncio.ensure_future(self._heartbeats())
-        try:
-            while True:
-                frame = await self.provider.recv()
-                if isinstance(frame, InferenceRequest):
-                    self.requests.append(frame.request_id)
-                    if self.answer_text is not None:
-                        await self.provider.answer(frame, self.answer_text)
-        except Exception:  # noqa: BLE001 - the socket closed
-            pass
-        finally:
-            beats.cancel()
-
-    async def _heartbeats(self) -> None:
-        assert self.provider.ws is not None
-        while True:
-            await asyncio.sleep(self.heartbeat_every)
-            await self.provider.ws.send(dump(Heartbeat(models=list(self.provider.models))))
-
-    def close(self) -> None:
-        if not self._thread.is_alive():
-            return
-
-        async def shut() -> None:
-            await self.provider.close()
-            if self._task is not None:
-                self._task.cancel()
-
-        asyncio.run_coroutine_threadsafe(shut(), self._loop)
-        self._thread.join(10)

@@ -14,9 +14,10 @@ from typing import Iterator
 
 import pytest
 
-from tests.selfroute.support import (FIXED_ANSWER, PREFER, SELF, Node, Stack, ThreadedRaw, error_of,
+from tests.selfroute.support import (FIXED_ANSWER, PREFER, SELF, Node, Stack, error_of,
                                      start_upstream, streamed_text)
 from tests.support.accounts import Account
+from tests.support.raw_provider import ThreadedRaw
 from darkbloom.store.schema import PLATFORM_ACCOUNT_ID
 
 pytestmark = pytest.mark.e2e

@@ -19,9 +19,10 @@ from typing import Iterator
 
 import pytest
 
-from tests.selfroute.support import (FIXED_ANSWER, MODEL, SELF, Stack, ThreadedRaw, error_of, start_upstream,
+from tests.selfroute.support import (FIXED_ANSWER, MODEL, SELF, Stack, error_of, start_upstream,
                                      wait_accepted)
 from tests.support.accounts import Account
+from tests.support.raw_provider import ThreadedRaw
 from tests.support.processes import wait_until
 
 pytestmark = pytest.mark.e2e

@@ -85,6 +85,7 @@ async def test_ping_reports_an_unreachable_database() -> None:
 
 
 @pytest.mark.timeout(120)  # without the lock the replicas' DDL waits on itself until this timeout
+@pytest.mark.postgres
 def test_replicas_migrating_a_fresh_postgres_at_once_take_turns() -> None:
     """Three coordinator replicas started together against an empty database (a compose file's first
     start): each migrates under the same advisory lock, so one creates the schema and the others find

@@ -6,10 +6,18 @@ import secrets
 import subprocess
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Protocol
 
 import httpx
 
 from tests.support.processes import Coordinator, Process, darkbloom_cmd, spawn, wait_until, _env
+
+
+class Reachable(Protocol):
+    """A coordinator as these helpers reach it: a process (``Coordinator``), one in-process, a replica."""
+
+    @property
+    def api_url(self) -> str: ...
 
 
 @dataclass
@@ -36,6 +44,24 @@ def create_account(coord: Coordinator, credit_micro_usd: int = 0, **key_fields: 
             "account_id": body["account_id"], "amount_micro_usd": credit_micro_usd,
             "reference": "test-" + secrets.token_hex(6)}).raise_for_status()
     return Account(body["account_id"], body["token"], key.json()["key"], email)
+
+
+def device_token(coord: Reachable, account: Account) -> str:
+    """What `darkbloom login` does, over HTTP: a `dkp-` device token for a new machine of the account."""
+    code = httpx.post(coord.api_url + "/device/code").json()
+    approved = httpx.post(coord.api_url + "/device/approve", json={"user_code": code["user_code"]},
+                          headers=account.headers(account.session))
+    assert approved.status_code == 200, approved.text
+    token = httpx.post(coord.api_url + "/device/token", json={"device_code": code["device_code"]}).json()
+    assert token["status"] == "authorized", token
+    return str(token["token"])
+
+
+def balance(coord: Reachable, account: Account) -> int:
+    """The account's balance in µUSD, read with its API key."""
+    response = httpx.get(coord.api_url + "/payments/balance", headers=account.headers(), timeout=30)
+    assert response.status_code == 200, response.text
+    return int(response.json()["balance_micro_usd"])
 
 
 def login_node(coord: Coordinator, home: Path, account: Account) -> str:

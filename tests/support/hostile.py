@@ -1,6 +1,6 @@
 """What the hostile-provider suites share: a priced model only a test's raw providers serve, the
-caller's balance and usage rows, a machine of the caller's own, sealed plaintext of any bytes, a
-socket dropped as a crashed node drops it, and a /health watcher."""
+caller's balance settling and usage rows, sealed plaintext of any bytes, a socket dropped as a
+crashed node drops it, and a /health watcher."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ from typing import Any
 import httpx
 
 from darkbloom.wire.protocol import InferenceRequest, InferenceResponseChunk, dump
-from tests.support.accounts import Account
+from tests.support.accounts import Account, balance
 from tests.support.processes import Coordinator
 from tests.support.raw_provider import RawProvider
 
@@ -27,11 +27,6 @@ def new_model(coord: Coordinator, prefix: str = "hostile") -> str:
     return model
 
 
-def balance(coord: Coordinator, account: Account) -> int:
-    return int(httpx.get(coord.api_url + "/payments/balance", headers=account.headers()).json()
-               ["balance_micro_usd"])
-
-
 async def balance_settles_at(coord: Coordinator, account: Account, expected: int) -> None:
     deadline = time.monotonic() + 10
     while balance(coord, account) != expected and time.monotonic() < deadline:
@@ -42,14 +37,6 @@ async def balance_settles_at(coord: Coordinator, account: Account, expected: int
 def usage_ids(coord: Coordinator, account: Account) -> set[str]:
     rows = httpx.get(coord.api_url + "/payments/usage", headers=account.headers()).json()["data"]
     return {row["request_id"] for row in rows}
-
-
-def device_token(coord: Coordinator, account: Account) -> str:
-    """A device token for one of the account's own machines."""
-    code = httpx.post(coord.api_url + "/device/code").json()
-    httpx.post(coord.api_url + "/device/approve", json={"user_code": code["user_code"]},
-               headers=account.headers(account.session)).raise_for_status()
-    return httpx.post(coord.api_url + "/device/token", json={"device_code": code["device_code"]}).json()["token"]
 
 
 async def registered(coord: Coordinator, model: str, capabilities: tuple[str, ...] = (),

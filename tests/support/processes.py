@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import itertools
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -105,18 +107,33 @@ class Coordinator:
         self.process.stop()
 
 
+_LOGS = itertools.count(1)
+_LISTENING = re.compile(r"Uvicorn running on http://[^\s:]+:(\d+)")
+
+
 def start_coordinator(home: Path, database_url: str, *extra_args: str, port: int | None = None,
                       env: dict[str, str] | None = None) -> Coordinator:
-    port = port or free_port()
+    """A `darkbloom coordinator` process; it binds ``port`` (by default one the system chooses, read
+    back from its log) and answers /health before this returns."""
     if "--min-trust" not in extra_args:
         # test nodes are not enrolled (self_signed); the production default floor is hardware
         extra_args = ("--min-trust", "self_signed", *extra_args)
-    args = darkbloom_cmd("coordinator", "--port", str(port), "--database-url", database_url,
+    args = darkbloom_cmd("coordinator", "--port", str(port or 0), "--database-url", database_url,
                          "--admin-token", ADMIN_TOKEN, *extra_args)
-    process = spawn(args, home, f"coordinator-{port}.log", env)
-    base_url = f"http://127.0.0.1:{port}"
+    process = spawn(args, home, f"coordinator-{next(_LOGS)}.log", env)
+    base_url = f"http://127.0.0.1:{port or listening_port(process)}"
     wait_http(base_url + "/health", process)
     return Coordinator(process, base_url, home, database_url, extra_args=list(extra_args))
+
+
+def listening_port(process: Process, timeout: float = 60) -> int:
+    """The port a server started with ``--port 0`` bound, from uvicorn's "Uvicorn running on" line."""
+    def bound() -> int | None:
+        if process.proc.poll() is not None:
+            raise RuntimeError(f"process exited early:\n{process.log()}")
+        found = _LISTENING.search(process.log())
+        return int(found.group(1)) if found else None
+    return int(wait_until(bound, timeout=timeout, interval=0.05, what="the server's listening port"))
 
 
 @contextmanager

@@ -1,5 +1,6 @@
 """A hand-driven provider socket for protocol tests: it speaks the real protocol module but lets a
 test decide every frame (misbehave, stall, vanish). Never used where a real node can serve.
+``ThreadedRaw`` runs one on its own thread, for tests written as plain (sync) code.
 
 Attestation challenges (the first one is part of registration) are answered as ``challenge_answer``
 says: ``"valid"`` (default), ``"bad_signature"``, ``"changed_runtime"`` or ``"ignore"``; every
@@ -7,7 +8,9 @@ challenge and ``trust_status`` seen is kept in ``challenges`` / ``trust_statuses
 
 from __future__ import annotations
 
+import asyncio
 import json
+import threading
 from typing import Any
 
 from websockets.asyncio.client import ClientConnection, connect
@@ -17,6 +20,8 @@ from darkbloom.wire.protocol import (
     MAX_FRAME_BYTES,
     AttestationChallenge,
     AttestationResponse,
+    Cancel,
+    Heartbeat,
     InferenceComplete,
     InferenceError,
     InferenceRequest,
@@ -178,6 +183,97 @@ class RawProvider:
     async def close(self) -> None:
         if self.ws is not None:
             await self.ws.close()
+
+
+class ThreadedRaw:
+    """A `RawProvider` run on its own event loop in a background thread: it registers, answers
+    challenges (as ``challenge_answer`` says), heartbeats, and records every `inference_request`
+    (``requests``: ids in order, ``frames``: by id) and `cancel`; with ``answer`` set it replies to
+    each request with that text, otherwise the test answers with ``chunk`` and ``complete``."""
+
+    def __init__(self, base_url: str, auth_token: str | None, *, answer: str | None = None,
+                 heartbeat_every: float = 2.0, **options: Any) -> None:
+        self.provider = RawProvider(base_url, auth_token, **options)
+        self.answer_text = answer
+        self.heartbeat_every = heartbeat_every
+        self.requests: list[str] = []
+        self.frames: dict[str, InferenceRequest] = {}
+        self.cancels: list[str] = []
+        self.registered: dict[str, Any] | None = None
+        self._loop = asyncio.new_event_loop()
+        self._ready = threading.Event()
+        self._error: BaseException | None = None
+        self._task: asyncio.Task[None] | None = None
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+        if not self._ready.wait(30):
+            raise AssertionError("raw provider did not register in 30 s")
+        if self._error is not None:
+            raise AssertionError(f"raw provider failed: {self._error!r}")
+
+    @property
+    def session_id(self) -> str:
+        assert self.provider.provider_id is not None
+        return self.provider.provider_id
+
+    def _run(self) -> None:
+        asyncio.set_event_loop(self._loop)
+        self._task = self._loop.create_task(self._main())
+        try:
+            self._loop.run_until_complete(self._task)
+        except BaseException:  # noqa: BLE001 - cancelled at close
+            pass
+
+    async def _main(self) -> None:
+        try:
+            self.registered = await self.provider.register()
+        except BaseException as exc:  # noqa: BLE001
+            self._error = exc
+            self._ready.set()
+            return
+        self._ready.set()
+        beats = asyncio.ensure_future(self._heartbeats())
+        try:
+            while True:
+                frame = await self.provider.recv()
+                if isinstance(frame, InferenceRequest):
+                    self.frames[frame.request_id] = frame
+                    self.requests.append(frame.request_id)
+                    if self.answer_text is not None:
+                        await self.provider.answer(frame, self.answer_text)
+                elif isinstance(frame, Cancel):
+                    self.cancels.append(frame.request_id)
+        except Exception:  # noqa: BLE001 - the socket closed
+            pass
+        finally:
+            beats.cancel()
+
+    async def _heartbeats(self) -> None:
+        assert self.provider.ws is not None
+        while True:
+            await asyncio.sleep(self.heartbeat_every)
+            await self.provider.ws.send(dump(Heartbeat(models=list(self.provider.models))))
+
+    def _call(self, work: Any) -> Any:
+        return asyncio.run_coroutine_threadsafe(work, self._loop).result(10)
+
+    def chunk(self, request_id: str, text: str) -> None:
+        self._call(self.provider.send_chunk(self.frames[request_id], text))
+
+    def complete(self, request_id: str, prompt_tokens: int = 3, completion_tokens: int = 2) -> None:
+        self._call(self.provider.send_complete(self.frames[request_id], prompt_tokens, completion_tokens))
+
+    def close(self) -> None:
+        if not self._thread.is_alive():
+            return
+
+        async def shut() -> None:
+            await self.provider.close()
+            if self._task is not None:
+                self._task.cancel()
+
+        asyncio.run_coroutine_threadsafe(shut(), self._loop)
+        self._thread.join(10)
 
 
 def _tampered(attestation: str) -> str:

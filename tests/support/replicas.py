@@ -21,7 +21,7 @@ from typing import Iterator
 import httpx
 
 from tests.support.databases import postgres_database
-from tests.support.processes import Coordinator, free_port, start_coordinator, wait_until
+from tests.support.processes import Coordinator, start_coordinator, wait_until
 
 NATS_URL = "nats://127.0.0.1:4222"
 REDIS_URL = "redis://127.0.0.1:6379"
@@ -94,7 +94,7 @@ class TcpProxy:
     would), ``resume`` listens again on the same port."""
 
     def __init__(self, target: int, port: int | None = None) -> None:
-        self.port = port or free_port()
+        self.port = port or 0  # 0: the first listen takes a port the system chooses
         self.target = target
         self._loop = asyncio.new_event_loop()
         self._server: asyncio.AbstractServer | None = None
@@ -112,6 +112,7 @@ class TcpProxy:
     def resume(self) -> None:
         async def listen() -> None:
             self._server = await asyncio.start_server(self._pipe, "127.0.0.1", self.port, reuse_address=True)
+            self.port = int(self._server.sockets[0].getsockname()[1])
         asyncio.run_coroutine_threadsafe(listen(), self._loop).result(10)
 
     def cut(self) -> None:

@@ -28,5 +28,8 @@ def build_server(settings: CoordinatorSettings, server_class: type[uvicorn.Serve
 
 def run(settings: CoordinatorSettings) -> None:
     configure_logging()
+    server = build_server(settings)
+    listening = server.config.bind_socket()  # logs "Uvicorn running on http://HOST:PORT"
+    settings.port = int(listening.getsockname()[1])  # --port 0: the port the system chose, in links and logs
     logging.getLogger("darkbloom").info("starting coordinator on %s:%d", settings.host, settings.port)
-    build_server(settings).run()
+    server.run(sockets=[listening])

@@ -261,7 +261,7 @@ def _validate(config: ProviderConfig) -> None:
         raise ConfigError("[backend] threads must be 0 (automatic) or more")
     if config.max_body_bytes < 1:
         raise ConfigError("[local] max_body_bytes must be at least 1")
-    if not 0 < config.local_port < 65536:
+    if not 0 <= config.local_port < 65536:  # 0: a port the system chooses (local.json names it)
         raise ConfigError(f"local port {config.local_port} is not a valid TCP port")
     if not config.models:
         raise ConfigError("no models configured; add --model ID[=PATH] or a [[models]] table")

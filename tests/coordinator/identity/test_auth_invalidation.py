@@ -55,6 +55,17 @@ async def _cached(cache: AuthCache, digest: str, key_id: str) -> None:
     assert len(cache) >= 1
 
 
+async def _still_cached(cache: AuthCache, digest: str) -> bool:
+    """Whether the cache answers for ``digest`` without loading it again."""
+    loaded: list[str] = []
+
+    async def load() -> Grant | None:
+        loaded.append(digest)
+        return None
+    await cache.get(digest, load)
+    return not loaded
+
+
 async def _eventually(predicate: Callable[[], bool], timeout: float) -> float:
     started = time.monotonic()
     while not predicate():
@@ -113,13 +124,14 @@ async def test_a_rolled_back_change_sends_no_notice(two: tuple[Services, Service
     try:
         await _eventually(lambda: listener.listening, timeout=10)
         await _cached(there.auth_cache, "h1", "k1")
+        await _cached(there.auth_cache, "h2", "k-other")
         with pytest.raises(RuntimeError):
             async with changing(here, key_subject("k1")):
                 raise RuntimeError("refused")
         async with changing(here, key_subject("k-other")) as conn:  # a later notice, to wait on
             await conn.execute(text("SELECT 1"))
-        await asyncio.sleep(0.3)
-        assert len(there.auth_cache) == 1
+        await _eventually(lambda: len(there.auth_cache) < 2, timeout=10)  # the later notice arrived
+        assert len(there.auth_cache) == 1 and await _still_cached(there.auth_cache, "h1")
     finally:
         task.cancel()
 

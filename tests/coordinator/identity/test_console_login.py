@@ -4,9 +4,7 @@ the few threads of its own, and work others put on the default executor is not h
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import threading
-import time
 from collections.abc import AsyncIterator, Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
@@ -14,6 +12,7 @@ from typing import Any
 
 import httpx
 import pytest
+from argon2.exceptions import VerifyMismatchError
 
 from darkbloom.coordinator.app import create_app
 from darkbloom.coordinator.config import CoordinatorSettings
@@ -61,19 +60,40 @@ async def test_argon2_never_runs_on_the_default_executor(http: httpx.AsyncClient
     assert not [call for call in recording.given if "argon2" in call.lower() or "PasswordHasher" in call]
 
 
-async def test_fifty_log_ins_at_once_leave_the_default_executor_free(http: httpx.AsyncClient) -> None:
+class HeldHasher:
+    """Argon2 for a flood of wrong guesses: every check waits until ``release`` is set, then fails
+    (as the real one would), so the flood holds every hashing thread for as long as a test needs."""
+
+    def __init__(self, real: Any) -> None:
+        self.real = real
+        self.release = threading.Event()
+        self.entered = 0
+
+    def hash(self, password: str) -> str:
+        return str(self.real.hash(password))
+
+    def verify(self, password_hash: str, password: str) -> bool:
+        self.entered += 1
+        self.release.wait(120)
+        raise VerifyMismatchError()
+
+
+async def test_fifty_log_ins_at_once_leave_the_default_executor_free(http: httpx.AsyncClient,
+                                                                      monkeypatch: pytest.MonkeyPatch) -> None:
     loop = asyncio.get_running_loop()
     loop.set_default_executor(ThreadPoolExecutor(max_workers=4))
+    held = HeldHasher(console_login._hasher)
+    monkeypatch.setattr(console_login, "_hasher", held)
     hashing = asyncio.gather(*(_attempt(http, "ada@example.com", f"guess {i}") for i in range(50)))
-    await asyncio.sleep(1.0)  # the log-ins are queued for their threads by now
-    started = time.monotonic()
-    await loop.run_in_executor(None, time.sleep, 0)  # what a DNS lookup or to_thread would wait for
-    waited = time.monotonic() - started
-    hash_threads = [t for t in threading.enumerate() if t.name.startswith("argon2")]
-    still_hashing = not hashing.done()
-    hashing.cancel()  # the queued ones never start
-    with contextlib.suppress(asyncio.CancelledError):
-        await hashing
-    assert still_hashing
-    assert waited < 0.5, f"the default executor was busy for {waited:.2f} s"
+    try:
+        while held.entered < console_login.HASH_THREADS:  # every hashing thread holds a log-in, the rest queue
+            await asyncio.sleep(0.01)
+        # what a DNS lookup or to_thread would wait for: it runs while the whole flood is still held
+        job = loop.run_in_executor(None, lambda: not held.release.is_set())
+        done, _ = await asyncio.wait({job}, timeout=60)  # bounds only a failure: a held default executor
+        hash_threads = [t for t in threading.enumerate() if t.name.startswith("argon2")]
+    finally:
+        held.release.set()
+    assert await hashing == [401] * 50
+    assert job in done and job.result(), "the default executor waited for the log-ins"
     assert 1 <= len(hash_threads) <= console_login.HASH_THREADS

@@ -16,7 +16,7 @@ from typing import Any, Iterator
 import httpx
 import pytest
 
-from tests.support.accounts import Account, create_account
+from tests.support.accounts import Account, balance, create_account
 from tests.support.processes import Coordinator, sqlite_coordinator
 from tests.support.raw_provider import RawProvider
 
@@ -44,10 +44,6 @@ def _new_model(coord: Coordinator) -> str:
     catalog["models"].append({"id": model, "input_price": 1_000, "output_price": 1_000})
     httpx.put(coord.api_url + "/admin/catalog", json=catalog, headers=coord.admin()).raise_for_status()
     return model
-
-
-def _balance(coord: Coordinator, account: Account) -> int:
-    return int(httpx.get(coord.api_url + "/payments/balance", headers=account.headers()).json()["balance_micro_usd"])
 
 
 async def _provider(coord: Coordinator, model: str, capabilities: tuple[str, ...] = ()) -> RawProvider:
@@ -119,7 +115,7 @@ async def test_embeddings_reach_the_node_as_floats_and_the_client_as_it_asked(
         if entry["id"] == model:
             entry["input_price"] = model_price
     httpx.put(coord.api_url + "/admin/catalog", json=catalog, headers=coord.admin()).raise_for_status()
-    before = _balance(coord, account)
+    before = balance(coord, account)
     request = asyncio.create_task(_post(coord, "/embeddings", {"model": model, "input": ["a", "b"],
                                                                "encoding_format": "base64"}, account.headers()))
     frame, body = await asyncio.wait_for(raw.next_request(), 10)
@@ -136,7 +132,7 @@ async def test_embeddings_reach_the_node_as_floats_and_the_client_as_it_asked(
     assert answer["usage"]["prompt_tokens"] == 4
     row = await _usage_row(coord, account, response.headers["x-request-id"])
     assert row["prompt_tokens"] == 4 and row["completion_tokens"] == 0
-    assert _balance(coord, account) == before - row["cost_micro_usd"]  # the reservation came back, the rest paid
+    assert balance(coord, account) == before - row["cost_micro_usd"]  # the reservation came back, the rest paid
     await raw.close()
 
 

@@ -16,8 +16,7 @@ from darkbloom.coordinator.money.ratelimit import MemoryRateLimiter
 from darkbloom.coordinator.fleet.registry import Registry
 from darkbloom.coordinator.services import Services
 from darkbloom.store import accounts, create_engine, keys, migrate
-from darkbloom.store.schema import (PLATFORM_ACCOUNT_ID, accounts as accounts_table, admin_credits, key_spend,
-                                    ledger_entries, reservations, usage_records)
+from darkbloom.store.schema import key_spend, ledger_entries, reservations, usage_records
 
 # Prices with fractional µUSD per token, so the per-part ceiling of the cost (docs/billing.md "Money") is visible.
 PRICED = CatalogModel(id="priced-model", input_price=1_333_333, output_price=4_666_667, max_output_tokens=256)
@@ -102,31 +101,3 @@ async def counts(engine: Any) -> dict[str, int]:
         for table in (ledger_entries, reservations, usage_records, key_spend):
             out[table.name] = int((await conn.execute(select(func.count()).select_from(table))).scalar() or 0)
     return out
-
-
-async def check_ledger_consistency(engine: Any) -> None:
-    """Every account's pockets equal the sum of their ledger entries, each entry's ``balance_after``
-    is the running sum, no pocket is negative, and the money in the system (pockets plus open
-    reservations) is what was credited."""
-    async with engine.connect() as conn:
-        account_rows = [dict(r) for r in (await conn.execute(select(accounts_table))).mappings()]
-        entries = [dict(r) for r in (await conn.execute(
-            select(ledger_entries).order_by(ledger_entries.c.id))).mappings()]
-        credited = int((await conn.execute(
-            select(func.coalesce(func.sum(admin_credits.c.amount_micro_usd), 0)))).scalar() or 0)
-        held = int((await conn.execute(select(func.coalesce(func.sum(reservations.c.amount_micro_usd), 0))
-                                       .where(reservations.c.status == "open"))).scalar() or 0)
-    running: dict[tuple[str, str], int] = {}
-    for entry in entries:
-        key = (entry["account_id"], entry["pocket"])
-        running[key] = running.get(key, 0) + int(entry["amount_micro_usd"])
-        assert int(entry["balance_after"]) == running[key], entry
-    total = 0
-    for account in account_rows:
-        balance, withdrawable = int(account["balance_micro_usd"]), int(account["withdrawable_micro_usd"])
-        assert balance >= 0 and withdrawable >= 0, account
-        assert running.get((account["id"], "balance"), 0) == balance, account
-        assert running.get((account["id"], "withdrawable"), 0) == withdrawable, account
-        total += balance + withdrawable
-    assert total + held == credited
-    assert any(a["id"] == PLATFORM_ACCOUNT_ID for a in account_rows)

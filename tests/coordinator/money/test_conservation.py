@@ -31,10 +31,10 @@ from darkbloom.store.schema import PLATFORM_ACCOUNT_ID
 
 from tests.support.processes import start_fixed_upstream
 from tests.support.databases import database_for
-from tests.coordinator.money.stack import (billing_coordinator, check_trails, credit, link_token, money_snapshot,
-                                           new_key, node_home, read_db, signup, start_serve, wait_registered,
-                                           wait_settled, write_catalog)
-from tests.support.accounts import Account
+from tests.support.billing import (billing_coordinator, check_trails, credit, money_snapshot,
+                                   new_key, node_home, read_db, signup, start_serve, wait_registered,
+                                   wait_settled, write_catalog)
+from tests.support.accounts import Account, device_token
 
 pytestmark = pytest.mark.e2e
 
@@ -199,9 +199,9 @@ def test_money_is_conserved_under_concurrency(backend: str, tmp_path: Path) -> N
 
             # three providers: owned by owner-1, unowned, and owned by owner-2; the first seen busy gets killed
             nodes = []
-            for name, token in [("p1", link_token(coord, Account(owner_1, owner_1_session, "", ""))),
+            for name, token in [("p1", device_token(coord, Account(owner_1, owner_1_session, "", ""))),
                                 ("p2", None),
-                                ("p3", link_token(coord, Account(owner_2, owner_2_session, "", "")))]:
+                                ("p3", device_token(coord, Account(owner_2, owner_2_session, "", "")))]:
                 node = start_serve(coord, node_home(tmp_path, name, token), "--backend", "openai", "--upstream-url",
                                    upstream_url, "--model", MODEL,
                                    "--max-concurrency", "150")  # 450 slots for ~600 admitted: all busy, some queue

@@ -14,9 +14,9 @@ from darkbloom.store.schema import key_spend, ledger_entries, reservations, usag
 
 from tests.support.processes import start_fixed_upstream
 from tests.support.databases import database_for
-from tests.coordinator.money.stack import (billing_coordinator, credit, new_key, node_home, open_reservations,
-                                 pockets, signup, start_serve, table, wait_registered,
-                                 write_catalog)
+from tests.support.billing import (billing_coordinator, credit, new_key, node_home, open_reservations,
+                                   pockets, signup, start_serve, table, wait_registered,
+                                   write_catalog)
 from tests.support.processes import start_coordinator, wait_until
 
 pytestmark = pytest.mark.e2e

@@ -17,10 +17,10 @@ import httpx
 import pytest
 from sqlalchemy.ext.asyncio import create_async_engine
 
-from tests.coordinator.money.conftest import check_ledger_consistency
-from tests.coordinator.money.stack import (check_trails, credit, money_snapshot, new_key, node_home,
-                                           open_reservations, read_db, signup, start_serve, wait_registered,
-                                           wait_settled, write_catalog)
+from tests.support.billing import (check_trails, credit, money_snapshot, new_key, node_home,
+                                   open_reservations, read_db, signup, start_serve, wait_registered,
+                                   wait_settled, write_catalog)
+from tests.support.money import check_ledger_consistency
 from tests.support.databases import database_for
 from tests.support.processes import Coordinator, start_coordinator, start_fixed_upstream, wait_until
 

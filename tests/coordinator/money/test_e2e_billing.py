@@ -17,10 +17,10 @@ import pytest
 from darkbloom.store.schema import PLATFORM_ACCOUNT_ID, admin_credits, ledger_entries, reservations, usage_records
 
 from tests.support.databases import database_for
-from tests.coordinator.money.stack import (billing_coordinator, credit, link_token, new_key, node_home, pockets,
-                                 signup, start_serve, table, wait_log, wait_registered, wait_settled,
-                                 write_catalog)
-from tests.support.accounts import Account, create_account
+from tests.support.billing import (billing_coordinator, credit, new_key, node_home, pockets,
+                                   signup, start_serve, table, wait_log, wait_registered, wait_settled,
+                                   write_catalog)
+from tests.support.accounts import Account, create_account, device_token
 from tests.support.processes import Coordinator, Process
 
 pytestmark = pytest.mark.e2e
@@ -60,7 +60,7 @@ def real(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactor
         node = None
         try:
             owner = create_account(coord)
-            node = start_serve(coord, node_home(root, "node", link_token(coord, owner)), "--max-concurrency", "2")
+            node = start_serve(coord, node_home(root, "node", device_token(coord, owner)), "--max-concurrency", "2")
             provider_id = wait_registered(node)
             yield Real(coord, url, owner, node, provider_id)
         finally:

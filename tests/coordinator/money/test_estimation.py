@@ -1,6 +1,6 @@
 """The admission bounds: the prompt bound is never below the real token count of the bundled model
-(llama.cpp's own tokenizer after the model's chat template), and the output bound follows the
-request, capped by the catalog."""
+(llama.cpp's own tokenizer after the model's chat template, and the llama.cpp backend's own
+rendering of tools and schemas), and the output bound follows the request, capped by the catalog."""
 
 from __future__ import annotations
 
@@ -17,13 +17,16 @@ from darkbloom.coordinator.money import billing
 from darkbloom.coordinator.inference.calls import parse_call
 from darkbloom.wire.openai.edges import CHAT
 from darkbloom.coordinator.money.estimation import output_token_bound, prompt_token_bound
+from darkbloom.provider.backends.llama_chat import chat_job
 from darkbloom.provider.backends.llama_instances import CountingLlama
+from darkbloom.provider.backends.llama_prompt import chat_prompt
 from darkbloom.provider.bundled_model import bundled_gguf_path
 
 
 @pytest.fixture(scope="module")
 def vocab() -> Iterator[llama_cpp.Llama]:
-    llm = llama_cpp.Llama(model_path=str(bundled_gguf_path()), vocab_only=True, verbose=False)
+    # a window as wide as the backend's below: the longest shaped prompts take ~4,300 tokens
+    llm = CountingLlama(model_path=str(bundled_gguf_path()), vocab_only=True, n_ctx=8192, verbose=False)
     yield llm
     llm.close()
 
@@ -36,6 +39,14 @@ def real_prompt_tokens(llm: llama_cpp.Llama, messages: list[dict[str, Any]]) -> 
         eos_token=llm._model.token_get_text(llm.token_eos()), bos_token=llm._model.token_get_text(llm.token_bos()))
     formatted = formatter(messages=messages)
     return len(llm.tokenize(formatted.prompt.encode(), add_bos=not formatted.added_special, special=True))
+
+
+def node_prompt_tokens(llm: llama_cpp.Llama, body: dict[str, Any]) -> int:
+    """The prompt the llama.cpp backend feeds the model for a chat body, counted without running it:
+    the request's tools and schema written into its messages (`chat_job`), then templated and
+    tokenized (`chat_prompt`)."""
+    job = chat_job(body, llm.n_vocab(), llm.n_ctx())
+    return len(chat_prompt(llm, job.messages)[0])
 
 
 def chat(messages: list[dict[str, Any]], **fields: Any) -> Any:
@@ -171,15 +182,22 @@ async def backend() -> Any:
     await node.close()
 
 
-async def test_prompt_bound_covers_what_the_node_adds_for_tools_and_schemas(backend: Any) -> None:
+def test_prompt_bound_covers_what_the_node_adds_for_tools_and_schemas(vocab: llama_cpp.Llama) -> None:
     """The node writes tool lists and schemas into the prompt with words of its own: the bound must
     still hold, or the coordinator would distrust an honest node's usage."""
     for name, fields in SHAPED.items():
-        usage = None
-        async for chunk in backend.stream_chat("smollm2-135m", {"model": "smollm2-135m", "max_tokens": 4, **fields}):
-            usage = chunk.get("usage") or usage
-        assert usage is not None
-        assert usage["prompt_tokens"] <= prompt_token_bound(chat(**fields)), name
+        body = {"model": "smollm2-135m", "max_tokens": 4, **fields}
+        assert node_prompt_tokens(vocab, body) <= prompt_token_bound(chat(**fields)), name
+
+
+async def test_the_node_reports_the_prompt_counted_above(backend: Any, vocab: llama_cpp.Llama) -> None:
+    """What the llama.cpp backend reports as prompt_tokens for a shaped request is the count above
+    (checked once, on a request with a tool, a call and its result, through a real generation)."""
+    body = {"model": "smollm2-135m", "max_tokens": 1, **SHAPED["tool history"]}
+    usage = None
+    async for chunk in backend.stream_chat("smollm2-135m", body):
+        usage = chunk.get("usage") or usage
+    assert usage is not None and usage["prompt_tokens"] == node_prompt_tokens(vocab, body)
 
 
 async def test_prompt_bound_covers_legacy_completions_and_embeddings(backend: Any) -> None:

@@ -21,9 +21,9 @@ from darkbloom.store.schema import PLATFORM_ACCOUNT_ID, reservations, usage_reco
 from darkbloom.wire.openai.errors import ApiError
 from darkbloom.wire.protocol import Usage
 
-from tests.coordinator.money.conftest import (PRICED, MakeServices, check_ledger_consistency, counts, new_account,
+from tests.coordinator.money.conftest import (PRICED, MakeServices, counts, new_account,
                                               new_key, pockets, rows)
-from tests.support.money import settle_paid
+from tests.support.money import check_ledger_consistency, settle_paid
 
 USAGE = Usage(prompt_tokens=100, completion_tokens=50)
 

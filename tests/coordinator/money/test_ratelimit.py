@@ -140,9 +140,9 @@ async def test_retry_after_rounds_up_to_whole_seconds(rl: Harness) -> None:
     refused = await take(rl, (bucket, 1))
     assert refused.retry_after_seconds == 9
 
-    await rl.advance(8.5)
+    await rl.advance(8.0)  # on Redis real time passes too (its clock): a margin for a busy machine
     assert not (await take(rl, (bucket, 1))).allowed
-    await rl.advance(0.1)
+    await rl.advance(0.6)
     assert (await take(rl, (bucket, 1))).allowed
 
 

@@ -14,9 +14,9 @@ from darkbloom.coordinator.money import reconciliation as instances
 from darkbloom.wire.protocol import Usage
 from darkbloom.store.schema import coordinator_instances, reservations
 
-from tests.coordinator.money.conftest import PRICED, MakeServices, check_ledger_consistency, new_account, new_key, pockets, rows
+from tests.coordinator.money.conftest import PRICED, MakeServices, new_account, new_key, pockets, rows
 from tests.support.store_queries import key_window_spend
-from tests.support.money import settle_paid
+from tests.support.money import check_ledger_consistency, settle_paid
 
 
 async def _age(services: object, instance_id: str, seconds: float) -> None:

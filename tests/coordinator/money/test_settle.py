@@ -19,10 +19,10 @@ from darkbloom.wire.protocol import Usage
 from darkbloom.store import accounts
 from darkbloom.store.schema import PLATFORM_ACCOUNT_ID, ledger_entries, reservations, usage_records
 
-from tests.coordinator.money.conftest import (PRICED, MakeServices, check_ledger_consistency, counts, ledger_for, new_account,
+from tests.coordinator.money.conftest import (PRICED, MakeServices, counts, ledger_for, new_account,
                                     new_key, pockets, rows)
 from tests.support.store_queries import key_window_spend, ledger_sum
-from tests.support.money import settle_paid
+from tests.support.money import check_ledger_consistency, settle_paid
 
 
 def expected_cost(model: CatalogModel, prompt: int, completion: int, min_charge: int = 100) -> int:

@@ -47,9 +47,3 @@ def usage_rows(coord: Coordinator, account: Account) -> list[dict[str, Any]]:
     response = httpx.get(coord.api_url + "/payments/usage", headers=account.headers())
     response.raise_for_status()
     return response.json()["data"]
-
-
-def balance(coord: Coordinator, account: Account) -> int:
-    response = httpx.get(coord.api_url + "/payments/balance", headers=account.headers())
-    response.raise_for_status()
-    return int(response.json()["balance_micro_usd"])

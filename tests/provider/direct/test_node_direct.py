@@ -20,25 +20,16 @@ from darkbloom.wire import protocol
 from darkbloom.provider.config import load_config
 from darkbloom.provider.node import ProviderNode
 from tests.provider.fake_coordinator import Conn, FakeCoordinator
-from tests.support.processes import free_port
 
 LONG = {"model": "smollm2-135m", "stream": True, "max_tokens": 400, "temperature": 0,
         "messages": [{"role": "user", "content": "Write a very long story about a dragon and a lighthouse."}]}
-
-
-@pytest.fixture
-def home(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
-    path = tmp_path / "home"
-    path.mkdir()
-    monkeypatch.setenv("DARKBLOOM_HOME", str(path))
-    return path
 
 
 async def run_node(home: Path, coordinator_url: str, local_only: bool) -> tuple[ProviderNode, asyncio.Event,
                                                                                     asyncio.Task[None]]:
     paths.auth_token_path(home).write_text("dkp-test-token\n")
     config = load_config(home, {"coordinator_url": coordinator_url, "max_concurrency": 1,
-                                "local_endpoint": True, "local_port": free_port()})
+                                "local_endpoint": True, "local_port": 0})
     config.heartbeat_interval_secs = 0.2
     config.context_length = 1024
     node = ProviderNode(config, home, local_only=local_only)
@@ -167,7 +158,7 @@ async def test_no_token_file_no_direct_mode(home: Path) -> None:
     from darkbloom.provider.direct.endpoint import LocalEndpointError
 
     paths.local_token_path(home).mkdir()  # the token file cannot be created
-    config = load_config(home, {"local_endpoint": True, "local_port": free_port(), "local_bind": "0.0.0.0"})
+    config = load_config(home, {"local_endpoint": True, "local_port": 0, "local_bind": "0.0.0.0"})
     node = ProviderNode(config, home, local_only=True)
     with pytest.raises(LocalEndpointError, match="refusing to serve direct mode without its token.*0.0.0.0"):
         await node.run(asyncio.Event())

@@ -27,7 +27,7 @@ def darkbloom(home: Path, *args: str) -> subprocess.CompletedProcess[str]:
 def standalone(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Path, dict[str, object]]]:
     home = tmp_path_factory.mktemp("standalone")
     # provider.toml names a coordinator where nothing listens: no coordinator exists at all
-    toml = default_toml(f"http://127.0.0.1:{free_port()}").replace("port = 8000", f"port = {free_port()}")
+    toml = default_toml(f"http://127.0.0.1:{free_port()}").replace("port = 8000", "port = 0")
     (home / "provider.toml").write_text(toml)
     started = darkbloom(home, "start", "--local")
     assert started.returncode == 0, started.stdout + started.stderr
@@ -106,12 +106,12 @@ def test_local_and_local_endpoint_together_exit_1(tmp_path: Path) -> None:
 def test_stop_ends_the_node_and_its_endpoint(tmp_path: Path) -> None:
     home = tmp_path / "node"
     home.mkdir()
-    port = free_port()
     (home / "provider.toml").write_text(default_toml(f"http://127.0.0.1:{free_port()}")
-                                        .replace("port = 8000", f"port = {port}"))
+                                        .replace("port = 8000", "port = 0"))
     assert darkbloom(home, "start", "--local").returncode == 0
     try:
         found = wait_discovery(home)
+        port = found["port"]
         assert httpx.get(f"http://127.0.0.1:{port}/health").status_code == 200
     finally:
         stopped = darkbloom(home, "stop")

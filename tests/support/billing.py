@@ -19,11 +19,7 @@ from sqlalchemy.ext.asyncio import create_async_engine
 from darkbloom.store.schema import (accounts, admin_credits, key_spend, ledger_entries, reservations,
                                     usage_records)
 
-from tests.support.accounts import Account
 from tests.support.processes import Coordinator, Process, darkbloom_cmd, spawn, start_coordinator, wait_until
-
-
-ROOT = Path(__file__).resolve().parents[3]
 
 
 def write_catalog(path: Path, *models: dict[str, Any]) -> Path:
@@ -34,17 +30,6 @@ def write_catalog(path: Path, *models: dict[str, Any]) -> Path:
 def billing_coordinator(home: Path, database_url: str, catalog: Path, *extra: str) -> Coordinator:
     """A coordinator that routes to any node (no trust floor) with the given catalog."""
     return start_coordinator(home, database_url, "--catalog", str(catalog), "--min-trust", "none", *extra)
-
-
-def link_token(coord: Coordinator, account: Account) -> str:
-    """The device flow over HTTP (what `darkbloom login` does): a `dkp-` token for the account."""
-    code = httpx.post(coord.api_url + "/device/code").json()
-    approved = httpx.post(coord.api_url + "/device/approve", json={"user_code": code["user_code"]},
-                          headers={"Authorization": f"Bearer {account.session}"})
-    assert approved.status_code == 200, approved.text
-    token = httpx.post(coord.api_url + "/device/token", json={"device_code": code["device_code"]}).json()
-    assert token["status"] == "authorized", token
-    return str(token["token"])
 
 
 def node_home(root: Path, name: str, token: str | None = None) -> Path:
