@@ -149,7 +149,7 @@ def test_responses_stream(stack: Stack) -> None:
 @cell(CLIENT, "responses-stream")
 def test_responses_stream_cut_by_max_output_tokens(stack: Stack) -> None:
     """An answer stopped by `max_output_tokens` is `status: "incomplete"` (reason `max_output_tokens`);
-    its stream still ends with `response.completed` (wire/openai/responses_api.py says why: the
+    its stream still ends with `response.completed` (wire/openai/responses/presenter.py says why: the
     SDK's stream helper takes the final response only from that event), so get_final_response works."""
     with sdk(stack).responses.stream(model=MODEL, input="Tell me a long story.", max_output_tokens=4) as stream:
         events = list(stream)

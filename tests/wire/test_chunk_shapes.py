@@ -12,7 +12,7 @@ import pytest
 from darkbloom.wire.openai.anthropic_messages import MessagesPresenter
 from darkbloom.wire.openai.chunk_shapes import chunk_problem
 from darkbloom.wire.openai.presenters import ChatPresenter, CompletionsPresenter, EmbeddingsPresenter
-from darkbloom.wire.openai.responses_api import ResponsesPresenter
+from darkbloom.wire.openai.responses.presenter import ResponsesPresenter
 from darkbloom.wire.openai.shaping import ChunkShaper
 from darkbloom.wire.chunk_arrays import MAX_CHUNKS_PER_FRAME, response_chunks
 from darkbloom.wire.protocol import Api, Usage

@@ -10,7 +10,8 @@ from openai.types.responses import Response, ResponseStreamEvent
 from pydantic import TypeAdapter
 
 from darkbloom.wire.openai.errors import ApiError
-from darkbloom.wire.openai.responses_api import ResponsesPresenter, responses_to_chat
+from darkbloom.wire.openai.responses.presenter import ResponsesPresenter
+from darkbloom.wire.openai.responses.request import responses_to_chat
 from tests.wire.node_chunks import chat, run_collect, run_stream, sse_events, text_chunks, tool_chunks
 
 MODEL = "smollm2-135m"

@@ -22,7 +22,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from darkbloom.wire.openai.chunks import sse_event
+from darkbloom.wire.openai.chunks import delta_text, sse_event
 from darkbloom.wire.openai.errors import ApiError, invalid_request
 from darkbloom.wire.openai.parameters import check_model
 from darkbloom.wire.openai.presenters import api_id
@@ -260,7 +260,7 @@ class MessagesPresenter:
         events: list[bytes] = []
         for choice in chunk.get("choices") or ():
             delta = choice.get("delta") or {}
-            text = (delta.get("content") or "") + (delta.get("refusal") or "")
+            text = delta_text(delta)
             if text:
                 if self.open is None or self.blocks[self.open]["type"] != "text":
                     events += self._open_block({"type": "text", "text": ""})

@@ -23,6 +23,12 @@ def has_content(chunk: dict[str, Any]) -> bool:
     return False
 
 
+def delta_text(delta: dict[str, Any]) -> str:
+    """The text a chat delta adds to the answer: its content and any refusal (both shown as text by
+    the Responses and Messages presenters)."""
+    return (delta.get("content") or "") + (delta.get("refusal") or "")
+
+
 def wants_usage_chunk(body: dict[str, Any]) -> bool:
     """Whether a streamed answer ends with the ``choices: []`` usage chunk: only when asked for with
     ``stream_options.include_usage: true``, as OpenAI does (clients indexing ``choices[0]`` on every

@@ -6,7 +6,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Callable
 
-from darkbloom.wire.openai import anthropic_messages, legacy, responses_api
+from darkbloom.wire.openai import anthropic_messages, legacy
+from darkbloom.wire.openai.responses.presenter import ResponsesPresenter
+from darkbloom.wire.openai.responses.request import responses_to_chat
 from darkbloom.wire.openai.presenters import ChatPresenter, CompletionsPresenter, EmbeddingsPresenter, Presenter
 from darkbloom.wire.protocol import Api
 
@@ -30,7 +32,7 @@ def _as_sent(body: dict[str, Any]) -> dict[str, Any]:
 CHAT = Edge("/v1/chat/completions", "chat", "chatcmpl-", _as_sent, ChatPresenter,
             schemas=("response_format.json_schema.schema", "response_format.schema", "tools[*].function.parameters",
                      "functions[*].parameters"))
-RESPONSES = Edge("/v1/responses", "chat", "resp_", responses_api.responses_to_chat, responses_api.ResponsesPresenter,
+RESPONSES = Edge("/v1/responses", "chat", "resp_", responses_to_chat, ResponsesPresenter,
                  schemas=("text.format.schema", "tools[*].parameters", "tools[*].function.parameters"))
 MESSAGES = Edge("/v1/messages", "chat", "msg_", anthropic_messages.messages_to_chat,
                 anthropic_messages.MessagesPresenter, schemas=("tools[*].input_schema",))

@@ -4,7 +4,7 @@ The coordinator and direct mode drive them alike (one instance per request): `st
 before the first chunk goes out, `stream_chunk` for each node chunk (never the usage chunk),
 then `stream_end` or `stream_error`; a non-streamed answer is `collect` per chunk, then `response`.
 This module holds the OpenAI ones (chat, legacy completions, embeddings); the Responses API and
-Anthropic Messages live in `responses_api` and `anthropic_messages`.
+Anthropic Messages live in `responses/` and `anthropic_messages`.
 """
 
 from __future__ import annotations
