@@ -6,7 +6,7 @@ PYTEST_ARGS ?=
 # pytest-xdist: every test module (or group of modules sharing a resource, tests/conftest.py) runs
 # whole on one worker; most tests wait on processes, so more workers than cores pays
 WORKERS ?= 4
-XDIST   := -n $(WORKERS) --dist loadgroup
+XDIST   := -n $(WORKERS) --dist loadscope
 
 .PHONY: install chromium tshark wrk node-clients demo test check services layout bench clean
 

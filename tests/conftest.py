@@ -1,11 +1,11 @@
 """Shared fixtures: database URLs (SQLite and the machine's Postgres), real coordinator processes;
-and how the suite is marked and split among pytest-xdist's workers (``--dist loadgroup``)."""
+and how the suite is marked and split among pytest-xdist's workers (``--dist loadscope``, with its own units)."""
 
 from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import Iterator
+from typing import Any, Iterator
 
 import pytest
 
@@ -68,19 +68,30 @@ SHARED = {
 PACKAGES = ("tests/clients/",)
 
 
-@pytest.hookimpl(tryfirst=True)  # before xdist's own, which appends each item's group to its node id
-def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     for item in items:
         if _uses_postgres(item):
             item.add_marker(pytest.mark.postgres)
-        if item.get_closest_marker("xdist_group") is None:
-            item.add_marker(pytest.mark.xdist_group(_group(item, config.rootpath)))
 
 
-def _group(item: pytest.Item, root: Path) -> str:
+def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
+    """``--dist loadscope`` with the units above: each unit (module, package or shared group) runs
+    whole on one worker, the largest first. (xdist's own ``loadgroup`` marks items by renaming their
+    node ids, which pytest 9.2 no longer reads: it grouped nothing.)"""
+    if config.getvalue("dist") != "loadscope":
+        return None
+    from xdist.scheduler import LoadScopeScheduling
+
+    class ByUnit(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            return work_unit(nodeid.split("::", 1)[0])
+
+    return ByUnit(config, log)
+
+
+def work_unit(module: str) -> str:
     """The unit a worker runs whole: a module by default (its module-scoped coordinators and nodes
     start once), a package where fixtures are package-scoped, or a group of modules sharing a resource."""
-    module = item.path.relative_to(root).as_posix()
     for package in PACKAGES:
         if module.startswith(package):
             return package

@@ -72,15 +72,7 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     for item in items:
         cells = [list(mark.args) for mark in item.iter_markers("cell")]
         if cells:
-            _collected[_test_id(item)] = cells
-
-
-def _test_id(item: pytest.Item) -> str:
-    """The test's node id, without the ``@group`` that pytest-xdist's ``--dist loadgroup`` appends."""
-    nodeid = item.nodeid
-    for mark in item.iter_markers("xdist_group"):
-        nodeid = nodeid.removesuffix(f"@{mark.args[0]}")
-    return nodeid
+            _collected[item.nodeid] = cells
 
 
 @pytest.hookimpl(hookwrapper=True)
@@ -91,7 +83,7 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) ->
     cells = [list(mark.args) for mark in item.iter_markers("cell")]
     if not cells or (report.when != "call" and report.passed):
         return
-    entry = _outcomes.setdefault(_test_id(item), {"cells": cells, "outcome": "passed", "reason": None})
+    entry = _outcomes.setdefault(item.nodeid, {"cells": cells, "outcome": "passed", "reason": None})
     if report.failed or report.skipped:
         entry["outcome"] = "failed" if report.failed else "skipped"
         entry["reason"] = _reason(call, report)

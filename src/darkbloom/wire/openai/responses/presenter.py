@@ -13,7 +13,6 @@ the openai SDK's `responses.stream()` and openai-agents take the final response 
 
 from __future__ import annotations
 
-import json
 import secrets
 import time
 from typing import Any

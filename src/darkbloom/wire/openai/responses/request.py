@@ -9,6 +9,7 @@ forwarded.
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 from darkbloom.wire.openai.errors import ApiError, invalid_request
