@@ -8,7 +8,7 @@ PYTEST_ARGS ?=
 WORKERS ?= 4
 XDIST   := -n $(WORKERS) --dist loadscope
 
-.PHONY: install chromium tshark wrk node-clients demo test check services layout bench clean
+.PHONY: install chromium tshark wrk node-clients demo test check services layout screenshots bench clean
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || python3 -m venv $(VENV)
@@ -84,6 +84,10 @@ test: install services layout
 	$(PY) -m pytest -q $(XDIST) $(PYTEST_ARGS)
 	@# docs/compatibility.md from this run's tests/clients results (absent when PYTEST_ARGS left them out)
 	@if [ -f tests/clients/.results.json ]; then $(PY) scripts/compatibility_table.py; fi
+
+# docs/img/: the console's screenshots, taken by tests/console/test_console_flow.py
+screenshots: install services
+	DARKBLOOM_SCREENSHOTS=$(CURDIR)/docs/img $(PY) -m pytest -q tests/console/test_console_flow.py
 
 # bench/relay_overhead.py drives every path with Debian's wrk (a Python load generator saturates
 # long before the relay does); py-spy, for its profiles, comes from the bench extra (pip).

@@ -26,7 +26,8 @@ CHROMIUM_ARGS = ["--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-
                  "--disable-background-networking", "--disable-component-update", "--disable-sync"]
 DESKTOP = {"width": 1280, "height": 800}
 PHONE = {"width": 390, "height": 844}
-IMG_DIR = Path(__file__).resolve().parents[2] / "docs" / "img"
+# Screenshots go to docs/img/ only when asked (`make screenshots`); other runs keep them out of the tree
+IMG_DIR = Path(os.environ.get("DARKBLOOM_SCREENSHOTS") or Path(__file__).with_name(".screenshots"))
 HTML_UPSTREAM = Path(__file__).with_name("html_upstream.py")
 
 
