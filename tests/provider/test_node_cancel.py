@@ -26,6 +26,7 @@ from darkbloom.provider.backends import Backend
 from darkbloom.provider.backends.base import UsageMeter
 from darkbloom.provider.backends.openai_upstream import OpenAIUpstreamBackend, _estimate_prompt_tokens
 from darkbloom.provider.config import load_config
+from darkbloom.provider.fleet_requests import Job
 from darkbloom.provider.node import ProviderNode
 from tests.provider.fake_coordinator import Conn, FakeCoordinator
 from tests.support.scripted_upstream import Scripted
@@ -64,22 +65,31 @@ def sealed(conn: Conn, request_id: str, body: dict[str, Any]) -> tuple[crypto.Re
     return reply_key, protocol.InferenceRequest(request_id=request_id, encrypted_body=envelope)
 
 
-async def settle(conn: Conn, request_id: str) -> protocol.InferenceComplete:
+async def cancel(conn: Conn, node: ProviderNode, request_id: str) -> Job:
+    """Send the coordinator's cancel for a running request; its job (taken before the node forgets it)."""
+    job = node.fleet.jobs[request_id]
+    await conn.send(protocol.Cancel(request_id=request_id))
+    return job
+
+
+async def settle(conn: Conn, job: Job) -> protocol.InferenceComplete:
     """The usage report for a cancelled request; content chunks sent before the cancel may precede it,
-    an error may not. Then a barrier and a pause: nothing more for that request may follow."""
+    an error may not. Nothing more for that request may follow: once its tasks (the only senders for
+    it) have ended, a barrier shows everything they queued."""
     while True:
         frame = await conn.recv()
         if isinstance(frame, protocol.InferenceComplete):
-            assert frame.request_id == request_id
+            assert frame.request_id == job.request_id
             report = frame
             break
         assert isinstance(frame, (protocol.Heartbeat, protocol.InferenceResponseChunk)), frame
     report_at = len(conn.frames)
-    await asyncio.sleep(0.3)
+    await asyncio.wait_for(asyncio.gather(*(t for t in (job.task, job.settling) if t is not None),
+                                          return_exceptions=True), 10)
     await conn.send(protocol.AttestationChallenge(nonce=crypto.b64e(os.urandom(32)), timestamp=int(time.time())))
     while not isinstance(await conn.recv(), protocol.AttestationResponse):
         pass
-    assert [f for f in conn.frames[report_at:] if getattr(f, "request_id", None) == request_id] == []
+    assert [f for f in conn.frames[report_at:] if getattr(f, "request_id", None) == job.request_id] == []
     return report
 
 
@@ -135,8 +145,7 @@ async def test_cancel_before_any_output_reports_the_prompt_if_known(home: Path, 
         await conn.send(sealed(conn, "req_1", STORY)[1])
         await conn.recv_type(protocol.InferenceAccepted)
         await backend.waiting.wait()
-        await conn.send(protocol.Cancel(request_id="req_1"))
-        report = await settle(conn, "req_1")
+        report = await settle(conn, await cancel(conn, node, "req_1"))
         assert (report.usage.prompt_tokens, report.usage.completion_tokens) == expected
         assert backend.closed.is_set() and node.fleet.jobs == {}
         await idle_heartbeat(conn)
@@ -147,8 +156,9 @@ async def test_cancel_before_the_request_task_ever_ran(home: Path) -> None:
     async with running_node(home, backend) as (conn, node):
         _, request = sealed(conn, "req_1", STORY)
         node._handle(request)  # both in one step: the request's task is cancelled before it starts
+        job = node.fleet.jobs["req_1"]
         node._handle(protocol.Cancel(request_id="req_1"))
-        report = await settle(conn, "req_1")
+        report = await settle(conn, job)
         assert (report.usage.prompt_tokens, report.usage.completion_tokens) == (0, 0)
         assert not backend.entered.is_set() and node.fleet.jobs == {}  # the slot is free again
         await idle_heartbeat(conn)
@@ -175,7 +185,7 @@ async def test_a_backend_that_does_not_stop_is_reported_after_the_grace(home: Pa
 
 async def test_cancel_on_the_openai_backend_with_a_real_upstream(home: Path, upstream: str) -> None:
     backend = OpenAIUpstreamBackend(upstream, [MODEL])
-    async with running_node(home, backend, upstream_url=upstream) as (conn, _):
+    async with running_node(home, backend, upstream_url=upstream) as (conn, node):
         reply_key, request = sealed(conn, "req_1", STORY)
         await conn.send(request)
         await conn.recv_type(protocol.InferenceAccepted)
@@ -184,8 +194,7 @@ async def test_cancel_on_the_openai_backend_with_a_real_upstream(home: Path, ups
             frame = await conn.recv_type(protocol.InferenceResponseChunk)
             content += sum(bool(chunk["choices"][0]["delta"].get("content"))
                            for chunk in response_chunks(reply_key.open(frame.encrypted_data)))
-        await conn.send(protocol.Cancel(request_id="req_1"))
-        report = await settle(conn, "req_1")
+        report = await settle(conn, await cancel(conn, node, "req_1"))
         # llama_cpp.server streams no usage: the prompt estimate, one token per content chunk the
         # backend saw (a few may have been dropped after the cancel, never fewer than we received)
         assert report.usage.prompt_tokens == _estimate_prompt_tokens(STORY)
@@ -220,13 +229,12 @@ async def test_cancel_on_the_openai_backend_with_a_scripted_upstream(home: Path,
               for n, word in enumerate(["Once", " upon", " a"], 1)]
     stream = _Stalling(events)
     backend = OpenAIUpstreamBackend(await scripted(lambda request: httpx.Response(200, stream=stream)), [MODEL])
-    async with running_node(home, backend) as (conn, _):
+    async with running_node(home, backend) as (conn, node):
         reply_key, request = sealed(conn, "req_1", STORY)
         await conn.send(request)
         await conn.recv_type(protocol.InferenceAccepted)
         await conn.recv_chunks(reply_key, 3)
-        await conn.send(protocol.Cancel(request_id="req_1"))
-        report = await settle(conn, "req_1")
+        report = await settle(conn, await cancel(conn, node, "req_1"))
         await asyncio.wait_for(stream.closed.wait(), 10)  # the backend closed the upstream connection
     expected = (30, 6) if upstream_usage else (_estimate_prompt_tokens(STORY), 3)
     assert (report.usage.prompt_tokens, report.usage.completion_tokens) == expected

@@ -38,6 +38,16 @@ class _IdleBackend:
         raise AssertionError("no inference expected")
 
 
+async def trust_level_written(home: Path, level: str) -> None:
+    """Until the node's state file says ``level``: the `trust_status` that set it is handled whole
+    (a certificate it carries is saved, or refused, before the state is written)."""
+    for _ in range(500):
+        if (read_state(home) or {}).get("trust_level") == level:
+            return
+        await asyncio.sleep(0.01)
+    raise AssertionError(f"the node's state never said trust level {level}")
+
+
 @pytest.fixture
 async def running(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> AsyncIterator[tuple[FakeCoordinator, Path]]:
     home = tmp_path / "home"
@@ -87,7 +97,7 @@ async def test_trust_status_without_certificate_keeps_the_file(running: tuple[Fa
     assert register.certificate == "existing"
     await conn.send(protocol.Registered(provider_id="prov_1", trust_level="hardware"))
     await conn.send(protocol.TrustStatus(trust_level="untrusted", reason="bad answer"))
-    await asyncio.sleep(0.2)
+    await trust_level_written(home, "untrusted")
     assert paths.certificate_path(home).read_text() == "existing"
 
 
@@ -102,12 +112,7 @@ async def test_a_bad_certificate_is_not_saved_but_the_trust_level_applies(
            else EnrollmentCA.generate().issue(NodeIdentity.generate().identity_key_b64, "mach_1"))
     with caplog.at_level(logging.WARNING, logger="darkbloom.provider.registration"):
         await conn.send(protocol.TrustStatus(trust_level="hardware", reason="enrolled", certificate=pem))
-        for _ in range(500):
-            state = read_state(home) or {}
-            if state.get("trust_level") == "hardware":
-                break
-            await asyncio.sleep(0.01)
-    assert state.get("trust_level") == "hardware"
+        await trust_level_written(home, "hardware")
     assert not paths.certificate_path(home).exists()
     assert any("not saving the enrollment certificate" in r.getMessage() for r in caplog.records)
 

@@ -141,9 +141,11 @@ async def test_a_request_the_provider_refuses_as_invalid_is_not_retried_elsewher
         serving, other = (first, second) if inference.request_id in first.seen_requests else (second, first)
         await serving.send_error(inference, 400, SECRET)
         response = await request
-        await asyncio.sleep(0.5)  # a retry, if there were one, would reach the other provider by now
         for task in pending:
             task.cancel()
+        await asyncio.gather(*pending, return_exceptions=True)
+    # a retry is dispatched before the answer: it would reach the other provider ahead of this barrier
+    await other.round_trip()
     assert response.status_code == 400
     assert inference.request_id not in other.seen_requests
     await first.close()

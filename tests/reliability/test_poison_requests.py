@@ -83,10 +83,14 @@ async def test_a_request_that_crashes_its_nodes_reaches_two_of_three_and_fails_b
     before, counted = balance(coord, account), crashed_counter(coord)
     async with httpx.AsyncClient(timeout=30) as http:
         response = await _post(coord, account, "/chat/completions", {"model": model, "messages": HELLO}, http)
-    await asyncio.sleep(0.5)  # a third attempt, if there were one, would have reached the last node by now
-    reached = [raw for raw in providers if raw.seen_requests]
     for task in crashes:
         task.cancel()
+    await asyncio.gather(*crashes, return_exceptions=True)
+    # a third attempt would be dispatched before the answer: it would reach a node ahead of this barrier
+    for raw in providers:
+        if not raw.seen_requests:
+            await raw.round_trip()
+    reached = [raw for raw in providers if raw.seen_requests]
     assert response.status_code == 502, response.text
     error = response.json()["error"]
     assert (error["type"], error["code"]) == ("provider_error", "request_crashed_providers")

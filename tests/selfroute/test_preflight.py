@@ -159,7 +159,9 @@ def test_stale_challenge_blocks_routing(tmp_path: Path) -> None:
     try:
         owner = s.account(credit=1_000_000)
         machine = s.raw(owner, answer="must not be asked")
-        time.sleep(1.5)
+        # the owner's model list names only what passes every gate now: the model leaves it once stale
+        wait_until(lambda: MODEL not in s.get("/me/self-route-models", owner.api_key).json()["models"],
+                   timeout=30, interval=0.05, what="the machine's challenge to go stale")
         response = s.chat(owner.api_key, SELF)
         assert response.status_code == 503, response.text
         error = error_of(response)

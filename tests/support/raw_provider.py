@@ -21,6 +21,7 @@ from darkbloom.wire.protocol import (
     AttestationChallenge,
     AttestationResponse,
     Cancel,
+    ErrorFrame,
     Heartbeat,
     InferenceComplete,
     InferenceError,
@@ -116,6 +117,22 @@ class RawProvider:
             frame = await self.recv()
             if isinstance(frame, kind):
                 return frame
+
+    async def round_trip(self) -> list[Any]:
+        """A barrier: send a second `register` (a bad frame, answered with an `already_registered`
+        error) and read up to that answer. The session's reader handles frames in order and its one
+        writer sends them in order, so by then every frame sent before has been handled and every
+        frame the coordinator queued before has arrived; those are returned (inference requests are
+        also added to ``seen_requests``). Each call costs one of the session's three bad-frame strikes."""
+        assert self.ws is not None
+        await self.ws.send(dump(self.register_frame()))
+        frames: list[Any] = []
+        async with asyncio.timeout(30):  # bounds only a failure
+            while not isinstance(frame := await self.recv(), ErrorFrame) or frame.code != "already_registered":
+                if isinstance(frame, InferenceRequest):
+                    self.seen_requests.add(frame.request_id)
+                frames.append(frame)
+        return frames
 
     def challenge_response(self, challenge: AttestationChallenge, answer: str = "valid") -> AttestationResponse:
         rh = self.runtime

@@ -5,7 +5,6 @@
 from __future__ import annotations
 
 import json
-import time
 from pathlib import Path
 from typing import Any, Iterator
 
@@ -24,7 +23,8 @@ def coordinator(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Coordinato
     root = tmp_path_factory.mktemp("trust-nodes")
     coord = start_coordinator(root / "coordinator", f"sqlite+aiosqlite:///{root / 'coordinator.db'}",
                               "--challenge-interval", "1", "--challenge-deadline", "2",
-                              "--challenge-freshness", "4")
+                              "--challenge-freshness", "4",
+                              env={"DARKBLOOM_LOG_LEVEL": "DEBUG"})  # it logs each passed challenge
     try:
         yield coord
     finally:
@@ -36,6 +36,14 @@ def _node_state(home: Path) -> dict[str, Any]:
         return dict(json.loads((home / "node_state.json").read_text()))
     except (OSError, ValueError):
         return {}
+
+
+def _passed_challenges(coord: Coordinator, session_id: str) -> int:
+    """How many challenges the session has passed, from the coordinator's log; fails at once on a
+    session marked untrusted (a missed deadline or a wrong answer)."""
+    log = coord.process.log()
+    assert "marked untrusted" not in log
+    return log.count(f"provider {session_id} passed an attestation challenge")
 
 
 def _online(coord: Coordinator, account: Any, not_session: str | None = None) -> dict[str, Any]:
@@ -61,9 +69,10 @@ def test_node_is_self_signed_then_hardware_after_enrollment_and_restart(coordina
                    what="node state self_signed")
         assert not (home / "certificate.pem").exists()
 
-        # periodic challenges (every second, 2 s to answer) keep it trusted: had the node missed one,
-        # it would be listed as untrusted by now
-        time.sleep(4.5)
+        # periodic challenges (every second, 2 s to answer) keep it trusted: it passes two more after
+        # the one at registration
+        wait_until(lambda: _passed_challenges(coordinator, first_session) >= 3, timeout=30,
+                   what="two periodic challenges passed")
         [still] = [m for m in machines(coordinator, owner) if m["id"] == machine_id]
         assert (still["online"], still["session_id"], still["trust_level"]) == (True, first_session, "self_signed")
         assert "marked untrusted" not in coordinator.process.log()

@@ -34,6 +34,15 @@ class Table:
             return answer
         return load
 
+    async def started(self, count: int) -> None:
+        """Until ``count`` lookups have started (each has read its row, then waits on ``gate``): a
+        lookup starts within a loop turn or two of its request."""
+        for _ in range(100):
+            if self.loads >= count:
+                return
+            await asyncio.sleep(0)
+        raise AssertionError(f"{self.loads} lookups started, not {count}")
+
 
 def key(key_id: str, limit: int | None = None, expires_at: int | None = None) -> Grant:
     return Grant({"id": key_id, "limit_micro_usd": limit}, (key_subject(key_id),), expires_at=expires_at)
@@ -157,7 +166,7 @@ async def test_concurrent_first_uses_share_one_lookup(cache: AuthCache) -> None:
     table.rows["h1"] = key("k1")
     table.gate = asyncio.Event()
     waiting = [asyncio.create_task(cache.get("h1", table.loader("h1"))) for _ in range(10)]
-    await asyncio.sleep(0.01)
+    await table.started(1)  # the lookup every first use joined before it began
     table.gate.set()
     grants = await asyncio.gather(*waiting)
     assert all(g is not None for g in grants) and table.loads == 1
@@ -168,11 +177,11 @@ async def test_a_lookup_that_read_before_a_change_neither_is_joined_nor_stays(ca
     table.rows["h1"] = key("k1")
     table.gate = asyncio.Event()
     before = asyncio.create_task(cache.get("h1", table.loader("h1")))
-    await asyncio.sleep(0.01)  # it has read the row and waits on the slow database
+    await table.started(1)  # it has read the row and waits on the slow database
     del table.rows["h1"]
     cache.invalidate([key_subject("k1")])  # the revocation lands while that lookup is in flight
     after = asyncio.create_task(cache.get("h1", table.loader("h1")))
-    await asyncio.sleep(0.01)
+    await table.started(2)  # its own lookup, not the one in flight
     table.gate.set()
     assert (await before) is not None  # a request that started before the change
     assert (await after) is None       # the next one: its own lookup, not the stale one

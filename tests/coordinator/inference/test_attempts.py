@@ -18,7 +18,8 @@ from darkbloom.coordinator.inference.failures import ProviderFailure
 from darkbloom.coordinator.inference.attempt import Attempt
 from darkbloom.coordinator.routing.scheduler import try_place
 from darkbloom.coordinator.routing.decision import RouteDecision
-from tests.coordinator.routing.sim import SimProvider, chat, decision, end_as_gone, fleet, lifecycle, services, settings
+from tests.coordinator.routing.sim import (SimProvider, chat, decision, dispatched, end_as_gone, fleet, lifecycle,
+                                          services, settings)
 
 REQUEST_ID = "chatcmpl-sim"
 OWNER = "acct_owner"
@@ -36,21 +37,19 @@ def start(registry: Registry, route: RouteDecision | None = None,
     return attempts, asyncio.ensure_future(attempts.run(placement))
 
 
-async def dispatched(providers: list[SimProvider], timeout: float = 2.0) -> SimProvider:
-    """The one provider that receives the request next."""
-    async def watch(provider: SimProvider) -> SimProvider:
-        await provider.next_request(timeout)
-        return provider
-
-    tasks = [asyncio.ensure_future(watch(p)) for p in providers]
-    try:
-        done, _ = await asyncio.wait(tasks, timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
-        assert done, "no provider received the request"
-        return done.pop().result()
-    finally:
-        for task in tasks:
-            task.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
+async def past_half_budget() -> None:
+    """Return once a request started now has got its backup (at half its budget): any request that
+    started earlier is past half its budget too, its own backup decision made (the loop fires timers
+    in deadline order). A witness on a fleet of its own, cancelled afterwards."""
+    registry = Registry()
+    providers = fleet(registry, 2)
+    attempts, run = start(registry)
+    primary = await dispatched(providers)
+    backup, = [p for p in providers if p is not primary]
+    await backup.next_request(timeout=5 * BUDGET)
+    run.cancel()
+    await asyncio.gather(run, return_exceptions=True)
+    await end_as_gone(attempts.life)
 
 
 def total_active(providers: list[SimProvider]) -> int:
@@ -187,7 +186,7 @@ async def test_no_backup_when_the_primary_answers_in_time() -> None:
     primary = await dispatched(providers)
     primary.reply(REQUEST_ID)
     await asyncio.wait_for(run, 2)
-    await asyncio.sleep(BUDGET)
+    await past_half_budget()
     other, = [p for p in providers if p is not primary]
     assert other.requests() == [] and primary.cancels() == []
 
@@ -202,7 +201,7 @@ async def test_no_backup_when_no_other_session_is_idle() -> None:
     assert placement is not None and placement.session is primary.session  # the idle one wins selection
     run = asyncio.ensure_future(Attempts(lifecycle(svc, REQUEST_ID), route, chat(), max_tokens=64).run(placement))
     await primary.next_request()
-    await asyncio.sleep(BUDGET * 0.75)  # past half the budget
+    await past_half_budget()
     primary.reply(REQUEST_ID)
     pending, _ = await asyncio.wait_for(run, 2)
     assert pending.session is primary.session
@@ -228,7 +227,7 @@ async def test_an_owned_primary_gets_no_public_backup() -> None:
     route = decision(owner_account_id=OWNER)
     _, run = start(registry, route)
     await owned.next_request()
-    await asyncio.sleep(BUDGET * 0.75)
+    await past_half_budget()
     owned.reply(REQUEST_ID)
     pending, _ = await asyncio.wait_for(run, 2)
     assert pending.session is owned.session
@@ -293,8 +292,7 @@ async def test_a_cancel_racing_a_provider_event_is_not_swallowed() -> None:
     first.error(REQUEST_ID, 502)
     run.cancel()
     await asyncio.gather(run, return_exceptions=True)
-    await end_as_gone(attempts.life)
-    await asyncio.sleep(0.05)
+    await end_as_gone(attempts.life)  # the attempts have ended: nothing is left to dispatch a retry
     assert run.cancelled()
     other, = [p for p in providers if p is not first]
     assert other.requests() == [] and total_active(providers) == 0

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import asyncio
-from typing import Any
+from typing import Any, AsyncIterator
 
 import pytest
 from starlette.requests import Request
@@ -27,10 +27,32 @@ class Client:
         return Request({"type": "http", "method": "POST", "path": "/", "headers": []}, self.receive)
 
 
-async def test_work_that_finishes_returns_its_value_and_one_watcher_serves_every_await() -> None:
-    client = Client()
-    watch = DisconnectWatch(client.request())
+@pytest.fixture
+def client() -> Client:
+    return Client()
 
+
+@pytest.fixture
+async def watch(client: Client) -> AsyncIterator[DisconnectWatch]:
+    watch = DisconnectWatch(client.request())
+    yield watch
+    watch.close()
+
+
+async def hang(started: asyncio.Event) -> None:
+    """Work that never ends by itself; ``started`` is set once it is under way."""
+    started.set()
+    await asyncio.Event().wait()
+
+
+def current_cancelling() -> int:
+    current = asyncio.current_task()
+    assert current is not None
+    return current.cancelling()
+
+
+async def test_work_that_finishes_returns_its_value_and_one_watcher_serves_every_await(
+        client: Client, watch: DisconnectWatch) -> None:
     async def work(value: int) -> int:
         await asyncio.sleep(0)
         return value
@@ -41,45 +63,31 @@ async def test_work_that_finishes_returns_its_value_and_one_watcher_serves_every
     assert client.receives == 1 and not watch.gone
 
 
-async def test_a_disconnect_cancels_the_work_and_raises_client_disconnected() -> None:
-    client = Client()
-    watch = DisconnectWatch(client.request())
+async def test_a_disconnect_cancels_the_work_and_raises_client_disconnected(client: Client,
+                                                                            watch: DisconnectWatch) -> None:
     cleaned = asyncio.Event()
 
     async def work() -> None:
         try:
-            await asyncio.Event().wait()
+            await hang(client.left)  # the client leaves while the work runs
         finally:
             cleaned.set()
 
-    async def leave() -> None:
-        await asyncio.sleep(0.01)
-        client.left.set()
-
-    leaving = asyncio.create_task(leave())
     with pytest.raises(ClientDisconnected):
         await watch.until(work())
-    await leaving
     assert cleaned.is_set() and watch.gone
-    current = asyncio.current_task()
-    assert current is not None and current.cancelling() == 0  # the watch's own cancel was taken back
+    assert current_cancelling() == 0  # the watch's own cancel was taken back
 
     later = work()
     with pytest.raises(ClientDisconnected):
         await watch.until(later)  # gone already: raised at once, the work never starts
     assert later.cr_frame is None
-    watch.close()
 
 
-async def test_a_cancel_from_elsewhere_stays_a_cancel() -> None:
-    client = Client()
-    watch = DisconnectWatch(client.request())
-
-    async def handler() -> None:
-        await watch.until(asyncio.Event().wait())
-
-    task = asyncio.create_task(handler())
-    await asyncio.sleep(0.01)
+async def test_a_cancel_from_elsewhere_stays_a_cancel(watch: DisconnectWatch) -> None:
+    waiting = asyncio.Event()
+    task = asyncio.create_task(watch.until(hang(waiting)))
+    await waiting.wait()
     task.cancel()
     with pytest.raises(asyncio.CancelledError):
         await task
@@ -87,26 +95,16 @@ async def test_a_cancel_from_elsewhere_stays_a_cancel() -> None:
     assert not watch.gone
 
 
-async def test_work_that_swallows_the_cancel_still_ends_as_client_disconnected() -> None:
+async def test_work_that_swallows_the_cancel_still_ends_as_client_disconnected(client: Client,
+                                                                              watch: DisconnectWatch) -> None:
     """asyncio.wait_for on Python 3.11 can swallow a cancel that lands as its future completes."""
-    client = Client()
-    watch = DisconnectWatch(client.request())
-
     async def work() -> str:
         try:
-            await asyncio.Event().wait()
+            await hang(client.left)  # the client leaves while the work runs
         except asyncio.CancelledError:
             return "finished anyway"
         return "never"
 
-    async def leave() -> None:
-        await asyncio.sleep(0.01)
-        client.left.set()
-
-    leaving = asyncio.create_task(leave())
     with pytest.raises(ClientDisconnected):
         await watch.until(work())
-    await leaving
-    current = asyncio.current_task()
-    assert current is not None and current.cancelling() == 0
-    watch.close()
+    assert current_cancelling() == 0

@@ -18,8 +18,9 @@ from darkbloom.coordinator.fleet.registry import Registry
 from darkbloom.coordinator.inference.attempts import Attempts
 from darkbloom.coordinator.inference.failures import ProviderFailure
 from darkbloom.coordinator.routing.scheduler import try_place
-from tests.coordinator.inference.test_attempts import BUDGET, REQUEST_ID, dispatched, start, total_active
-from tests.coordinator.routing.sim import SimProvider, chat, decision, fleet, lifecycle, services, settings
+from tests.coordinator.inference.test_attempts import REQUEST_ID, past_half_budget, start, total_active
+from tests.coordinator.routing.sim import (SimProvider, chat, decision, dispatched, fleet, lifecycle, services,
+                                          settings)
 
 
 def crashed_count() -> float:
@@ -78,7 +79,7 @@ async def test_after_a_takedown_any_failure_of_the_one_retry_ends_the_request() 
 
 async def test_the_retry_after_a_takedown_gets_no_backup() -> None:
     registry, providers, run, first, second = await retried_after_a_crash()
-    await asyncio.sleep(BUDGET * 0.75)  # past half the budget: a backup would have started by now
+    await past_half_budget()  # a backup would have started by now
     third, = [p for p in providers if p not in (first, second)]
     assert third.requests() == []
     second.reply(REQUEST_ID)

@@ -17,7 +17,7 @@ from sqlalchemy import select
 
 from darkbloom.coordinator.identity.caller import Caller
 from darkbloom.coordinator.inference.disconnect import ClientDisconnected
-from darkbloom.coordinator.inference.attempt import Deadlines
+from darkbloom.coordinator.inference.attempt import Attempt, Deadlines
 from darkbloom.coordinator.inference.attempts import Attempts
 from darkbloom.coordinator.inference.failures import ProviderFailure
 from darkbloom.coordinator.inference.settlement import RequestLifecycle
@@ -29,11 +29,12 @@ from darkbloom.store.schema import reservations, usage_records
 from darkbloom.wire.openai.errors import ApiError
 from darkbloom.wire.openai.presenters import ChatPresenter
 from tests.coordinator.money.conftest import MakeServices, make_services, new_account, new_key, pockets  # noqa: F401 (fixture)
-from tests.coordinator.routing.sim import MODEL, RUNTIME, SimProvider, chat, decision, fleet
+from tests.coordinator.routing.sim import MODEL, RUNTIME, SimProvider, chat, decision, dispatched, fleet
 
 CREDIT = 1_000_000
 PROMPT_BOUND, OUTPUT_BOUND = 400, 64
 DEADLINES = Deadlines(idle=10.0, until=float("inf"))
+RPM_ONLY = Counter({"requests": 1, "input_tokens": 0, "output_tokens": 0})  # what a request that used nothing keeps
 
 
 class CountingLimiter(MemoryRateLimiter):
@@ -72,6 +73,18 @@ class World:
         life.hold(placement.slot)
         self.first = placement
         return Attempts(life, decision(), chat(), OUTPUT_BOUND)
+
+    async def dispatched(self, life: RequestLifecycle) -> asyncio.Task[tuple[Attempt, bool]]:
+        """Admit and place the request, run its attempts; returns once the provider has the request."""
+        attempts = await self.admit_and_place(life)
+        run = asyncio.ensure_future(attempts.run(self.first))
+        await self.provider.next_request()
+        return run
+
+    async def assert_refunded(self, request_id: str) -> None:
+        """The reservation went back and every rate charge but the request itself."""
+        assert await self.reservation_state(request_id) == "refunded"
+        assert self.limiter.held == RPM_ONLY
 
     async def reservation_state(self, request_id: str) -> str | None:
         async with self.services.engine.connect() as conn:
@@ -113,9 +126,7 @@ async def test_refused_gives_back_every_rate_charge(world: World) -> None:
 async def test_success_settles_and_frees_the_slot(world: World) -> None:
     life = world.lifecycle("req-ok")
     async with life:
-        attempts = await world.admit_and_place(life)
-        run = asyncio.ensure_future(attempts.run(world.first))
-        await world.provider.next_request()
+        run = await world.dispatched(life)
         world.provider.reply("req-ok")
         world.provider.complete("req-ok")  # 3 prompt + 1 completion tokens
         pending, completed = await run
@@ -134,15 +145,12 @@ async def test_failure_before_first_content_refunds_and_keeps_the_rpm_charge(wor
     life = world.lifecycle("req-unserved")
     with pytest.raises(ProviderFailure):
         async with life:
-            attempts = await world.admit_and_place(life)
-            run = asyncio.ensure_future(attempts.run(world.first))
-            await world.provider.next_request()
+            run = await world.dispatched(life)
             world.provider.error("req-unserved", 400, "bad request")  # not retryable
             await run
     assert world.provider.session.active == 0
-    assert await world.reservation_state("req-unserved") == "refunded"
+    await world.assert_refunded("req-unserved")
     assert await world.usage_rows("req-unserved") == []
-    assert world.limiter.held == Counter({"requests": 1, "input_tokens": 0, "output_tokens": 0})
     assert (await pockets(world.services, world.caller.account_id))[0] == CREDIT
 
 
@@ -150,17 +158,14 @@ async def test_failure_after_first_content_refunds_the_reservation(world: World)
     life = world.lifecycle("req-broke")
     with pytest.raises(ProviderFailure):
         async with life:
-            attempts = await world.admit_and_place(life)
-            run = asyncio.ensure_future(attempts.run(world.first))
-            await world.provider.next_request()
+            run = await world.dispatched(life)
             world.provider.reply("req-broke")
             pending, completed = await run
             world.provider.error("req-broke", 500, "crashed")
             await pending.collect(completed, ChatPresenter("req-broke", MODEL.id, {}), DEADLINES)
     assert world.provider.session.active == 0
-    assert await world.reservation_state("req-broke") == "refunded"
+    await world.assert_refunded("req-broke")
     assert await world.usage_rows("req-broke") == []
-    assert world.limiter.held == Counter({"requests": 1, "input_tokens": 0, "output_tokens": 0})
 
 
 async def test_client_disconnect_after_first_content_stops_the_provider_and_charges_its_usage(
@@ -168,9 +173,7 @@ async def test_client_disconnect_after_first_content_stops_the_provider_and_char
     life = world.lifecycle("req-gone")
     with pytest.raises(ClientDisconnected):
         async with life:
-            attempts = await world.admit_and_place(life)
-            run = asyncio.ensure_future(attempts.run(world.first))
-            await world.provider.next_request()
+            run = await world.dispatched(life)
             world.provider.reply("req-gone")
             await run
             raise ClientDisconnected()
@@ -193,9 +196,7 @@ async def test_cancellation_before_first_content_releases_every_attempt(world: W
             await attempts.run(world.first)
 
     task = asyncio.ensure_future(request())
-    while not (world.provider.requests() or second.requests()):  # bounded by the test timeout
-        await asyncio.sleep(0.01)
-    primary = world.provider if world.provider.requests() else second
+    primary = await dispatched([world.provider, second], timeout=10)
     assert world.first.session is primary.session
     task.cancel()
     with pytest.raises(asyncio.CancelledError):
@@ -203,5 +204,4 @@ async def test_cancellation_before_first_content_releases_every_attempt(world: W
     await _end(life)
     assert world.provider.session.active == second.session.active == 0
     assert primary.cancels() == ["req-cancelled"]
-    assert await world.reservation_state("req-cancelled") == "refunded"
-    assert world.limiter.held == Counter({"requests": 1, "input_tokens": 0, "output_tokens": 0})
+    await world.assert_refunded("req-cancelled")

@@ -178,3 +178,20 @@ def fleet(registry: Registry, count: int, **fields: Any) -> list[SimProvider]:
         provider._slots = registry.slots
         provider.set_active(active)
     return providers
+
+
+async def dispatched(providers: list[SimProvider], timeout: float = 2.0) -> SimProvider:
+    """The one provider that receives the request next."""
+    async def watch(provider: SimProvider) -> SimProvider:
+        await provider.next_request(timeout)
+        return provider
+
+    tasks = [asyncio.ensure_future(watch(p)) for p in providers]
+    try:
+        done, _ = await asyncio.wait(tasks, timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
+        assert done, "no provider received the request"
+        return done.pop().result()
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)

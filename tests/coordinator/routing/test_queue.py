@@ -38,6 +38,20 @@ def free(provider: SimProvider, q: RequestQueues) -> None:
     provider.held.pop().release()
 
 
+async def a_tick(q: RequestQueues) -> None:
+    """Until the tick (``drain_forever``, which calls ``q.drain``) has drained the queues once more."""
+    drained = asyncio.Event()
+    drain = q.drain
+
+    def counted() -> None:
+        drain()
+        drained.set()
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(q, "drain", counted)
+        await asyncio.wait_for(drained.wait(), 10 * queueing.DRAIN_TICK)
+
+
 @contextlib.asynccontextmanager
 async def ticking(q: RequestQueues) -> AsyncIterator[None]:
     task = asyncio.ensure_future(q.drain_forever())
@@ -210,8 +224,8 @@ async def test_the_tick_places_waiters_when_trust_changes() -> None:
     q = queues(registry)
     waiter = await enqueue(q, decision())
     async with ticking(q):
-        await asyncio.sleep(2 * queueing.DRAIN_TICK)
-        assert not waiter.done()
+        await a_tick(q)  # it drained and left the waiter queued, no slot claimed
+        assert q.depth(MODEL.id) == 1 and stale.session.active == 0 and not waiter.done()
         stale.session.challenge_passed_at = time.monotonic()
         placement = await asyncio.wait_for(waiter, 10 * queueing.DRAIN_TICK)
     assert placement.session is stale.session

@@ -120,14 +120,15 @@ async def test_local_only_never_dials_the_coordinator(home: Path, fake: FakeCoor
                                        headers={"Authorization": f"Bearer {found['api_key']}"},
                                        json={**LONG, "stream": False, "max_tokens": 4})
         assert response.status_code == 200
-        await asyncio.sleep(0.3)  # a connecting node would have dialled by now
-        assert fake.connections.empty() and fake.paths == []
         state = json.loads(paths.node_state_path(home).read_text())
         assert state["local_only"] is True and state["connected"] is False
         token = found["api_key"]
     finally:
         stop.set()
         await asyncio.wait_for(task, 30)
+    # a node that connects dials as soon as its local endpoint is up, so it would have reached the
+    # fake coordinator while the request above was served; and a stopped node dials no more
+    assert fake.connections.empty() and fake.paths == []
     assert not paths.local_discovery_path(home).exists()
     # the token is kept and reused by the next run
     node, stop, task = await run_node(home, fake.url, local_only=True)

@@ -9,6 +9,15 @@ import pytest
 from darkbloom.provider.slots import Slots
 
 
+async def queued(slots: Slots, count: int) -> None:
+    """Until ``count`` requests wait for a slot (a waiter queues in its task's first loop turn)."""
+    for _ in range(100):
+        if slots.waiting >= count:
+            return
+        await asyncio.sleep(0)
+    raise AssertionError(f"{slots.waiting} waiting, not {count}")
+
+
 async def test_try_acquire_stops_at_the_limit_and_release_frees() -> None:
     slots = Slots(2)
     assert slots.try_acquire() and slots.try_acquire()
@@ -22,7 +31,7 @@ async def test_a_waiting_direct_request_gets_the_freed_slot_before_a_fleet_reque
     slots = Slots(1)
     assert slots.try_acquire()  # a fleet request holds the only slot
     waiter = asyncio.create_task(slots.acquire(timeout=30))
-    await asyncio.sleep(0.01)
+    await queued(slots, 1)
     assert not waiter.done() and slots.waiting == 1
     assert not slots.try_acquire()  # a fleet request arriving now is refused while one waits
     slots.release()
@@ -42,9 +51,9 @@ async def test_waiters_are_served_first_come_first_served() -> None:
         order.append(name)
 
     first = asyncio.create_task(wait("first"))
-    await asyncio.sleep(0.01)
+    await queued(slots, 1)
     second = asyncio.create_task(wait("second"))
-    await asyncio.sleep(0.01)
+    await queued(slots, 2)
     slots.release()
     await first
     slots.release()
@@ -65,7 +74,7 @@ async def test_a_cancelled_waiter_does_not_keep_a_handed_over_slot() -> None:
     slots = Slots(1)
     assert slots.try_acquire()
     waiter = asyncio.create_task(slots.acquire(timeout=30))
-    await asyncio.sleep(0.01)
+    await queued(slots, 1)
     slots.release()  # handed to the waiter ...
     waiter.cancel()  # ... which is cancelled before it runs
     with pytest.raises(asyncio.CancelledError):
