@@ -45,7 +45,7 @@ async def load(coord: Coordinator, keys: list[str], answers: int, kill: bool, se
     the coordinator while the others are still in flight and return when every client has seen it."""
     rng = random.Random(seed)
     seen: list[Answer] = []
-    done = asyncio.Event()
+    enough, stopped = asyncio.Event(), asyncio.Event()
 
     async def one(client: httpx.AsyncClient) -> Answer:
         stream = rng.random() < 0.5
@@ -65,22 +65,30 @@ async def load(coord: Coordinator, keys: list[str], answers: int, kill: bool, se
             return answer
 
     async def client_loop(client: httpx.AsyncClient) -> None:
-        while not done.is_set():
+        while not stopped.is_set():
             try:
                 seen.append(await one(client))
             except httpx.HTTPError:
                 assert kill, "a request failed without a crash"
                 return  # the coordinator is gone
-            if sum(a.complete for a in seen) >= answers and not done.is_set():
-                done.set()
-                if kill:
-                    coord.process.kill()  # SIGKILL: no shutdown, no draining, no settlement of the rest
+            if sum(a.complete for a in seen) >= answers:
+                enough.set()
+
+    async def stop() -> None:
+        await enough.wait()
+        if kill:
+            # with the clients still sending: a reservation open in the database (requests past
+            # admission, not yet settled), so that the crash has something to leave behind
+            await asyncio.to_thread(wait_until, lambda: open_reservations(coord.database_url), timeout=60,
+                                    interval=0.005, what="a reservation open under load")
+            coord.process.kill()  # SIGKILL: no shutdown, no draining, no settlement of the rest
+        stopped.set()
 
     # idle connections dropped before uvicorn's 5 s keep-alive timeout closes them: a request sent on one
     # the server is closing at that instant fails with ReadError, which no coordinator fault explains
     limits = httpx.Limits(max_connections=None, max_keepalive_connections=None, keepalive_expiry=2.0)
     async with httpx.AsyncClient(limits=limits, timeout=60) as client:
-        await asyncio.gather(*(client_loop(client) for _ in range(CONCURRENCY)))
+        await asyncio.gather(stop(), *(client_loop(client) for _ in range(CONCURRENCY)))
     return seen
 
 
