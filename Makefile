@@ -3,6 +3,9 @@ VENV   := .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed-stamp
 PYTEST_ARGS ?=
+# Bytecode is cached: with PYTHONDONTWRITEBYTECODE set (as on some CI images) every process a test
+# starts would compile darkbloom again (0.7 s each) and every worker rewrite every test module
+unexport PYTHONDONTWRITEBYTECODE
 # pytest-xdist: every test module (or group of modules sharing a resource, tests/conftest.py) runs
 # whole on one worker; most tests wait on processes, so more workers than cores pays
 WORKERS ?= 4

@@ -66,21 +66,42 @@ SHARED = {
 }
 # Packages whose processes are package-scoped fixtures: the whole package on one worker.
 PACKAGES = ("tests/clients/",)
+# The longest units (a make test's durations), handed out first so that none is left running alone
+# at the end; the rest follow in collection order. Order only: a stale entry costs balance, not
+# correctness.
+LONGEST_FIRST = ("tests/clients/", "tests/reliability/test_schemathesis.py", "llama-b", "redis-db0", "llama-a",
+                 "tests/reliability/test_chaos_money.py", "capture", "tests/coordinator/fabric/test_faults.py",
+                 "tests/coordinator/money/test_e2e_billing.py", "tests/reliability/test_chaos_money_replicas.py",
+                 "tests/coordinator/money/test_conservation.py", "tests/coordinator/money/test_crash_under_load.py")
 
 
-def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     for item in items:
         if _uses_postgres(item):
             item.add_marker(pytest.mark.postgres)
+    if os.environ.get("PYTEST_XDIST_WORKER"):  # a worker's collection order is the scheduler's queue
+        items[:] = _longest_first(items, config.rootpath)
+
+
+def _longest_first(items: list[pytest.Item], root: Path) -> list[pytest.Item]:
+    """The items unit by unit, the units of LONGEST_FIRST first; within a unit, collection order."""
+    units = [work_unit(item.path.relative_to(root).as_posix()) for item in items]
+    first_seen = {unit: index for index, unit in reversed(list(enumerate(units)))}
+    rank = {unit: position for position, unit in enumerate(LONGEST_FIRST)}
+    order = sorted(range(len(items)), key=lambda i: (rank.get(units[i], len(rank)), first_seen[units[i]], i))
+    return [items[i] for i in order]
 
 
 def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
     """``--dist loadscope`` with the units above: each unit (module, package or shared group) runs
-    whole on one worker, the largest first. (xdist's own ``loadgroup`` marks items by renaming their
-    node ids, which pytest 9.2 no longer reads: it grouped nothing.)"""
+    whole on one worker, in the workers' collection order (LONGEST_FIRST first). (xdist's own
+    ``loadgroup`` marks items by renaming their node ids, which pytest 9.2 no longer reads: it
+    grouped nothing.)"""
     if config.getvalue("dist") != "loadscope":
         return None
     from xdist.scheduler import LoadScopeScheduling
+
+    config.option.loadscopereorder = False  # not by test count: a few long tests make a long unit
 
     class ByUnit(LoadScopeScheduling):
         def _split_scope(self, nodeid: str) -> str:

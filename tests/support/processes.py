@@ -35,6 +35,10 @@ def _env(home: Path, extra: dict[str, str] | None = None) -> dict[str, str]:
     # one test client (127.0.0.1) stands for many people: no per-address sign-up and log-in limits
     env.setdefault("DARKBLOOM_SIGNUPS_PER_ADDRESS", "0")
     env.setdefault("DARKBLOOM_LOGIN_FAILURES_PER_ADDRESS", "0")
+    # the suite signs up hundreds of accounts: argon2id at the floor the coordinator allows (OWASP's
+    # minimum, a fifth of the default's CPU)
+    env.setdefault("DARKBLOOM_PASSWORD_HASH_MEMORY_KIB", "19456")
+    env.setdefault("DARKBLOOM_PASSWORD_HASH_TIME_COST", "2")
     env.update(extra or {})
     return env
 

@@ -110,6 +110,10 @@ class CoordinatorSettings(BaseSettings):
     login_failures_per_address: int = 100  # failed log-ins per client address in 15 minutes
     signups_per_address: int = 20          # sign-ups per client address in an hour
     forwarded_allow_ips: str = "127.0.0.1,::1"  # proxies whose X-Forwarded-For names the client
+    # argon2id cost of new password hashes (each hash keeps its own, so lowering it weakens new ones
+    # only); the default is argon2-cffi's recommended one, the floor OWASP's minimum (19 MiB, 2 passes)
+    password_hash_memory_kib: int = 65_536
+    password_hash_time_cost: int = 3
 
     # trust (docs/protocol.md "Registration and trust"): runtime hashes accepted as verified (default: this
     # release's own)
@@ -152,6 +156,9 @@ class CoordinatorSettings(BaseSettings):
         for name in ("login_failures_per_email", "login_failures_per_address", "signups_per_address"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{env_var(name)} must not be negative (0 turns the limit off)")
+        if self.password_hash_memory_kib < 19_456 or self.password_hash_time_cost < 2:
+            raise ValueError(f"{env_var('password_hash_memory_kib')} must be at least 19456 and "
+                             f"{env_var('password_hash_time_cost')} at least 2 (OWASP's minimum for argon2id)")
         if self.queue_max_wait < 0 or self.queue_depth < 0:
             raise ValueError("--queue-max-wait and --queue-depth must not be negative")
         for name in ("challenge_interval", "challenge_deadline", "challenge_freshness", "enrollment_cert_days",

@@ -1,5 +1,6 @@
-"""Password hashing never runs on the event loop's default executor: a flood of log-ins waits for
-the few threads of its own, and work others put on the default executor is not held up by it."""
+"""Password hashing: its cost is configurable above a floor and kept in each hash; it never runs on the
+event loop's default executor (a flood of log-ins waits for the few threads of its own, and work
+others put on the default executor is not held up by it)."""
 
 from __future__ import annotations
 
@@ -82,8 +83,8 @@ async def test_fifty_log_ins_at_once_leave_the_default_executor_free(http: httpx
                                                                       monkeypatch: pytest.MonkeyPatch) -> None:
     loop = asyncio.get_running_loop()
     loop.set_default_executor(ThreadPoolExecutor(max_workers=4))
-    held = HeldHasher(console_login._hasher)
-    monkeypatch.setattr(console_login, "_hasher", held)
+    held = HeldHasher(console_login._hasher_of(19_456, 2))
+    monkeypatch.setattr(console_login, "_hasher", lambda services: held)
     hashing = asyncio.gather(*(_attempt(http, "ada@example.com", f"guess {i}") for i in range(50)))
     try:
         while held.entered < console_login.HASH_THREADS:  # every hashing thread holds a log-in, the rest queue
@@ -97,3 +98,37 @@ async def test_fifty_log_ins_at_once_leave_the_default_executor_free(http: httpx
     assert await hashing == [401] * 50
     assert job in done and job.result(), "the default executor waited for the log-ins"
     assert 1 <= len(hash_threads) <= console_login.HASH_THREADS
+
+
+async def _stored_hash(database_url: str, email: str) -> str:
+    from sqlalchemy import select
+    from sqlalchemy.ext.asyncio import create_async_engine
+
+    from darkbloom.store.schema import accounts
+
+    engine = create_async_engine(database_url)
+    try:
+        async with engine.connect() as conn:
+            return str((await conn.execute(select(accounts.c.password_hash).where(accounts.c.email == email))).scalar())
+    finally:
+        await engine.dispose()
+
+
+async def test_the_hash_cost_applies_to_new_passwords_and_old_ones_still_log_in(tmp_path: Path) -> None:
+    url = f"sqlite+aiosqlite:///{tmp_path / 'coordinator.db'}"
+    costs = ({}, {"password_hash_memory_kib": 19_456, "password_hash_time_cost": 2})
+    for cost, email in zip(costs, ("ada@example.com", "bob@example.com")):
+        app = create_app(CoordinatorSettings(database_url=url, **cost))
+        async with app.router.lifespan_context(app):
+            async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://c") as client:
+                assert (await client.post("/v1/auth/signup", json={"email": email, "password": PASSWORD})
+                        ).status_code == 201
+                assert await _attempt(client, "ada@example.com", PASSWORD) == 200
+    assert "$m=65536,t=3," in await _stored_hash(url, "ada@example.com")
+    assert "$m=19456,t=2," in await _stored_hash(url, "bob@example.com")
+
+
+@pytest.mark.parametrize("cost", [{"password_hash_memory_kib": 19_455}, {"password_hash_time_cost": 1}])
+def test_a_hash_cost_below_owasps_minimum_is_refused(cost: dict[str, int]) -> None:
+    with pytest.raises(ValueError, match="OWASP's minimum"):
+        CoordinatorSettings(**cost)

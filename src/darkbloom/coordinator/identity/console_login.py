@@ -9,6 +9,7 @@ import os
 import re
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
+from functools import lru_cache
 
 from argon2 import PasswordHasher
 from argon2.exceptions import InvalidHashError, VerificationError
@@ -21,13 +22,23 @@ from darkbloom.coordinator.services import Services
 from darkbloom.wire.crypto import new_token, token_hash
 from darkbloom.store import accounts, console_sessions
 
-_hasher = PasswordHasher()  # argon2id, the library's recommended parameters: 64 MiB, 0.1-0.4 s of one core
 # Never the event loop's default executor, which DNS lookups and every to_thread share: a flood of
 # log-ins waits for these threads, and hashing takes at most half the cores.
 HASH_THREADS = max(1, min(4, (os.cpu_count() or 2) // 2))
 _hashing = ThreadPoolExecutor(HASH_THREADS, thread_name_prefix="argon2")
 _EMAIL = re.compile(r"^[^@\s]+@[^@\s]+\.[^@\s]+$")
 MIN_PASSWORD = 8
+
+
+@lru_cache(maxsize=4)
+def _hasher_of(memory_kib: int, time_cost: int) -> PasswordHasher:
+    return PasswordHasher(memory_cost=memory_kib, time_cost=time_cost)
+
+
+def _hasher(services: Services) -> PasswordHasher:
+    """argon2id at the configured cost (by default the library's: 64 MiB, 0.1-0.4 s of one core)."""
+    settings = services.settings
+    return _hasher_of(settings.password_hash_memory_kib, settings.password_hash_time_cost)
 
 
 def _validate(email: object, password: object) -> tuple[str, str]:
@@ -45,7 +56,7 @@ async def _hashed(work: Callable[..., object], *args: str) -> object:
 async def signup(services: Services, email: object, password: object, address: str) -> tuple[str, str]:
     email, password = _validate(email, password)
     await auth_throttle.take(services, auth_throttle.signup_charges(services, address))
-    password_hash = str(await _hashed(_hasher.hash, password))
+    password_hash = str(await _hashed(_hasher(services).hash, password))
     try:
         async with services.engine.begin() as conn:
             account_id = await accounts.create_account(conn, email, password_hash)
@@ -64,10 +75,10 @@ async def login(services: Services, email: object, password: object, address: st
     async with services.engine.connect() as conn:
         row = await accounts.get_by_email(conn, email)
     if row is None or not row["password_hash"]:
-        await _hashed(_hasher.hash, password)  # same work whether or not the email exists
+        await _hashed(_hasher(services).hash, password)  # same work whether or not the email exists
         raise _invalid_credentials()
     try:
-        await _hashed(_hasher.verify, row["password_hash"], password)
+        await _hashed(_hasher(services).verify, row["password_hash"], password)
     except (VerificationError, InvalidHashError):
         raise _invalid_credentials() from None
     await auth_throttle.give_back(services, attempt)
