@@ -75,10 +75,25 @@ LONGEST_FIRST = ("tests/clients/", "tests/reliability/test_schemathesis.py", "ll
                  "tests/coordinator/money/test_conservation.py", "tests/coordinator/money/test_crash_under_load.py")
 
 
+# Packages whose every test is e2e: `make check` (-m "not e2e") does not import them at all (their
+# client SDKs cost each xdist worker seconds of collection); a test in them without the mark is an error
+E2E_PACKAGES = ("clients", "console", "e2e", "selfroute", "selfroute_replicas")
+TESTS = Path(__file__).parent
+
+
+def pytest_ignore_collect(collection_path: Path, config: pytest.Config) -> bool | None:
+    if config.option.markexpr == "not e2e" and collection_path.parent == TESTS:
+        return collection_path.name in E2E_PACKAGES or None
+    return None
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     for item in items:
         if _uses_postgres(item):
             item.add_marker(pytest.mark.postgres)
+        package = item.path.relative_to(TESTS).parts[0]
+        if package in E2E_PACKAGES and item.get_closest_marker("e2e") is None:
+            raise pytest.UsageError(f"{item.nodeid} is not marked e2e, and tests/{package}/ holds e2e tests only")
     if os.environ.get("PYTEST_XDIST_WORKER"):  # a worker's collection order is the scheduler's queue
         items[:] = _longest_first(items, config.rootpath)
 
