@@ -11,6 +11,9 @@ sends ``registered`` and marks it ``online``. After that ``run_trust`` challenge
 ``online`` means "connected and registered"; ``untrusted_reason`` (set by ``distrust``) means
 "failed a check, never routable again". An untrusted session stays online (docs/protocol.md "Registration
 and trust"), so every routing path must check ``untrusted_reason is None`` besides ``online``.
+
+What a session says of its machine (last seen, models, trust) is marked on the machine book
+(``fleet/machine_book.py``), which writes it in batches: nothing here waits on the database for it.
 """
 
 from __future__ import annotations
@@ -43,7 +46,8 @@ from darkbloom.wire.protocol import (
     TrustStatus,
     dump,
 )
-from darkbloom.store import devices, machines
+from darkbloom.store import devices
+from darkbloom.store.machines import Seen
 
 log = logging.getLogger("darkbloom.sessions")
 
@@ -104,7 +108,7 @@ async def run_trust(services: Services, session: ProviderSession) -> None:
     try:
         if session.untrusted_reason is None:
             await _challenge(services, session)
-        await complete_registration(services, session)
+        complete_registration(services, session)
         while session.untrusted_reason is None:
             await asyncio.sleep(services.settings.challenge_interval)
             await _challenge(services, session)
@@ -115,7 +119,7 @@ async def run_trust(services: Services, session: ProviderSession) -> None:
         session.close(1011)
 
 
-async def complete_registration(services: Services, session: ProviderSession) -> None:
+def complete_registration(services: Services, session: ProviderSession) -> None:
     """After the first challenge: list the session (online, routable if trusted) and tell the node."""
     if session.link.closing:
         return  # the socket is closing; never list it
@@ -126,25 +130,25 @@ async def complete_registration(services: Services, session: ProviderSession) ->
     if session.untrusted_reason is not None:
         session.send(dump(TrustStatus(trust_level=UNTRUSTED, reason=session.untrusted_reason)))
     session.online = True
-    await _record_machine(services, session)
+    _record_machine(services, session)
     log.info("provider %s registered: account=%s machine=%s models=%s trust=%s runtime_verified=%s "
              "private_only=%s", session.id, session.account_id, session.machine_id,
              sorted(session.advertised_models), effective_trust(session), session.runtime_verified,
              session.private_only)
 
 
-async def close_session(services: Services, session: ProviderSession) -> None:
+def close_session(services: Services, session: ProviderSession) -> None:
     """Take the session out of routing and fail whatever it was serving. Idempotent."""
     if not services.registry.remove(session):
         return
     session.disconnected()
     log.info("provider %s disconnected", session.id)
-    await _record_machine(services, session)
+    _record_machine(services, session)
 
 
-async def on_heartbeat(services: Services, session: ProviderSession, frame: Heartbeat) -> None:
+def on_heartbeat(services: Services, session: ProviderSession, frame: Heartbeat) -> None:
     if time.monotonic() - session.machine_seen_at >= MACHINE_SEEN_EVERY:
-        await _record_machine(services, session)
+        _record_machine(services, session)
 
 
 @dataclass(eq=False)
@@ -201,10 +205,10 @@ def distrust(session: ProviderSession, reason: str, services: Services | None = 
     if session.online:
         session.send(dump(TrustStatus(trust_level=UNTRUSTED, reason=reason)))
         if services is not None:
-            services.spawn(_record_machine(services, session))
+            _record_machine(services, session)
 
 
-async def on_enrolled(services: Services, session: ProviderSession, certificate: str, ca: EnrollmentCA) -> None:
+def on_enrolled(services: Services, session: ProviderSession, certificate: str, ca: EnrollmentCA) -> None:
     """An admin enrolled this session's machine: hand the node its certificate (it presents it at
     later registrations) and, when the live session already proved ``self_signed`` with the
     certified key and is trusted, raise it to ``hardware`` now."""
@@ -218,22 +222,18 @@ async def on_enrolled(services: Services, session: ProviderSession, certificate:
     session.send(dump(TrustStatus(trust_level=level, reason=reason, certificate=certificate)))
     log.info("provider %s enrolled (machine %s): trust %s", session.id, session.machine_id, level)
     if session.online:
-        await _record_machine(services, session)
+        _record_machine(services, session)
 
 
-async def _record_machine(services: Services, session: ProviderSession) -> None:
+def _record_machine(services: Services, session: ProviderSession) -> None:
+    """Mark the machine with what its session says now; the machine book writes it with its next batch."""
     if session.machine_id is None:
         return
     session.machine_seen_at = time.monotonic()
-    try:
-        async with services.engine.begin() as conn:
-            await machines.record_seen(conn, session.machine_id, models=sorted(session.advertised_models),
-                                       trust_level=effective_trust(session),
-                                       private_only=session.private_only,
-                                       name=session.registration.name or None,
-                                       identity_key=session.registration.identity_key or None)
-    except Exception:  # noqa: BLE001 - bookkeeping must not break the socket
-        log.exception("could not record machine %s", session.machine_id)
+    services.machine_book.mark(session.machine_id, Seen(
+        last_seen=int(time.time()), models=sorted(session.advertised_models), trust_level=effective_trust(session),
+        private_only=session.private_only, name=session.registration.name or None,
+        identity_key=session.registration.identity_key or None))
 
 
 async def evict_silent(services: Services) -> None:
@@ -244,5 +244,5 @@ async def evict_silent(services: Services) -> None:
         deadline = time.monotonic() - settings.heartbeat_timeout
         for session in services.registry.silent_since(deadline):
             log.warning("provider %s silent for %.0f s: evicting", session.id, settings.heartbeat_timeout)
-            await close_session(services, session)
+            close_session(services, session)
             session.close(1001)

@@ -86,7 +86,7 @@ async def provider_socket(websocket: WebSocket) -> None:
         pass
     finally:
         trust.cancel()
-        await session_lifecycle.close_session(services, session)
+        session_lifecycle.close_session(services, session)
         session.close(POLICY_VIOLATION if strikes.count >= MAX_BAD_FRAMES else 1000)
         try:
             await asyncio.wait_for(writer, timeout=2)
@@ -147,7 +147,7 @@ async def _read_frames(websocket: WebSocket, services: Services, session: Provid
         elif isinstance(frame, InferenceError):
             session.deliver_error(frame.request_id, frame.status_code, frame.message, frame.param, frame.code)
         elif isinstance(frame, Heartbeat):
-            await session_lifecycle.on_heartbeat(services, session, frame)
+            session_lifecycle.on_heartbeat(services, session, frame)
         elif isinstance(frame, AttestationResponse):
             session_lifecycle.on_attestation_response(services, session, frame)
         elif isinstance(frame, Register):
