@@ -24,6 +24,8 @@ import time
 
 from dataclasses import dataclass
 
+from prometheus_client import Histogram
+
 from darkbloom.coordinator.fleet.enrollment import EnrollmentCA, load_ca
 from darkbloom.coordinator.fleet.session import Link, ProviderSession
 from darkbloom.coordinator.services import Services
@@ -52,6 +54,11 @@ from darkbloom.store.machines import Seen
 log = logging.getLogger("darkbloom.sessions")
 
 MACHINE_SEEN_EVERY = 60.0
+REGISTRATION_SECONDS = Histogram(
+    "darkbloom_registration_seconds",
+    "From a provider socket's accept to its registered frame (the first challenge included), by the trust "
+    "it registered with: none, self_signed, hardware, untrusted",
+    ["trust"], buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60))
 
 
 async def _owner_of(services: Services, auth_token: str | None) -> tuple[str, str] | None:
@@ -61,9 +68,10 @@ async def _owner_of(services: Services, auth_token: str | None) -> tuple[str, st
         return await devices.token_owner(conn, token_hash(auth_token))
 
 
-async def open_session(services: Services, registration: Register, link: Link) -> ProviderSession:
-    """Create the session, reached through ``link``; the owner comes only from the device token,
-    never from the frame."""
+async def open_session(services: Services, registration: Register, link: Link,
+                       accepted_at: float) -> ProviderSession:
+    """Create the session, reached through ``link``, whose socket was accepted at ``accepted_at``
+    (monotonic); the owner comes only from the device token, never from the frame."""
     owner = await _owner_of(services, registration.auth_token)
     try:
         public_key = public_key_from_b64(registration.public_key)
@@ -71,7 +79,7 @@ async def open_session(services: Services, registration: Register, link: Link) -
         public_key = None
     session = ProviderSession(
         id=new_id("prov_"), account_id=owner[0] if owner else None, machine_id=owner[1] if owner else None,
-        registration=registration, public_key=public_key, link=link,
+        registration=registration, public_key=public_key, link=link, connected_at=accepted_at,
         trust_level=await _registration_trust(services, registration) if public_key is not None else "none")
     session.runtime_verified = runtime_allowed(services.settings, registration.runtime_hash)
     if not session.runtime_verified:
@@ -130,6 +138,7 @@ def complete_registration(services: Services, session: ProviderSession) -> None:
     if session.untrusted_reason is not None:
         session.send(dump(TrustStatus(trust_level=UNTRUSTED, reason=session.untrusted_reason)))
     session.online = True
+    REGISTRATION_SECONDS.labels(effective_trust(session)).observe(time.monotonic() - session.connected_at)
     _record_machine(services, session)
     log.info("provider %s registered: account=%s machine=%s models=%s trust=%s runtime_verified=%s "
              "private_only=%s", session.id, session.account_id, session.machine_id,

@@ -64,6 +64,7 @@ class _Strikes:
 async def provider_socket(websocket: WebSocket) -> None:
     services: Services = websocket.app.state.services
     await websocket.accept()
+    accepted_at = time.monotonic()
     strikes = _Strikes(websocket)
     try:
         registration = await asyncio.wait_for(_first_register(websocket, strikes), REGISTER_TIMEOUT)
@@ -71,7 +72,7 @@ async def provider_socket(websocket: WebSocket) -> None:
         await _close_quietly(websocket, POLICY_VIOLATION)
         return
     link = SocketLink()
-    session = await session_lifecycle.open_session(services, registration, link)
+    session = await session_lifecycle.open_session(services, registration, link, accepted_at)
     strikes.session = session
     writer = asyncio.create_task(_write_frames(websocket, link))
     # The first challenge, then `registered`, then periodic challenges: beside the reader, never in its way.
