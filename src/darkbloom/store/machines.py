@@ -53,7 +53,8 @@ class Seen:
 
 
 async def record_seen(conn: AsyncConnection, seen: Mapping[str, Seen]) -> None:
-    """Write many machines' ``Seen`` in one statement (executemany)."""
+    """Write many machines' ``Seen`` in one statement (executemany), in id order: replicas writing
+    overlapping batches lock the rows in the same order."""
     if not seen:
         return
     statement = update(machines).where(machines.c.id == bindparam("machine_id")).values(
@@ -66,7 +67,7 @@ async def record_seen(conn: AsyncConnection, seen: Mapping[str, Seen]) -> None:
         {"machine_id": machine_id, "seen_last_seen": s.last_seen, "seen_models": s.models,
          "seen_trust_level": s.trust_level, "seen_private_only": s.private_only, "seen_name": s.name,
          "seen_identity_key": s.identity_key}
-        for machine_id, s in seen.items()])
+        for machine_id, s in sorted(seen.items(), key=lambda item: item[0])])
 
 
 async def unlink(conn: AsyncConnection, account_id: str, machine_id: str) -> bool:
