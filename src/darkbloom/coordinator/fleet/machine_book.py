@@ -34,7 +34,7 @@ class MachineBook:
         self._lock = asyncio.Lock()  # one batch at a time: an older one never lands after a newer one
         self._marked = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
-        self.flushes = 0  # committed batches and the rows they carried (for the bench)
+        self.flushes = 0  # committed batches and the rows they carried
         self.rows = 0
 
     def mark(self, machine_id: str, seen: Seen) -> None:

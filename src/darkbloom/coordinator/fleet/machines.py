@@ -77,7 +77,7 @@ async def enroll_machine(services: Services, machine_id: str) -> dict[str, Any]:
         row = await machines.get(conn, machine_id)
     if row is None or row["unlinked_at"] is not None:
         raise ApiError(404, "machine_not_found", "No linked machine with this id.")
-    identity_key = services.machine_book.current(row)["identity_key"]  # a session that just registered: not written yet
+    identity_key = services.machine_book.current(row)["identity_key"]  # a session just registered: maybe unwritten
     if not identity_key:
         raise ApiError(409, "machine_not_registered",
                        f"Machine {machine_id} has never connected to this coordinator, so its identity key is "
