@@ -7,6 +7,7 @@ from sqlalchemy.ext.asyncio import AsyncEngine
 
 from darkbloom.wire.crypto import token_hash
 from darkbloom.store import accounts, devices, machines
+from darkbloom.store.machines import Seen
 
 from tests.support.store_queries import has_linked
 
@@ -100,8 +101,9 @@ async def test_machine_list_and_record_seen(engine: AsyncEngine, account: str) -
     first = await _link(engine, account, "dkp-1")
     second = await _link(engine, account, "dkp-2")
     async with engine.begin() as conn:
-        await machines.record_seen(conn, first, models=["m1", "m2"], trust_level="self_signed",
-                                   private_only=True, name="desk", identity_key="idkey")
+        await machines.record_seen(conn, {first: Seen(last_seen=1_700_000_000, models=["m1", "m2"],
+                                                      trust_level="self_signed", private_only=True, name="desk",
+                                                      identity_key="idkey")})
         await machines.unlink(conn, account, second)
     async with engine.connect() as conn:
         listed = await machines.list_for(conn, account)
@@ -109,17 +111,25 @@ async def test_machine_list_and_record_seen(engine: AsyncEngine, account: str) -
         unlinked = await machines.get(conn, second)
     assert [m["id"] for m in listed] == [first]
     row = listed[0]
-    assert (row["models"], row["trust_level"], row["private_only"], row["name"], row["identity_key"]) == \
-        (["m1", "m2"], "self_signed", True, "desk", "idkey")
-    assert row["last_seen"] is not None
+    assert (row["models"], row["trust_level"], row["private_only"], row["name"], row["identity_key"],
+            row["last_seen"]) == (["m1", "m2"], "self_signed", True, "desk", "idkey", 1_700_000_000)
     assert unlinked is not None and unlinked["unlinked_at"] is not None and unlinked["trust_level"] == "none"
 
 
-async def test_record_seen_keeps_fields_that_are_not_given(engine: AsyncEngine, account: str) -> None:
-    machine_id = await _link(engine, account, "dkp-x")
+async def test_record_seen_writes_many_in_one_statement_and_keeps_an_unnamed_name(engine: AsyncEngine,
+                                                                                  account: str) -> None:
+    named = await _link(engine, account, "dkp-x")
+    unnamed = await _link(engine, account, "dkp-y")
     async with engine.begin() as conn:
-        await machines.record_seen(conn, machine_id, models=["m"], private_only=True)
-        await machines.record_seen(conn, machine_id)
+        await machines.record_seen(conn, {named: Seen(1, ["a"], "none", False, name="box", identity_key="k1")})
+        await machines.record_seen(conn, {
+            named: Seen(2, ["m"], "hardware", True),  # no name or key given: the stored ones stay
+            unnamed: Seen(3, [], "self_signed", False, identity_key="k2")})
+        await machines.record_seen(conn, {})
     async with engine.connect() as conn:
-        row = await machines.get(conn, machine_id)
-    assert row is not None and row["models"] == ["m"] and row["private_only"] is True and row["name"] == "laptop"
+        first, second = await machines.get(conn, named), await machines.get(conn, unnamed)
+    assert first is not None and second is not None
+    assert (first["last_seen"], first["models"], first["trust_level"], first["private_only"], first["name"],
+            first["identity_key"]) == (2, ["m"], "hardware", True, "box", "k1")
+    assert (second["last_seen"], second["models"], second["name"], second["identity_key"]) == \
+        (3, [], "laptop", "k2")

@@ -50,6 +50,7 @@ def create_app(settings: CoordinatorSettings) -> FastAPI:
                       asyncio.create_task(reconciliation.heartbeat_forever(services)),
                       asyncio.create_task(services.queues.drain_forever())]
         background.append(auth_invalidation.start(services))  # cross-process auth changes (Postgres)
+        services.machine_book.start()
         if settings.nats_url:
             from darkbloom.coordinator.fabric.replica import Fabric  # only replicas pay for NATS
 
@@ -62,7 +63,7 @@ def create_app(settings: CoordinatorSettings) -> FastAPI:
             for task in background:
                 task.cancel()
             for session in services.registry.held_here():
-                await session_lifecycle.close_session(services, session)
+                session_lifecycle.close_session(services, session)
                 session.close(1001)
             if services.fabric is not None:
                 await services.fabric.stop()
@@ -70,6 +71,7 @@ def create_app(settings: CoordinatorSettings) -> FastAPI:
             await services.rate_limiter.close()
             await services.auth_cache.close()
             await services.ledger.close()  # commits what is still queued
+            await services.machine_book.close()  # writes what the closed sessions last said
             await engine.dispose()
 
     # no trailing-slash redirects: Starlette writes their Location from the request's Host header

@@ -80,6 +80,9 @@ class CoordinatorSettings(BaseSettings):
     # periods (seconds); configurable so that tests can shorten them
     heartbeat_timeout: float = Field(30.0, description="Evict a provider silent this many seconds.")
     eviction_interval: float = 1.0
+    machine_flush_interval: float = Field(
+        1.0, description="Seconds between the batched writes of the machines' last seen, models and trust "
+                         "(one transaction for every machine whose session changed or heartbeated).")
     device_code_ttl: int = Field(900, description="Lifetime of a device login code in seconds.")
     device_poll_interval: int = 5
     max_body_bytes: int = 8 * 1024 * 1024
@@ -162,7 +165,8 @@ class CoordinatorSettings(BaseSettings):
         if self.queue_max_wait < 0 or self.queue_depth < 0:
             raise ValueError("--queue-max-wait and --queue-depth must not be negative")
         for name in ("challenge_interval", "challenge_deadline", "challenge_freshness", "enrollment_cert_days",
-                     "first_content_timeout", "idle_timeout", "request_timeout", "replica_heartbeat"):
+                     "first_content_timeout", "idle_timeout", "request_timeout", "replica_heartbeat",
+                     "machine_flush_interval"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{flag_name(name)} must be positive")
         if self.replica_timeout <= self.replica_heartbeat:

@@ -14,6 +14,7 @@ from darkbloom.coordinator.identity.auth_cache import AuthCache
 from darkbloom.coordinator.routing.queue import RequestQueues
 from darkbloom.coordinator.money.ratelimit import RateLimiter
 from darkbloom.coordinator.money.ledger.writer import LedgerWriter
+from darkbloom.coordinator.fleet.machine_book import MachineBook
 from darkbloom.coordinator.fleet.registry import Registry
 from darkbloom.wire.crypto import new_id
 
@@ -29,6 +30,7 @@ class Services:
     instance_id: str = field(default_factory=lambda: new_id("inst_"))
     auth_cache: AuthCache = field(default_factory=AuthCache)  # token hash → grant (identity/auth_cache.py)
     ledger: LedgerWriter = None  # type: ignore[assignment]  # the group-commit ledger writer, on engine
+    machine_book: MachineBook = None  # type: ignore[assignment]  # batched machines-table writes, on engine
     fabric: Any = None  # fabric.replica.Fabric with --nats-url (replicas over NATS); None: one process
     _tasks: set[asyncio.Task[Any]] = field(default_factory=set)
 
@@ -37,6 +39,8 @@ class Services:
             self.queues = RequestQueues(self.registry, self.settings)
         if self.ledger is None:
             self.ledger = LedgerWriter(self.engine)
+        if self.machine_book is None:
+            self.machine_book = MachineBook(self.engine, self.settings.machine_flush_interval)
 
     def spawn(self, work: Coroutine[Any, Any, Any]) -> asyncio.Task[Any]:
         """Run ``work`` to completion even if the request that started it goes away."""

@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import time
+from collections.abc import Mapping
+from dataclasses import dataclass
 from typing import Any
 
-from sqlalchemy import insert, select, update
+from sqlalchemy import bindparam, func, insert, select, update
 from sqlalchemy.ext.asyncio import AsyncConnection
 
 from darkbloom.wire.crypto import new_id
@@ -38,15 +40,34 @@ async def ever_linked(conn: AsyncConnection, account_id: str) -> bool:
     return row is not None
 
 
-async def record_seen(conn: AsyncConnection, machine_id: str, *, models: list[str] | None = None,
-                      trust_level: str | None = None, private_only: bool | None = None,
-                      name: str | None = None, identity_key: str | None = None) -> None:
-    values: dict[str, Any] = {"last_seen": int(time.time())}
-    for key, value in (("models", models), ("trust_level", trust_level), ("private_only", private_only),
-                       ("name", name), ("identity_key", identity_key)):
-        if value is not None:
-            values[key] = value
-    await conn.execute(update(machines).where(machines.c.id == machine_id).values(**values))
+@dataclass(frozen=True, slots=True)
+class Seen:
+    """What a live session last told of its machine: the columns the coordinator keeps current."""
+
+    last_seen: int
+    models: list[str]
+    trust_level: str
+    private_only: bool
+    name: str | None = None          # None: keep the stored one
+    identity_key: str | None = None  # None: keep the stored one
+
+
+async def record_seen(conn: AsyncConnection, seen: Mapping[str, Seen]) -> None:
+    """Write many machines' ``Seen`` in one statement (executemany), in id order: replicas writing
+    overlapping batches lock the rows in the same order."""
+    if not seen:
+        return
+    statement = update(machines).where(machines.c.id == bindparam("machine_id")).values(
+        last_seen=bindparam("seen_last_seen"), models=bindparam("seen_models", type_=machines.c.models.type),
+        trust_level=bindparam("seen_trust_level"), private_only=bindparam("seen_private_only"),
+        name=func.coalesce(bindparam("seen_name", type_=machines.c.name.type), machines.c.name),
+        identity_key=func.coalesce(bindparam("seen_identity_key", type_=machines.c.identity_key.type),
+                                   machines.c.identity_key))
+    await conn.execute(statement, [
+        {"machine_id": machine_id, "seen_last_seen": s.last_seen, "seen_models": s.models,
+         "seen_trust_level": s.trust_level, "seen_private_only": s.private_only, "seen_name": s.name,
+         "seen_identity_key": s.identity_key}
+        for machine_id, s in sorted(seen.items(), key=lambda item: item[0])])
 
 
 async def unlink(conn: AsyncConnection, account_id: str, machine_id: str) -> bool:

@@ -27,6 +27,7 @@ from darkbloom.coordinator.routing.scheduler import try_place
 from darkbloom.coordinator.services import Services
 from darkbloom.store.schema import reservations, usage_records
 from darkbloom.wire.openai.errors import ApiError
+from darkbloom.wire.openai.edges import CHAT
 from darkbloom.wire.openai.presenters import ChatPresenter
 from tests.coordinator.money.conftest import MakeServices, make_services, new_account, new_key, pockets  # noqa: F401 (fixture)
 from tests.coordinator.routing.sim import MODEL, RUNTIME, SimProvider, chat, decision, dispatched, fleet
@@ -63,7 +64,7 @@ class World:
         self.limiter: CountingLimiter = services.rate_limiter  # type: ignore[assignment]
 
     def lifecycle(self, request_id: str) -> RequestLifecycle:
-        return RequestLifecycle(self.services, self.caller, request_id)
+        return RequestLifecycle(self.services, self.caller, request_id, CHAT.path)
 
     async def admit_and_place(self, life: RequestLifecycle) -> Attempts:
         await life.charge_rates(request_charges(self.services, self.caller))

@@ -51,7 +51,7 @@ def services(registry: Registry, config: CoordinatorSettings | None = None) -> S
 
 def lifecycle(svc: Services, request_id: str = "chatcmpl-sim") -> RequestLifecycle:
     """A request's lifecycle with nothing taken yet (no rate charges, no reservation)."""
-    return RequestLifecycle(svc, Caller(account_id="acct_sim", kind="api_key"), request_id)
+    return RequestLifecycle(svc, Caller(account_id="acct_sim", kind="api_key"), request_id, CHAT.path)
 
 
 async def end_as_gone(life: RequestLifecycle) -> None:

@@ -239,7 +239,7 @@ class Holder:
         """An admin enrolled the machine through another replica: the same as through this one."""
         ca = await load_ca(self.services.engine)
         if ca is not None:
-            await session_lifecycle.on_enrolled(self.services, session, certificate, ca)
+            session_lifecycle.on_enrolled(self.services, session, certificate, ca)
 
     def _local(self, session_id: str) -> ProviderSession | None:
         return self.services.registry.held(session_id)

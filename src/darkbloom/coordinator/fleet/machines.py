@@ -1,4 +1,5 @@
-"""An account's linked machines: stored records joined with live sessions; admin enrollment."""
+"""An account's linked machines: stored records (as the machine book will write them) joined with live
+sessions; admin enrollment."""
 
 from __future__ import annotations
 
@@ -19,7 +20,7 @@ from darkbloom.store import devices, machines
 
 async def linked_machines(services: Services, account_id: str) -> list[dict[str, Any]]:
     async with services.engine.connect() as conn:
-        rows = await machines.list_for(conn, account_id)
+        rows = [services.machine_book.current(row) for row in await machines.list_for(conn, account_id)]
     result = []
     for row in rows:
         live = [s for s in services.registry.for_machine(row["id"]) if s.online]
@@ -64,7 +65,7 @@ async def _close_when_idle(services: Services, session: ProviderSession) -> None
     deadline = time.monotonic() + UNLINK_DRAIN_LIMIT
     while session.inboxes and time.monotonic() < deadline:
         await asyncio.sleep(0.1)
-    await session_lifecycle.close_session(services, session)
+    session_lifecycle.close_session(services, session)
     session.close(1000)
 
 
@@ -76,7 +77,7 @@ async def enroll_machine(services: Services, machine_id: str) -> dict[str, Any]:
         row = await machines.get(conn, machine_id)
     if row is None or row["unlinked_at"] is not None:
         raise ApiError(404, "machine_not_found", "No linked machine with this id.")
-    identity_key = row["identity_key"]
+    identity_key = services.machine_book.current(row)["identity_key"]  # a session just registered: maybe unwritten
     if not identity_key:
         raise ApiError(409, "machine_not_registered",
                        f"Machine {machine_id} has never connected to this coordinator, so its identity key is "
@@ -90,5 +91,5 @@ async def enroll_machine(services: Services, machine_id: str) -> dict[str, Any]:
     async with services.engine.begin() as conn:
         await machines.set_certificate(conn, machine_id, certificate)
     for session in services.registry.for_machine(machine_id):
-        await session_lifecycle.on_enrolled(services, session, certificate, ca)
+        session_lifecycle.on_enrolled(services, session, certificate, ca)
     return {"machine_id": machine_id, "trust_level": "hardware", "certificate": certificate}

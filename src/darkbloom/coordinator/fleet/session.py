@@ -94,7 +94,7 @@ class ProviderSession:
     public_key: PublicKey | None
     link: Link
     trust_level: str = "none"
-    connected_at: float = field(default_factory=time.monotonic)
+    connected_at: float = field(default_factory=time.monotonic)  # its socket's accept (monotonic)
     last_frame_at: float = field(default_factory=time.monotonic)
     _active: int = 0                  # claimed slots; only fleet.slots changes it
     online: bool = False              # listed as routable only after registration completes

@@ -11,6 +11,9 @@ sends ``registered`` and marks it ``online``. After that ``run_trust`` challenge
 ``online`` means "connected and registered"; ``untrusted_reason`` (set by ``distrust``) means
 "failed a check, never routable again". An untrusted session stays online (docs/protocol.md "Registration
 and trust"), so every routing path must check ``untrusted_reason is None`` besides ``online``.
+
+What a session says of its machine (last seen, models, trust) is marked on the machine book
+(``fleet/machine_book.py``), which writes it in batches: nothing here waits on the database for it.
 """
 
 from __future__ import annotations
@@ -20,6 +23,8 @@ import logging
 import time
 
 from dataclasses import dataclass
+
+from prometheus_client import Histogram
 
 from darkbloom.coordinator.fleet.enrollment import EnrollmentCA, load_ca
 from darkbloom.coordinator.fleet.session import Link, ProviderSession
@@ -43,11 +48,17 @@ from darkbloom.wire.protocol import (
     TrustStatus,
     dump,
 )
-from darkbloom.store import devices, machines
+from darkbloom.store import devices
+from darkbloom.store.machines import Seen
 
 log = logging.getLogger("darkbloom.sessions")
 
 MACHINE_SEEN_EVERY = 60.0
+REGISTRATION_SECONDS = Histogram(
+    "darkbloom_registration_seconds",
+    "From a provider socket's accept to its registered frame (the first challenge included), by the trust "
+    "it registered with: none, self_signed, hardware, untrusted",
+    ["trust"], buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60))
 
 
 async def _owner_of(services: Services, auth_token: str | None) -> tuple[str, str] | None:
@@ -57,9 +68,10 @@ async def _owner_of(services: Services, auth_token: str | None) -> tuple[str, st
         return await devices.token_owner(conn, token_hash(auth_token))
 
 
-async def open_session(services: Services, registration: Register, link: Link) -> ProviderSession:
-    """Create the session, reached through ``link``; the owner comes only from the device token,
-    never from the frame."""
+async def open_session(services: Services, registration: Register, link: Link,
+                       accepted_at: float) -> ProviderSession:
+    """Create the session, reached through ``link``, whose socket was accepted at ``accepted_at``
+    (monotonic); the owner comes only from the device token, never from the frame."""
     owner = await _owner_of(services, registration.auth_token)
     try:
         public_key = public_key_from_b64(registration.public_key)
@@ -67,7 +79,7 @@ async def open_session(services: Services, registration: Register, link: Link) -
         public_key = None
     session = ProviderSession(
         id=new_id("prov_"), account_id=owner[0] if owner else None, machine_id=owner[1] if owner else None,
-        registration=registration, public_key=public_key, link=link,
+        registration=registration, public_key=public_key, link=link, connected_at=accepted_at,
         trust_level=await _registration_trust(services, registration) if public_key is not None else "none")
     session.runtime_verified = runtime_allowed(services.settings, registration.runtime_hash)
     if not session.runtime_verified:
@@ -104,7 +116,7 @@ async def run_trust(services: Services, session: ProviderSession) -> None:
     try:
         if session.untrusted_reason is None:
             await _challenge(services, session)
-        await complete_registration(services, session)
+        complete_registration(services, session)
         while session.untrusted_reason is None:
             await asyncio.sleep(services.settings.challenge_interval)
             await _challenge(services, session)
@@ -115,7 +127,7 @@ async def run_trust(services: Services, session: ProviderSession) -> None:
         session.close(1011)
 
 
-async def complete_registration(services: Services, session: ProviderSession) -> None:
+def complete_registration(services: Services, session: ProviderSession) -> None:
     """After the first challenge: list the session (online, routable if trusted) and tell the node."""
     if session.link.closing:
         return  # the socket is closing; never list it
@@ -126,25 +138,26 @@ async def complete_registration(services: Services, session: ProviderSession) ->
     if session.untrusted_reason is not None:
         session.send(dump(TrustStatus(trust_level=UNTRUSTED, reason=session.untrusted_reason)))
     session.online = True
-    await _record_machine(services, session)
+    REGISTRATION_SECONDS.labels(effective_trust(session)).observe(time.monotonic() - session.connected_at)
+    _record_machine(services, session)
     log.info("provider %s registered: account=%s machine=%s models=%s trust=%s runtime_verified=%s "
              "private_only=%s", session.id, session.account_id, session.machine_id,
              sorted(session.advertised_models), effective_trust(session), session.runtime_verified,
              session.private_only)
 
 
-async def close_session(services: Services, session: ProviderSession) -> None:
+def close_session(services: Services, session: ProviderSession) -> None:
     """Take the session out of routing and fail whatever it was serving. Idempotent."""
     if not services.registry.remove(session):
         return
     session.disconnected()
     log.info("provider %s disconnected", session.id)
-    await _record_machine(services, session)
+    _record_machine(services, session)
 
 
-async def on_heartbeat(services: Services, session: ProviderSession, frame: Heartbeat) -> None:
+def on_heartbeat(services: Services, session: ProviderSession, frame: Heartbeat) -> None:
     if time.monotonic() - session.machine_seen_at >= MACHINE_SEEN_EVERY:
-        await _record_machine(services, session)
+        _record_machine(services, session)
 
 
 @dataclass(eq=False)
@@ -201,10 +214,10 @@ def distrust(session: ProviderSession, reason: str, services: Services | None = 
     if session.online:
         session.send(dump(TrustStatus(trust_level=UNTRUSTED, reason=reason)))
         if services is not None:
-            services.spawn(_record_machine(services, session))
+            _record_machine(services, session)
 
 
-async def on_enrolled(services: Services, session: ProviderSession, certificate: str, ca: EnrollmentCA) -> None:
+def on_enrolled(services: Services, session: ProviderSession, certificate: str, ca: EnrollmentCA) -> None:
     """An admin enrolled this session's machine: hand the node its certificate (it presents it at
     later registrations) and, when the live session already proved ``self_signed`` with the
     certified key and is trusted, raise it to ``hardware`` now."""
@@ -218,22 +231,18 @@ async def on_enrolled(services: Services, session: ProviderSession, certificate:
     session.send(dump(TrustStatus(trust_level=level, reason=reason, certificate=certificate)))
     log.info("provider %s enrolled (machine %s): trust %s", session.id, session.machine_id, level)
     if session.online:
-        await _record_machine(services, session)
+        _record_machine(services, session)
 
 
-async def _record_machine(services: Services, session: ProviderSession) -> None:
+def _record_machine(services: Services, session: ProviderSession) -> None:
+    """Mark the machine with what its session says now; the machine book writes it with its next batch."""
     if session.machine_id is None:
         return
     session.machine_seen_at = time.monotonic()
-    try:
-        async with services.engine.begin() as conn:
-            await machines.record_seen(conn, session.machine_id, models=sorted(session.advertised_models),
-                                       trust_level=effective_trust(session),
-                                       private_only=session.private_only,
-                                       name=session.registration.name or None,
-                                       identity_key=session.registration.identity_key or None)
-    except Exception:  # noqa: BLE001 - bookkeeping must not break the socket
-        log.exception("could not record machine %s", session.machine_id)
+    services.machine_book.mark(session.machine_id, Seen(
+        last_seen=int(time.time()), models=sorted(session.advertised_models), trust_level=effective_trust(session),
+        private_only=session.private_only, name=session.registration.name or None,
+        identity_key=session.registration.identity_key or None))
 
 
 async def evict_silent(services: Services) -> None:
@@ -244,5 +253,5 @@ async def evict_silent(services: Services) -> None:
         deadline = time.monotonic() - settings.heartbeat_timeout
         for session in services.registry.silent_since(deadline):
             log.warning("provider %s silent for %.0f s: evicting", session.id, settings.heartbeat_timeout)
-            await close_session(services, session)
+            close_session(services, session)
             session.close(1001)

@@ -11,8 +11,10 @@ not used and settles the rest, however the request ends.
 from __future__ import annotations
 
 import secrets
+import time
 from typing import AsyncIterator, Awaitable, Callable
 
+from prometheus_client import Histogram
 from starlette.requests import Request
 from starlette.responses import JSONResponse, StreamingResponse
 
@@ -32,13 +34,22 @@ from darkbloom.wire.openai.edges import Edge
 from darkbloom.wire.openai.presenters import Presenter
 from darkbloom.wire.openai.streaming import EventStreamResponse
 
+PLACEMENT_SECONDS = Histogram(
+    "darkbloom_placement_seconds",
+    "From admission to a claimed slot (queueing included), by route mode: public, prefer, exclusive",
+    ["route"], buckets=(0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120))
+FIRST_CONTENT_SECONDS = Histogram(
+    "darkbloom_time_to_first_content_seconds",
+    "From the coordinator taking a request up to the first content of the attempt that serves it, by API path",
+    ["api"], buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60))
+
 
 async def serve(edge: Edge, request: Request, caller: Caller, services: Services,
                 read_body: Callable[[], Awaitable[bytes]]) -> StreamingResponse | JSONResponse:
     """The answer to ``request``, a call of ``edge``'s API by ``caller``; ``read_body`` gives its
     body (opened, when it came sealed). Until the answer is ready, the client going away stops the
     work (``ClientDisconnected``); the lifecycle's exit gives back what the request did not use."""
-    async with RequestLifecycle(services, caller, edge.id_prefix + secrets.token_hex(12)) as life:
+    async with RequestLifecycle(services, caller, edge.id_prefix + secrets.token_hex(12), edge.path) as life:
         request.state.request_id = life.request_id  # also on an error answer (wire.openai.handlers)
         await life.charge_rates(request_charges(services, caller))  # RPM, before the body is read
         call = parse_call(await read_body(), edge)
@@ -50,7 +61,9 @@ async def serve(edge: Edge, request: Request, caller: Caller, services: Services
             # exclusive self-route never spends: no reservation, no key spend cap (rate limits still apply)
             await life.admit(model, prompt_token_bound(call), output_bound, self_routed=policy.self_routed,
                              reserve=not policy.exclusive)
+            admitted_at = time.monotonic()
             first = await watch.until(placement.place(services, decision, policy, life.hold))
+            PLACEMENT_SECONDS.labels(policy.mode).observe(time.monotonic() - admitted_at)
             try:
                 attempt, completed = await watch.until(Attempts(life, decision, call, output_bound).run(first))
             except ProviderFailure as failure:
@@ -58,6 +71,8 @@ async def serve(edge: Edge, request: Request, caller: Caller, services: Services
                 if not failure.crashed_providers:  # a poison request is told so, whatever state the machines are in
                     error = await placement.unserved_error(services, decision, error)
                 raise error from None
+            first_content_at = attempt.first_content_at or time.monotonic()  # or it completed without content
+            FIRST_CONTENT_SECONDS.labels(edge.path).observe(first_content_at - life.started)
             headers = _routing_headers(life, attempt, policy)
             presenter = call.present(life.request_id)
             deadlines = Deadlines.from_settings(services.settings, life.started)

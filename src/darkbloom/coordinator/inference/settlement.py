@@ -26,6 +26,8 @@ import logging
 import time
 from typing import Any, Awaitable, Callable
 
+from prometheus_client import Histogram
+
 from darkbloom.coordinator.fleet.slots import Slot
 from darkbloom.coordinator.identity.caller import Caller
 from darkbloom.coordinator.inference.attempt import Attempt, UsageBounds
@@ -39,13 +41,20 @@ log = logging.getLogger("darkbloom.completions")
 SETTLE_ATTEMPTS = 4
 DECODE_SPEED_WEIGHT = 0.2
 _GONE = (asyncio.CancelledError, ClientDisconnected, GeneratorExit)
+REQUEST_SECONDS = Histogram(
+    "darkbloom_request_duration_seconds",
+    "Inference requests from the coordinator taking them up to their end (the answer or the stream's last "
+    "event, its settlement included), by API path and outcome: ok, refused (before admission), unserved "
+    "(admitted, never served), failed (after first content), client_disconnected",
+    ["api", "outcome"], buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600))
 
 
 class RequestLifecycle:
-    def __init__(self, services: Services, caller: Caller, request_id: str) -> None:
+    def __init__(self, services: Services, caller: Caller, request_id: str, api: str) -> None:
         self.services = services
         self.caller = caller
         self.request_id = request_id
+        self.api = api  # the API's path: a metric label
         self.started = time.monotonic()
         self.rate_charges: list[Charge] = []
         self.rate_headers: dict[str, str] = {}
@@ -111,29 +120,40 @@ class RequestLifecycle:
         gone = isinstance(exc, _GONE)
         if self.serving is None:
             end = self._give_back(refused=not self.admitted)
+            outcome = "client_disconnected" if gone else "unserved" if self.admitted else "refused"
         elif exc is None:
-            end = self._settle("ok", charge_partial=False)
+            end, outcome = self._settle("ok", charge_partial=False), "ok"
         elif gone:
-            end = self._settle("client_disconnected", charge_partial=True)
+            end, outcome = self._settle("client_disconnected", charge_partial=True), "client_disconnected"
         else:
             failure = self.serving.failure
-            end = self._settle(failure.reason if failure else "error", charge_partial=False)
+            end, outcome = self._settle(failure.reason if failure else "error", charge_partial=False), "failed"
         self._ended = True
         task = self.services.spawn(end)
-        if not gone:
-            await asyncio.shield(task)  # the answer waits for its bookkeeping; a vanished client cannot cut it
+        try:
+            if not gone:
+                await asyncio.shield(task)  # the answer waits for its bookkeeping; a vanished client cannot cut it
+        finally:
+            self._observe(outcome)
 
     async def finish(self, outcome: str) -> None:
         """End a served request now (before the stream's last event), shielded from the client."""
         if not self._ended:
             self._ended = True
-            await asyncio.shield(self.services.spawn(self._settle(outcome, charge_partial=False)))
+            try:
+                await asyncio.shield(self.services.spawn(self._settle(outcome, charge_partial=False)))
+            finally:
+                self._observe("ok" if outcome == "ok" else "failed")
 
     def end_unfinished(self) -> None:
         """The handed-off response ended: a stream that ended without ``finish`` lost its client."""
         if not self._ended:
             self._ended = True
             self.services.spawn(self._settle("client_disconnected", charge_partial=True))
+            self._observe("client_disconnected")
+
+    def _observe(self, outcome: str) -> None:
+        REQUEST_SECONDS.labels(self.api, outcome).observe(time.monotonic() - self.started)
 
     def _release_attempts(self, keep: Attempt | None = None) -> None:
         for attempt in self._attempts:

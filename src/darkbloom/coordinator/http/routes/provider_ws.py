@@ -64,6 +64,7 @@ class _Strikes:
 async def provider_socket(websocket: WebSocket) -> None:
     services: Services = websocket.app.state.services
     await websocket.accept()
+    accepted_at = time.monotonic()
     strikes = _Strikes(websocket)
     try:
         registration = await asyncio.wait_for(_first_register(websocket, strikes), REGISTER_TIMEOUT)
@@ -71,7 +72,7 @@ async def provider_socket(websocket: WebSocket) -> None:
         await _close_quietly(websocket, POLICY_VIOLATION)
         return
     link = SocketLink()
-    session = await session_lifecycle.open_session(services, registration, link)
+    session = await session_lifecycle.open_session(services, registration, link, accepted_at)
     strikes.session = session
     writer = asyncio.create_task(_write_frames(websocket, link))
     # The first challenge, then `registered`, then periodic challenges: beside the reader, never in its way.
@@ -86,7 +87,7 @@ async def provider_socket(websocket: WebSocket) -> None:
         pass
     finally:
         trust.cancel()
-        await session_lifecycle.close_session(services, session)
+        session_lifecycle.close_session(services, session)
         session.close(POLICY_VIOLATION if strikes.count >= MAX_BAD_FRAMES else 1000)
         try:
             await asyncio.wait_for(writer, timeout=2)
@@ -147,7 +148,7 @@ async def _read_frames(websocket: WebSocket, services: Services, session: Provid
         elif isinstance(frame, InferenceError):
             session.deliver_error(frame.request_id, frame.status_code, frame.message, frame.param, frame.code)
         elif isinstance(frame, Heartbeat):
-            await session_lifecycle.on_heartbeat(services, session, frame)
+            session_lifecycle.on_heartbeat(services, session, frame)
         elif isinstance(frame, AttestationResponse):
             session_lifecycle.on_attestation_response(services, session, frame)
         elif isinstance(frame, Register):

@@ -1,0 +1,235 @@
+"""The machine book: registrations, heartbeats, trust changes and disconnections mark machines; the
+machines table is written in batches (one statement, one transaction each), what readers see is
+right before a batch commits, a failed batch is retried, and shutdown writes what is left."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import pytest
+from sqlalchemy import event
+from sqlalchemy.ext.asyncio import AsyncEngine
+
+from darkbloom.coordinator.app import create_app
+from darkbloom.coordinator.fleet import session_lifecycle
+from darkbloom.coordinator.fleet.machines import linked_machines
+from darkbloom.coordinator.fleet.registry import Registry
+from darkbloom.coordinator.fleet.session import ProviderSession
+from darkbloom.coordinator.services import Services
+from darkbloom.store import accounts, create_engine, machines, migrate
+from darkbloom.wire.protocol import Heartbeat
+from tests.coordinator.routing.sim import SimProvider, settings
+
+
+@pytest.fixture
+async def engine(database_url: str) -> AsyncIterator[AsyncEngine]:
+    engine = create_engine(database_url)
+    await migrate(engine)
+    try:
+        yield engine
+    finally:
+        await engine.dispose()
+
+
+def services_on(engine: AsyncEngine, **fields: Any) -> Services:
+    return Services(settings=settings(database_url=str(engine.url), **fields), engine=engine, registry=Registry(),
+                    rate_limiter=None)  # type: ignore[arg-type]
+
+
+async def linked(engine: AsyncEngine, count: int, email: str = "owner@example.com") -> tuple[str, list[str]]:
+    """An account with ``count`` linked machines (as the device flow leaves them: never seen)."""
+    async with engine.begin() as conn:
+        account_id = await accounts.create_account(conn, email, "h")
+        return account_id, [await machines.create(conn, account_id, name="new machine") for _ in range(count)]
+
+
+def session_of(account_id: str, machine_id: str, name: str = "") -> ProviderSession:
+    """A trusted session of the machine, not yet registered (what ``open_session`` returns)."""
+    session = SimProvider(account=account_id, machine=machine_id, online=False).session
+    session.registration = session.registration.model_copy(update={"name": name})
+    return session
+
+
+async def row(engine: AsyncEngine, machine_id: str) -> dict[str, Any]:
+    async with engine.connect() as conn:
+        found = await machines.get(conn, machine_id)
+    assert found is not None
+    return found
+
+
+@dataclass
+class Counted:
+    """Every statement the engine sends and every transaction it begins."""
+
+    statements: list[str] = field(default_factory=list)
+    transactions: int = 0
+
+
+def count(engine: AsyncEngine) -> tuple[Counted, Callable[[], None]]:
+    counted = Counted()
+
+    def on_statement(_conn: Any, _cursor: Any, statement: str, *_: Any) -> None:
+        counted.statements.append(statement)
+
+    def on_begin(_conn: Any) -> None:
+        counted.transactions += 1
+
+    event.listen(engine.sync_engine, "before_cursor_execute", on_statement)
+    event.listen(engine.sync_engine, "begin", on_begin)
+
+    def stop() -> None:
+        event.remove(engine.sync_engine, "before_cursor_execute", on_statement)
+        event.remove(engine.sync_engine, "begin", on_begin)
+
+    return counted, stop
+
+
+async def fleet_bookkeeping(engine: AsyncEngine, size: int) -> tuple[Counted, int, int]:
+    """``size`` sessions register, heartbeat three times (each heartbeat due to mark, as a minute
+    apart), one in two is distrusted, all disconnect; the book is flushed after each phase. Returns
+    what the database was sent, the flushes and the rows they wrote."""
+    services = services_on(engine)
+    account_id, machine_ids = await linked(engine, size, email=f"fleet-{size}@example.com")
+    sessions = [session_of(account_id, machine_id) for machine_id in machine_ids]
+    counted, stop = count(engine)
+    try:
+        for session in sessions:
+            session_lifecycle.complete_registration(services, session)
+        assert counted.statements == [], "registration wrote to the database itself"
+        await services.machine_book.flush()
+        for _ in range(3):
+            for session in sessions:
+                session.machine_seen_at -= session_lifecycle.MACHINE_SEEN_EVERY
+                session_lifecycle.on_heartbeat(services, session, Heartbeat())
+            await services.machine_book.flush()
+        for session in sessions[::2]:
+            session_lifecycle.distrust(session, "a test said so", services)
+        for session in sessions:
+            session_lifecycle.close_session(services, session)
+        await services.machine_book.flush()
+    finally:
+        stop()
+    return counted, services.machine_book.flushes, services.machine_book.rows
+
+
+async def test_database_work_follows_the_flushes_not_the_fleet(engine: AsyncEngine) -> None:
+    small, small_flushes, small_rows = await fleet_bookkeeping(engine, 10)
+    large, large_flushes, large_rows = await fleet_bookkeeping(engine, 200)
+    assert small_flushes == large_flushes == 5  # registration, three heartbeat rounds, the disconnections
+    assert len(small.statements) == len(large.statements) == small_flushes
+    assert small.transactions == large.transactions == small_flushes
+    assert all(s.lstrip().upper().startswith("UPDATE MACHINES") for s in small.statements + large.statements)
+    assert (small_rows, large_rows) == (5 * 10, 5 * 200)  # every machine in every batch, one statement each
+
+
+async def test_rows_are_what_the_sessions_said_right_after_a_flush(engine: AsyncEngine) -> None:
+    services = services_on(engine)
+    account_id, [kept, distrusted] = await linked(engine, 2)
+    first, second = session_of(account_id, kept, name="desk"), session_of(account_id, distrusted)
+    for session in (first, second):
+        session_lifecycle.complete_registration(services, session)
+    assert (await row(engine, kept))["last_seen"] is None  # marked, not written yet
+    await services.machine_book.flush()
+    stored = await row(engine, kept)
+    assert (stored["name"], stored["models"], stored["trust_level"], stored["private_only"],
+            stored["identity_key"]) == ("desk", sorted(first.advertised_models), "self_signed", False,
+                                        first.registration.identity_key)
+    registered_at = stored["last_seen"]
+    assert registered_at is not None
+
+    session_lifecycle.distrust(second, "a test said so", services)
+    session_lifecycle.close_session(services, first)
+    await services.machine_book.flush()
+    assert (await row(engine, distrusted))["trust_level"] == "untrusted"
+    stored = await row(engine, kept)
+    assert (stored["name"], stored["trust_level"]) == ("desk", "self_signed")
+    assert stored["last_seen"] >= registered_at
+    assert services.machine_book.pending(kept) is None and services.machine_book.pending(distrusted) is None
+
+
+async def test_listings_show_what_is_marked_before_it_is_written(engine: AsyncEngine) -> None:
+    services = services_on(engine)
+    account_id, [machine_id] = await linked(engine, 1)
+    session = session_of(account_id, machine_id, name="desk")
+    session_lifecycle.complete_registration(services, session)
+    [listed] = await linked_machines(services, account_id)
+    assert (listed["online"], listed["session_id"], listed["name"], listed["trust_level"]) == \
+        (True, session.id, "desk", "self_signed")
+    assert listed["last_seen"] is not None
+
+    session_lifecycle.distrust(session, "a test said so", services)
+    session_lifecycle.close_session(services, session)
+    [listed] = await linked_machines(services, account_id)
+    assert (listed["online"], listed["name"], listed["trust_level"], listed["models"]) == \
+        (False, "desk", "untrusted", sorted(session.advertised_models))
+    assert (await row(engine, machine_id))["last_seen"] is None  # all of it from the book so far
+
+
+async def test_the_flusher_writes_every_mark_of_a_round_in_one_batch(engine: AsyncEngine) -> None:
+    services = services_on(engine, machine_flush_interval=0.01)
+    account_id, machine_ids = await linked(engine, 20)
+    book = services.machine_book
+    book.start()
+    try:
+        for machine_id in machine_ids:
+            session_lifecycle.complete_registration(services, session_of(account_id, machine_id))
+        while any(book.pending(m) for m in machine_ids):
+            await asyncio.sleep(0.01)
+    finally:
+        await book.close()
+    assert (book.flushes, book.rows) == (1, 20)
+    assert all([(await row(engine, m))["last_seen"] is not None for m in machine_ids])
+
+
+async def test_a_failed_batch_is_retried_and_a_newer_mark_wins(engine: AsyncEngine, monkeypatch: pytest.MonkeyPatch,
+                                                               caplog: pytest.LogCaptureFixture) -> None:
+    services = services_on(engine, machine_flush_interval=0.01)
+    account_id, [machine_id] = await linked(engine, 1)
+    write = machines.record_seen
+    failures = 2
+
+    async def failing(conn: Any, seen: Any) -> None:
+        nonlocal failures
+        if failures:
+            failures -= 1
+            raise ConnectionError("database gone")
+        await write(conn, seen)
+
+    monkeypatch.setattr(machines, "record_seen", failing)
+    book = services.machine_book
+    session = session_of(account_id, machine_id)
+    session_lifecycle.complete_registration(services, session)
+    with pytest.raises(ConnectionError):
+        await book.flush()
+    assert book.pending(machine_id) is not None and book.flushes == 0  # kept for the next round
+
+    session_lifecycle.distrust(session, "a test said so", services)  # newer than the failed batch
+    caplog.set_level(logging.WARNING, "darkbloom.machines")
+    book.start()
+    try:
+        while book.pending(machine_id) is not None:
+            await asyncio.sleep(0.01)
+    finally:
+        await book.close()
+    assert failures == 0 and book.flushes == 1
+    assert "could not record 1 machines" in caplog.text and "database gone" in caplog.text
+    assert (await row(engine, machine_id))["trust_level"] == "untrusted"
+
+
+async def test_shutdown_writes_what_is_still_marked(database_url: str, engine: AsyncEngine) -> None:
+    account_id, [machine_id] = await linked(engine, 1)
+    app = create_app(settings(database_url=database_url, machine_flush_interval=3600.0))
+    async with app.router.lifespan_context(app):
+        services: Services = app.state.services
+        session = session_of(account_id, machine_id, name="desk")
+        session_lifecycle.complete_registration(services, session)
+        session_lifecycle.distrust(session, "a test said so", services)
+        assert services.registry.get(session.id) is session
+        assert (await row(engine, machine_id))["last_seen"] is None  # an hour to the first batch
+    assert services.registry.get(session.id) is None  # the lifespan closed it
+    stored = await row(engine, machine_id)
+    assert (stored["name"], stored["trust_level"]) == ("desk", "untrusted") and stored["last_seen"] is not None
