@@ -572,9 +572,18 @@ def main() -> None:
     parser.add_argument("--nats-url", default="nats://127.0.0.1:4222")
     parser.add_argument("--project", default="100000,10", help="N,k to project the fitted laws to")
     parser.add_argument("--json", type=Path, default=None, help="also write every cell's figures here ('-': stdout)")
+    parser.add_argument("--report", type=Path, nargs="+", default=None, metavar="JSON",
+                        help="run nothing: print the tables and laws of the cells in these --json files, together")
     parser.add_argument("--quick", action="store_true",
                         help="a smoke run: N=100, k=1, 10 s idle, few probes (unless given explicitly)")
     args = parser.parse_args()
+    pn, pk = (int(x) for x in args.project.split(","))
+    if args.report:
+        runs = [json.loads(path.read_text()) for path in args.report]
+        print("\n".join(run["header"] for run in runs))
+        cells = [cell for run in runs for cell in run["cells"]]
+        print(f"\n{tables(cells)}\n\n{report_laws(cells, pn, pk)}")
+        return
     given = set(a.split("=")[0] for a in sys.argv[1:])
     if args.quick:
         for flag, value in (("--sizes", "100"), ("--idle-seconds", 10.0), ("--models-requests", 20),
@@ -606,7 +615,6 @@ def main() -> None:
         log("interrupted: every process of this run is stopped")
     finally:
         print(f"\n{tables(cells)}\n", flush=True)
-        pn, pk = (int(x) for x in args.project.split(","))
         print(report_laws(cells, pn, pk), flush=True)
         print(f"\n1-min load {os.getloadavg()[0]:.2f} after; {time.monotonic() - started:.0f} s in all", flush=True)
         if args.json is not None:
