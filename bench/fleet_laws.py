@@ -1,0 +1,124 @@
+"""Cost laws fitted to bench/fleet_scale.py's cells, and what they project for a bigger fleet.
+
+Each law is an ordinary least-squares fit over the cells that measured it: per-replica idle CPU as
+α·(N/k) + β·N + γ (what a replica pays for its own sessions, for every session of the fleet, and
+for nothing), and, on one replica, CPU per registration, RSS per session, the listing's p50 and the
+storm's length against N.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+
+@dataclass(frozen=True)
+class Law:
+    """y ≈ Σ coefficient·term + constant, with the terms' names (for printing)."""
+
+    what: str
+    unit: str
+    terms: tuple[str, ...]
+    coefficients: tuple[float, ...]
+    constant: float
+    points: int
+
+    def at(self, **values: float) -> float:
+        return sum(c * values[t] for t, c in zip(self.terms, self.coefficients)) + self.constant
+
+    def text(self, scale: dict[str, tuple[float, str]] | None = None) -> str:
+        """``scale`` maps a term to (factor, how to name it): e.g. {"N": (1e3, "per 1,000 sessions")}."""
+        scale = scale or {}
+        parts = []
+        for term, c in zip(self.terms, self.coefficients):
+            factor, name = scale.get(term, (1.0, f"× {term}"))
+            parts.append(f"{_number(c * factor)} {self.unit} {name}")
+        parts.append(f"{_number(self.constant)} {self.unit}")
+        return f"{self.what} ≈ " + " + ".join(parts) + f"  ({self.points} points)"
+
+
+def _number(x: float) -> str:
+    if x == 0 or math.isnan(x):
+        return f"{x:g}"
+    digits = max(0, 2 - int(math.floor(math.log10(abs(x)))))
+    return f"{x:,.{digits}f}"
+
+
+def fit(what: str, unit: str, rows: list[tuple[dict[str, float], float]], terms: tuple[str, ...]) -> Law | None:
+    """Least squares of y on ``terms`` plus a constant; None when the points cannot pin them down."""
+    rows = [(x, y) for x, y in rows if not math.isnan(y)]
+    if len(rows) < len(terms) + 1:
+        return None
+    a = np.array([[x[t] for t in terms] + [1.0] for x, _ in rows])
+    if np.linalg.matrix_rank(a) < len(terms) + 1:
+        return None
+    solution, *_ = np.linalg.lstsq(a, np.array([y for _, y in rows]), rcond=None)
+    return Law(what, unit, terms, tuple(float(c) for c in solution[:-1]), float(solution[-1]), len(rows))
+
+
+def laws(cells: list[dict[str, Any]]) -> dict[str, Law]:
+    """Every law the cells pin down, by name."""
+    found: dict[str, Law | None] = {}
+    replica_idle = [({"N/k": c["n"] / c["k"], "N": c["n"]}, per_replica)
+                    for c in cells for per_replica in c["idle_cpu_percent"]]
+    # µs of CPU per second = % of a core × 10,000
+    found["idle"] = fit("idle CPU per replica", "µs/s", [(x, y * 1e4) for x, y in replica_idle], ("N/k", "N"))
+    if found["idle"] is None:
+        found["idle"] = fit("idle CPU per replica", "µs/s", [(x, y * 1e4) for x, y in replica_idle], ("N/k",))
+    one = [c for c in cells if c["k"] == 1]
+    found["registration"] = fit("CPU per registration", "ms",
+                                [({"N": c["n"]}, c["cpu_per_registration_ms"]) for c in one], ("N",))
+    found["rss"] = fit("RSS per session", "kB", [({"N": c["n"]}, c["rss_per_session_kb"]) for c in one], ("N",))
+    found["models"] = fit("GET /v1/models p50", "ms", [({"N": c["n"]}, c["models_p50_ms"]) for c in one], ("N",))
+    found["storm"] = fit("all N re-registered after a restart", "s",
+                         [({"N": c["n"]}, c["storm"]["all_registered_s"]) for c in one
+                          if c.get("storm") and c["storm"].get("all_registered_s") is not None], ("N",))
+    return {name: law for name, law in found.items() if law is not None}
+
+
+def announcement_bytes_per_session(cells: list[dict[str, Any]]) -> float | None:
+    """Bytes each session adds to its replica's once-a-second announcement, from the cells whose
+    announcements reached NATS (published fleet bytes per second ÷ sessions)."""
+    seen = [c["nats"]["fleet_bytes_per_s"] / c["n"] for c in cells
+            if c["k"] > 1 and c.get("nats") and c["nats"]["fleet_bytes_per_s"] > 0]
+    return float(np.median(seen)) if seen else None
+
+
+def projection(cells: list[dict[str, Any]], n: int, k: int) -> list[str]:
+    """What the fitted laws say of ``n`` machines on ``k`` replicas, one line each."""
+    found = laws(cells)
+    lines = [f"Projection to {n:,} machines on {k} replicas ({n // k:,} sessions per replica):"]
+    idle = found.get("idle")
+    if idle is not None:
+        per_replica = idle.at(**{"N/k": n / k, "N": n})
+        lines.append(f"- idle CPU per replica ≈ {per_replica / 1e6:.2f} cores ({idle.text()})")
+        if "N" in idle.terms:
+            beta = idle.coefficients[idle.terms.index("N")]
+            alpha = idle.coefficients[idle.terms.index("N/k")]
+            if beta > 0:
+                lines.append(f"- the fleet-wide term alone fills a core at N ≈ {1e6 / beta:,.0f} whatever k "
+                             f"(β = {beta:.1f} µs/s per session of the fleet; α = {alpha:.1f} per session held)")
+    if (rss := found.get("rss")) is not None:
+        lines.append(f"- RSS per replica ≈ {rss.at(N=n / k) * (n / k) / 1e6:.2f} GB for its own sessions "
+                     f"({rss.at(N=n / k):.0f} kB each)")
+    if (reg := found.get("registration")) is not None:
+        per = reg.at(N=n / k)
+        lines.append(f"- a storm of {n // k:,} registrations per replica needs ≥ {per * n / k / 1e3:,.0f} s "
+                     f"of CPU each ({per:.1f} ms per registration at N/k)")
+    if (storm := found.get("storm")) is not None:
+        lines.append(f"- all re-registered after a restart, one replica of {n // k:,}: ≈ {storm.at(N=n / k):,.0f} s "
+                     f"(k = 1 law)")
+    if (models := found.get("models")) is not None:
+        lines.append(f"- GET /v1/models p50 at N = {n:,} (every replica lists the whole fleet): "
+                     f"≈ {models.at(N=n):,.0f} ms")
+    per_session = announcement_bytes_per_session(cells)
+    if per_session is not None:
+        size = per_session * n / k
+        lines.append(f"- one replica's announcement ≈ {size / 1e6:.1f} MB ({per_session:,.0f} B per session; "
+                     f"NATS default max_payload is 1 MiB: over it past {2**20 / per_session:,.0f} sessions "
+                     f"per replica); published {per_session * n / 1e6:,.0f} MB/s, delivered to k subscribers "
+                     f"≈ {per_session * n * k / 1e9:.2f} GB/s")
+    return lines
