@@ -58,7 +58,7 @@ import httpx
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from bench.fleet_laws import laws, projection  # noqa: E402
+from bench.fleet_laws import heard_each_other, laws, projection  # noqa: E402
 from bench.fleet_probes import (Latencies, NatsCounter, PostgresBackends, counter_sum, cpu_seconds,  # noqa: E402
                                 gauge, percentile, rss_bytes, sequential)
 from bench.fleet_sessions import SessionSpec, worker_main  # noqa: E402
@@ -96,12 +96,14 @@ def fresh_database() -> Iterator[tuple[str, str]]:
         asyncio.run(admin(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)'))
 
 
-def seed_machines(database: str, owners: list[Account], count: int) -> list[str]:
-    """``count`` linked machines with a device token each (what `darkbloom login` leaves), owned round
-    robin by ``owners``, written straight into the database; returns the tokens."""
+def seed_machines(database: str, owners: list[Account], count: int, k: int) -> list[str]:
+    """``count`` linked machines with a device token each (what `darkbloom login` leaves), written
+    straight into the database; returns the tokens. Session n dials replica n % k, so machine n is
+    owned by ``owners[(n // k) % len(owners)]``: every owner has machines on every replica."""
     tokens = ["dkp-" + secrets.token_urlsafe(32) for _ in range(count)]
     now = int(time.time())
-    machines = [(f"mach_fleet{n:06d}", owners[n % len(owners)].account_id, f"fleet-{n}", now) for n in range(count)]
+    machines = [(f"mach_fleet{n:06d}", owners[(n // k) % len(owners)].account_id, f"fleet-{n}", now)
+                for n in range(count)]
 
     async def insert() -> None:
         conn = await asyncpg.connect(f"postgresql://postgres@127.0.0.1:5432/{database}")
@@ -298,7 +300,7 @@ def run_cell(root: Path, k: int, n: int, opts: Options) -> dict[str, Any]:
         try:
             owners = [create_account(replicas.coords[0]) for _ in range(max(1, opts.owners))]
             consumer = create_account(replicas.coords[0], credit_micro_usd=10**12)
-            tokens = seed_machines(database, owners, n)
+            tokens = seed_machines(database, owners, n, k)
             processes = client_processes(n, opts.clients)
             cell["client_processes"] = processes
             fleet = Fleet(specs_for(replicas.coords, tokens, opts.answerers), processes, k)
@@ -372,7 +374,8 @@ def idle(cell: dict[str, Any], replicas: Replicas, fleet: Fleet, postgres: Postg
                            "others_hold": n - held[i],
                            "replicas_heard": gauge(c.base_url, "darkbloom_fabric_replicas"),
                            "dropped": counter_sum(c.base_url, "darkbloom_fabric_dropped_total"),
-                           "owner_online": online(c, owner), "owner_machines": len(range(0, n, opts.owners))}
+                           "owner_online": online(c, owner),
+                           "owner_machines": sum(1 for m in range(n) if (m // len(held)) % opts.owners == 0)}
                           for i, c in enumerate(replicas.coords)]
     # the ramp's CPU less the idle cost of the sessions already connected (on average half of them)
     ramp_cpu = cell["cpu_per_registration_ms"] * cell["ramp"]["registered"] / 1e3
@@ -542,7 +545,12 @@ def report_laws(cells: list[dict[str, Any]], n: int, k: int) -> str:
     lines = ["Fitted laws (least squares over the cells above):"]
     for law in found.values():
         lines.append("- " + law.text({"N": (1e3, "per 1,000 sessions of the fleet"),
-                                      "N/k": (1e3, "per 1,000 sessions held")}))
+                                      "N/k": (1e3, "per 1,000 sessions held"),
+                                      "N/k announced": (1e3, "per 1,000 sessions held and announced (k > 1)"),
+                                      "N heard": (1e3, "per 1,000 sessions of the fleet heard (k > 1)")}))
+    left_out = [f"k={c['k']} N={c['n']:,}" for c in done if not heard_each_other(c)]
+    if left_out:
+        lines.append(f"  ({', '.join(left_out)}: its replicas did not hear each other; fitted with nothing heard)")
     return "\n".join(lines + [""] + projection(done, n, k))
 
 
