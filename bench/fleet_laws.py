@@ -86,6 +86,8 @@ def laws(cells: list[dict[str, Any]]) -> dict[str, Law]:
     one = [c for c in cells if c["k"] == 1]
     found["registration"] = fit("CPU per registration", "ms",
                                 [({"N": c["n"]}, c["cpu_per_registration_ms"]) for c in one], ("N",))
+    found["registration_net"] = fit("CPU per registration, net of idle", "ms",
+                                    [({"N": c["n"]}, c["cpu_per_registration_net_ms"]) for c in one], ("N",))
     found["rss"] = fit("RSS per session", "kB", [({"N": c["n"]}, c["rss_per_session_kb"]) for c in one], ("N",))
     found["models"] = fit("GET /v1/models p50", "ms", [({"N": c["n"]}, c["models_p50_ms"]) for c in one], ("N",))
     found["storm"] = fit("all N re-registered after a restart", "s",
@@ -115,13 +117,16 @@ def projection(cells: list[dict[str, Any]], n: int, k: int) -> list[str]:
             if beta > 0:
                 lines.append(f"- hearing the fleet alone fills a replica's core at N ≈ {1e6 / beta:,.0f}, "
                              f"whatever k (β = {beta:.1f} µs/s per session of the fleet)")
+            per_session = idle.at(**idle_terms(1, k)) - idle.constant  # µs/s per machine of the fleet, on k
+            lines.append(f"- one event loop per replica (a core at most) idles full at N ≈ "
+                         f"{(1e6 - idle.constant) / per_session:,.0f} on {k} replicas")
     one = [c for c in cells if c["k"] == 1]
     if one:
         largest = max(one, key=lambda c: c["n"])  # per-session RSS is flat; small N is all fixed overhead
         per = largest["rss_per_session_kb"]
         lines.append(f"- RSS per replica ≈ {per * n / k / 1e6:.2f} GB for its own sessions ({per:.0f} kB each, "
                      f"as at N = {largest['n']:,})")
-    if (reg := found.get("registration")) is not None:
+    if (reg := found.get("registration_net") or found.get("registration")) is not None:
         per = reg.at(N=n / k)
         lines.append(f"- a storm of {n // k:,} registrations per replica needs ≥ {per * n / k / 1e3:,.0f} s "
                      f"of CPU each ({per:.1f} ms per registration at N/k)")
@@ -136,6 +141,7 @@ def projection(cells: list[dict[str, Any]], n: int, k: int) -> list[str]:
         size = per_session * n / k
         lines.append(f"- one replica's announcement ≈ {size / 1e6:.1f} MB ({per_session:,.0f} B per session; "
                      f"NATS default max_payload is 1 MiB: over it past {2**20 / per_session:,.0f} sessions "
-                     f"per replica); published {per_session * n / 1e6:,.0f} MB/s, delivered to k subscribers "
+                     f"per replica, N ≈ {k * 2**20 / per_session:,.0f} on {k}); published "
+                     f"{per_session * n / 1e6:,.0f} MB/s, delivered to k subscribers "
                      f"≈ {per_session * n * k / 1e9:.2f} GB/s")
     return lines

@@ -281,8 +281,10 @@ def specs_for(coords: list[Coordinator], tokens: list[str], answerers: int) -> l
             for i, token in enumerate(tokens)]
 
 
-def run_cell(root: Path, k: int, n: int, opts: Options) -> dict[str, Any]:
-    cell: dict[str, Any] = {"k": k, "n": n}
+def run_cell(root: Path, k: int, n: int, opts: Options, cell: dict[str, Any]) -> None:
+    """Measure N sessions on k replicas into ``cell`` (which keeps what was measured if interrupted)."""
+    cell.update({"k": k, "n": n, "load_before": os.getloadavg()[0],
+                 "run": f"ramp paced at {opts.ramp_rate:g}/s" if opts.ramp_rate else None})
     catalog = root / "catalog.json"
     catalog.write_text(json.dumps({"models": [{"id": m, "input_price": 1, "output_price": 1}
                                               for m in (IDLE_MODEL, ANSWER_MODEL)]}))
@@ -309,17 +311,17 @@ def run_cell(root: Path, k: int, n: int, opts: Options) -> dict[str, Any]:
             ramp(cell, replicas, fleet, postgres, n, opts)
             if not cell["ramp"]["complete"]:
                 log(f"[k={k} N={n:,}] the ramp did not complete; skipping the rest of this cell")
-                return cell
+                return
             idle(cell, replicas, fleet, postgres, counter, owners[0], n, opts)
             probes(cell, replicas, consumer, opts)
             if opts.storm != "none":
                 storm(cell, replicas, fleet, n, opts)
         finally:
             # the coordinators first, with every session still connected: how long the last exit takes
+            cell["load_after"] = os.getloadavg()[0]
             cell["final_exit_s"] = replicas.stop(opts.exit_timeout)
             if fleet is not None:
                 fleet.stop()
-    return cell
 
 
 def ramp(cell: dict[str, Any], replicas: Replicas, fleet: Fleet, postgres: PostgresBackends, n: int,
@@ -478,6 +480,7 @@ def _failures(failures: dict[str, int]) -> str:
 
 
 def tables(cells: list[dict[str, Any]]) -> str:
+    cells = [c for c in cells if "ramp" in c]
     done = [c for c in cells if "idle_cpu_percent" in c]
     lines = ["| k | sessions | ramp | coordinator CPU per registration | idle CPU per replica (% of a core) "
              "| idle CPU per session | RSS per session | `GET /v1/models` p50 | public p50 / p99 "
@@ -486,13 +489,14 @@ def tables(cells: list[dict[str, Any]]) -> str:
     for c in cells:
         if c not in done:
             r = c.get("ramp", {})
-            lines.append(f"| {c['k']} | {c['n']:,} | **{r.get('registered', 0):,} registered in "
-                         f"{r.get('seconds', 0):.0f} s, gave up** ({_failures(r.get('failures', {}))}) |" + " |" * 9)
+            how = "interrupted" if c.get("interrupted") else "gave up"
+            lines.append(f"| {c['k']} | {_size(c)} | **{r.get('registered', 0):,} registered in "
+                         f"{r.get('seconds', 0):.0f} s, {how}** ({_failures(r.get('failures', {}))}) |" + " |" * 9)
             continue
         ramp_text = f"{c['ramp']['seconds']:.1f} s ({c['n'] / c['ramp']['seconds']:,.0f}/s)"
         s = c.get("storm") or {}
         exits = " / ".join("killed" if e is None else f"{e:.1f} s" for e in s.get("exit_s", [])) or "–"
-        lines.append(f"| {c['k']} | {c['n']:,} | {ramp_text} | {c['cpu_per_registration_ms']:.2f} ms "
+        lines.append(f"| {c['k']} | {_size(c)} | {ramp_text} | {c['cpu_per_registration_ms']:.2f} ms "
                      f"| {_pct(c['idle_cpu_percent'])} | {c['idle_us_per_session_s']:.1f} µs/s "
                      f"| {c['rss_per_session_kb']:.0f} kB | {_ms(c['models_p50_ms'])} "
                      f"| {_ms(c['chat']['p50_ms'])} / {_ms(c['chat']['p99_ms'])} | {_storm_cell(c)} "
@@ -533,6 +537,10 @@ def tables(cells: list[dict[str, Any]]) -> str:
                          f"| {' / '.join(_ms(h) for h in c['health_p99_ms'])} "
                          f"| {dropped} |")
     return "\n".join(lines)
+
+
+def _size(cell: dict[str, Any]) -> str:
+    return f"{cell['n']:,}" + (f" ({cell['run']})" if cell.get("run") else "")
 
 
 def _num(x: float | None) -> str:
@@ -618,8 +626,11 @@ def main() -> None:
     try:
         for k in ks:
             for n in sizes:
-                cells.append(run_cell(root, k, n, opts))
+                cells.append({})
+                run_cell(root, k, n, opts, cells[-1])
     except KeyboardInterrupt:
+        if cells:
+            cells[-1]["interrupted"] = True
         log("interrupted: every process of this run is stopped")
     finally:
         print(f"\n{tables(cells)}\n", flush=True)
