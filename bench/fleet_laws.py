@@ -1,9 +1,11 @@
 """Cost laws fitted to bench/fleet_scale.py's cells, and what they project for a bigger fleet.
 
-Each law is an ordinary least-squares fit over the cells that measured it: per-replica idle CPU as
-α·(N/k) + β·N + γ (what a replica pays for its own sessions, for every session of the fleet, and
-for nothing), and, on one replica, CPU per registration, RSS per session, the listing's p50 and the
-storm's length against N.
+Each law is an ordinary least-squares fit over the cells that measured it. Per-replica idle CPU is
+α·(N/k) + α′·(N/k)·[k>1] + β·N·[k>1] + γ: what a replica pays for each session it holds (heartbeats,
+pings, bookkeeping), for announcing each of them over NATS, for hearing each session of the fleet
+announced (its own come back too), and for nothing; a cell whose replicas did not hear each other
+(announcements over the bus's payload limit, never published) heard nothing: its β term is 0. On one
+replica: CPU per registration, RSS per session, the listing's p50 and the storm's length against N.
 """
 
 from __future__ import annotations
@@ -59,18 +61,33 @@ def fit(what: str, unit: str, rows: list[tuple[dict[str, float], float]], terms:
     return Law(what, unit, terms, tuple(float(c) for c in solution[:-1]), float(solution[-1]), len(rows))
 
 
+IDLE_TERMS = ("N/k", "N/k announced", "N heard")
+
+
+def idle_terms(n: float, k: int, heard: bool = True) -> dict[str, float]:
+    fabric = 1.0 if k > 1 else 0.0
+    return {"N/k": n / k, "N/k announced": fabric * n / k, "N heard": fabric * n if heard else 0.0}
+
+
+def heard_each_other(cell: dict[str, Any]) -> bool:
+    """k = 1, or every replica saw every session the others hold."""
+    return cell["k"] == 1 or all(f["sees_of_others"] is not None and f["sees_of_others"] >= f["others_hold"]
+                                 for f in cell.get("fabric", []))
+
+
 def laws(cells: list[dict[str, Any]]) -> dict[str, Law]:
     """Every law the cells pin down, by name."""
     found: dict[str, Law | None] = {}
-    replica_idle = [({"N/k": c["n"] / c["k"], "N": c["n"]}, per_replica)
-                    for c in cells for per_replica in c["idle_cpu_percent"]]
     # µs of CPU per second = % of a core × 10,000
-    found["idle"] = fit("idle CPU per replica", "µs/s", [(x, y * 1e4) for x, y in replica_idle], ("N/k", "N"))
-    if found["idle"] is None:
-        found["idle"] = fit("idle CPU per replica", "µs/s", [(x, y * 1e4) for x, y in replica_idle], ("N/k",))
+    replica_idle = [(idle_terms(c["n"], c["k"], heard_each_other(c)), per_replica * 1e4)
+                    for c in cells for per_replica in c["idle_cpu_percent"]]
+    found["idle"] = fit("idle CPU per replica", "µs/s", replica_idle, IDLE_TERMS) or \
+        fit("idle CPU per replica", "µs/s", replica_idle, IDLE_TERMS[:1])
     one = [c for c in cells if c["k"] == 1]
     found["registration"] = fit("CPU per registration", "ms",
                                 [({"N": c["n"]}, c["cpu_per_registration_ms"]) for c in one], ("N",))
+    found["registration_net"] = fit("CPU per registration, net of idle", "ms",
+                                    [({"N": c["n"]}, c["cpu_per_registration_net_ms"]) for c in one], ("N",))
     found["rss"] = fit("RSS per session", "kB", [({"N": c["n"]}, c["rss_per_session_kb"]) for c in one], ("N",))
     found["models"] = fit("GET /v1/models p50", "ms", [({"N": c["n"]}, c["models_p50_ms"]) for c in one], ("N",))
     found["storm"] = fit("all N re-registered after a restart", "s",
@@ -93,18 +110,23 @@ def projection(cells: list[dict[str, Any]], n: int, k: int) -> list[str]:
     lines = [f"Projection to {n:,} machines on {k} replicas ({n // k:,} sessions per replica):"]
     idle = found.get("idle")
     if idle is not None:
-        per_replica = idle.at(**{"N/k": n / k, "N": n})
-        lines.append(f"- idle CPU per replica ≈ {per_replica / 1e6:.2f} cores ({idle.text()})")
-        if "N" in idle.terms:
-            beta = idle.coefficients[idle.terms.index("N")]
-            alpha = idle.coefficients[idle.terms.index("N/k")]
+        per_replica = idle.at(**idle_terms(n, k))
+        lines.append(f"- idle CPU per replica ≈ {per_replica / 1e6:.2f} cores")
+        if "N heard" in idle.terms:
+            beta = idle.coefficients[idle.terms.index("N heard")]
             if beta > 0:
-                lines.append(f"- the fleet-wide term alone fills a core at N ≈ {1e6 / beta:,.0f} whatever k "
-                             f"(β = {beta:.1f} µs/s per session of the fleet; α = {alpha:.1f} per session held)")
-    if (rss := found.get("rss")) is not None:
-        lines.append(f"- RSS per replica ≈ {rss.at(N=n / k) * (n / k) / 1e6:.2f} GB for its own sessions "
-                     f"({rss.at(N=n / k):.0f} kB each)")
-    if (reg := found.get("registration")) is not None:
+                lines.append(f"- hearing the fleet alone fills a replica's core at N ≈ {1e6 / beta:,.0f}, "
+                             f"whatever k (β = {beta:.1f} µs/s per session of the fleet)")
+            per_session = idle.at(**idle_terms(1, k)) - idle.constant  # µs/s per machine of the fleet, on k
+            lines.append(f"- one event loop per replica (a core at most) idles full at N ≈ "
+                         f"{(1e6 - idle.constant) / per_session:,.0f} on {k} replicas")
+    one = [c for c in cells if c["k"] == 1]
+    if one:
+        largest = max(one, key=lambda c: c["n"])  # per-session RSS is flat; small N is all fixed overhead
+        per = largest["rss_per_session_kb"]
+        lines.append(f"- RSS per replica ≈ {per * n / k / 1e6:.2f} GB for its own sessions ({per:.0f} kB each, "
+                     f"as at N = {largest['n']:,})")
+    if (reg := found.get("registration_net") or found.get("registration")) is not None:
         per = reg.at(N=n / k)
         lines.append(f"- a storm of {n // k:,} registrations per replica needs ≥ {per * n / k / 1e3:,.0f} s "
                      f"of CPU each ({per:.1f} ms per registration at N/k)")
@@ -119,6 +141,7 @@ def projection(cells: list[dict[str, Any]], n: int, k: int) -> list[str]:
         size = per_session * n / k
         lines.append(f"- one replica's announcement ≈ {size / 1e6:.1f} MB ({per_session:,.0f} B per session; "
                      f"NATS default max_payload is 1 MiB: over it past {2**20 / per_session:,.0f} sessions "
-                     f"per replica); published {per_session * n / 1e6:,.0f} MB/s, delivered to k subscribers "
+                     f"per replica, N ≈ {k * 2**20 / per_session:,.0f} on {k}); published "
+                     f"{per_session * n / 1e6:,.0f} MB/s, delivered to k subscribers "
                      f"≈ {per_session * n * k / 1e9:.2f} GB/s")
     return lines

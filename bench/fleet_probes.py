@@ -7,7 +7,6 @@ from __future__ import annotations
 import asyncio
 import os
 import re
-import statistics
 import threading
 import time
 from collections.abc import Callable
@@ -185,8 +184,3 @@ class NatsCounter:
         await self._stop.wait()
         await client.close()
 
-
-def summary(values: list[float]) -> str:
-    if not values:
-        return "–"
-    return f"p50 {statistics.median(values):.1f} s, max {max(values):.1f} s"

@@ -58,7 +58,7 @@ import httpx
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from bench.fleet_laws import laws, projection  # noqa: E402
+from bench.fleet_laws import heard_each_other, laws, projection  # noqa: E402
 from bench.fleet_probes import (Latencies, NatsCounter, PostgresBackends, counter_sum, cpu_seconds,  # noqa: E402
                                 gauge, percentile, rss_bytes, sequential)
 from bench.fleet_sessions import SessionSpec, worker_main  # noqa: E402
@@ -96,12 +96,14 @@ def fresh_database() -> Iterator[tuple[str, str]]:
         asyncio.run(admin(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)'))
 
 
-def seed_machines(database: str, owners: list[Account], count: int) -> list[str]:
-    """``count`` linked machines with a device token each (what `darkbloom login` leaves), owned round
-    robin by ``owners``, written straight into the database; returns the tokens."""
+def seed_machines(database: str, owners: list[Account], count: int, k: int) -> list[str]:
+    """``count`` linked machines with a device token each (what `darkbloom login` leaves), written
+    straight into the database; returns the tokens. Session n dials replica n % k, so machine n is
+    owned by ``owners[(n // k) % len(owners)]``: every owner has machines on every replica."""
     tokens = ["dkp-" + secrets.token_urlsafe(32) for _ in range(count)]
     now = int(time.time())
-    machines = [(f"mach_fleet{n:06d}", owners[n % len(owners)].account_id, f"fleet-{n}", now) for n in range(count)]
+    machines = [(f"mach_fleet{n:06d}", owners[(n // k) % len(owners)].account_id, f"fleet-{n}", now)
+                for n in range(count)]
 
     async def insert() -> None:
         conn = await asyncpg.connect(f"postgresql://postgres@127.0.0.1:5432/{database}")
@@ -279,8 +281,10 @@ def specs_for(coords: list[Coordinator], tokens: list[str], answerers: int) -> l
             for i, token in enumerate(tokens)]
 
 
-def run_cell(root: Path, k: int, n: int, opts: Options) -> dict[str, Any]:
-    cell: dict[str, Any] = {"k": k, "n": n}
+def run_cell(root: Path, k: int, n: int, opts: Options, cell: dict[str, Any]) -> None:
+    """Measure N sessions on k replicas into ``cell`` (which keeps what was measured if interrupted)."""
+    cell.update({"k": k, "n": n, "load_before": os.getloadavg()[0],
+                 "run": f"ramp paced at {opts.ramp_rate:g}/s" if opts.ramp_rate else None})
     catalog = root / "catalog.json"
     catalog.write_text(json.dumps({"models": [{"id": m, "input_price": 1, "output_price": 1}
                                               for m in (IDLE_MODEL, ANSWER_MODEL)]}))
@@ -298,7 +302,7 @@ def run_cell(root: Path, k: int, n: int, opts: Options) -> dict[str, Any]:
         try:
             owners = [create_account(replicas.coords[0]) for _ in range(max(1, opts.owners))]
             consumer = create_account(replicas.coords[0], credit_micro_usd=10**12)
-            tokens = seed_machines(database, owners, n)
+            tokens = seed_machines(database, owners, n, k)
             processes = client_processes(n, opts.clients)
             cell["client_processes"] = processes
             fleet = Fleet(specs_for(replicas.coords, tokens, opts.answerers), processes, k)
@@ -307,17 +311,17 @@ def run_cell(root: Path, k: int, n: int, opts: Options) -> dict[str, Any]:
             ramp(cell, replicas, fleet, postgres, n, opts)
             if not cell["ramp"]["complete"]:
                 log(f"[k={k} N={n:,}] the ramp did not complete; skipping the rest of this cell")
-                return cell
+                return
             idle(cell, replicas, fleet, postgres, counter, owners[0], n, opts)
             probes(cell, replicas, consumer, opts)
             if opts.storm != "none":
                 storm(cell, replicas, fleet, n, opts)
         finally:
             # the coordinators first, with every session still connected: how long the last exit takes
+            cell["load_after"] = os.getloadavg()[0]
             cell["final_exit_s"] = replicas.stop(opts.exit_timeout)
             if fleet is not None:
                 fleet.stop()
-    return cell
 
 
 def ramp(cell: dict[str, Any], replicas: Replicas, fleet: Fleet, postgres: PostgresBackends, n: int,
@@ -372,7 +376,8 @@ def idle(cell: dict[str, Any], replicas: Replicas, fleet: Fleet, postgres: Postg
                            "others_hold": n - held[i],
                            "replicas_heard": gauge(c.base_url, "darkbloom_fabric_replicas"),
                            "dropped": counter_sum(c.base_url, "darkbloom_fabric_dropped_total"),
-                           "owner_online": online(c, owner), "owner_machines": len(range(0, n, opts.owners))}
+                           "owner_online": online(c, owner),
+                           "owner_machines": sum(1 for m in range(n) if (m // len(held)) % opts.owners == 0)}
                           for i, c in enumerate(replicas.coords)]
     # the ramp's CPU less the idle cost of the sessions already connected (on average half of them)
     ramp_cpu = cell["cpu_per_registration_ms"] * cell["ramp"]["registered"] / 1e3
@@ -475,6 +480,7 @@ def _failures(failures: dict[str, int]) -> str:
 
 
 def tables(cells: list[dict[str, Any]]) -> str:
+    cells = [c for c in cells if "ramp" in c]
     done = [c for c in cells if "idle_cpu_percent" in c]
     lines = ["| k | sessions | ramp | coordinator CPU per registration | idle CPU per replica (% of a core) "
              "| idle CPU per session | RSS per session | `GET /v1/models` p50 | public p50 / p99 "
@@ -483,13 +489,14 @@ def tables(cells: list[dict[str, Any]]) -> str:
     for c in cells:
         if c not in done:
             r = c.get("ramp", {})
-            lines.append(f"| {c['k']} | {c['n']:,} | **{r.get('registered', 0):,} registered in "
-                         f"{r.get('seconds', 0):.0f} s, gave up** ({_failures(r.get('failures', {}))}) |" + " |" * 9)
+            how = "interrupted" if c.get("interrupted") else "gave up"
+            lines.append(f"| {c['k']} | {_size(c)} | **{r.get('registered', 0):,} registered in "
+                         f"{r.get('seconds', 0):.0f} s, {how}** ({_failures(r.get('failures', {}))}) |" + " |" * 9)
             continue
         ramp_text = f"{c['ramp']['seconds']:.1f} s ({c['n'] / c['ramp']['seconds']:,.0f}/s)"
         s = c.get("storm") or {}
         exits = " / ".join("killed" if e is None else f"{e:.1f} s" for e in s.get("exit_s", [])) or "–"
-        lines.append(f"| {c['k']} | {c['n']:,} | {ramp_text} | {c['cpu_per_registration_ms']:.2f} ms "
+        lines.append(f"| {c['k']} | {_size(c)} | {ramp_text} | {c['cpu_per_registration_ms']:.2f} ms "
                      f"| {_pct(c['idle_cpu_percent'])} | {c['idle_us_per_session_s']:.1f} µs/s "
                      f"| {c['rss_per_session_kb']:.0f} kB | {_ms(c['models_p50_ms'])} "
                      f"| {_ms(c['chat']['p50_ms'])} / {_ms(c['chat']['p99_ms'])} | {_storm_cell(c)} "
@@ -532,6 +539,10 @@ def tables(cells: list[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
+def _size(cell: dict[str, Any]) -> str:
+    return f"{cell['n']:,}" + (f" ({cell['run']})" if cell.get("run") else "")
+
+
 def _num(x: float | None) -> str:
     return "?" if x is None else f"{x:,.0f}"
 
@@ -542,7 +553,12 @@ def report_laws(cells: list[dict[str, Any]], n: int, k: int) -> str:
     lines = ["Fitted laws (least squares over the cells above):"]
     for law in found.values():
         lines.append("- " + law.text({"N": (1e3, "per 1,000 sessions of the fleet"),
-                                      "N/k": (1e3, "per 1,000 sessions held")}))
+                                      "N/k": (1e3, "per 1,000 sessions held"),
+                                      "N/k announced": (1e3, "per 1,000 sessions held and announced (k > 1)"),
+                                      "N heard": (1e3, "per 1,000 sessions of the fleet heard (k > 1)")}))
+    left_out = [f"k={c['k']} N={c['n']:,}" for c in done if not heard_each_other(c)]
+    if left_out:
+        lines.append(f"  ({', '.join(left_out)}: its replicas did not hear each other; fitted with nothing heard)")
     return "\n".join(lines + [""] + projection(done, n, k))
 
 
@@ -610,8 +626,11 @@ def main() -> None:
     try:
         for k in ks:
             for n in sizes:
-                cells.append(run_cell(root, k, n, opts))
+                cells.append({})
+                run_cell(root, k, n, opts, cells[-1])
     except KeyboardInterrupt:
+        if cells:
+            cells[-1]["interrupted"] = True
         log("interrupted: every process of this run is stopped")
     finally:
         print(f"\n{tables(cells)}\n", flush=True)
