@@ -5,10 +5,12 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, AsyncIterator, Iterator
 
 import pytest
+from sqlalchemy.ext.asyncio import AsyncEngine
 
+from darkbloom.store import create_engine, migrate
 from tests.support.databases import database_for, postgres_database
 from tests.support.processes import Coordinator, start_coordinator
 
@@ -35,6 +37,17 @@ def sqlite_url(tmp_path: Path) -> str:
 def database_url(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[str]:
     with database_for(request.param, tmp_path) as url:
         yield url
+
+
+@pytest.fixture
+async def engine(database_url: str) -> AsyncIterator[AsyncEngine]:
+    """A migrated engine on each backend (``database_url`` covers SQLite and Postgres)."""
+    engine = create_engine(database_url)
+    await migrate(engine)
+    try:
+        yield engine
+    finally:
+        await engine.dispose()
 
 
 @pytest.fixture

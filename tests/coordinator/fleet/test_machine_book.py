@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import AsyncIterator, Callable
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -20,19 +20,9 @@ from darkbloom.coordinator.fleet.machines import linked_machines
 from darkbloom.coordinator.fleet.registry import Registry
 from darkbloom.coordinator.fleet.session import ProviderSession
 from darkbloom.coordinator.services import Services
-from darkbloom.store import accounts, create_engine, machines, migrate
+from darkbloom.store import accounts, machines
 from darkbloom.wire.protocol import Heartbeat
 from tests.coordinator.routing.sim import SimProvider, settings
-
-
-@pytest.fixture
-async def engine(database_url: str) -> AsyncIterator[AsyncEngine]:
-    engine = create_engine(database_url)
-    await migrate(engine)
-    try:
-        yield engine
-    finally:
-        await engine.dispose()
 
 
 def services_on(engine: AsyncEngine, **fields: Any) -> Services:
