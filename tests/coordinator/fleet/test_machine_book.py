@@ -16,11 +16,13 @@ from sqlalchemy.ext.asyncio import AsyncEngine
 
 from darkbloom.coordinator.app import create_app
 from darkbloom.coordinator.fleet import session_lifecycle
-from darkbloom.coordinator.fleet.machines import linked_machines
+from darkbloom.coordinator.fleet.enrollment import load_or_create_ca
+from darkbloom.coordinator.fleet.machines import enroll_machine, linked_machines
 from darkbloom.coordinator.fleet.registry import Registry
 from darkbloom.coordinator.fleet.session import ProviderSession
 from darkbloom.coordinator.services import Services
 from darkbloom.store import accounts, machines
+from darkbloom.wire.openai.errors import ApiError
 from darkbloom.wire.protocol import Heartbeat
 from tests.coordinator.routing.sim import SimProvider, settings
 
@@ -157,6 +159,25 @@ async def test_listings_show_what_is_marked_before_it_is_written(engine: AsyncEn
     assert (listed["online"], listed["name"], listed["trust_level"], listed["models"]) == \
         (False, "desk", "untrusted", sorted(session.advertised_models))
     assert (await row(engine, machine_id))["last_seen"] is None  # all of it from the book so far
+
+
+async def test_a_machine_registered_on_another_replica_can_be_enrolled_before_it_is_written(
+        engine: AsyncEngine) -> None:
+    services = services_on(engine)
+    account_id, [machine_id] = await linked(engine, 1)
+    stand_in = session_of(account_id, machine_id)  # announced by the replica that holds it, unwritten there
+    stand_in.online = True
+    services.registry.add_stand_in(stand_in)
+    assert (await row(engine, machine_id))["identity_key"] is None
+    enrolled = await enroll_machine(services, machine_id)
+    ca = await load_or_create_ca(engine)
+    assert ca.verify(enrolled["certificate"], stand_in.registration.identity_key) is None
+
+    services.registry.remove(stand_in)  # gone, and nothing ever written: nothing to certify
+    _, [never_seen] = await linked(engine, 1, email="other@example.com")
+    with pytest.raises(ApiError) as refused:
+        await enroll_machine(services, never_seen)
+    assert refused.value.code == "machine_not_registered"
 
 
 async def test_the_flusher_writes_every_mark_of_a_round_in_one_batch(engine: AsyncEngine) -> None:

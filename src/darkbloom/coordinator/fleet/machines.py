@@ -69,6 +69,16 @@ async def _close_when_idle(services: Services, session: ProviderSession) -> None
     session.close(1000)
 
 
+def _identity_key(services: Services, row: dict[str, Any]) -> str | None:
+    """The key the machine registered with: its newest live session's, on any replica (a session that
+    has just registered may not be written yet, here or on the replica that holds it), else the stored
+    one with this replica's unwritten marks laid over it."""
+    live = [s for s in services.registry.for_machine(row["id"]) if s.registration.identity_key]
+    if live:
+        return max(live, key=lambda s: s.connected_at).registration.identity_key
+    return services.machine_book.current(row)["identity_key"]
+
+
 async def enroll_machine(services: Services, machine_id: str) -> dict[str, Any]:
     """Grant ``hardware`` trust (docs/protocol.md "Registration and trust"): the enrollment CA certifies the
     Ed25519 identity key the machine registered with; the certificate is stored on the machine and handed to
@@ -77,7 +87,7 @@ async def enroll_machine(services: Services, machine_id: str) -> dict[str, Any]:
         row = await machines.get(conn, machine_id)
     if row is None or row["unlinked_at"] is not None:
         raise ApiError(404, "machine_not_found", "No linked machine with this id.")
-    identity_key = services.machine_book.current(row)["identity_key"]  # a session just registered: maybe unwritten
+    identity_key = _identity_key(services, row)
     if not identity_key:
         raise ApiError(409, "machine_not_registered",
                        f"Machine {machine_id} has never connected to this coordinator, so its identity key is "
