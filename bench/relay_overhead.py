@@ -189,6 +189,9 @@ def main() -> None:
         if args.profile is not None:
             by_label = {s.label: s for s in stacks}
             for path in args.profile_paths.split(","):
+                if path not in targets[args.profile_mode]:  # e.g. paid under --kinds self
+                    print(f"no {path} path in this run: not profiled", file=sys.stderr)
+                    continue
                 stack = by_label[path.partition("@")[2]]
                 print(profile(targets[args.profile_mode][path], scripts, {"coordinator": stack.coord.process,
                                                                 "node": stack.node},
