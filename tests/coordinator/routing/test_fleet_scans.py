@@ -1,6 +1,6 @@
 """Requests do not scan the fleet (issue 21): placement, GET /v1/models, /v1/me/self-route-models,
 /v1/me/providers and the Self-Route pre-flight read the same number of sessions whether the fleet
-around the caller's candidates holds 10 sessions or 1,000.
+around the caller's candidates holds 10 sessions or 1,000; nor does the once-a-second eviction check.
 
 A session is counted as visited when any of its attributes is read during the request (its class is
 swapped for one that records the read), so a pass over a registry index, a gate or a listing all count.
@@ -11,6 +11,8 @@ test makes one request before the one it counts.
 from __future__ import annotations
 
 import inspect
+import random
+import time
 from pathlib import Path
 from typing import Any, AsyncIterator, Awaitable, Callable
 
@@ -194,3 +196,41 @@ async def test_the_preflight_and_the_machine_list_read_only_the_owners_sessions(
         counts["preflight"].append(await visits(preflight))
         counts["machines"].append(await visits(listing))
     assert counts == {"preflight": [3, 3], "machines": [3, 3]}, counts
+
+
+def test_the_eviction_check_reads_only_the_sessions_that_may_have_gone_silent() -> None:
+    counts = []
+    for size in SIZES:
+        registry = Registry()
+        start = time.monotonic()
+        for provider in counted(fleet(registry, size)):
+            provider.session.heard(start)
+        quiet = SimProvider()
+        quiet.session.last_frame_at = start - 100.0
+        registry.add(counted([quiet])[0].session)
+        _visited.clear()
+        assert registry.silent_since(start - 30.0) == [quiet.session]
+        counts.append(len(_visited))
+    assert counts == [1, 1], counts
+
+
+def test_the_eviction_check_finds_what_a_pass_over_every_session_finds() -> None:
+    rng = random.Random(7)
+    registry = Registry()
+    sessions: list[ProviderSession] = []
+    clock = 1000.0
+    for step in range(2000):
+        clock += rng.random()
+        action = rng.randrange(10)
+        if action < 2 or not sessions:
+            session = SimProvider().session
+            session.last_frame_at = clock - rng.random() * 40
+            registry.add(session)
+            sessions.append(session)
+        elif action < 3:
+            registry.remove(sessions.pop(rng.randrange(len(sessions))))
+        else:
+            rng.choice(sessions).heard(clock)
+        deadline = clock - 30.0
+        expected = {s for s in sessions if s.last_frame_at < deadline}
+        assert set(registry.silent_since(deadline)) == expected, step
