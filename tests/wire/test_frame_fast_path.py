@@ -72,3 +72,32 @@ def _nan_safe(value: object) -> object:
 def test_one_pass_answers_as_the_two_step_path(raw: str | bytes, coordinator: bool) -> None:
     parse = parse_coordinator_frame if coordinator else parse_provider_frame
     assert _outcome(parse, raw) == _outcome(lambda r: _two_step(r, coordinator), raw)
+
+
+HEARTBEAT = '{"type":"heartbeat","status":"idle","active_requests":0,"models":["m"]}'
+
+
+def test_a_heartbeat_text_is_parsed_once_and_its_frozen_frame_answers_it_again(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    parsed: list[str | bytes] = []
+    real = protocol._parse_provider_frame
+    monkeypatch.setattr(protocol, "_parse_provider_frame", lambda raw: parsed.append(raw) or real(raw))
+    protocol._heartbeats.clear()
+    first = parse_provider_frame(HEARTBEAT)
+    assert parse_provider_frame(HEARTBEAT) is first and parsed == [HEARTBEAT]
+    assert _outcome(lambda raw: first, HEARTBEAT) == _outcome(lambda r: _two_step(r, False), HEARTBEAT)
+    with pytest.raises(ValidationError):
+        first.status = "busy"  # shared: nobody may change it
+    for other in (EDGES[0], HEARTBEAT.encode()):  # another frame, or bytes: parsed every time
+        parse_provider_frame(other)
+        parse_provider_frame(other)
+    assert len(parsed) == 5
+
+
+def test_many_different_heartbeat_texts_stay_within_the_bound() -> None:
+    for n in range(3 * protocol._HEARTBEATS_REMEMBERED):
+        parse_provider_frame(f'{{"type":"heartbeat","active_requests":{n}}}')
+        assert len(protocol._heartbeats) <= protocol._HEARTBEATS_REMEMBERED
+    long = '{"type":"heartbeat","status":"' + "x" * protocol._HEARTBEAT_TEXT_LIMIT + '"}'
+    parse_provider_frame(long)
+    assert long not in protocol._heartbeats

@@ -9,6 +9,7 @@ import uvicorn
 
 from darkbloom.coordinator.app import create_app
 from darkbloom.coordinator.config import CoordinatorSettings
+from darkbloom.coordinator.websocket_protocol import SmallFrameWebSocketProtocol
 from darkbloom.logs import configure_logging
 from darkbloom.wire.protocol import SOCKET_MESSAGE_LIMIT
 
@@ -18,7 +19,7 @@ def build_server(settings: CoordinatorSettings, server_class: type[uvicorn.Serve
     config = uvicorn.Config(create_app(settings), host=settings.host, port=settings.port,
                             log_level=log_level, access_log=False, ws_max_size=SOCKET_MESSAGE_LIMIT,
                             ws_ping_interval=None, timeout_graceful_shutdown=5, lifespan="on",
-                            forwarded_allow_ips=settings.forwarded_allow_ips)
+                            forwarded_allow_ips=settings.forwarded_allow_ips, ws=SmallFrameWebSocketProtocol)
     # what the imports and the app made lives as long as the process: the cyclic collector never walks
     # it again (a full collection of it held the loop ~0.2 s whenever a burst of chunks set one off)
     gc.collect()

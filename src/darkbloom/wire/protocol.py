@@ -108,6 +108,8 @@ class Register(_Frame):
 
 
 class Heartbeat(_Frame):
+    model_config = ConfigDict(extra="ignore", frozen=True)  # one parsed frame may answer many alike texts
+
     type: Literal["heartbeat"] = "heartbeat"
     status: str = "idle"
     active_requests: int = 0
@@ -242,7 +244,27 @@ def _decode(raw: str | bytes, known_types: frozenset[str] | None, limit: int = M
     return data
 
 
+# A node's heartbeats are alike, and so are those of every node of a release serving the same models:
+# each text is parsed once, and its frame (frozen) answers it again. Bounded in texts and in length.
+_HEARTBEAT_TEXT_LIMIT = 1024
+_HEARTBEATS_REMEMBERED = 1024
+_heartbeats: dict[str, Heartbeat] = {}
+
+
 def parse_provider_frame(raw: str | bytes) -> Any:
+    if type(raw) is str and len(raw) <= _HEARTBEAT_TEXT_LIMIT:
+        known = _heartbeats.get(raw)
+        if known is not None:
+            return known
+    frame = _parse_provider_frame(raw)
+    if type(frame) is Heartbeat and type(raw) is str and len(raw) <= _HEARTBEAT_TEXT_LIMIT:
+        if len(_heartbeats) >= _HEARTBEATS_REMEMBERED:
+            _heartbeats.clear()  # many different texts at once (a flood): start over, never grow
+        _heartbeats[raw] = frame
+    return frame
+
+
+def _parse_provider_frame(raw: str | bytes) -> Any:
     if len(raw) <= MAX_FRAME_BYTES:
         try:
             return _provider_adapter.validate_json(raw)  # one pass: the well-formed frame, every chunk

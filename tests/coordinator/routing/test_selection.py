@@ -242,7 +242,7 @@ def test_only_examined_sessions_are_counted() -> None:
     assert _rejections("challenge_stale") in (before["challenge_stale"], before["challenge_stale"] + 1)
 
 
-async def test_the_survey_runs_only_when_nothing_is_eligible(monkeypatch: pytest.MonkeyPatch) -> None:
+async def test_the_survey_runs_only_when_read(monkeypatch: pytest.MonkeyPatch) -> None:
     calls: list[RouteDecision] = []
     real_survey = queueing.survey
 
@@ -258,4 +258,5 @@ async def test_the_survey_runs_only_when_nothing_is_eligible(monkeypatch: pytest
     assert placement.session is provider.session and calls == []
     with pytest.raises(NoEligibleSession) as refused:
         await q.place(decision(model=CatalogModel(id="nobody-serves-this", input_price=1, output_price=1)))
-    assert len(calls) == 1 and refused.value.survey.eligible == []
+    assert calls == []  # refused from the views: no survey on the request path
+    assert refused.value.survey.eligible == [] and len(calls) == 1  # made when read (the Self-Route pre-flight)

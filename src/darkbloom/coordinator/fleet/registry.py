@@ -12,6 +12,8 @@ trust or owner. A view of an account goes when the account's last session does.
 
 from __future__ import annotations
 
+import heapq
+import itertools
 import logging
 from collections import defaultdict
 from typing import Callable, Hashable, Iterable, Iterator
@@ -66,6 +68,10 @@ class Registry:
         self._account_views: dict[str, list[SessionView]] = defaultdict(list)
         self._member_of: dict[ProviderSession, set[SessionView]] = {}
         self._stand_ins: set[str] = set()  # other replicas' sessions (fabric/view): neither held nor announced here
+        # (last_frame_at when last looked at, order, session): the next session that may have gone silent
+        # on top, so ``silent_since`` looks at a session once per heartbeat timeout, not every call
+        self._liveness: list[tuple[float, int, ProviderSession]] = []
+        self._pushed = itertools.count()
         # told of every change to a session held here (added, removed, disowned, a watched field): the
         # replica fabric's announcer, when there is one
         self.listeners: list[Callable[[ProviderSession], None]] = []
@@ -82,6 +88,7 @@ class Registry:
         if session.machine_id:
             self._by_machine[session.machine_id].add(session)
         session._watch = self._changed
+        self._watch_liveness(session)
         self._recheck(session)
         self._tell(session)
 
@@ -149,8 +156,28 @@ class Registry:
         return set(self._by_machine.get(machine_id, ()))
 
     def silent_since(self, deadline: float) -> list[ProviderSession]:
-        """Sessions that sent nothing since ``deadline`` (a stand-in never: its replica's silence removes it)."""
-        return [s for s in self._sessions.values() if s.last_frame_at < deadline]
+        """Sessions that sent nothing since ``deadline`` (a stand-in never: its replica's silence removes it).
+
+        A session's ``last_frame_at`` only moves forward, so only the sessions whose last frame, as
+        last looked at, is older than ``deadline`` need a look: those that spoke since go back with
+        their new time. The eviction loop asks every second; each session is looked at about once
+        per ``deadline`` span, whatever the size of the fleet."""
+        silent: dict[ProviderSession, None] = {}
+        heap = self._liveness
+        while heap and heap[0][0] < deadline:
+            session = heapq.heappop(heap)[2]
+            if self._sessions.get(session.id) is not session or session in silent:
+                continue  # removed since (or listed twice, after a removal and an add)
+            if session.last_frame_at < deadline:
+                silent[session] = None
+            else:
+                self._watch_liveness(session)
+        for session in silent:  # listed until the caller removes it: asked again, it is silent again
+            self._watch_liveness(session)
+        return list(silent)
+
+    def _watch_liveness(self, session: ProviderSession) -> None:
+        heapq.heappush(self._liveness, (session.last_frame_at, next(self._pushed), session))
 
     # views
 

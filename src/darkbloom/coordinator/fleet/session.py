@@ -139,6 +139,10 @@ class ProviderSession:
         """Whether its chunks are sealed with the node's registered key, so that they prove their node."""
         return self.registration.authenticated_chunks or self.link.only_proven_chunks
 
+    def heard(self, at: float) -> None:
+        """A frame arrived at ``at`` (monotonic). ``last_frame_at`` is not watched: set without the detour."""
+        self.__dict__["last_frame_at"] = at
+
     def send(self, frame_json: str) -> None:
         self.link.send(frame_json)
 

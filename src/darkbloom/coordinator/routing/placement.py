@@ -11,10 +11,9 @@ from darkbloom.coordinator.fleet.slots import Slot
 from darkbloom.coordinator.identity.caller import Caller
 from darkbloom.coordinator.routing import selfroute
 from darkbloom.coordinator.routing.decision import RouteDecision
-from darkbloom.coordinator.routing.gates import CAPABILITY_GATE
 from darkbloom.coordinator.routing.policy import Policy
 from darkbloom.coordinator.routing.queue import NoEligibleSession, QueueRefused
-from darkbloom.coordinator.routing.scheduler import Claim, survey
+from darkbloom.coordinator.routing.scheduler import Claim, blocked_by_capability, survey
 from darkbloom.coordinator.services import Services
 from darkbloom.wire.catalog import MAX_MODEL_ID, CatalogModel
 from darkbloom.wire.openai.errors import ApiError
@@ -73,7 +72,7 @@ async def _place(services: Services, decision: RouteDecision, policy: Policy) ->
     except NoEligibleSession as exc:
         if decision.owned_only:
             await selfroute.preflight(services, decision, exc.survey)
-        if exc.survey.reasons.get(CAPABILITY_GATE):
+        if blocked_by_capability(services.registry, decision, services.settings):
             # sessions pass every other gate but cannot take this request's shape: no retry will help
             raise ApiError(400, "model_capability_unsupported",
                            f"No provider serving '{decision.model.id}' supports {decision.needs_in_words()}. Send the "

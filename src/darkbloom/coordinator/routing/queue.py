@@ -6,8 +6,8 @@ slot is released (the queues listen on the registry's slots) and on a short tick
 covers new registrations, heartbeats and trust changes.
 
 Placing and draining select from the registry's views (``scheduler.select``); the full survey runs
-only when nothing is eligible (its reasons go into ``NoEligibleSession``), or when a refusal's
-``survey`` is read.
+only when a refusal's ``survey`` is read (the Self-Route pre-flight reads it, over the owner's sessions),
+so a request for a model nothing can serve costs the same whatever the size of the fleet.
 """
 
 from __future__ import annotations
@@ -32,9 +32,17 @@ DRAIN_TICK = 0.25
 class NoEligibleSession(Exception):
     """Nothing could serve this request at all: fail at once, never wait."""
 
-    def __init__(self, found: Survey) -> None:
+    def __init__(self, surveyed: Callable[[], Survey]) -> None:
         super().__init__("no eligible session")
-        self.survey = found
+        self._surveyed = surveyed
+        self._survey: Survey | None = None
+
+    @property
+    def survey(self) -> Survey:
+        """Every candidate through every gate, with the reasons; surveyed when first read."""
+        if self._survey is None:
+            self._survey = self._surveyed()
+        return self._survey
 
 
 class QueueRefused(Exception):
@@ -79,9 +87,7 @@ class RequestQueues:
             if placement is not None:
                 return placement
         if not any_eligible(self.registry, decision, self.settings):
-            found = survey(self.registry, decision, self.settings)
-            if not found.eligible:
-                raise NoEligibleSession(found)
+            raise NoEligibleSession(self._surveyor(decision))
         queue = self._queues.setdefault(decision.model.id, deque())
         if len(queue) >= self.settings.queue_depth:
             raise QueueRefused("queue_full", self._retry_after(decision.model.id), self._surveyor(decision))

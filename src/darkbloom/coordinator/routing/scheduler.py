@@ -6,14 +6,16 @@ sessions may be used, what is relaxed for the owner, which sessions already fail
 
 Selection does not scan the fleet: ``select`` walks the registry's views (the request's owned view,
 then the model's public one) in expected-wait order and puts only the sessions it reaches through
-the gates, taking the first rank with a session that passes them (at random within the rank). The
-full ``survey`` — every candidate through every gate, with the reasons — runs only when that finds
-nothing: for ``NoEligibleSession`` and the Self-Route pre-flight. The rejection counter therefore
-counts the sessions a selection examined and turned away, plus every rejection of a full survey.
+the gates, taking the first rank with a session that passes them (at random within the rank). When
+that finds nothing, ``blocked_by_capability`` asks the views without the request's capabilities; the
+full ``survey`` — every candidate through every gate, with the reasons — runs only for the Self-Route
+pre-flight, over the owner's sessions. The rejection counter therefore counts the sessions a selection
+examined and turned away, plus every rejection of a full survey.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import random
 import time
@@ -150,6 +152,14 @@ def any_eligible(registry: Registry, decision: RouteDecision, settings: Coordina
     if found is not None and not found.has_free_slot:
         REJECTIONS.labels(NO_FREE_SLOT).inc()
     return found is not None
+
+
+def blocked_by_capability(registry: Registry, decision: RouteDecision, settings: CoordinatorSettings) -> bool:
+    """Whether a session would serve the request but for the capabilities it needs: what a survey
+    counts as ``capability_unsupported`` (the last gate), asked of the views without the needs."""
+    if not decision.needs:
+        return False
+    return _first_eligible(registry, dataclasses.replace(decision, needs=frozenset()), settings) is not None
 
 
 def routable_public(registry: Registry, model: CatalogModel, settings: CoordinatorSettings) -> bool:

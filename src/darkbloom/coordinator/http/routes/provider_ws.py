@@ -12,6 +12,7 @@ from fastapi import APIRouter, WebSocket, WebSocketDisconnect
 from darkbloom.coordinator.fleet import session_lifecycle
 from darkbloom.coordinator.fleet.session import FRAME_TOO_LARGE, ProviderSession
 from darkbloom.coordinator.fleet.socket_link import SocketLink
+from darkbloom.coordinator.websocket_protocol import mute_repeats
 from darkbloom.coordinator.services import Services
 from darkbloom.wire.chunk_arrays import MAX_CHUNKS_PER_FRAME
 from darkbloom.wire.protocol import (
@@ -35,6 +36,7 @@ POLICY_VIOLATION = 1008
 MESSAGE_TOO_BIG = 1009  # the socket's own limit (SOCKET_MESSAGE_LIMIT) closed it
 REGISTER_TIMEOUT = 30.0
 MAX_UNREAD_CHUNKS = 2 * MAX_CHUNKS_PER_FRAME
+HEARTBEAT_MUTE = 25.0  # s; under MACHINE_SEEN_EVERY, so on_heartbeat still marks the machine every minute
 _REQUEST_ID = re.compile(r'"request_id"\s*:\s*"([^"\\]{1,256})"')
 
 
@@ -109,11 +111,16 @@ async def _receive(websocket: WebSocket, strikes: _Strikes) -> object:
         if raw is None:
             raw = message.get("bytes") or b""
         try:
-            return parse_provider_frame(raw)
+            frame = parse_provider_frame(raw)
         except FrameError as exc:
             if exc.code == "frame_too_large" and strikes.session is not None:
                 _fail_refused_request(strikes.session, raw)
             await strikes.strike(exc.code, exc.message)
+        else:
+            if isinstance(frame, Heartbeat) and isinstance(raw, str) and strikes.session is not None:
+                # for a while its repeats only refresh liveness (the socket's protocol holds them back)
+                mute_repeats(websocket, raw, HEARTBEAT_MUTE, strikes.session.heard)
+            return frame
 
 
 def _fail_refused_request(session: ProviderSession, raw: str | bytes) -> None:
