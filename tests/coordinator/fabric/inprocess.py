@@ -166,9 +166,10 @@ class Replica:
             handle.cancel()
 
 
-def make_replica(bus: Bus, heartbeat: float = 0.01, **fields: Any) -> Replica:
-    """A replica on ``bus`` that knows every replica made before it (and they it), not joined yet."""
-    config = settings(nats_url="nats://in-memory", replica_heartbeat=heartbeat,
+def make_replica(bus: Bus, heartbeat: float = 0.01, url: str = "nats://in-memory", **fields: Any) -> Replica:
+    """A replica on ``bus`` that knows every replica made before it (and they it), not joined yet
+    (with a real ``url``, its connection may instead join that NATS server)."""
+    config = settings(nats_url=url, replica_heartbeat=heartbeat,
                       replica_timeout=max(3.0, 3 * heartbeat), **fields)
     svc = services(Registry(), config)
     fabric = Fabric(svc)
