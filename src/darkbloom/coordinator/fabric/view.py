@@ -5,8 +5,8 @@ Each other replica is ``Heard`` here: when it was last heard, and the number of 
 view reflects (``seq``, None until it is in step). A full view of it (``view`` parts, on
 ``<prefix>.view.<this>``) puts this view in step at the view's ``seq``; from then on its deltas apply
 in order. This replica asks a replica for its view (``sync``) when it hears one it does not know, a
-delta after a gap, an ``alive`` naming a delta it never got, or a count of sessions that is not the
-number of stand-ins it has of that replica — and asks again every ``--replica-timeout`` until a view
+delta after a gap, an ``alive`` naming a delta it never got, or (in two heartbeats running) a count
+of sessions that is not the number of stand-ins it has of that replica — and asks again every ``--replica-timeout`` until a view
 comes. While it waits, deltas are kept (up to ``MAX_WAITING``) and applied after the view.
 
 A replica silent for ``--replica-timeout`` — killed, partitioned, or this replica's NATS connection
@@ -58,6 +58,7 @@ class Heard:
     sessions: set[str] = field(default_factory=set)  # its sessions that have stand-ins here
     waiting: dict[int, dict[str, Any]] = field(default_factory=dict)  # deltas received while not in step
     asked_at: float = float("-inf")
+    miscounted: bool = False  # its last heartbeat's count was not what this replica has of it
     view: int | None = None  # the view whose parts are arriving
     parts_seen: set[int] = field(default_factory=set)
     listed: set[str] = field(default_factory=set)  # sessions the arriving view listed so far
@@ -133,12 +134,16 @@ class FleetView:
         return heard
 
     def _alive(self, heard: Heard, seq: int, count: int) -> None:
+        miscounted = count != len(heard.sessions)
         if heard.seq is None and seq == 0 and count == 0 and not heard.sessions:
             heard.seq = 0  # nothing announced yet: nothing to ask for
-        elif heard.seq is not None and (seq != heard.seq or count != len(heard.sessions)):
+        elif heard.seq is not None and (seq != heard.seq or miscounted and heard.miscounted):
+            # (a count that differs once may be a stand-in dropped here on a "gone" answer that the
+            # holder's delta has not reached yet; twice running, something was lost)
             log.warning("out of step with replica %s (its delta %d, %d sessions; here %d, %d): asking for its view",
                         heard.replica, seq, count, heard.seq, len(heard.sessions))
             self._out_of_step(heard)
+        heard.miscounted = miscounted and heard.seq is not None
         if heard.seq is None:
             self._ask(heard)
 
