@@ -79,7 +79,7 @@ class Connection:
         return self.max_payload - PROOF_ROOM
 
     def on_up(self, callback: Callable[[], None]) -> None:
-        """Called on the first connection and on every reconnection (e.g. to announce everything)."""
+        """Called on the first connection and on every reconnection (e.g. to ask for the others' views)."""
         self._on_up.append(callback)
 
     async def run(self, subscribe: Subscriber) -> None:
@@ -132,6 +132,8 @@ class Connection:
     def failed(self, reason: str, subject: str, detail: str = "") -> bool:
         """A message that did not leave: counted, and an error line at most every ``FAILURE_LOG_EVERY``."""
         PUBLISH_FAILED.labels(reason).inc()
+        if self._closing:
+            return False  # this replica stops: its goodbye went out, what was left behind is moot
         said_at, since = self._failures.get(reason, (float("-inf"), 0))
         now = time.monotonic()
         if now - said_at < FAILURE_LOG_EVERY:
