@@ -4,6 +4,7 @@ needs, never one bigger. Counted in messages and bytes on an in-memory NATS (``i
 
 from __future__ import annotations
 
+import time
 from typing import AsyncIterator
 
 import pytest
@@ -235,3 +236,19 @@ async def test_a_publish_that_fails_is_counted(bus: Bus) -> None:
     a.fabric.advertiser.alive()
     await bus.settle()
     assert failed("nats_error") == before + 1
+
+
+async def test_a_passed_challenge_is_announced(bus: Bus) -> None:
+    """Stand-ins are not refreshed every second any more: a passed challenge is a change like any other,
+    or after ``--challenge-freshness`` every stand-in would fail the challenge gate."""
+    a, b = await in_step(bus, size=3)
+    session = a.add(1, challenge_age=200.0)[0].session  # its last challenge passed 200 s ago
+    await bus.settle()
+    stand_in = b.registry.get(session.id)
+    assert stand_in is not None and stand_in.challenge_passed_at is not None
+    before = stand_in.challenge_passed_at
+    mark = len(bus.sent)
+    session.challenge_passed_at = time.monotonic()  # the next round passed now
+    await bus.settle()
+    assert [(s.kind, [x["id"] for x in s.body["sessions"]]) for s in bus.since(mark)] == [("delta", [session.id])]
+    assert stand_in.challenge_passed_at - before > 150
