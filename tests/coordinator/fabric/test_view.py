@@ -191,3 +191,15 @@ async def test_placement_takes_a_session_held_here_when_it_ranks_as_well() -> No
     assert select(registry, public, settings_) is registry.get(there.session.id)
     here.set_active(0)
     assert {select_idle_or_free(registry, public, settings_, idle_only=True) for _ in range(50)} == {here.session}
+
+
+def test_deltas_kept_while_a_view_comes_are_bounded(monkeypatch: pytest.MonkeyPatch) -> None:
+    from darkbloom.coordinator.fabric import view as view_module
+    monkeypatch.setattr(view_module, "MAX_WAITING", 3)
+    view, _, _ = view_of_b()
+    sims = [SimProvider() for _ in range(4)]
+    for seq, sim in enumerate(sims, start=5):  # not in step (never had its view): each is kept
+        view.apply(HOLDER, {"k": "delta", "replica": HOLDER, "seq": seq, "gone": [],
+                            "sessions": [messages.announcement(sim.session)]})
+    heard = view.heard[HOLDER]
+    assert heard.seq is None and sorted(heard.waiting) == [8] and heard.waiting_items == 1  # 4 > 3: the first let go

@@ -7,7 +7,8 @@ view reflects (``seq``, None until it is in step). A full view of it (``view`` p
 in order. This replica asks a replica for its view (``sync``) when it hears one it does not know, a
 delta after a gap, an ``alive`` naming a delta it never got, or (in two heartbeats running) a count
 of sessions that is not the number of stand-ins it has of that replica — and asks again every ``--replica-timeout`` until a view
-comes. While it waits, deltas are kept (up to ``MAX_WAITING``) and applied after the view.
+comes. While it waits, deltas are kept (up to ``MAX_WAITING`` sessions in them) and applied after
+the view.
 
 A replica silent for ``--replica-timeout`` — killed, partitioned, or this replica's NATS connection
 is down — is gone: its stand-ins leave the registry, the attempts placed on them fail as a
@@ -42,7 +43,7 @@ REPLICAS = Gauge("darkbloom_fabric_replicas", "Other coordinator replicas this o
 REMOTE_SESSIONS = Gauge("darkbloom_fabric_remote_sessions", "Provider sessions held by other replicas")
 UNSYNCED = Gauge("darkbloom_fabric_unsynced_replicas",
                  "Replicas this one hears but whose sessions it does not see in full (waiting for their view)")
-MAX_WAITING = 1024  # deltas kept per replica while its view is on its way; beyond, the view is asked again
+MAX_WAITING = 10_000  # sessions in the deltas kept per replica while its view comes; beyond, it is asked again
 MAX_PARTS = 100_000  # parts of one view (each holds at least one session)
 CHALLENGE_AGE_SLACK = 1.0  # seconds: a challenge time read from an age moves only when it really changed
 
@@ -57,6 +58,7 @@ class Heard:
     applied: int = 0  # the newest of its deltas (or views) applied here: an older view is stale
     sessions: set[str] = field(default_factory=set)  # its sessions that have stand-ins here
     waiting: dict[int, dict[str, Any]] = field(default_factory=dict)  # deltas received while not in step
+    waiting_items: int = 0  # sessions and gone ids in them
     asked_at: float = float("-inf")
     miscounted: bool = False  # its last heartbeat's count was not what this replica has of it
     view: int | None = None  # the view whose parts are arriving
@@ -165,9 +167,12 @@ class FleetView:
             self._ask(heard)
 
     def _wait(self, heard: Heard, seq: int, body: dict[str, Any]) -> None:
-        if len(heard.waiting) >= MAX_WAITING:
+        items = len(body["sessions"]) + len(body["gone"])
+        if heard.waiting_items + items > MAX_WAITING:
             heard.waiting.clear()  # the view will be older than what follows: a gap, and another ask
+            heard.waiting_items = 0
         heard.waiting[seq] = body
+        heard.waiting_items += items
 
     def _out_of_step(self, heard: Heard) -> None:
         heard.seq = None
@@ -200,7 +205,7 @@ class FleetView:
             self._drop_of(heard, session_id)
         heard.view, heard.parts_seen, heard.listed = None, set(), set()
         heard.seq = heard.applied = seq
-        waiting, heard.waiting = heard.waiting, {}
+        waiting, heard.waiting, heard.waiting_items = heard.waiting, {}, 0
         for next_seq in sorted(waiting):
             if next_seq <= heard.seq:
                 continue
@@ -209,6 +214,7 @@ class FleetView:
                             heard.seq + 1, next_seq - 1)
                 heard.seq = None
                 heard.waiting = {s: waiting[s] for s in waiting if s >= next_seq}
+                heard.waiting_items = sum(len(d["sessions"]) + len(d["gone"]) for d in heard.waiting.values())
                 self._ask(heard)
                 break
             self._apply_delta(heard, waiting[next_seq])
