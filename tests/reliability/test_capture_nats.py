@@ -373,11 +373,12 @@ def _request_frames(run: Run) -> dict[str, tuple[str, bytes]]:
 
 
 def _backs(run: Run) -> dict[str, list[dict[str, Any]]]:
-    """ticket -> the messages A sent back on ``<prefix>.back.<B>.<ticket>``, in order."""
+    """ticket -> the items A sent back on ``<prefix>.back.<B>.<ticket>``, in order (each message
+    carries the frames of one loop turn, a JSON array)."""
     found: dict[str, list[dict[str, Any]]] = defaultdict(list)
     for message in run.replica_messages():
         if message.subject.startswith(run.prefix + ".back."):
-            found[message.subject.rsplit(".", 1)[1]].append(json.loads(_body(message.payload)))
+            found[message.subject.rsplit(".", 1)[1]].extend(json.loads(_body(message.payload)))
     return found
 
 

@@ -24,7 +24,8 @@ not move the replay window either) and with one naming a replica that does not e
    neither the hand-driven machine nor the real node gets anything, no usage row, nothing comes back;
 5. a request message reusing a live request id (a new one, and the real one replayed): the live
    stream completes normally and its machine got its request once;
-6. ``leaving`` and an empty ``full`` announcement for A, claims (request/reply, no answer), a
+6. ``leaving``, a heartbeat with no sessions and an empty full view for A, asks for B's full view,
+   claims (request/reply, no answer), a
    ``complete`` with ``account_id: null``, release, cancel, an untrusted ``trust_status``, unlink,
    speed, and 200 × 1 MB first parts of split request frames: A's machines stay listed everywhere,
    free, owned, trusted and connected, the held request completes, A's memory does not grow;
@@ -396,7 +397,7 @@ class World:
         """The replica announcing a session and its latest announcement, as the spy heard them."""
         for heard in reversed(self.spy.messages()):
             if heard.subject == f"{self.replicas.prefix}.fleet" and heard.sender:
-                for session in json.loads(heard.body)["sessions"]:
+                for session in json.loads(heard.body).get("sessions", []):
                     if session["id"] == session_id:
                         return heard.sender, session
         raise AssertionError(f"{session_id} never announced")
@@ -549,10 +550,16 @@ def fake_session(w: World, account_id: str, machine_id: str | None) -> dict[str,
     return session
 
 
+def delta(replica: str, sessions: list[dict[str, Any]], gone: list[str]) -> bytes:
+    """A fleet delta as a replica sends it (the attacker guesses a sequence number)."""
+    return messages.deltas(replica, 1 + secrets.randbelow(1000), [messages.encoded(s) for s in sessions], gone,
+                           MB)[0]
+
+
 def announce_fakes(w: World, session: dict[str, Any], evil: str) -> list[tuple[str, bytes]]:
     """The fake session, announced as the attacker's own replica ``evil`` and as replica A."""
-    as_evil = messages.fleet_message(evil, [session], [], full=False)
-    as_a = messages.fleet_message(w.a_id, [session], [], full=False)
+    as_evil = delta(evil, [session], [])
+    as_a = delta(w.a_id, [session], [])
     return w.spy.forgeries(as_evil, evil, "*", live=False) + w.spy.forgeries(as_a, w.a_id, "*")
 
 
@@ -738,10 +745,12 @@ def test_control_messages_cannot_disrupt_the_holder(world: World) -> None:
     trust_before = w.honest.provider.trust_statuses[:]
     with ThreadPoolExecutor(2) as pool:
         held = hold_open(w, pool, raw, owner)
-        fleet = [messages.fleet_message(w.a_id, [], [], full=True, leaving=True),
-                 messages.fleet_message(w.a_id, [], [], full=True),
-                 messages.fleet_message(w.a_id, [], [honest, node, raw.session_id], full=False)]
+        fleet = [messages.leaving(w.a_id), messages.alive(w.a_id, 1 << 40, 0),
+                 delta(w.a_id, [], [honest, node, raw.session_id])]
         fleet_batch = [item for body in fleet for item in w.spy.forgeries(body, w.a_id, "*")]
+        # to B alone: an empty full view of A's, and asks for B's view (each would cost B a full view)
+        views = [messages.view(w.a_id, 1 << 40, 1, [], MB)[0], messages.sync_request(w.a_id)]
+        view_batch = [item for body in views for item in w.spy.forgeries(body, w.a_id, w.b_id)]
         untrusted = dump(TrustStatus(trust_level="untrusted", reason="the attacker says so"))
         sessions = (honest, node, raw.session_id)
         cancel = json.dumps({"type": "cancel", "request_id": held.request_id}).encode()
@@ -769,6 +778,7 @@ def test_control_messages_cannot_disrupt_the_holder(world: World) -> None:
             return None
         watch = Watch(b_sees_a)
         w.spy.publish(w.subject("fleet"), *payloads(fleet_batch))
+        w.spy.publish(w.subject("view", w.b_id), *payloads(view_batch))
         w.spy.publish(w.subject("hold", w.a_id), *payloads(hold_batch))
         w.spy.publish(w.subject("back", w.b_id, held.ticket), *payloads(back_batch))
         answers = w.spy.requests(w.subject("claim", w.a_id), payloads(claim_batch))
@@ -801,8 +811,8 @@ def test_control_messages_cannot_disrupt_the_holder(world: World) -> None:
             flooding.clear()
             sampler.result(10)
         del flood
-        wait_dropped(w.b, before_b, expected(fleet_batch, back_batch),
-                     "B dropping the announcements and the completion")
+        wait_dropped(w.b, before_b, expected(fleet_batch, view_batch, back_batch),
+                     "B dropping the announcements, the views and the completion")
         after = rss_mb(w.a)
         problems = watch.stop()
         assert watch.samples >= 3 and not problems, (watch.samples, problems[:5])
@@ -857,7 +867,7 @@ def test_trust_status_with_a_junk_certificate_is_written_nowhere(world: World) -
 def test_forged_proof_lines_are_counted_as_such(world: World) -> None:
     """A well-formed proof line with a random signature or MAC, as a live replica or as none."""
     w = world
-    heartbeat = messages.fleet_message(w.a_id, [], [], full=True)
+    heartbeat = messages.alive(w.a_id, 0, 0)
     nobody = "inst_" + secrets.token_hex(8)
     to_b = [proof(w.a_id, "*", w.spy.seq(w.a_id)) + heartbeat, proof(nobody, "*", 1) + heartbeat]
     back = messages.back_gone()

@@ -156,7 +156,7 @@ def test_nats_going_away_and_coming_back(replicas: Replicas) -> None:
         wait_until(lambda: visible_on(b, owner, machine.session_id), timeout=20, what="its machine on B")
         nats_proxy.cut()
         wait_until(lambda: readyz(cut_off).get("nats") == "disconnected", timeout=20, what="NATS down said")
-        assert readyz(cut_off)["status"] == "ready"
+        assert readyz(cut_off)["status"] == "ready" and readyz(cut_off)["fabric"] == "out_of_sync"
         local = chat(cut_off, owner.api_key, SELF)
         assert local.status_code == 200 and local.headers["x-provider-id"] == machine.session_id
         wait_until(lambda: not visible_on(b, owner, machine.session_id), timeout=20, what="B dropping it")
@@ -165,6 +165,8 @@ def test_nats_going_away_and_coming_back(replicas: Replicas) -> None:
         nats_proxy.resume()
         wait_until(lambda: readyz(cut_off).get("nats") == "connected", timeout=30, what="reconnected")
         wait_until(lambda: visible_on(b, owner, machine.session_id), timeout=20, what="its machine on B again")
+        wait_until(lambda: readyz(cut_off).get("fabric") == "in_sync" and readyz(b).get("fabric") == "in_sync",
+                   timeout=20, what="both in step again")
         remote = chat(b, owner.api_key, SELF)
         assert remote.status_code == 200 and remote.headers["x-provider-id"] == machine.session_id
     finally:

@@ -1,9 +1,12 @@
 """The fleet view without processes: another replica's announcements become stand-ins in this
 replica's registry that the gates, the scheduler and the owned views see as they see a local
-session; a full announcement, a goodbye and silence take them away; the one-way facts (unlinked,
-draining, untrusted) never go back; a frame too big for one NATS message arrives whole."""
+session; a full view, a goodbye and silence take them away; the one-way facts (unlinked,
+draining, untrusted) never go back; a frame too big for one NATS message arrives whole; placement
+takes a session held here over another replica's that ranks no better."""
 
 from __future__ import annotations
+
+import itertools
 
 import pytest
 from prometheus_client import REGISTRY
@@ -19,7 +22,7 @@ from darkbloom.coordinator.fleet.registry import Registry
 from darkbloom.coordinator.routing.decision import RouteDecision
 from darkbloom.coordinator.routing.gates import first_failed_gate
 from darkbloom.coordinator.routing.model_views import owned_models
-from darkbloom.coordinator.routing.scheduler import select
+from darkbloom.coordinator.routing.scheduler import select, select_idle_or_free
 from darkbloom.wire.protocol import Cancel, Envelope, InferenceRequest, dump
 from tests.coordinator.routing.sim import MODEL, SimProvider, services, settings
 
@@ -30,18 +33,27 @@ def authenticator(replica: str) -> Authenticator:
     return Authenticator(Roster(ReplicaKey(replica), engine=None, stale_after=30))  # type: ignore[arg-type]
 
 
-def view_of_b() -> tuple[FleetView, Registry, list[str]]:
+def view_of_b(**fields: object) -> tuple[FleetView, Registry, list[str]]:
     registry = Registry()
-    svc = services(registry, settings(replica_timeout=3.0))
+    svc = services(registry, settings(replica_timeout=3.0, **fields))
     outbound = Outbound(Connection("nats://127.0.0.1:1", "test", authenticator("inst_b")), Subjects("t", "inst_b"),
                         registry)
     gone: list[str] = []
     return FleetView(svc, outbound, gone.append), registry, gone
 
 
-def announce(view: FleetView, *sims: SimProvider, full: bool = True, **changes: object) -> None:
+_views = itertools.count(1)
+
+
+def announce(view: FleetView, *sims: SimProvider, **changes: object) -> None:
+    """The holder's full view: these sessions (with ``changes``), and no other."""
     sessions = [{**messages.announcement(sim.session), **changes} for sim in sims]
-    view.apply(HOLDER, {"replica": HOLDER, "full": full, "sessions": sessions, "gone": []})
+    heard = view.heard.get(HOLDER)
+    if heard is not None:
+        view._out_of_step(heard)
+    number = next(_views)
+    view.apply(HOLDER, {"k": "view", "replica": HOLDER, "seq": number, "view": number, "part": 0, "parts": 1,
+                        "sessions": sessions})
 
 
 async def test_an_announced_session_is_routable_here() -> None:
@@ -69,12 +81,12 @@ async def test_full_announcement_goodbye_and_silence_drop_stand_ins() -> None:
     first, second = SimProvider(), SimProvider()
     announce(view, first, second)
     assert len(registry) == 2
-    announce(view, second)  # a full announcement without it: it left
+    announce(view, second)  # a full view without it: it left
     assert registry.get(first.session.id) is None and len(registry) == 1
-    view.apply(HOLDER, {"replica": HOLDER, "full": True, "sessions": [], "gone": [], "leaving": True})
+    view.apply(HOLDER, {"k": "leaving", "replica": HOLDER})
     assert len(registry) == 0 and gone == [HOLDER]
     announce(view, first)
-    view.heard[HOLDER] -= 10  # silent longer than --replica-timeout
+    view.heard[HOLDER].heard_at -= 10  # silent longer than --replica-timeout
     view.replica_gone(HOLDER, "test")
     assert len(registry) == 0
 
@@ -130,11 +142,12 @@ async def test_a_replica_speaks_only_for_itself_and_its_own_sessions() -> None:
     registry.add(ours.session)  # a session of this replica's
     before = dropped("impersonation")
     sessions = [messages.announcement(theirs.session)]
-    view.apply("inst_other", {"replica": HOLDER, "full": True, "sessions": [], "gone": [], "leaving": True})
-    view.apply("inst_other", {"replica": "inst_other", "full": False, "sessions": sessions, "gone": []})
-    view.apply("inst_other", {"replica": "inst_other", "full": False, "gone": [],
+    view.apply("inst_other", {"k": "leaving", "replica": HOLDER})
+    view.apply("inst_other", {"k": "delta", "replica": "inst_other", "seq": 1, "sessions": sessions, "gone": []})
+    view.apply("inst_other", {"k": "delta", "replica": "inst_other", "seq": 2, "gone": [],
                               "sessions": [messages.announcement(ours.session)]})
-    view.apply("inst_other", {"replica": "inst_other", "full": False, "sessions": [], "gone": [theirs.session.id]})
+    view.apply("inst_other", {"k": "delta", "replica": "inst_other", "seq": 3, "sessions": [],
+                              "gone": [theirs.session.id]})
     stand_in = registry.get(theirs.session.id)
     assert stand_in is not None and isinstance(stand_in.link, RemoteLink) and stand_in.link.holder == HOLDER
     assert not gone
@@ -163,3 +176,30 @@ def test_the_holder_passes_a_node_only_an_inference_request() -> None:
     other = InferenceRequest(request_id="req_2", encrypted_body=Envelope(ephemeral_public_key="k", ciphertext="c"))
     holder._request(header, dump(other).encode())  # a request, but not the one the header names
     assert dropped("not_a_request") == before + 3 and not holder.hosted
+
+
+async def test_placement_takes_a_session_held_here_when_it_ranks_as_well() -> None:
+    view, registry, _ = view_of_b(nats_url="nats://127.0.0.1:4222")
+    here = SimProvider(max_concurrency=2)
+    registry.add(here.session)
+    there = SimProvider(max_concurrency=2)
+    announce(view, there)
+    settings_ = view.services.settings
+    public = RouteDecision(model=MODEL)
+    assert {select(registry, public, settings_) for _ in range(50)} == {here.session}  # equal: never the hop
+    here.set_active(1)  # busier here: the other replica's session is strictly better
+    assert select(registry, public, settings_) is registry.get(there.session.id)
+    here.set_active(0)
+    assert {select_idle_or_free(registry, public, settings_, idle_only=True) for _ in range(50)} == {here.session}
+
+
+def test_deltas_kept_while_a_view_comes_are_bounded(monkeypatch: pytest.MonkeyPatch) -> None:
+    from darkbloom.coordinator.fabric import view as view_module
+    monkeypatch.setattr(view_module, "MAX_WAITING", 3)
+    view, _, _ = view_of_b()
+    sims = [SimProvider() for _ in range(4)]
+    for seq, sim in enumerate(sims, start=5):  # not in step (never had its view): each is kept
+        view.apply(HOLDER, {"k": "delta", "replica": HOLDER, "seq": seq, "gone": [],
+                            "sessions": [messages.announcement(sim.session)]})
+    heard = view.heard[HOLDER]
+    assert heard.seq is None and sorted(heard.waiting) == [8] and heard.waiting_items == 1  # 4 > 3: the first let go

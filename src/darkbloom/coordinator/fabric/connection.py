@@ -6,6 +6,12 @@ nats-py reconnects by itself once a first connection was made, and restores the 
 first connection that fails is retried here, 0.5 s doubling to 5 s. While there is no connection,
 messages are dropped: the replicas on the other side stop hearing this one and, after
 ``--replica-timeout``, treat it as gone, which is what it is to them.
+
+No message leaves bigger than the server's ``max_payload`` (the callers split what may be big at
+``room``; anything still too big is refused here). A message that cannot be sent — too big, no
+connection, the writer too far behind, the server refusing it — is counted in
+``darkbloom_fabric_publish_failed_total{reason}`` and said in an error line (at most one a
+``FAILURE_LOG_EVERY`` per reason, with the count since the last), never dropped silently.
 """
 
 from __future__ import annotations
@@ -20,14 +26,19 @@ import nats
 from nats.aio.client import Client
 from nats.aio.msg import Msg
 from nats.errors import AuthorizationError, NoRespondersError, TimeoutError as NatsTimeout
-from prometheus_client import Gauge
+from prometheus_client import Counter, Gauge
 
-from darkbloom.coordinator.fabric.authentication import EVERYONE, Authenticator, Opened, Rejected
+from darkbloom.coordinator.fabric.authentication import EVERYONE, MAX_LINE, Authenticator, Opened, Rejected
 from darkbloom.coordinator.fabric.nats_auth import redacted
 
 log = logging.getLogger("darkbloom.fabric")
 
 CONNECTED = Gauge("darkbloom_nats_connected", "1 while this replica is connected to NATS (--nats-url)")
+PUBLISH_FAILED = Counter("darkbloom_fabric_publish_failed_total",
+                         "Fabric messages this replica could not send", ["reason"])
+DEFAULT_MAX_PAYLOAD = 1024 * 1024  # NATS's default, until the server says its own
+PROOF_ROOM = MAX_LINE + 1  # the proof line and its newline, in front of every body
+FAILURE_LOG_EVERY = 10.0  # seconds between error lines of one kind of failed publish
 RETRY_FIRST = 0.5
 RETRY_MAX = 5.0
 PING_INTERVAL = 2  # seconds; two unanswered pings and the connection is lost
@@ -50,6 +61,7 @@ class Connection:
         self._outgoing: asyncio.Queue[tuple[str, bytes]] = asyncio.Queue(_QUEUE_LIMIT)
         self._on_up: list[Callable[[], None]] = []
         self._closing = False
+        self._failures: dict[str, tuple[float, int]] = {}  # reason → (when last said, failures since)
         CONNECTED.set(0)
 
     @property
@@ -58,10 +70,16 @@ class Connection:
 
     @property
     def max_payload(self) -> int:
-        return self.client.max_payload if self.client is not None else 1024 * 1024
+        """The largest message the server takes (its ``max_payload``), proof line included."""
+        return self.client.max_payload if self.client is not None else DEFAULT_MAX_PAYLOAD
+
+    @property
+    def room(self) -> int:
+        """The largest body a message may carry behind its proof line."""
+        return self.max_payload - PROOF_ROOM
 
     def on_up(self, callback: Callable[[], None]) -> None:
-        """Called on the first connection and on every reconnection (e.g. to announce everything)."""
+        """Called on the first connection and on every reconnection (e.g. to ask for the others' views)."""
         self._on_up.append(callback)
 
     async def run(self, subscribe: Subscriber) -> None:
@@ -93,19 +111,39 @@ class Connection:
             self._up()
         await self._write_forever()
 
-    def post(self, subject: str, data: bytes, to: str = EVERYONE) -> None:
-        """Queue a message for the writer, sealed for ``to`` (never blocks); dropped while there is no
-        connection, or when ``to`` is a replica whose key this one does not know yet."""
-        if self.client is None or self.client.is_closed:
-            return
+    def post(self, subject: str, data: bytes, to: str = EVERYONE) -> bool:
+        """Queue a message for the writer, sealed for ``to`` (never blocks). False, counted and logged,
+        when it cannot go: no connection, no key for ``to`` yet, bigger than ``max_payload``, or the
+        writer too far behind."""
+        client = self.client
+        if client is None or not client.is_connected:
+            return self.failed("disconnected", subject)
         sealed = self.authenticator.seal(subject, data, to)
         if sealed is None:
-            log.debug("no key for replica %s yet: not sending on %s", to, subject)
-            return
+            return self.failed("unknown_replica", subject, f"no key for replica {to} yet")
+        if len(sealed) > client.max_payload:
+            return self.failed("too_big", subject, f"{len(sealed)} bytes, the server takes {client.max_payload}")
         try:
             self._outgoing.put_nowait((subject, sealed))
         except asyncio.QueueFull:
-            log.warning("NATS writer is %d messages behind: dropping", _QUEUE_LIMIT)
+            return self.failed("queue_full", subject, f"the writer is {_QUEUE_LIMIT} messages behind")
+        return True
+
+    def failed(self, reason: str, subject: str, detail: str = "") -> bool:
+        """A message that did not leave: counted, and an error line at most every ``FAILURE_LOG_EVERY``."""
+        PUBLISH_FAILED.labels(reason).inc()
+        if self._closing:
+            return False  # this replica stops: its goodbye went out, what was left behind is moot
+        said_at, since = self._failures.get(reason, (float("-inf"), 0))
+        now = time.monotonic()
+        if now - said_at < FAILURE_LOG_EVERY:
+            self._failures[reason] = (said_at, since + 1)
+            return False
+        self._failures[reason] = (now, 0)
+        more = f" ({since} more since the last such line)" if since else ""
+        log.error("NATS: a message on %s was not sent: %s%s%s", subject, reason.replace("_", " "),
+                  f" ({detail})" if detail else "", more)
+        return False
 
     async def request(self, subject: str, data: bytes, to: str, timeout: float) -> Opened | None:
         """The reply of ``to`` (proven), or None when nobody answers in time (or there is no connection)."""
@@ -145,8 +183,8 @@ class Connection:
                 continue
             try:
                 await client.publish(subject, data)
-            except Exception:  # noqa: BLE001 - reconnecting or closed: the message is lost, as NATS core may
-                log.debug("NATS publish on %s failed", subject, exc_info=True)
+            except Exception as exc:  # noqa: BLE001 - reconnecting or closed: the message is lost, as NATS core may
+                self.failed("nats_error", subject, str(exc) or type(exc).__name__)
 
     async def close(self) -> None:
         self._closing = True

@@ -5,7 +5,8 @@ under the ticket the admitting replica chose. A sealed request (``hold.<this>``)
 node's WebSocket as a local one is, and a ``Forwarder`` is the inbox the session delivers to for it:
 the session hands it the node's frames as it would a local attempt, and it sends them on to
 ``back.<admitter>.<ticket>`` untouched (sealed chunks, usage with the session's owner now, error,
-disconnection). The slot is released when the node ends the request (complete, error, gone), when
+disconnection), the frames that reach it in one loop turn in one message (as few as ``max_payload``
+allows). The slot is released when the node ends the request (complete, error, gone), when
 the admitter releases it (after a cancel, a lost race, a request that never dispatched), when the
 admitter goes silent, or when a claim was never used.
 """
@@ -63,11 +64,25 @@ class Forwarder:
         self.finished = False
         self.cancelled = False  # the node was told to stop (once is enough)
         self.subject = holder.subjects.back(hosted.admitter, hosted.ticket)
+        self._pending: list[bytes] = []  # items of this loop turn, not sent yet
+        self._send_soon = False
 
     def on_chunk(self, envelope: Envelope) -> bool:
         if not self.finished:
-            self.holder.connection.post(self.subject, messages.back_chunk(envelope), self.hosted.admitter)
+            self._pending.append(messages.back_chunk(envelope))
+            if not self._send_soon:
+                self._send_soon = True
+                asyncio.get_running_loop().call_soon(self._send)
         return True  # only the admitting replica can open it; it reports a chunk that does not
+
+    def _send(self) -> None:
+        """What came this loop turn, in as few messages as fit (an item too big alone is refused, and
+        counted, by the connection)."""
+        self._send_soon = False
+        pending, self._pending = self._pending, []
+        connection = self.holder.connection
+        for group in messages.packed(pending, connection.room - 2):  # (-2: the brackets of the array)
+            connection.post(self.subject, messages.back_batch(group), self.hosted.admitter)
 
     def on_complete(self, usage: Usage) -> bool:
         self._end(messages.back_complete(usage, self.hosted.session.account_id))
@@ -85,7 +100,8 @@ class Forwarder:
     def _end(self, last: bytes) -> None:
         if not self.finished:
             self.finished = True
-            self.holder.connection.post(self.subject, last, self.hosted.admitter)
+            self._pending.append(last)  # with the chunks of this turn, in order
+            self._send()
             self.holder.end(self.hosted)
 
 
@@ -199,16 +215,16 @@ class Holder:
         if session is not None and (request_id in session.inboxes or len(data) > session.registration.max_request_frame_bytes):
             refuse("not_a_request", "replica %s sent request %s, already on %s or too big for it", admitter,
                     request_id, session.id)
-            self.connection.post(back, messages.back_gone("busy"), admitter)
+            self.connection.post(back, messages.back_batch([messages.back_gone("busy")]), admitter)
             return
         ok, why = self._claim(header["s"], ticket, admitter)
         if not ok:
-            self.connection.post(back, messages.back_gone(why), admitter)
+            self.connection.post(back, messages.back_batch([messages.back_gone(why)]), admitter)
             return
         hosted = self.hosted[ticket]
         session = hosted.session
         if not session.online or session.link.closing or hosted.forwarder is not None:
-            self.connection.post(back, messages.back_gone(), admitter)
+            self.connection.post(back, messages.back_batch([messages.back_gone()]), admitter)
             self.end(hosted)
             return
         hosted.forwarder = Forwarder(self, hosted, request_id)

@@ -58,13 +58,81 @@ def registration_of(announced: dict[str, Any]) -> Register:
                     max_request_frame_bytes=announced["max_request_frame_bytes"], name=announced["name"] or "")
 
 
-def fleet_message(replica: str, sessions: list[dict[str, Any]], gone: list[str], *, full: bool,
-                  leaving: bool = False) -> bytes:
-    """On ``<prefix>.fleet``: the sessions that changed (or, ``full``, all of them: any other is gone)."""
-    body: dict[str, Any] = {"replica": replica, "full": full, "sessions": sessions, "gone": gone}
-    if leaving:
-        body["leaving"] = True
-    return json.dumps(body, separators=(",", ":")).encode()
+# on ``<prefix>.fleet`` (every replica) and ``<prefix>.view.<replica>`` (one): JSON objects, ``k`` their kind
+
+
+def encoded(value: Any) -> bytes:
+    return json.dumps(value, separators=(",", ":")).encode()
+
+
+def alive(replica: str, seq: int, count: int) -> bytes:
+    """The heartbeat: this replica is alive, its last delta was ``seq`` and it lists ``count`` sessions."""
+    return encoded({"k": "alive", "replica": replica, "seq": seq, "count": count})
+
+
+def leaving(replica: str) -> bytes:
+    """The last message of a replica that stops: every other replica drops its sessions at once."""
+    return encoded({"k": "leaving", "replica": replica})
+
+
+def sync_request(replica: str) -> bytes:
+    """``replica`` asks for a full view: of everyone (on the fleet subject) or of one replica."""
+    return encoded({"k": "sync", "replica": replica})
+
+
+def packed(items: list[bytes], room: int) -> list[list[bytes]]:
+    """``items`` (encoded JSON values), in order, in groups whose comma-joined size fits ``room``
+    (an item bigger than ``room`` alone is a group of its own, which the connection then refuses)."""
+    groups: list[list[bytes]] = []
+    group: list[bytes] = []
+    size = 0
+    for item in items:
+        if group and size + 1 + len(item) > room:
+            groups.append(group)
+            group, size = [], 0
+        size += len(item) + (1 if group else 0)
+        group.append(item)
+    if group:
+        groups.append(group)
+    return groups
+
+
+def _with_lists(head: dict[str, Any], lists: dict[str, list[bytes]]) -> bytes:
+    """``head`` with JSON arrays of already encoded items (the sessions are not encoded twice)."""
+    body = encoded(head)[:-1]
+    for key, items in lists.items():
+        body += b',"%s":[%s]' % (key.encode(), b",".join(items))
+    return body + b"}"
+
+
+# what a delta or a view part spends besides its items: its fields, with room for long ids and numbers
+FLEET_OVERHEAD = 256
+
+
+def fits(announced: bytes, room: int) -> bool:
+    """Whether a session's announcement fits in a fleet message of ``room`` bytes."""
+    return len(announced) <= room - FLEET_OVERHEAD
+
+
+def deltas(replica: str, first_seq: int, changed: list[bytes], gone: list[str], room: int) -> list[bytes]:
+    """The changed sessions (encoded announcements) and the gone ones (ids) in as many deltas as
+    ``room`` needs, numbered from ``first_seq`` on."""
+    items = [(b"S", item) for item in changed] + [(b"G", encoded(session_id)) for session_id in gone]
+    # (the tag tells the lists apart; packing counts it, so each group leaves a byte to spare per item)
+    groups = packed([tag + item for tag, item in items], room - FLEET_OVERHEAD)
+    return [_with_lists({"k": "delta", "replica": replica, "seq": first_seq + offset},
+                        {"sessions": [item[1:] for item in group if item[:1] == b"S"],
+                         "gone": [item[1:] for item in group if item[:1] == b"G"]})
+            for offset, group in enumerate(groups)]
+
+
+def view(replica: str, seq: int, number: int, sessions: list[bytes], room: int) -> list[bytes]:
+    """A replica's full view — every session it lists, as of its delta ``seq`` — in as many parts as
+    ``room`` needs; ``number`` tells the parts of one answer from another's."""
+    groups = packed(sessions, room - FLEET_OVERHEAD) or [[]]
+    return [_with_lists({"k": "view", "replica": replica, "seq": seq, "view": number, "part": index,
+                         "parts": len(groups)}, {"sessions": group})
+            for index, group in enumerate(groups)]
 
 
 # to the holder: one JSON header line, then the frame (bytes) it carries, if any
@@ -157,7 +225,20 @@ def json_object(data: bytes) -> dict[str, Any]:
     return body
 
 
-# back to the admitting replica, on the attempt's own subject
+# back to the admitting replica, on the attempt's own subject: batches of these items
+
+
+def back_batch(items: list[bytes]) -> bytes:
+    """What one message back carries: the items below, in order (the frames of one loop turn)."""
+    return b"[" + b",".join(items) + b"]"
+
+
+def back_items(body: bytes) -> list[dict[str, Any]]:
+    """The items of a message back (a JSON array of objects; ValueError for anything else)."""
+    items = json.loads(body)
+    if not isinstance(items, list) or not all(isinstance(item, dict) for item in items):
+        raise ValueError("a message back is a JSON array of objects")
+    return items
 
 
 def back_chunk(envelope: Envelope) -> bytes:

@@ -7,11 +7,13 @@ claims an unconfirmed ticket (a retry or a backup, placed without waiting); a ca
 status passes as a frame; a release, a measured speed and an unlink are reported. The holder's
 answers arrive on ``back.<this>.<ticket>`` and the stand-in delivers them to the attempt's inbox
 exactly as a local session delivers its socket's frames, including the checks that make a provider
-untrusted (the chunks open only here).
+untrusted (the chunks open only here). The holder sends the frames of one attempt that reach it in
+one loop turn as one message (a JSON array of them).
 """
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 import secrets
@@ -28,6 +30,7 @@ from darkbloom.wire.protocol import Cancel, Envelope, Usage, dump
 
 log = logging.getLogger("darkbloom.fabric")
 CLAIM_TIMEOUT = 2.0  # seconds for the holder to answer a claim; after it, the slot counts as busy
+LOOKS_FULL_FOR = 1.0  # seconds a refused stand-in looks full, unless its holder announces it sooner
 
 
 class RemoteLink:
@@ -36,6 +39,7 @@ class RemoteLink:
     only_proven_chunks = True  # a replica announces only sessions whose chunks prove their node
     closing = False            # not this replica's socket: the holder closes it
     session: ProviderSession   # the stand-in, bound as it is made (``fabric.view``)
+    announced_active = 0       # the holder's count of the session's active requests, as last announced
 
     def __init__(self, holder: str, outbound: "Outbound") -> None:
         self.holder = holder
@@ -141,9 +145,17 @@ class Outbound:
                              link.holder)
 
     def _looks_full(self, session: ProviderSession) -> None:
-        """Until the holder's next announcement says otherwise, no slot of it looks free here (+1: the
-        refused slot is still counted and its release, right after, takes one off)."""
+        """For ``LOOKS_FULL_FOR`` (or until the holder announces it), no slot of it looks free here
+        (+1: the refused slot is still counted and its release, right after, takes one off); then it
+        has the count its holder last announced (the holder announces a session when it changes, so
+        a refusal that was no answer at all must not leave it full for good)."""
         slots.mirror(session, max(session.active, session.max_concurrency) + 1)
+        asyncio.get_running_loop().call_later(LOOKS_FULL_FOR, self._as_announced, session)
+
+    def _as_announced(self, session: ProviderSession) -> None:
+        link = session.link
+        if self.registry.get(session.id) is session and isinstance(link, RemoteLink):
+            slots.mirror(session, link.announced_active)
 
     # the holder's answers
 
@@ -157,7 +169,8 @@ class Outbound:
                    opened.sender, link.holder)
             return
         try:
-            self._deliver(link.session, request_id, messages.json_object(opened.body))
+            for item in messages.back_items(opened.body):
+                self._deliver(link.session, request_id, item)
         except Exception:  # noqa: BLE001 - a malformed message fails its attempt, never the subscription
             log.exception("request %s: bad message from the holding replica", request_id)
             link.session.deliver_gone(request_id)

@@ -43,6 +43,10 @@ class Fabric:
         self.view = FleetView(services, self.outbound, self.holder.admitter_gone)
         self.outbound.on_session_gone = self.view.drop
         self.advertiser = Advertiser(services.registry, self.connection, self.subjects, settings.replica_heartbeat)
+        self.view.on_sync_asked = self.advertiser.asked
+        self.view.on_forget = self.advertiser.forget
+        self.connection.on_up(self.view.ask_everyone)
+        self.connection.on_up(self.advertiser.alive)  # heard at once, not a heartbeat later
         self._tasks: list[asyncio.Task[Any]] = []
 
     @property
@@ -50,12 +54,18 @@ class Fabric:
         return self.connection.connected
 
     def status(self) -> dict[str, Any]:
-        """For /readyz: the NATS connection and how many other replicas this one hears."""
-        return {"nats": "connected" if self.connected else "disconnected", "replicas": len(self.view.heard) + 1}
+        """For /readyz: the NATS connection, how many replicas this one hears (itself included), and
+        whether it sees all of their sessions: ``fabric`` is ``in_sync`` when NATS is connected and
+        every replica heard is in step, else ``out_of_sync`` with the ones that are not."""
+        unsynced = self.view.unsynced
+        return {"nats": "connected" if self.connected else "disconnected", "replicas": len(self.view.heard) + 1,
+                "fabric": "in_sync" if self.connected and not unsynced else "out_of_sync",
+                "unsynced_replicas": unsynced}
 
     async def _subscribe(self, client: Client) -> None:
         subjects = self.subjects
         await client.subscribe(subjects.fleet, cb=self._proven(self.view.on_message))
+        await client.subscribe(subjects.my_views, cb=self._proven(self.view.on_direct))
         await client.subscribe(subjects.my_claims, cb=self._proven(self.holder.on_claim))
         await client.subscribe(subjects.my_holds, cb=self._proven(self.holder.on_hold))
         await client.subscribe(subjects.my_backs, cb=self._proven(self.outbound.on_back))

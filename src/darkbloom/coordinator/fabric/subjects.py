@@ -1,6 +1,8 @@
 """The NATS subjects of one coordinator's replicas, all under ``--nats-subject-prefix``.
 
-- ``<prefix>.fleet``: every replica's announcements of the sessions it holds (all replicas listen);
+- ``<prefix>.fleet``: every replica's announcements of the sessions it holds — deltas, heartbeats,
+  a joining replica's ask for everyone's view, goodbyes (all replicas listen);
+- ``<prefix>.view.<replica>``: to one replica: an ask for its full view, or the parts of a view it asked for;
 - ``<prefix>.claim.<replica>``: request/reply, claim a slot on one of that replica's sessions;
 - ``<prefix>.hold.<replica>``: to the replica holding a session: a sealed request, cancel, release,
   distrust, enrollment, unlink;
@@ -22,6 +24,9 @@ class Subjects:
     def fleet(self) -> str:
         return f"{self.prefix}.fleet"
 
+    def view(self, replica: str) -> str:
+        return f"{self.prefix}.view.{replica}"
+
     def claim(self, replica: str) -> str:
         return f"{self.prefix}.claim.{replica}"
 
@@ -30,6 +35,10 @@ class Subjects:
 
     def back(self, replica: str, ticket: str) -> str:
         return f"{self.prefix}.back.{replica}.{ticket}"
+
+    @property
+    def my_views(self) -> str:
+        return self.view(self.replica)
 
     @property
     def my_claims(self) -> str:

@@ -17,10 +17,10 @@ from nacl.public import PublicKey
 
 from darkbloom.wire.protocol import Envelope, Register, Usage
 
-# what the registry's views of free sessions depend on: setting one of these calls the session's
-# ``_watch`` (the registry's, while the session is listed), whoever sets it
+# what the registry's views of free sessions depend on (and the replica fabric announces): setting one
+# of these calls the session's ``_watch`` (the registry's, while the session is listed), whoever sets it
 WATCHED = frozenset({"_active", "decode_tps", "online", "draining", "untrusted_reason", "trust_level",
-                     "runtime_verified", "public_key", "account_id"})
+                     "runtime_verified", "public_key", "account_id", "challenge_passed_at"})
 FRAME_TOO_LARGE = "frame_too_large"  # the code of a failure the coordinator gives a frame it refused as too large
 
 

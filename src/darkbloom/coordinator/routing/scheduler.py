@@ -11,6 +11,10 @@ that finds nothing, ``blocked_by_capability`` asks the views without the request
 full ``survey`` — every candidate through every gate, with the reasons — runs only for the Self-Route
 pre-flight, over the owner's sessions. The rejection counter therefore counts the sessions a selection
 examined and turned away, plus every rejection of a full survey.
+
+With replicas (``--nats-url``), a session this replica holds is taken over another replica's when it
+ranks as well: its request then makes no NATS hop. Another replica's session is taken only when it
+ranks strictly better (less loaded, or faster).
 """
 
 from __future__ import annotations
@@ -28,7 +32,7 @@ from darkbloom.wire.catalog import CatalogModel
 from darkbloom.coordinator.config import CoordinatorSettings
 from darkbloom.coordinator.fleet.registry import Registry, SessionView
 from darkbloom.coordinator.fleet.session import ProviderSession
-from darkbloom.coordinator.fleet.slots import FreeOrder, Slot, Ties
+from darkbloom.coordinator.fleet.slots import FreeOrder, Slot, Ties, speed_of
 from darkbloom.coordinator.routing.decision import RouteDecision
 from darkbloom.coordinator.routing.gates import NO_FREE_SLOT, first_failed_gate, passes_lasting_gates
 
@@ -59,6 +63,7 @@ class Survey:
 
 
 Order = Callable[[FreeOrder], Iterator[Ties]]
+Rank = Callable[[ProviderSession], tuple[float, float]]  # what ``Order`` sorts by: lower is better
 _PROBES = 8  # random draws within a rank before it is walked whole
 
 
@@ -125,24 +130,39 @@ def try_place(registry: Registry, decision: RouteDecision, settings: Coordinator
 
 
 def select(registry: Registry, decision: RouteDecision, settings: CoordinatorSettings,
-           order: Order = FreeOrder.by_expected_wait) -> Optional[ProviderSession]:
+           order: Order = FreeOrder.by_expected_wait, rank: Rank | None = None) -> Optional[ProviderSession]:
     """What ``choose`` would pick from a full survey: owned sessions first (prefer and exclusive),
-    the model's public sessions after (never for ``owned_only``), each view in ``order``."""
+    the model's public sessions after (never for ``owned_only``), each view in ``order`` (by ``rank``,
+    default ``expected_wait``)."""
     now = time.monotonic()
     owner = decision.owner_account_id
+    rank = rank or expected_wait
     if owner is not None:
-        found = _first(order(_view(registry, decision, settings, owner).free), decision, settings, now, False)
+        found = _pick(registry, decision, settings, order, rank, owner, False, now)
         if found is not None or decision.owned_only:
             return found
     elif decision.owned_only:
         return None
-    return _first(order(_view(registry, decision, settings, None).free), decision, settings, now, owner is not None)
+    return _pick(registry, decision, settings, order, rank, None, owner is not None, now)
 
 
 def select_idle_or_free(registry: Registry, decision: RouteDecision, settings: CoordinatorSettings,
                         idle_only: bool) -> Optional[ProviderSession]:
     """For a retry or the backup: owned first, then the fewest active requests, then the fastest."""
-    return select(registry, decision, settings, lambda free: free.by_active(idle_only))
+    return select(registry, decision, settings, lambda free: free.by_active(idle_only),
+                  lambda session: (session.active, -speed_of(session)))
+
+
+def _pick(registry: Registry, decision: RouteDecision, settings: CoordinatorSettings, order: Order, rank: Rank,
+          owner: str | None, skip_owned: bool, now: float) -> Optional[ProviderSession]:
+    """The first usable session of the view in ``order``; with replicas, one held here when it ranks
+    as well as another replica's that came first."""
+    found = _first(order(_view(registry, decision, settings, owner).free), decision, settings, now, skip_owned)
+    if found is None or settings.nats_url is None or registry.held(found.id) is not None:
+        return found
+    here = _first(order(_view(registry, decision, settings, owner, held_here=True).free), decision, settings, now,
+                  skip_owned)
+    return here if here is not None and rank(here) <= rank(found) else found
 
 
 def any_eligible(registry: Registry, decision: RouteDecision, settings: CoordinatorSettings) -> bool:
@@ -182,15 +202,17 @@ def _first_eligible(registry: Registry, decision: RouteDecision,
 
 
 def _view(registry: Registry, decision: RouteDecision, settings: CoordinatorSettings,
-          owner: str | None) -> SessionView:
-    """The sessions of the decision's model (the owner's, or the public's) that pass the lasting gates."""
+          owner: str | None, held_here: bool = False) -> SessionView:
+    """The sessions of the decision's model (the owner's, or the public's) that pass the lasting gates
+    (only those this replica holds, when ``held_here``)."""
     model = decision.model
-    key = (decision.names, model.weight_hash, decision.needs, owner, settings.min_trust)
+    key = (decision.names, model.weight_hash, decision.needs, owner, settings.min_trust, held_here)
     view = registry.view(key)
     if view is None:
         shape = RouteDecision(model=model, needs=decision.needs, owner_account_id=owner)
         view = registry.open_view(key, decision.names, owner,
-                                  lambda session: passes_lasting_gates(session, shape, settings))
+                                  lambda session: (passes_lasting_gates(session, shape, settings)
+                                                   and (not held_here or registry.held(session.id) is not None)))
     return view
 
 

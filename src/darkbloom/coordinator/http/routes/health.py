@@ -19,9 +19,11 @@ async def health() -> dict[str, str]:
 
 @router.get("/readyz")
 async def readyz(services: Services = Depends(get_services)) -> JSONResponse:
-    """Ready while the database answers. With replicas it also says whether NATS is connected; a
-    replica without NATS still serves its own sessions, so that alone does not make it unready
-    (a load balancer taking every replica out when NATS is down would strand every node)."""
+    """Ready while the database answers. With replicas it also says whether NATS is connected, how
+    many replicas it hears and whether it sees all their sessions (``fabric``: ``in_sync`` or
+    ``out_of_sync``, with ``unsynced_replicas``); a replica without NATS, or out of step with another,
+    still serves its own sessions, so that alone does not make it unready (a load balancer taking
+    every replica out when NATS is down would strand every node)."""
     fabric = services.fabric.status() if services.fabric is not None else {}
     if await ping(services.engine):
         return JSONResponse({"status": "ready", "database": "ok", **fabric})
