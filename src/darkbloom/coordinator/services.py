@@ -15,6 +15,7 @@ from darkbloom.coordinator.routing.queue import RequestQueues
 from darkbloom.coordinator.money.ratelimit import RateLimiter
 from darkbloom.coordinator.money.ledger.writer import LedgerWriter
 from darkbloom.coordinator.fleet.machine_book import MachineBook
+from darkbloom.coordinator.fleet.registration_gate import RegistrationGate
 from darkbloom.coordinator.fleet.registry import Registry
 from darkbloom.wire.crypto import new_id
 
@@ -32,6 +33,7 @@ class Services:
     ledger: LedgerWriter = None  # type: ignore[assignment]  # the group-commit ledger writer, on engine
     machine_book: MachineBook = None  # type: ignore[assignment]  # batched machines-table writes, on engine
     fabric: Any = None  # fabric.replica.Fabric with --nats-url (replicas over NATS); None: one process
+    registrations: RegistrationGate = field(default_factory=RegistrationGate)  # provider sockets registering
     _tasks: set[asyncio.Task[Any]] = field(default_factory=set)
 
     def __post_init__(self) -> None:
