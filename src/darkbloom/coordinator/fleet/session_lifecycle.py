@@ -49,7 +49,6 @@ from darkbloom.wire.protocol import (
     TrustStatus,
     dump,
 )
-from darkbloom.store import devices
 from darkbloom.store.machines import Seen
 
 log = logging.getLogger("darkbloom.sessions")
@@ -67,8 +66,7 @@ REGISTRATION_SECONDS = Histogram(
 async def _owner_of(services: Services, auth_token: str | None) -> tuple[str, str] | None:
     if not auth_token or not auth_token.startswith("dkp-"):
         return None
-    async with services.engine.connect() as conn:
-        return await devices.token_owner(conn, token_hash(auth_token))
+    return await services.device_owners.owner(token_hash(auth_token))
 
 
 async def open_session(services: Services, registration: Register, link: Link,
