@@ -179,7 +179,8 @@ async def _challenge(services: Services, session: ProviderSession) -> None:
     _outstanding[session.id] = outstanding
     try:
         session.send(dump(outstanding.challenge))
-        await asyncio.wait_for(outstanding.answered, deadline)
+        async with asyncio.timeout(deadline):
+            await outstanding.answered
     except TimeoutError:
         distrust(session, f"no answer to the attestation challenge within {deadline:g} s", services)
     finally:
