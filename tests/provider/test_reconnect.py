@@ -53,12 +53,50 @@ def test_a_registration_resets_the_backoff() -> None:
     assert policy.delay(registered=False, close_code=None) <= 1.0  # the first refusal again
 
 
-def test_a_thousand_nodes_refused_after_a_restart_spread_their_retries() -> None:
-    """The whole sequence of one restart: dropped with 1012, every first attempt refused (the new
-    process is not listening yet), then refused twice more: each round is spread, never a crowd."""
-    policies = fleet(restart_window=10.0, base=1.0)
-    at = [policy.delay(registered=True, close_code=SERVICE_RESTART) for policy in policies]
-    for _ in range(3):
-        at = [t + policy.delay(registered=False, close_code=None) for t, policy in zip(at, policies)]
-        per_second = [sum(1 for t in at if s <= t < s + 1) for s in range(int(max(at)) + 1)]
-        assert max(per_second) < NODES / 8, per_second
+class Clock:
+    """A node's own clock, moved by the simulation."""
+
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def restart(up_at: float, window: float = 10.0) -> list[float]:
+    """A thousand nodes dropped with 1012 at 0; the new process refuses connections until
+    ``up_at``, then registers every node at once. When each registers."""
+    registered_at = []
+    for n in range(NODES):
+        clock = Clock()
+        policy = ReconnectPolicy(rng=random.Random(n), clock=clock, restart_window=window)
+        clock.now = policy.delay(registered=True, close_code=SERVICE_RESTART)
+        while clock.now < up_at:
+            clock.now += policy.delay(registered=False, close_code=None)
+        registered_at.append(clock.now)
+    return registered_at
+
+
+@pytest.mark.parametrize("up_at", [0.5, 4.0, 9.0])
+def test_nodes_refused_during_a_restart_stay_spread_over_its_window(up_at: float) -> None:
+    """Refusals while the new process starts move a node to a random moment of what is left of the
+    window: the fleet arrives spread over the rest of it (a slow start leaves less of it), none long
+    after it."""
+    registered_at = restart(up_at)
+    assert all(up_at <= t <= 10.0 + 1.0 for t in registered_at)  # past the window: one backoff step at most
+    per_second = [sum(1 for t in registered_at if s <= t < s + 1) for s in range(int(max(registered_at)) + 1)]
+    assert max(per_second) <= 1.5 * NODES / (10.0 - up_at), per_second  # about uniform over what was left
+
+
+def test_refusals_after_the_window_back_off_again() -> None:
+    clock = Clock()
+    policy = ReconnectPolicy(rng=random.Random(3), clock=clock, restart_window=10.0, base=1.0)
+    policy.delay(registered=True, close_code=SERVICE_RESTART)
+    clock.now = 5.0
+    assert policy.delay(registered=False, close_code=None) <= 5.0 and policy.failures == 0
+    clock.now = 9.5  # less than `base` left: the ordinary backoff
+    bounds = []
+    for _ in range(4):
+        bounds.append(policy.delay(registered=False, close_code=TRY_AGAIN_LATER))
+    assert policy.failures == 4
+    assert all(0 <= d <= bound for d, bound in zip(bounds, [1, 2, 4, 8]))

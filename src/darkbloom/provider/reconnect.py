@@ -7,17 +7,22 @@ time out (docs/protocol.md "Reconnecting"). So, from how the last connection end
 - a registered session closed with 1012 "service restart" or 1001 "going away" (the coordinator is
   stopping, and so are all its sessions): the next attempt at a uniformly random moment of
   ``restart_window``;
+- an attempt that did not register while that window lasts (the new process is not listening yet,
+  or it turned the node away with 1013 "try again later"): another random moment of what is left
+  of the window, so the fleet stays spread over it rather than piling up behind the slowest start;
 - a registered session lost any other way (a dropped network, an eviction): within ``lost_window``;
-- no registration (refused, timed out, a broken handshake, closed before ``registered``, or 1013
-  "try again later" from a coordinator taking too many registrations at once): exponential backoff
-  with full jitter, a uniform delay up to ``base`` × 2^(failures − 1), capped at ``cap``;
+- an attempt that did not register otherwise (refused, timed out, a broken handshake, closed before
+  ``registered``, 1013): exponential backoff with full jitter, a uniform delay up to ``base`` ×
+  2^(failures − 1), capped at ``cap``;
 - a registration resets the backoff.
 """
 
 from __future__ import annotations
 
 import random
+import time
 from dataclasses import dataclass, field
+from typing import Callable
 
 GOING_AWAY = 1001
 SERVICE_RESTART = 1012
@@ -32,14 +37,23 @@ class ReconnectPolicy:
     restart_window: float = 10.0
     lost_window: float = 1.0
     rng: random.Random = field(default_factory=random.Random)
-    failures: int = 0  # attempts in a row that did not register
+    clock: Callable[[], float] = time.monotonic
+    failures: int = 0  # attempts in a row that did not register (outside a restart's window)
+    _window_ends: float = 0.0  # when the current restart's window closes (clock time)
 
     def delay(self, registered: bool, close_code: int | None) -> float:
         """Seconds to wait before the next attempt, after one that ``registered`` (or not) and was
         closed with ``close_code`` (None: no close frame came)."""
+        now = self.clock()
         if registered:
             self.failures = 0
-            window = self.restart_window if close_code in _STOPPING else self.lost_window
-            return self.rng.uniform(0, window)
+            if close_code in _STOPPING:
+                self._window_ends = now + self.restart_window
+                return self.rng.uniform(0, self.restart_window)
+            self._window_ends = 0.0
+            return self.rng.uniform(0, self.lost_window)
+        left = self._window_ends - now
+        if left >= self.base:  # expected while the coordinator restarts: stay spread over the window
+            return self.rng.uniform(0, left)
         self.failures += 1
         return self.rng.uniform(0, min(self.cap, self.base * 2 ** min(self.failures - 1, 32)))
