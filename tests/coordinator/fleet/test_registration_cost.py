@@ -96,7 +96,7 @@ async def registration_work(engine: AsyncEngine, fleet: int) -> tuple[list[str],
     registry.open_view(("owned", account_id, MODEL), (MODEL,), account_id, lambda s: s.online)
     identity = NodeIdentity.generate()
     token = await linked_token(engine, account_id)
-    await register(services, token, identity)  # a first one warms what is made once (caches, compiled SQL)
+    _, warm = await register(services, token, identity)  # a first one warms what is made once (caches, SQL)
     statements, stop = count(engine)
     try:
         with CallCounter() as calls:
@@ -105,6 +105,7 @@ async def registration_work(engine: AsyncEngine, fleet: int) -> tuple[list[str],
             session_lifecycle.close_session(services, session)
     finally:
         stop()
+        warm.cancel()
     assert len(registry) == fleet + 1  # the warm-up session is still there
     return statements.statements, calls.calls
 
@@ -127,14 +128,18 @@ async def test_a_certificate_reads_the_enrollment_ca_once(engine: AsyncEngine) -
     nodes = [NodeIdentity.generate() for _ in range(3)]
     tokens = [await linked_token(engine, account_id) for _ in nodes]
     certificates = [ca.issue(node.identity_key_b64, f"mach_{n}") for n, node in enumerate(nodes)]
-    session, _ = await register(services, tokens[0], nodes[0], certificates[0])
+    session, trust = await register(services, tokens[0], nodes[0], certificates[0])
     assert session.trust_level == "hardware"
+    trusts = [trust]
     statements, stop = count(engine)
     try:
         for token, node, certificate in zip(tokens[1:], nodes[1:], certificates[1:]):
-            session, _ = await register(services, token, node, certificate)
+            session, trust = await register(services, token, node, certificate)
+            trusts.append(trust)
             assert session.trust_level == "hardware"
     finally:
         stop()
+        for trust in trusts:
+            trust.cancel()
     assert not any("stored_settings" in s for s in statements.statements)
     assert len(statements.statements) == 2  # each one's device token, nothing else
