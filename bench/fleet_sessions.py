@@ -3,9 +3,9 @@
 Each session is a real WebSocket connection speaking the real protocol (darkbloom.wire): it sends
 `register` with its identity keys and a fresh signed attestation, answers every attestation challenge (the
 first is part of registration), heartbeats like a node (every ``heartbeat_interval_secs``, from a
-random phase), and when the connection is lost reconnects with the node's policy (jittered
-exponential backoff, ``ProviderNode.reconnect_base`` doubling to ``reconnect_max``, reset by a
-registration). A few sessions answer inference requests with one short fixed chunk; the others
+random phase), and when the connection is lost reconnects with the node's own policy
+(``darkbloom.provider.reconnect.ReconnectPolicy``: a restart spread over a window, refusals backed
+off exponentially with full jitter, reset by a registration). A few sessions answer inference requests with one short fixed chunk; the others
 advertise a model nobody asks for.
 
 A worker process (``worker_main``) runs its share of the fleet and obeys commands from the bench over
@@ -31,7 +31,7 @@ from websockets.asyncio.client import ClientConnection, connect
 from websockets.exceptions import ConnectionClosed, InvalidHandshake, InvalidStatus
 
 from darkbloom.provider.config import ProviderConfig
-from darkbloom.provider.node import ProviderNode
+from darkbloom.provider.reconnect import TRY_AGAIN_LATER, ReconnectPolicy
 from darkbloom.wire.crypto import NodeIdentity, Sealer, challenge_message
 from darkbloom.wire.protocol import (
     MAX_REQUEST_FRAME_BYTES,
@@ -91,24 +91,22 @@ class Session:
         self.runtime = worker.runtime
 
     async def run(self, first: asyncio.Semaphore | None) -> None:
-        delay = ProviderNode.reconnect_base
+        policy = ReconnectPolicy()
         while True:
             if first is not None:
                 async with first:
-                    registered = await self._connect_once(serve=False)
+                    registered, close_code = await self._connect_once(serve=False)
                 first = None
                 if registered:
-                    registered = await self._serve()
+                    registered, close_code = await self._serve()
             else:
-                registered = await self._connect_once(serve=True)
-            if registered:
-                delay = ProviderNode.reconnect_base
-            await asyncio.sleep(random.uniform(delay / 2, delay))
-            delay = min(delay * 2, ProviderNode.reconnect_max)
+                registered, close_code = await self._connect_once(serve=True)
+            await asyncio.sleep(policy.delay(registered, close_code))
 
-    async def _connect_once(self, serve: bool) -> bool:
-        """One connection up to `registered` (and, with ``serve``, served until it closes); True when
-        it registered. Failures are counted by kind."""
+    async def _connect_once(self, serve: bool) -> tuple[bool, int | None]:
+        """One connection up to `registered` (and, with ``serve``, served until it closes): whether it
+        registered, and the code the connection was closed with (None: no connection). Failures are
+        counted by kind."""
         tally = self.worker.tally
         tally.attempts += 1
         started = time.monotonic()
@@ -117,33 +115,38 @@ class Session:
                                     open_timeout=OPEN_TIMEOUT, close_timeout=2, proxy=None)
         except TimeoutError:
             tally.failures["connect timeout"] += 1
-            return False
+            return False, None
         except ConnectionRefusedError:
             tally.failures["connection refused"] += 1
-            return False
+            return False, None
         except (InvalidStatus, InvalidHandshake):
             tally.failures["broken handshake"] += 1
-            return False
+            return False, None
         except OSError as exc:
             tally.failures[f"connect error ({type(exc).__name__})"] += 1
-            return False
+            return False, None
         try:
             async with asyncio.timeout(REGISTER_TIMEOUT):
                 await self._register()
         except TimeoutError:
             tally.failures["no `registered` in time"] += 1
             self._abort()
-            return False
-        except (ConnectionClosed, OSError):
+            return False, None
+        except ConnectionClosed as closed:
+            code = closed.rcvd.code if closed.rcvd is not None else None
+            tally.failures["try again later (1013)" if code == TRY_AGAIN_LATER else "closed before `registered`"] += 1
+            self._abort()
+            return False, code
+        except OSError:
             tally.failures["closed before `registered`"] += 1
             self._abort()
-            return False
+            return False, None
         tally.latencies.append(time.monotonic() - started)
         self.registered = True
         self.worker.registered[self.spec.replica] += 1
         if self.worker.mark is not None and self.marked_at is None:
             self.marked_at = time.monotonic()
-        return await self._serve() if serve else True
+        return await self._serve() if serve else (True, None)
 
     async def _register(self) -> None:
         assert self.ws is not None
@@ -157,8 +160,9 @@ class Session:
         while not isinstance(await self._handle(await self.ws.recv()), Registered):
             pass
 
-    async def _serve(self) -> bool:
-        """Heartbeat and answer until the connection closes; always True (it had registered)."""
+    async def _serve(self) -> tuple[bool, int | None]:
+        """Heartbeat and answer until the connection closes: True (it had registered) and the code
+        it was closed with (1006: no close frame)."""
         assert self.ws is not None
         beats = asyncio.create_task(self._heartbeats(self.ws))
         try:
@@ -171,7 +175,7 @@ class Session:
             self.registered = False
             self.worker.registered[self.spec.replica] -= 1
             self.worker.tally.drops += 1
-        return True
+        return True, self.ws.close_code
 
     async def _handle(self, raw: str | bytes) -> Any:
         assert self.ws is not None

@@ -6,6 +6,7 @@ import asyncio
 import base64
 import json
 import os
+import random
 import socket
 import stat
 import time
@@ -21,8 +22,8 @@ from darkbloom.wire import protocol
 from darkbloom.provider.backends import create_backend
 from darkbloom.provider.backends.llama_cpp import LlamaCppBackend
 from darkbloom.provider.config import load_config
-from darkbloom.provider import node as node_module
 from darkbloom.provider.node import ProviderNode
+from darkbloom.provider.reconnect import ReconnectPolicy
 from darkbloom.wire.runtime import runtime_hash
 from tests.provider.fake_coordinator import Conn, FakeCoordinator
 from tests.support.recording_backend import RecordingLlamaCppBackend
@@ -75,8 +76,8 @@ async def harness(home: Path, request: pytest.FixtureRequest) -> AsyncIterator[H
         assert isinstance(built, LlamaCppBackend) and built.max_concurrency == max_concurrency
         backend = RecordingLlamaCppBackend(built.models, max_concurrency=built.max_concurrency, n_ctx=built.n_ctx,
                                            n_threads=built.n_threads, extra_buffer_types=built.extra_buffer_types)
-        node = ProviderNode(config, home, backend)
-        node.reconnect_base = 0.05
+        node = ProviderNode(config, home, backend,
+                            reconnect=ReconnectPolicy(base=0.05, restart_window=0.05, lost_window=0.05))
         h = Harness(fake, node, backend, home)
         h.task = asyncio.create_task(node.run(h.stop))
         try:
@@ -289,21 +290,27 @@ async def test_stop_mid_request_ends_cleanly(harness: Harness) -> None:
     assert harness.backend.recent and harness.backend.recent[-1].cancelled
 
 
-async def test_backoff_doubles_to_30_s_and_resets_after_registration(home: Path,
-                                                                    monkeypatch: pytest.MonkeyPatch) -> None:
-    ceilings: list[float] = []
+class _Ceilings(random.Random):
+    """Full jitter with no wait: records each delay's upper bound."""
 
-    def no_wait(low: float, high: float) -> float:
-        assert low == high / 2  # jitter within [delay/2, delay]
-        ceilings.append(high)
+    def __init__(self) -> None:
+        super().__init__(0)
+        self.ceilings: list[float] = []
+
+    def uniform(self, low: float, high: float) -> float:
+        assert low == 0  # full jitter: anywhere in [0, bound]
+        self.ceilings.append(high)
         return 0.0
 
-    monkeypatch.setattr(node_module.random, "uniform", no_wait)
+
+async def test_backoff_doubles_to_30_s_and_resets_after_registration(home: Path) -> None:
+    rng = _Ceilings()
+    ceilings = rng.ceilings
     with socket.socket() as sock:  # a port where nothing listens
         sock.bind(("127.0.0.1", 0))
         closed_url = f"http://127.0.0.1:{sock.getsockname()[1]}"
     config = load_config(home, {"coordinator_url": closed_url})
-    node = ProviderNode(config, home)
+    node = ProviderNode(config, home, reconnect=ReconnectPolicy(rng=rng))
     stop = asyncio.Event()
     task = asyncio.create_task(node.run(stop))
     try:
@@ -321,7 +328,7 @@ async def test_backoff_doubles_to_30_s_and_resets_after_registration(home: Path,
             await conn.ws.close()
             while len(ceilings) == attempts:
                 await asyncio.sleep(0.01)
-            assert ceilings[attempts] == 1  # reset by the successful registration
+            assert ceilings[attempts] == 1  # a lost session (1000): back within 1 s, the backoff reset
     finally:
         stop.set()
         await asyncio.wait_for(task, 30)

@@ -18,6 +18,7 @@ from darkbloom.wire import protocol
 from darkbloom.wire.crypto import NodeIdentity
 from darkbloom.provider.config import load_config
 from darkbloom.provider.node import ProviderNode
+from darkbloom.provider.reconnect import ReconnectPolicy
 from darkbloom.provider.state import read_state
 from tests.provider.fake_coordinator import FakeCoordinator
 
@@ -56,8 +57,8 @@ async def running(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> AsyncItera
     async with FakeCoordinator() as fake:
         config = load_config(home, {"coordinator_url": fake.url})
         config.heartbeat_interval_secs = 0.2
-        node = ProviderNode(config, home, _IdleBackend())  # type: ignore[arg-type]
-        node.reconnect_base = 0.05
+        node = ProviderNode(config, home, _IdleBackend(),  # type: ignore[arg-type]
+                            reconnect=ReconnectPolicy(base=0.05, restart_window=0.05, lost_window=0.05))
         stop = asyncio.Event()
         task = asyncio.create_task(node.run(stop))
         try:

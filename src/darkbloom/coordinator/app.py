@@ -64,7 +64,7 @@ def create_app(settings: CoordinatorSettings) -> FastAPI:
                 task.cancel()
             for session in services.registry.held_here():
                 session_lifecycle.close_session(services, session)
-                session.close(1001)
+                session.close(session_lifecycle.SERVICE_RESTART)
             if services.fabric is not None:
                 await services.fabric.stop()
             await services.drain(timeout=settings.cancel_grace + 5)

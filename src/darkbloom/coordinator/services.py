@@ -14,7 +14,9 @@ from darkbloom.coordinator.identity.auth_cache import AuthCache
 from darkbloom.coordinator.routing.queue import RequestQueues
 from darkbloom.coordinator.money.ratelimit import RateLimiter
 from darkbloom.coordinator.money.ledger.writer import LedgerWriter
+from darkbloom.coordinator.fleet.device_owners import DeviceOwners
 from darkbloom.coordinator.fleet.machine_book import MachineBook
+from darkbloom.coordinator.fleet.registration_gate import RegistrationGate
 from darkbloom.coordinator.fleet.registry import Registry
 from darkbloom.wire.crypto import new_id
 
@@ -32,6 +34,8 @@ class Services:
     ledger: LedgerWriter = None  # type: ignore[assignment]  # the group-commit ledger writer, on engine
     machine_book: MachineBook = None  # type: ignore[assignment]  # batched machines-table writes, on engine
     fabric: Any = None  # fabric.replica.Fabric with --nats-url (replicas over NATS); None: one process
+    registrations: RegistrationGate = field(default_factory=RegistrationGate)  # provider sockets registering
+    device_owners: DeviceOwners = None  # type: ignore[assignment]  # registrations' token owners, batched, on engine
     _tasks: set[asyncio.Task[Any]] = field(default_factory=set)
 
     def __post_init__(self) -> None:
@@ -41,6 +45,8 @@ class Services:
             self.ledger = LedgerWriter(self.engine)
         if self.machine_book is None:
             self.machine_book = MachineBook(self.engine, self.settings.machine_flush_interval)
+        if self.device_owners is None:
+            self.device_owners = DeviceOwners(self.engine)
 
     def spawn(self, work: Coroutine[Any, Any, Any]) -> asyncio.Task[Any]:
         """Run ``work`` to completion even if the request that started it goes away."""

@@ -17,7 +17,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import random
 from pathlib import Path
 from typing import Any
 
@@ -35,6 +34,7 @@ from darkbloom.provider.direct.endpoint import LocalEndpoint
 from darkbloom.provider.fleet_requests import FleetRequests
 from darkbloom.provider.models import describe_models
 from darkbloom.provider.outbox import Outbox, closed_outbox
+from darkbloom.provider.reconnect import ReconnectPolicy
 from darkbloom.provider.registration import register_frame, save_certificate, version
 from darkbloom.provider.slots import Slots
 from darkbloom.provider.state import NodeState, write_state
@@ -44,11 +44,9 @@ log = logging.getLogger(__name__)
 
 
 class ProviderNode:
-    reconnect_base = 1.0
-    reconnect_max = 30.0
-
     def __init__(self, config: ProviderConfig, home: Path, backend: Backend | None = None, *,
-                 local_only: bool = False, direct_backend: Backend | None = None) -> None:
+                 local_only: bool = False, direct_backend: Backend | None = None,
+                 reconnect: ReconnectPolicy | None = None) -> None:
         self.config = config
         self.home = home
         self.local_only = local_only
@@ -62,11 +60,12 @@ class ProviderNode:
         self.models: list[ModelInfo] = []
         self.state = NodeState(coordinator_url="" if local_only else config.coordinator_url,
                                models=config.model_ids, private_only=config.private_only, local_only=local_only)
+        self.reconnect = reconnect if reconnect is not None else ReconnectPolicy()
         self._outbox: Outbox = closed_outbox()
         self._registered = False
 
     async def run(self, stop: asyncio.Event) -> None:
-        """Serve until `stop` is set, reconnecting with jittered exponential backoff."""
+        """Serve until `stop` is set, reconnecting when the connection ends (`reconnect.py`)."""
         if self.local_only or self.config.local_endpoint:
             self.local = LocalEndpoint(self.config, self.home, self.direct_backend, self.slots)
             self.local.open()  # before the model loads: a taken port fails at once
@@ -98,21 +97,18 @@ class ProviderNode:
             log.info("node stopped")
 
     async def _connect_loop(self, stop: asyncio.Event) -> None:
-        delay = self.reconnect_base
         while not stop.is_set():
-            registered = await self._connect_once(stop)
+            registered, close_code = await self._connect_once(stop)
             if stop.is_set():
                 break
-            if registered:
-                delay = self.reconnect_base
-            wait = random.uniform(delay / 2, delay)
+            wait = self.reconnect.delay(registered, close_code)
             log.info("reconnecting to the coordinator in %.1f s", wait)
             with contextlib.suppress(asyncio.TimeoutError):
                 await asyncio.wait_for(stop.wait(), wait)
-            delay = min(delay * 2, self.reconnect_max)
 
-    async def _connect_once(self, stop: asyncio.Event) -> bool:
-        """One connection, raced against `stop`; True when the coordinator registered us."""
+    async def _connect_once(self, stop: asyncio.Event) -> tuple[bool, int | None]:
+        """One connection, raced against `stop`: whether the coordinator registered us, and the
+        code it closed the connection with (None: no connection, or no close frame)."""
         self._registered = False
         session = asyncio.create_task(self._session(), name="provider-session")
         stopper = asyncio.create_task(stop.wait())
@@ -124,14 +120,19 @@ class ProviderNode:
             await asyncio.gather(session, stopper, return_exceptions=True)
             await self.fleet.cancel_all()
             self._set_state(connected=False, provider_id=None)
+        close_code = None
         if not session.cancelled() and (exc := session.exception()) is not None:
             if isinstance(exc, (OSError, asyncio.TimeoutError, WebSocketException)):
                 log.warning("coordinator connection failed: %s", exc)
             else:
                 log.error("provider session crashed", exc_info=exc)
-        return self._registered
+        elif not session.cancelled():
+            close_code = session.result()
+        return self._registered, close_code
 
-    async def _session(self) -> None:
+    async def _session(self) -> int | None:
+        """Connect, register and serve until the connection closes; the code it was closed with
+        (1006: no close frame)."""
         url = ws_url(self.config)
         async with connect(url, max_size=protocol.MAX_REQUEST_FRAME_BYTES, compression=None, open_timeout=15,
                            close_timeout=5, user_agent_header=f"darkbloom-provider/{version()}") as ws:
@@ -155,6 +156,7 @@ class ProviderNode:
                     if not isinstance(exc, ConnectionClosed):
                         raise exc
                     log.info("coordinator closed the connection (%s)", exc)
+        return ws.close_code
 
     # frames
 

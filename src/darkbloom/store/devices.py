@@ -52,13 +52,18 @@ async def create_token(conn: AsyncConnection, token_hash: str, machine_id: str, 
 
 async def token_owner(conn: AsyncConnection, token_hash: str) -> tuple[str, str] | None:
     """(account_id, machine_id) for a live device token of a linked machine."""
-    row = (await conn.execute(
-        select(device_tokens.c.account_id, device_tokens.c.machine_id)
+    return (await token_owners(conn, [token_hash])).get(token_hash)
+
+
+async def token_owners(conn: AsyncConnection, token_hashes: list[str]) -> dict[str, tuple[str, str]]:
+    """(account_id, machine_id) by token hash, for those of ``token_hashes`` that are live device
+    tokens of linked machines (one statement)."""
+    rows = await conn.execute(
+        select(device_tokens.c.token_hash, device_tokens.c.account_id, device_tokens.c.machine_id)
         .join(machines, machines.c.id == device_tokens.c.machine_id)
-        .where(device_tokens.c.token_hash == token_hash, device_tokens.c.revoked_at.is_(None),
-               machines.c.unlinked_at.is_(None))
-    )).first()
-    return (row[0], row[1]) if row else None
+        .where(device_tokens.c.token_hash.in_(token_hashes), device_tokens.c.revoked_at.is_(None),
+               machines.c.unlinked_at.is_(None)))
+    return {row[0]: (row[1], row[2]) for row in rows}
 
 
 async def revoke_for_machine(conn: AsyncConnection, machine_id: str) -> None:

@@ -15,6 +15,7 @@ from __future__ import annotations
 import datetime as dt
 import logging
 import time
+import weakref
 from dataclasses import dataclass
 from typing import Any
 
@@ -157,11 +158,23 @@ class EnrollmentCA:
         return None
 
 
+# Once stored, the CA never changes (the first replica to store one wins, and nothing replaces it):
+# each engine's database is read until it has one, then never again (a registration presenting a
+# certificate would otherwise pay a query and a PEM parse).
+_loaded: weakref.WeakKeyDictionary[AsyncEngine, EnrollmentCA] = weakref.WeakKeyDictionary()
+
+
 async def load_ca(engine: AsyncEngine) -> EnrollmentCA | None:
     """The stored CA, or None before the first enrollment."""
+    ca = _loaded.get(engine)
+    if ca is not None:
+        return ca
     async with engine.connect() as conn:
         stored = await stored_settings.get(conn, STORED_NAME)
-    return EnrollmentCA.from_stored(stored) if stored is not None else None
+    if stored is None:
+        return None
+    ca = _loaded[engine] = EnrollmentCA.from_stored(stored)
+    return ca
 
 
 async def load_or_create_ca(engine: AsyncEngine) -> EnrollmentCA:

@@ -27,6 +27,7 @@ from dataclasses import dataclass
 from prometheus_client import Histogram
 
 from darkbloom.coordinator.fleet.enrollment import EnrollmentCA, load_ca
+from darkbloom.coordinator.fleet.registration_gate import Registering
 from darkbloom.coordinator.fleet.session import Link, ProviderSession
 from darkbloom.coordinator.services import Services
 from darkbloom.coordinator.fleet.trust import (
@@ -48,12 +49,13 @@ from darkbloom.wire.protocol import (
     TrustStatus,
     dump,
 )
-from darkbloom.store import devices
 from darkbloom.store.machines import Seen
 
 log = logging.getLogger("darkbloom.sessions")
 
 MACHINE_SEEN_EVERY = 60.0
+SERVICE_RESTART = 1012  # the close code that tells a node this process is stopping (docs/protocol.md "Reconnecting")
+GOING_AWAY = 1001
 REGISTRATION_SECONDS = Histogram(
     "darkbloom_registration_seconds",
     "From a provider socket's accept to its registered frame (the first challenge included), by the trust "
@@ -64,8 +66,7 @@ REGISTRATION_SECONDS = Histogram(
 async def _owner_of(services: Services, auth_token: str | None) -> tuple[str, str] | None:
     if not auth_token or not auth_token.startswith("dkp-"):
         return None
-    async with services.engine.connect() as conn:
-        return await devices.token_owner(conn, token_hash(auth_token))
+    return await services.device_owners.owner(token_hash(auth_token))
 
 
 async def open_session(services: Services, registration: Register, link: Link,
@@ -109,14 +110,15 @@ async def _enrollment_ca(services: Services) -> EnrollmentCA | None:
         return None
 
 
-async def run_trust(services: Services, session: ProviderSession) -> None:
+async def run_trust(services: Services, session: ProviderSession, registering: Registering) -> None:
     """The session's trust work, run as its own task for as long as the socket is open: the first
-    challenge (part of registration), then ``complete_registration``, then one challenge every
-    ``challenge_interval`` while the session is trusted."""
+    challenge (part of registration), then ``complete_registration`` (``registering`` ends there),
+    then one challenge every ``challenge_interval`` while the session is trusted."""
     try:
         if session.untrusted_reason is None:
             await _challenge(services, session)
         complete_registration(services, session)
+        registering.done()
         while session.untrusted_reason is None:
             await asyncio.sleep(services.settings.challenge_interval)
             await _challenge(services, session)
@@ -177,7 +179,8 @@ async def _challenge(services: Services, session: ProviderSession) -> None:
     _outstanding[session.id] = outstanding
     try:
         session.send(dump(outstanding.challenge))
-        await asyncio.wait_for(outstanding.answered, deadline)
+        async with asyncio.timeout(deadline):
+            await outstanding.answered
     except TimeoutError:
         distrust(session, f"no answer to the attestation challenge within {deadline:g} s", services)
     finally:
@@ -254,4 +257,4 @@ async def evict_silent(services: Services) -> None:
         for session in services.registry.silent_since(deadline):
             log.warning("provider %s silent for %.0f s: evicting", session.id, settings.heartbeat_timeout)
             close_session(services, session)
-            session.close(1001)
+            session.close(GOING_AWAY)

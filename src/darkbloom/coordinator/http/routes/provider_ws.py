@@ -10,6 +10,7 @@ import time
 from fastapi import APIRouter, WebSocket, WebSocketDisconnect
 
 from darkbloom.coordinator.fleet import session_lifecycle
+from darkbloom.coordinator.fleet.registration_gate import TRY_AGAIN_LATER, Registering
 from darkbloom.coordinator.fleet.session import FRAME_TOO_LARGE, ProviderSession
 from darkbloom.coordinator.fleet.socket_link import SocketLink
 from darkbloom.coordinator.websocket_protocol import mute_repeats
@@ -66,10 +67,26 @@ class _Strikes:
 async def provider_socket(websocket: WebSocket) -> None:
     services: Services = websocket.app.state.services
     await websocket.accept()
+    registering = services.registrations.enter()
+    if registering is None:
+        await _close_quietly(websocket, TRY_AGAIN_LATER)
+        return
+    try:
+        await _serve(websocket, services, registering)
+    except asyncio.CancelledError:
+        # only the server's shutdown cancels a socket's handler (past its grace): the session was taken
+        # down on the way out of _serve and the socket is closed; a traceback per socket would say nothing
+        pass
+    finally:
+        registering.done()
+
+
+async def _serve(websocket: WebSocket, services: Services, registering: Registering) -> None:
     accepted_at = time.monotonic()
     strikes = _Strikes(websocket)
     try:
-        registration = await asyncio.wait_for(_first_register(websocket, strikes), REGISTER_TIMEOUT)
+        async with asyncio.timeout(REGISTER_TIMEOUT):
+            registration = await _first_register(websocket, strikes)
     except (TimeoutError, WebSocketDisconnect, _TooManyBadFrames):
         await _close_quietly(websocket, POLICY_VIOLATION)
         return
@@ -78,10 +95,12 @@ async def provider_socket(websocket: WebSocket) -> None:
     strikes.session = session
     writer = asyncio.create_task(_write_frames(websocket, link))
     # The first challenge, then `registered`, then periodic challenges: beside the reader, never in its way.
-    trust = asyncio.create_task(session_lifecycle.run_trust(services, session))
+    trust = asyncio.create_task(session_lifecycle.run_trust(services, session, registering))
+    socket_closed = False
     try:
         await _read_frames(websocket, services, session, strikes)
     except WebSocketDisconnect as gone:
+        socket_closed = True
         if gone.code == MESSAGE_TOO_BIG:
             for request_id in list(session.inboxes):
                 session.deliver_error(request_id, 502, "", code=FRAME_TOO_LARGE)
@@ -91,9 +110,9 @@ async def provider_socket(websocket: WebSocket) -> None:
         trust.cancel()
         session_lifecycle.close_session(services, session)
         session.close(POLICY_VIOLATION if strikes.count >= MAX_BAD_FRAMES else 1000)
-        try:
-            await asyncio.wait_for(writer, timeout=2)
-        except (TimeoutError, asyncio.CancelledError):
+        if socket_closed:  # by the node, or by the server's shutdown (1012 to every socket): nothing left to send
+            writer.cancel()
+        elif not (await asyncio.wait({writer}, timeout=2))[0]:  # the close frame, after what was queued
             writer.cancel()
 
 
