@@ -6,6 +6,8 @@ pings, bookkeeping), for announcing each of them over NATS, for hearing each ses
 announced (its own come back too), and for nothing; a cell whose replicas did not hear each other
 (announcements over the bus's payload limit, never published) heard nothing: its β term is 0. On one
 replica: CPU per registration, RSS per session, the listing's p50 and the storm's length against N.
+With replicas, the idle NATS traffic against N and k (before issue 21 every replica announced all its
+sessions every second: ~700 B/s per session of the fleet; since, deltas and a small heartbeat).
 """
 
 from __future__ import annotations
@@ -81,8 +83,13 @@ def laws(cells: list[dict[str, Any]]) -> dict[str, Law]:
     # µs of CPU per second = % of a core × 10,000
     replica_idle = [(idle_terms(c["n"], c["k"], heard_each_other(c)), per_replica * 1e4)
                     for c in cells for per_replica in c["idle_cpu_percent"]]
-    found["idle"] = fit("idle CPU per replica", "µs/s", replica_idle, IDLE_TERMS) or \
-        fit("idle CPU per replica", "µs/s", replica_idle, IDLE_TERMS[:1])
+    # the fullest model whose costs are all ≥ 0: since issue 21 nothing is announced per session per
+    # second, and a fit with that term then gives it a negative cost out of noise
+    for terms in (IDLE_TERMS, ("N/k", "N heard"), ("N/k",)):
+        law = fit("idle CPU per replica", "µs/s", replica_idle, terms)
+        if law is not None and min(law.coefficients) >= 0:
+            found["idle"] = law
+            break
     one = [c for c in cells if c["k"] == 1]
     found["registration"] = fit("CPU per registration", "ms",
                                 [({"N": c["n"]}, c["cpu_per_registration_ms"]) for c in one], ("N",))
@@ -93,15 +100,16 @@ def laws(cells: list[dict[str, Any]]) -> dict[str, Law]:
     found["storm"] = fit("all N re-registered after a restart", "s",
                          [({"N": c["n"]}, c["storm"]["all_registered_s"]) for c in one
                           if c.get("storm") and c["storm"].get("all_registered_s") is not None], ("N",))
+    found["nats"] = fit("idle NATS bytes/s, all replicas", "B/s",
+                        [({"N": c["n"], "k": c["k"]}, c["nats"]["bytes_per_s"]) for c in cells
+                         if c["k"] > 1 and c.get("nats") and heard_each_other(c)], ("N", "k"))
     return {name: law for name, law in found.items() if law is not None}
 
 
-def announcement_bytes_per_session(cells: list[dict[str, Any]]) -> float | None:
-    """Bytes each session adds to its replica's once-a-second announcement, from the cells whose
-    announcements reached NATS (published fleet bytes per second ÷ sessions)."""
-    seen = [c["nats"]["fleet_bytes_per_s"] / c["n"] for c in cells
-            if c["k"] > 1 and c.get("nats") and c["nats"]["fleet_bytes_per_s"] > 0]
-    return float(np.median(seen)) if seen else None
+def largest_message(cells: list[dict[str, Any]]) -> tuple[int, int] | None:
+    """The largest fabric message any cell saw, and the bus's max_payload then."""
+    seen = [(c["nats"]["largest_message"], c["nats"]["max_payload"]) for c in cells if c["k"] > 1 and c.get("nats")]
+    return max(seen) if seen else None
 
 
 def projection(cells: list[dict[str, Any]], n: int, k: int) -> list[str]:
@@ -136,12 +144,11 @@ def projection(cells: list[dict[str, Any]], n: int, k: int) -> list[str]:
     if (models := found.get("models")) is not None:
         lines.append(f"- GET /v1/models p50 at N = {n:,} (every replica lists the whole fleet): "
                      f"≈ {models.at(N=n):,.0f} ms")
-    per_session = announcement_bytes_per_session(cells)
-    if per_session is not None:
-        size = per_session * n / k
-        lines.append(f"- one replica's announcement ≈ {size / 1e6:.1f} MB ({per_session:,.0f} B per session; "
-                     f"NATS default max_payload is 1 MiB: over it past {2**20 / per_session:,.0f} sessions "
-                     f"per replica, N ≈ {k * 2**20 / per_session:,.0f} on {k}); published "
-                     f"{per_session * n / 1e6:,.0f} MB/s, delivered to k subscribers "
-                     f"≈ {per_session * n * k / 1e9:.2f} GB/s")
+    if (nats := found.get("nats")) is not None:
+        published = nats.at(N=n, k=k)
+        lines.append(f"- idle fabric traffic ≈ {published / 1e6:,.3f} MB/s published (the NATS law above); "
+                     f"delivered to k subscribers ≈ {published * k / 1e6:,.3f} MB/s")
+    if (largest := largest_message(cells)) is not None:
+        lines.append(f"- largest fabric message in these cells: {largest[0] / 1e3:,.1f} kB "
+                     f"(max_payload {largest[1] / 2**20:g} MiB)")
     return lines

@@ -531,8 +531,8 @@ def tables(cells: list[dict[str, Any]]) -> str:
             held = " / ".join(f"{f['held']:,}" for f in fabric)
             dropped = " / ".join(f"{f['dropped']:.0f}" for f in fabric)
             lines.append(f"| {c['k']} | {c['n']:,} | {held} | {sees} | {listed} "
-                         f"| {_pct(c['idle_cpu_percent'])} | {nats['bytes_per_s'] / 1e6:.2f} MB/s "
-                         f"({nats['fleet_bytes_per_s'] / 1e6:.2f}) | {nats['largest_message'] / 1e6:.2f} MB "
+                         f"| {_pct(c['idle_cpu_percent'])} | {_bytes(nats['bytes_per_s'])}/s "
+                         f"({_bytes(nats['fleet_bytes_per_s'])}/s) | {_bytes(nats['largest_message'])} "
                          f"(max_payload {nats['max_payload'] / 2**20:.0f} MiB) "
                          f"| {' / '.join(_ms(h) for h in c['health_p99_ms'])} "
                          f"| {dropped} |")
@@ -541,6 +541,13 @@ def tables(cells: list[dict[str, Any]]) -> str:
 
 def _size(cell: dict[str, Any]) -> str:
     return f"{cell['n']:,}" + (f" ({cell['run']})" if cell.get("run") else "")
+
+
+def _bytes(x: float) -> str:
+    for unit, size in (("MB", 1e6), ("kB", 1e3)):
+        if x >= size:
+            return f"{x / size:,.2f} {unit}"
+    return f"{x:,.0f} B"
 
 
 def _num(x: float | None) -> str:

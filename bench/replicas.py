@@ -12,8 +12,8 @@ streaming. Two tables, one run:
 (b) **1, 2 and 3 replicas behind the load balancer**: for each k, an HAProxy whose backends are the
     first k replicas (deploy/haproxy.cfg with the other `server` lines left out); ``--nodes`` nodes
     connect through it (leastconn: spread over the k replicas) and the consumer calls it (round
-    robin). With k replicas a request lands on the holder of the session it is placed on about one
-    time in k (selection does not prefer local sessions), so (k-1)/k of the requests cross NATS.
+    robin). Selection prefers a session the admitting replica holds when it ranks as well as
+    another replica's (since issue 21; before, (k-1)/k of the requests crossed NATS).
 
 ``--profile DIR`` then samples the two replicas of a cross-replica request (B admitting, A holding)
 with py-spy while wrk keeps the cross path at c=64, non-streaming (bench/profile_summary.py).
