@@ -78,15 +78,16 @@ def create_app(settings: CoordinatorSettings) -> FastAPI:
     app = FastAPI(title="Darkbloom coordinator", version="0.1.0", lifespan=lifespan,
                   docs_url=None, redoc_url=None, redirect_slashes=False, **_NO_TELEMETRY)
     app.add_middleware(BodyLimitMiddleware, max_bytes=settings.max_body_bytes)
-    add_cors(app, settings.cors_origins)  # outermost: preflights never reach the body limit or routes
+    add_cors(app, settings.cors_origins)  # outside the body limit: preflights never reach it or routes
     install_handlers(app)
     install_allowed_methods(app)  # OPTIONS → 204 and every 405 with the full Allow
     install_openapi(app)  # GET /openapi.json: bodies, every response, Self-Route headers
     app.add_exception_handler(ClientDisconnected, _client_gone)
     app.add_exception_handler(ClientDisconnect, _client_gone)
     inference.add_inference_routes(app)
-    for module in (health, inference, account, payments, keys, device, admin, provider_ws, console_routes):
+    for module in (health, inference, account, payments, keys, device, admin, console_routes):
         app.include_router(module.router)
+    app.add_middleware(provider_ws.ProviderSocketFirst)  # added last: the outermost
     return app
 
 
