@@ -41,14 +41,6 @@ async def run_node(url: str, home: Path, policy: ReconnectPolicy) -> tuple[async
     return stop, asyncio.create_task(node.run(stop))
 
 
-@pytest.fixture
-def home(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
-    home = tmp_path / "home"
-    home.mkdir()
-    monkeypatch.setenv("DARKBLOOM_HOME", str(home))
-    return home
-
-
 async def until(predicate: object, what: str) -> None:
     for _ in range(1000):
         if predicate():  # type: ignore[operator]

@@ -23,6 +23,8 @@ from darkbloom.coordinator.fleet.registry import Registry
 from darkbloom.coordinator.services import Services
 from tests.coordinator.routing.sim import SimProvider, services, settings
 
+SMALL = 4096  # the tests' max_payload: it holds four or five announcements
+
 
 @dataclass
 class Sent:

@@ -5,26 +5,12 @@ needs, never one bigger. Counted in messages and bytes on an in-memory NATS (``i
 from __future__ import annotations
 
 import time
-from typing import AsyncIterator
 
-import pytest
 from prometheus_client import REGISTRY
 
 from darkbloom.coordinator.fabric import messages
 from darkbloom.coordinator.fabric.connection import PROOF_ROOM
-from tests.coordinator.fabric.inprocess import Bus, Replica, Sent, make_replica
-
-SMALL = 4096  # a max_payload that holds four or five announcements
-
-
-@pytest.fixture
-async def bus() -> AsyncIterator[Bus]:
-    bus = Bus(max_payload=SMALL)
-    yield bus
-    for replica in bus.replicas:
-        replica.close()
-    assert not bus.oversize, "a message bigger than max_payload reached the bus"
-
+from tests.coordinator.fabric.inprocess import SMALL, Bus, Replica, Sent, make_replica
 
 def failed(reason: str) -> float:
     return REGISTRY.get_sample_value("darkbloom_fabric_publish_failed_total", {"reason": reason}) or 0.0

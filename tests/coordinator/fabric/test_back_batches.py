@@ -5,16 +5,12 @@ order. Counted in messages on an in-memory NATS (``inprocess``)."""
 from __future__ import annotations
 
 import json
-from typing import AsyncIterator
-
-import pytest
 
 from darkbloom.coordinator.fabric.holder import Forwarder, Hosted
 from darkbloom.coordinator.fleet.session import ProviderSession
 from darkbloom.wire.protocol import Envelope, Usage
-from tests.coordinator.fabric.inprocess import Bus, Replica, Sent, make_replica
+from tests.coordinator.fabric.inprocess import SMALL, Bus, Replica, Sent, make_replica
 
-SMALL = 4096
 
 
 class Collected:
@@ -39,15 +35,6 @@ class Collected:
 
     def unread(self) -> int:
         return 0
-
-
-@pytest.fixture
-async def bus() -> AsyncIterator[Bus]:
-    bus = Bus(max_payload=SMALL)
-    yield bus
-    for replica in bus.replicas:
-        replica.close()
-    assert not bus.oversize
 
 
 async def attempt(bus: Bus) -> tuple[Replica, Replica, Forwarder, Collected, str]:
