@@ -10,9 +10,11 @@ test makes one request before the one it counts.
 
 from __future__ import annotations
 
+import gc
 import inspect
 import random
 import time
+import weakref
 from pathlib import Path
 from typing import Any, AsyncIterator, Awaitable, Callable
 
@@ -234,3 +236,24 @@ def test_the_eviction_check_finds_what_a_pass_over_every_session_finds() -> None
         deadline = clock - 30.0
         expected = {s for s in sessions if s.last_frame_at < deadline}
         assert set(registry.silent_since(deadline)) == expected, step
+
+
+def test_the_registry_lets_go_of_the_sessions_it_removed() -> None:
+    """The eviction heap keeps a removed session only until its deadline passes, and never a stand-in
+    (its last frame is never: its entry would never come up)."""
+    registry = Registry()
+    now = time.monotonic()
+    gone: list[weakref.ref[ProviderSession]] = []
+    for _ in range(50):
+        local, stand_in = SimProvider().session, SimProvider().session
+        local.heard(now - 100.0)
+        stand_in.last_frame_at = float("inf")
+        registry.add(local)
+        registry.add_stand_in(stand_in)
+        registry.remove(local)
+        registry.remove(stand_in)
+        gone += [weakref.ref(local), weakref.ref(stand_in)]
+    del local, stand_in
+    assert registry.silent_since(now - 30.0) == []  # the removed locals' entries come up and go
+    gc.collect()
+    assert [ref for ref in gone if ref() is not None] == []

@@ -88,7 +88,8 @@ class Registry:
         if session.machine_id:
             self._by_machine[session.machine_id].add(session)
         session._watch = self._changed
-        self._watch_liveness(session)
+        if session.id not in self._stand_ins:  # a stand-in is never evicted here: watched, it would stay forever
+            self._watch_liveness(session)
         self._recheck(session)
         self._tell(session)
 
