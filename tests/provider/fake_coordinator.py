@@ -4,12 +4,17 @@ tests drive that one). Each accepted connection is handed to the test, which scr
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
-from typing import Any
+from pathlib import Path
+from typing import Any, AsyncIterator
 
 from pydantic import BaseModel
 from websockets.asyncio.server import Server, ServerConnection, serve
 
+from darkbloom.provider.config import load_config
+from darkbloom.provider.node import ProviderNode
+from darkbloom.provider.reconnect import ReconnectPolicy
 from darkbloom.wire.chunk_arrays import response_chunks
 from darkbloom.wire import crypto, protocol
 
@@ -73,3 +78,34 @@ class FakeCoordinator:
 
     async def accept(self, timeout: float = 60) -> Conn:
         return await asyncio.wait_for(self.connections.get(), timeout)
+
+
+class IdleBackend:
+    """A node backend for tests where no inference happens."""
+
+    async def start(self) -> None:
+        pass
+
+    async def close(self) -> None:
+        pass
+
+    def capabilities(self, model_id: str) -> frozenset[str]:
+        return frozenset()
+
+    def stream_chat(self, *_args: Any) -> Any:  # pragma: no cover - never called
+        raise AssertionError("no inference expected")
+
+
+@contextlib.asynccontextmanager
+async def running_node(url: str, home: Path, policy: ReconnectPolicy) -> AsyncIterator[ProviderNode]:
+    """A node (idle backend, heartbeats every 0.2 s) dialling ``url`` until the block ends."""
+    config = load_config(home, {"coordinator_url": url})
+    config.heartbeat_interval_secs = 0.2
+    node = ProviderNode(config, home, IdleBackend(), reconnect=policy)  # type: ignore[arg-type]
+    stop = asyncio.Event()
+    task = asyncio.create_task(node.run(stop))
+    try:
+        yield node
+    finally:
+        stop.set()
+        await asyncio.wait_for(task, 30)

@@ -8,7 +8,7 @@ import asyncio
 import logging
 import stat
 from pathlib import Path
-from typing import Any, AsyncIterator
+from typing import AsyncIterator
 
 import pytest
 
@@ -16,27 +16,9 @@ from darkbloom import paths
 from darkbloom.coordinator.fleet.enrollment import EnrollmentCA
 from darkbloom.wire import protocol
 from darkbloom.wire.crypto import NodeIdentity
-from darkbloom.provider.config import load_config
-from darkbloom.provider.node import ProviderNode
 from darkbloom.provider.reconnect import ReconnectPolicy
 from darkbloom.provider.state import read_state
-from tests.provider.fake_coordinator import FakeCoordinator
-
-
-class _IdleBackend:
-    """No inference happens in these tests."""
-
-    async def start(self) -> None:
-        pass
-
-    async def close(self) -> None:
-        pass
-
-    def capabilities(self, model_id: str) -> frozenset[str]:
-        return frozenset()
-
-    def stream_chat(self, *_args: Any) -> Any:  # pragma: no cover - never called
-        raise AssertionError("no inference expected")
+from tests.provider.fake_coordinator import FakeCoordinator, running_node
 
 
 async def trust_level_written(home: Path, level: str) -> None:
@@ -50,22 +32,10 @@ async def trust_level_written(home: Path, level: str) -> None:
 
 
 @pytest.fixture
-async def running(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> AsyncIterator[tuple[FakeCoordinator, Path]]:
-    home = tmp_path / "home"
-    home.mkdir()
-    monkeypatch.setenv("DARKBLOOM_HOME", str(home))
-    async with FakeCoordinator() as fake:
-        config = load_config(home, {"coordinator_url": fake.url})
-        config.heartbeat_interval_secs = 0.2
-        node = ProviderNode(config, home, _IdleBackend(),  # type: ignore[arg-type]
-                            reconnect=ReconnectPolicy(base=0.05, restart_window=0.05, lost_window=0.05))
-        stop = asyncio.Event()
-        task = asyncio.create_task(node.run(stop))
-        try:
-            yield fake, home
-        finally:
-            stop.set()
-            await asyncio.wait_for(task, 30)
+async def running(home: Path) -> AsyncIterator[tuple[FakeCoordinator, Path]]:
+    async with FakeCoordinator() as fake, \
+            running_node(fake.url, home, ReconnectPolicy(base=0.05, restart_window=0.05, lost_window=0.05)):
+        yield fake, home
 
 
 async def test_certificate_is_saved_and_presented_at_the_next_registration(

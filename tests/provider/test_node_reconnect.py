@@ -10,12 +10,9 @@ from typing import AsyncIterator
 
 import pytest
 
-from darkbloom.provider.config import load_config
-from darkbloom.provider.node import ProviderNode
 from darkbloom.provider.reconnect import SERVICE_RESTART, TRY_AGAIN_LATER, ReconnectPolicy
 from darkbloom.wire import protocol
-from tests.provider.fake_coordinator import FakeCoordinator
-from tests.provider.test_node_certificate import _IdleBackend
+from tests.provider.fake_coordinator import FakeCoordinator, running_node
 from tests.support.processes import free_port
 
 
@@ -33,14 +30,6 @@ class RecordingPolicy(ReconnectPolicy):
         return super().delay(registered, close_code)
 
 
-async def run_node(url: str, home: Path, policy: ReconnectPolicy) -> tuple[asyncio.Event, asyncio.Task[None]]:
-    config = load_config(home, {"coordinator_url": url})
-    config.heartbeat_interval_secs = 0.2
-    node = ProviderNode(config, home, _IdleBackend(), reconnect=policy)  # type: ignore[arg-type]
-    stop = asyncio.Event()
-    return stop, asyncio.create_task(node.run(stop))
-
-
 async def until(predicate: object, what: str) -> None:
     for _ in range(1000):
         if predicate():  # type: ignore[operator]
@@ -52,13 +41,8 @@ async def until(predicate: object, what: str) -> None:
 @pytest.fixture
 async def node_on_fake(home: Path) -> AsyncIterator[tuple[FakeCoordinator, RecordingPolicy]]:
     policy = RecordingPolicy()
-    async with FakeCoordinator() as fake:
-        stop, task = await run_node(fake.url, home, policy)
-        try:
-            yield fake, policy
-        finally:
-            stop.set()
-            await asyncio.wait_for(task, 30)
+    async with FakeCoordinator() as fake, running_node(fake.url, home, policy):
+        yield fake, policy
 
 
 async def test_the_policy_hears_restart_try_again_later_and_a_lost_session(
@@ -89,11 +73,7 @@ async def test_the_policy_hears_restart_try_again_later_and_a_lost_session(
 
 async def test_refused_connections_count_as_failures(home: Path) -> None:
     policy = RecordingPolicy()
-    stop, task = await run_node(f"http://127.0.0.1:{free_port()}", home, policy)  # nobody listens there
-    try:
+    async with running_node(f"http://127.0.0.1:{free_port()}", home, policy):  # nobody listens there
         await until(lambda: len(policy.outcomes) >= 3, "three refused attempts")
-    finally:
-        stop.set()
-        await asyncio.wait_for(task, 30)
     assert set(policy.outcomes) == {(False, None)}
     assert policy.failures >= 3
