@@ -1,4 +1,5 @@
-"""The model catalog: ids, aliases, prices (µUSD per 1M tokens), output bounds."""
+"""The model catalog: ids, aliases, prices (µUSD per 1M tokens), output bounds, and where each
+model's weights come from (docs/models.md)."""
 
 from __future__ import annotations
 
@@ -13,6 +14,16 @@ DEFAULT_MAX_OUTPUT_TOKENS = 4096
 
 
 MAX_MODEL_ID = 256  # the longest model id anything accepts (catalog, requests, what a node advertises)
+WEIGHT_HASH_PATTERN = r"^sha256:[0-9a-f]{64}$"
+
+
+class WeightSource(BaseModel):
+    """Where a catalog model's GGUF lives on the Hugging Face Hub."""
+    model_config = ConfigDict(extra="forbid")
+
+    repo: str = Field(pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]*/[A-Za-z0-9][A-Za-z0-9._-]*$", max_length=200)
+    file: str = Field(min_length=1, max_length=500, pattern=r"^[^\\]+\.gguf$")
+    revision: str = Field(default="main", min_length=1, max_length=200)
 
 
 class CatalogModel(BaseModel):
@@ -23,7 +34,10 @@ class CatalogModel(BaseModel):
     input_price: int = Field(ge=0, description="µUSD per 1M prompt tokens")
     output_price: int = Field(ge=0, description="µUSD per 1M completion tokens")
     max_output_tokens: int = Field(default=DEFAULT_MAX_OUTPUT_TOKENS, ge=1)
-    weight_hash: str | None = None
+    weight_hash: str | None = Field(default=None, pattern=WEIGHT_HASH_PATTERN)
+    source: WeightSource | None = None
+    size_bytes: int | None = Field(default=None, ge=0)
+    context_length: int | None = Field(default=None, ge=1)
 
     def cost(self, prompt_tokens: int, completion_tokens: int) -> int:
         """Raw cost in µUSD, before any minimum charge (docs/billing.md "Money")."""

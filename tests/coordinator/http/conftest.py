@@ -64,6 +64,9 @@ class Api:
     def post(self, path: str, **kwargs: Any) -> httpx.Response:
         return self.http.post(path, **kwargs)
 
+    def put(self, path: str, **kwargs: Any) -> httpx.Response:
+        return self.http.put(path, **kwargs)
+
     def patch(self, path: str, **kwargs: Any) -> httpx.Response:
         return self.http.patch(path, **kwargs)
 

@@ -136,3 +136,38 @@ def test_admin_reads_the_catalog(api: Api) -> None:
     assert models["smollm2-135m"]["input_price"] == 50_000
     assert models["smollm2-135m"]["output_price"] == 200_000
     assert_error(api.get("/v1/admin/catalog"), 401, "invalid_api_key")
+
+
+SMOLLM_SOURCE = {"repo": "HuggingFaceTB/SmolLM2-135M-Instruct-GGUF", "file": "smollm2-135m-instruct-q8_0.gguf",
+                 "revision": "main"}
+
+
+def test_the_public_catalog_names_sources_sizes_and_prices(api: Api) -> None:
+    before = api.get("/v1/admin/catalog", headers=api.coordinator.admin()).json()
+    entry = {"id": "smollm2-135m", "input_price": 50_000, "output_price": 200_000, "max_output_tokens": 2048,
+             "weight_hash": "sha256:" + "0" * 64, "source": SMOLLM_SOURCE, "size_bytes": 144_811_616,
+             "context_length": 8192}
+    try:
+        resp = api.put("/v1/admin/catalog", headers=api.coordinator.admin(), json={"models": [entry]})
+        assert resp.status_code == 200, resp.text
+        public = api.get("/v1/models/catalog")  # no auth: a price list
+        assert public.status_code == 200, public.text
+        assert public.json() == {"object": "list", "data": [{**entry, "aliases": []}]}
+    finally:
+        api.put("/v1/admin/catalog", headers=api.coordinator.admin(), json=before)
+
+
+@pytest.mark.parametrize("bad", [
+    {"weight_hash": "sha256:XYZ"},
+    {"weight_hash": "md5:" + "0" * 32},
+    {"source": {"repo": "no-slash", "file": "a.gguf"}},
+    {"source": {"repo": "a/b", "file": "weights.bin"}},
+    {"source": {"repo": "a/b", "file": "a.gguf", "extra": 1}},
+    {"size_bytes": -1},
+    {"context_length": 0},
+])
+def test_a_catalog_with_a_malformed_weight_entry_is_refused(api: Api, bad: dict[str, object]) -> None:
+    entry = {"id": "smollm2-135m", "input_price": 1, "output_price": 1, **bad}
+    resp = api.put("/v1/admin/catalog", headers=api.coordinator.admin(), json={"models": [entry]})
+    assert_error(resp, 400, "invalid_request_error")
+    assert api.get("/v1/models/catalog").json()["data"][0]["input_price"] != 1

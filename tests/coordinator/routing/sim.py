@@ -31,6 +31,8 @@ from darkbloom.wire.crypto import NodeIdentity, Sealer, open_envelope, public_ke
 from darkbloom.wire.protocol import Cancel, InferenceRequest, ModelInfo, Register, Usage, parse_coordinator_frame
 
 MODEL = CatalogModel(id=BUNDLED_MODEL_ID, aliases=["smollm2"], input_price=50_000, output_price=200_000)
+GOOD_HASH = "sha256:" + "a" * 64  # the catalog pins this one
+BAD_HASH = "sha256:" + "b" * 64
 RUNTIME = "sha256:" + "ab" * 32
 _ids = itertools.count(1)
 

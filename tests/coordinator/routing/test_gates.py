@@ -14,7 +14,7 @@ from darkbloom.wire.catalog import CatalogModel
 from darkbloom.coordinator.fleet.registry import Registry
 from darkbloom.coordinator.routing.gates import GATES, PRIVACY_GATES, first_failed_gate
 from darkbloom.coordinator.routing.scheduler import candidates, choose, routable_public, survey, try_place
-from tests.coordinator.routing.sim import MODEL, SimProvider, decision, fleet, settings
+from tests.coordinator.routing.sim import BAD_HASH, GOOD_HASH, MODEL, SimProvider, decision, fleet, settings
 
 OWNER = "acct_owner"
 OTHER = "acct_other"
@@ -46,11 +46,11 @@ def test_model_not_served() -> None:
 
 
 def test_weight_hash_pinned_by_the_catalog() -> None:
-    pinned = CatalogModel(id=MODEL.id, input_price=1, output_price=1, weight_hash="sha256:good")
-    assert reason_of(SimProvider(weight_hash="sha256:bad"), model=pinned) == "model_not_served"
+    pinned = CatalogModel(id=MODEL.id, input_price=1, output_price=1, weight_hash=GOOD_HASH)
+    assert reason_of(SimProvider(weight_hash=BAD_HASH), model=pinned) == "model_not_served"
     assert reason_of(SimProvider(weight_hash=""), model=pinned) == "model_not_served"
-    assert reason_of(SimProvider(weight_hash="sha256:good"), model=pinned) is None
-    assert reason_of(SimProvider(weight_hash="sha256:bad")) is None  # no pin, any weights
+    assert reason_of(SimProvider(weight_hash=GOOD_HASH), model=pinned) is None
+    assert reason_of(SimProvider(weight_hash=BAD_HASH)) is None  # no pin, any weights
 
 
 def test_untrusted_and_offline() -> None:

@@ -21,11 +21,11 @@ from darkbloom.coordinator.routing.decision import RouteDecision
 from darkbloom.coordinator.routing.queue import NoEligibleSession, RequestQueues
 from darkbloom.coordinator.routing.scheduler import (any_eligible, expected_wait, routable_public, select,
                                                      select_idle_or_free, survey, try_place)
-from tests.coordinator.routing.sim import MODEL, SimProvider, decision, fleet, settings
+from tests.coordinator.routing.sim import BAD_HASH, GOOD_HASH, MODEL, SimProvider, decision, fleet, settings
 
 OWNER = "acct_owner"
 OTHER = "acct_other"
-PINNED = CatalogModel(id=MODEL.id, aliases=MODEL.aliases, input_price=1, output_price=1, weight_hash="sha256:good")
+PINNED = CatalogModel(id=MODEL.id, aliases=MODEL.aliases, input_price=1, output_price=1, weight_hash=GOOD_HASH)
 
 
 def _rejections(reason: str) -> float:
@@ -76,7 +76,7 @@ class World:
             account=rng.choice([None, None, OWNER, OTHER]), machine=f"mach_{self.machines}",
             trust=rng.choice(["none", "self_signed", "self_signed", "hardware"]),
             max_concurrency=rng.choice([1, 2, 3, 4]), private_only=rng.random() < 0.15,
-            vision=rng.random() < 0.5, weight_hash=rng.choice(["", "sha256:good", "sha256:bad"]),
+            vision=rng.random() < 0.5, weight_hash=rng.choice(["", GOOD_HASH, BAD_HASH]),
             runtime_verified=rng.random() < 0.9, challenge_age=rng.choice([0.0, 0.0, 0.0, None, 5000.0]),
             decode_tps=rng.choice([0.0, 20.0, 40.0]), online=rng.random() < 0.95)
         self.registry.add(provider.session)

@@ -99,6 +99,10 @@ OPERATIONS: dict[tuple[str, str], Operation] = {
         auth="caller", route_headers=("X-Darkbloom-Route",),
         description="The public catalog of routable models, or with an exclusive self-route policy "
                     "(`X-Darkbloom-Route: self` or a self_route_only key) your own machines' models."),
+    ("get", "/v1/models/catalog"): Operation(
+        "public", "The model catalog", {200: json_answer(
+            "CatalogList", "Every catalog model with its prices (µUSD per 1M tokens) and, where known, the "
+                           "Hugging Face source, size, context length and weight hash of its GGUF.")}),
     ("get", "/v1/models/{model_id}"): Operation(
         "inference", "One model", {200: json_answer("Model", "The model, under the id you asked for.")},
         auth="caller", route_headers=("X-Darkbloom-Route",), errors={404: ("model_not_found",)}),

@@ -190,6 +190,7 @@ SCHEMAS: dict[str, Schema] = {
     "Model": obj({"id": {"type": "string", "maxLength": MAX_MODEL_ID}, "object": {"const": "model"},
                   "created": TIMESTAMP, "owned_by": {"type": "string", "examples": ["darkbloom", "self"]}}),
     "ModelList": obj({"object": {"const": "list"}, "data": {"type": "array", "items": ref("Model")}}),
+    "CatalogList": obj({"object": {"const": "list"}, "data": {"type": "array", "items": ref("CatalogModel")}}),
     "SelfRouteModels": obj({"models": {"type": "array", "items": STRING}}),
     "HealthStatus": obj({"status": {"const": "ok"}}),
     "ReadyStatus": obj({"status": {"enum": ["ready", "not_ready"]}, "database": {"enum": ["ok", "unreachable"]},

@@ -67,6 +67,14 @@ async def models(request: Request, caller: Caller = Depends(require_caller),
     return {"object": "list", "data": list_models(services, caller, policy)}
 
 
+@router.get("/v1/models/catalog")
+async def model_catalog(services: Services = Depends(get_services)) -> dict[str, object]:
+    """The catalog with prices and where each model's weights come from; public, like a price list
+    (docs/models.md "The catalog")."""
+    return {"object": "list",
+            "data": [m.model_dump(exclude_none=True) for m in services.settings.catalog.models]}
+
+
 @router.get("/v1/models/{model_id:path}")
 async def model(model_id: str, request: Request, caller: Caller = Depends(require_caller),
                 services: Services = Depends(get_services)) -> dict[str, object]:
