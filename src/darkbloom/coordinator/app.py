@@ -22,7 +22,7 @@ from darkbloom.coordinator.http.cors import add_cors
 from darkbloom.coordinator.http.errors import install_handlers
 from darkbloom.coordinator.http.allowed_methods import install_allowed_methods
 from darkbloom.coordinator.http.openapi.document import install_openapi
-from darkbloom.coordinator.http.routes import account, admin, device, health, inference, keys, payments, provider_ws
+from darkbloom.coordinator.http.routes import account, admin, device, health, inference, keys, payments, provider_ws, shares
 from darkbloom.coordinator.http.sealed_body import load_or_create_key
 from darkbloom.coordinator.identity import auth_invalidation
 from darkbloom.coordinator.money import reconciliation
@@ -85,7 +85,7 @@ def create_app(settings: CoordinatorSettings) -> FastAPI:
     app.add_exception_handler(ClientDisconnected, _client_gone)
     app.add_exception_handler(ClientDisconnect, _client_gone)
     inference.add_inference_routes(app)
-    for module in (health, inference, account, payments, keys, device, admin, console_routes):
+    for module in (health, inference, account, payments, keys, shares, device, admin, console_routes):
         app.include_router(module.router)
     app.add_middleware(provider_ws.ProviderSocketFirst)  # added last: the outermost
     return app

@@ -11,14 +11,14 @@ from sqlalchemy.ext.asyncio import AsyncConnection
 from darkbloom.wire.crypto import new_id
 from darkbloom.store.schema import api_keys
 
-EDITABLE_FIELDS = ("name", "self_route_only", "limit_micro_usd", "limit_reset", "rpm_limit",
+EDITABLE_FIELDS = ("name", "self_route_only", "shared_only", "limit_micro_usd", "limit_reset", "rpm_limit",
                    "itpm_limit", "otpm_limit", "allowed_models")
 
 
 async def create(conn: AsyncConnection, account_id: str, key_hash: str, key_prefix: str,
                  fields: dict[str, Any]) -> dict[str, Any]:
     key_id = new_id("key_")
-    values = {"self_route_only": False, "limit_reset": "none", **fields}
+    values = {"self_route_only": False, "shared_only": False, "limit_reset": "none", **fields}
     await conn.execute(insert(api_keys).values(
         id=key_id, account_id=account_id, key_hash=key_hash, key_prefix=key_prefix,
         created_at=int(time.time()), **values))

@@ -32,6 +32,7 @@ api_keys = Table(
     Column("key_hash", String(64), nullable=False, unique=True),
     Column("key_prefix", String(16), nullable=False),
     Column("self_route_only", Boolean, nullable=False, default=False),
+    Column("shared_only", Boolean, nullable=False, default=False, server_default=false()),  # migration 0006
     Column("limit_micro_usd", BigInteger, nullable=True),
     Column("limit_reset", String(16), nullable=False, default="none"),
     Column("rpm_limit", Integer, nullable=True),
@@ -131,7 +132,8 @@ usage_records = Table(
     Column("platform_fee_micro_usd", BigInteger, nullable=False),
     Column("provider_payout_micro_usd", BigInteger, nullable=False),
     Column("self_routed", Boolean, nullable=False),
-    Column("routed", String(8), nullable=False),        # owned | fleet
+    Column("routed", String(8), nullable=False),        # owned | shared | fleet
+    Column("share_id", String(64), nullable=True, index=True),  # routed through this share (migration 0006)
     # an exclusive request whose machine changed owner mid-flight: still free, nobody paid
     Column("ownership_changed", Boolean, nullable=False, server_default=false()),
     Column("created_at", BigInteger, nullable=False),
@@ -157,4 +159,30 @@ stored_settings = Table(
     "stored_settings", metadata,
     Column("name", String(64), primary_key=True),
     Column("value", JSON, nullable=False),
+)
+
+# shares (migration 0006): an owner lets the account with an email use some or all of their machines
+
+shares = Table(
+    "shares", metadata,
+    Column("id", String(64), primary_key=True),
+    Column("owner_account_id", String(64), ForeignKey("accounts.id"), nullable=False, index=True),
+    Column("grantee_email", String(320), nullable=False, index=True),  # trimmed, lower-cased; may have no account yet
+    Column("machine_ids", JSON, nullable=True),                        # null: all the owner's machines, future ones too
+    Column("daily_request_limit", BigInteger, nullable=True),
+    Column("daily_token_limit", BigInteger, nullable=True),
+    Column("input_price", BigInteger, nullable=False, default=0),      # µUSD per 1M tokens; 0 and 0: free
+    Column("output_price", BigInteger, nullable=False, default=0),
+    Column("expires_at", BigInteger, nullable=True),
+    Column("created_at", BigInteger, nullable=False),
+    Column("revoked_at", BigInteger, nullable=True),
+)
+
+share_days = Table(
+    "share_days", metadata,
+    Column("share_id", String(64), primary_key=True),
+    Column("day", Integer, primary_key=True),             # UTC day: Unix seconds // 86400
+    Column("requests", BigInteger, nullable=False),       # admitted today (a request that failed unserved gives its back)
+    Column("tokens", BigInteger, nullable=False),         # prompt + completion tokens of settled requests
+    Column("held_tokens", BigInteger, nullable=False),    # the estimates of requests in flight
 )

@@ -250,7 +250,7 @@ def test_an_unrestricted_key_manages_keys(api: Api) -> None:
 @pytest.mark.parametrize("unknown", [
     {"limit_micro_usd": 1000},                      # the view's own field, not an input
     {"key": "dk-mine"}, {"id": "key_x"},
-    {"shared_only": True}, {"fallback_limit_usd": 1}, {"expires_at": 2_000_000_000}, {"disabled": True},
+    {"fallback_limit_usd": 1}, {"expires_at": 2_000_000_000}, {"disabled": True},
 ])
 def test_an_unknown_key_field_is_400_naming_it_on_create_and_edit(api: Api, shared_account: Account,
                                                                   unknown: dict[str, Any]) -> None:
@@ -272,3 +272,15 @@ def test_every_unknown_key_field_is_named(api: Api, shared_account: Account) -> 
     error = assert_error(resp, 400, "invalid_request_error")
     assert "'limit_micro_usd'" in error["message"] and "'spend_cap'" in error["message"]
     assert error["param"] == "limit_micro_usd"
+
+
+def test_shared_only_is_a_boolean_and_restricts_the_key(api: Api) -> None:
+    account = api.signup()
+    key = api.create_key(account, shared_only=True)
+    assert key["shared_only"] is True and key["self_route_only"] is False
+    error = assert_error(api.patch(f"/v1/keys/{key['id']}", json={"shared_only": "yes"}, headers=account.auth),
+                         400, "invalid_request_error")
+    assert error["param"] == "shared_only"
+    assert_error(api.post("/v1/keys", json={"name": "wider"}, headers=bearer(key["key"])), 403, "key_restricted")
+    edited = api.patch(f"/v1/keys/{key['id']}", json={"shared_only": False}, headers=account.auth)
+    assert edited.status_code == 200 and edited.json()["shared_only"] is False

@@ -83,9 +83,9 @@ RESTRICTING_KEY_FIELDS = ("limit_micro_usd", "allowed_models", "rpm_limit", "itp
 
 
 def restricted(key: dict[str, Any]) -> bool:
-    """A key someone chose to limit (self-route only, a spend cap, a model list, rate limits): if it
+    """A key someone chose to limit (self-route or shared only, a spend cap, a model list, rate limits): if it
     leaks, it must not be able to widen itself, mint an unrestricted key or link a machine."""
-    return bool(key.get("self_route_only")) or any(key.get(name) is not None for name in RESTRICTING_KEY_FIELDS)
+    return bool(key.get("self_route_only") or key.get("shared_only")) or any(key.get(name) is not None for name in RESTRICTING_KEY_FIELDS)
 
 
 async def require_account_writer(caller: Caller = Depends(require_caller)) -> Caller:

@@ -12,7 +12,7 @@ LIMIT_RESETS = ("none", "daily", "weekly", "monthly")
 _RATE_FIELDS = ("rpm_limit", "itpm_limit", "otpm_limit")
 _MAX_RATE = 2**31 - 1        # INTEGER column
 _MAX_MICRO_USD = 2**63 - 1   # BIGINT column
-KEY_FIELDS = ("name", "self_route_only", "limit_usd", "limit_reset", *_RATE_FIELDS, "allowed_models")
+KEY_FIELDS = ("name", "self_route_only", "shared_only", "limit_usd", "limit_reset", *_RATE_FIELDS, "allowed_models")
 
 
 def key_fields(body: dict[str, Any], *, creating: bool) -> dict[str, Any]:
@@ -24,10 +24,11 @@ def key_fields(body: dict[str, Any], *, creating: bool) -> dict[str, Any]:
         if not isinstance(name, str) or not name.strip() or len(name) > 200:
             raise invalid_request("'name' must be a non-empty string of at most 200 characters.", param="name")
         fields["name"] = name.strip()
-    if "self_route_only" in body:
-        if not isinstance(body["self_route_only"], bool):
-            raise invalid_request("invalid value for self_route_only", param="self_route_only")
-        fields["self_route_only"] = body["self_route_only"]
+    for flag in ("self_route_only", "shared_only"):
+        if flag in body:
+            if not isinstance(body[flag], bool):
+                raise invalid_request(f"invalid value for {flag}", param=flag)
+            fields[flag] = body[flag]
     if "limit_usd" in body:
         fields["limit_micro_usd"] = _micro_usd(body["limit_usd"])
     if "limit_reset" in body:
@@ -80,7 +81,7 @@ def key_view(row: dict[str, Any]) -> dict[str, Any]:
     limit = row["limit_micro_usd"]
     return {
         "id": row["id"], "object": "api_key", "name": row["name"], "key_prefix": row["key_prefix"],
-        "self_route_only": bool(row["self_route_only"]),
+        "self_route_only": bool(row["self_route_only"]), "shared_only": bool(row["shared_only"]),
         "limit_usd": None if limit is None else float(Decimal(limit) / 1_000_000),
         "limit_micro_usd": limit, "limit_reset": row["limit_reset"],
         "rpm_limit": row["rpm_limit"], "itpm_limit": row["itpm_limit"], "otpm_limit": row["otpm_limit"],

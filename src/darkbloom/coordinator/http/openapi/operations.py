@@ -154,6 +154,21 @@ OPERATIONS: dict[tuple[str, str], Operation] = {
     ("delete", "/v1/keys/{key_id}"): Operation(
         "keys", "Delete an API key", {200: json_answer("ApiKeyDeleted", "Deleted.")}, auth="manager",
         errors={400: INVALID, 404: ("key_not_found",)}),
+    ("post", "/v1/shares"): Operation(
+        "shares", "Share your machines with someone", {201: json_answer(
+            "Share", "The share; the same answer whether or not the email has an account yet.")},
+        auth="manager", body=_json_body("ShareCreate"), errors={400: INVALID, 404: ("machine_not_found",)},
+        examples={"household": {"email": "partner@example.com", "daily_request_limit": 200},
+                  "priced": {"email": "friend@example.com", "input_price": 20_000, "output_price": 80_000,
+                             "expires_at": "2027-01-31T00:00:00Z"}}),
+    ("get", "/v1/shares"): Operation(
+        "shares", "Shares you gave and received", {200: json_answer("ShareLists", "Both lists.")}, auth="caller"),
+    ("delete", "/v1/shares/{share_id}"): Operation(
+        "shares", "Revoke a share (owner or grantee)", {204: Answer("Revoked.")}, auth="manager",
+        errors={404: ("share_not_found",)}),
+    ("get", "/v1/shares/{share_id}/usage"): Operation(
+        "shares", "What a share used", {200: json_answer("ShareUsage", "Today (UTC) and the latest usage rows.")},
+        auth="caller", errors={400: INVALID, 404: ("share_not_found",)}),
     ("post", "/v1/device/code"): Operation(
         "device", "Start a device login", {200: json_answer("DeviceCode", "Show user_code; poll with device_code.")}),
     ("post", "/v1/device/approve"): Operation(

@@ -119,6 +119,8 @@ _CHAT_EVENT = {
 _KEY_FIELDS = {
     "name": {"type": "string", "minLength": 1, "maxLength": 200},
     "self_route_only": {"type": "boolean", "description": "Serve only on your own machines, always free."},
+    "shared_only": {"type": "boolean", "description": "Serve only on your own machines and those shared with you "
+                                                      "(X-Darkbloom-Route: shared on every request)."},
     "limit_usd": {"type": ["number", "null"], "minimum": 0, "description": "Spend cap in US dollars (≤ 6 decimals)."},
     "limit_reset": {"enum": ["none", "daily", "weekly", "monthly"]},
     **{field: {"type": ["integer", "null"], "minimum": 1, "maximum": 2**31 - 1}
@@ -128,7 +130,7 @@ _KEY_FIELDS = {
 
 _API_KEY = obj({
     "id": {"type": "string", "examples": ["key_0123456789abcdef"]}, "object": {"const": "api_key"},
-    "name": STRING, "key_prefix": STRING, "self_route_only": BOOLEAN,
+    "name": STRING, "key_prefix": STRING, "self_route_only": BOOLEAN, "shared_only": BOOLEAN,
     "limit_usd": {"type": ["number", "null"]}, "limit_micro_usd": NULLABLE_INTEGER,
     "limit_reset": STRING, "rpm_limit": NULLABLE_INTEGER, "itpm_limit": NULLABLE_INTEGER,
     "otpm_limit": NULLABLE_INTEGER, "allowed_models": {"type": ["array", "null"], "items": STRING},
@@ -147,11 +149,36 @@ _USAGE_ROW = obj({
     "request_id": STRING, "created_at": TIMESTAMP, "model": STRING, "provider_id": NULLABLE_STRING,
     "prompt_tokens": INTEGER, "completion_tokens": INTEGER,
     "cost_micro_usd": {"type": "integer", "description": "0 for self-routed requests served by your machine."},
-    "self_routed": BOOLEAN, "routed": {"enum": ["owned", "fleet"]},
+    "self_routed": BOOLEAN, "routed": {"enum": ["owned", "shared", "fleet"]},
+    "share_id": {"type": "string", "description": "The share that served (routed: shared)."},
     "ownership_changed": {"type": "boolean", "description": "An exclusive request whose machine changed owner "
                                                             "mid-flight: still free, nobody paid."},
 }, required=("request_id", "created_at", "model", "provider_id", "prompt_tokens", "completion_tokens",
              "cost_micro_usd", "self_routed", "routed"))
+
+_SHARE = obj({
+    "id": {"type": "string", "examples": ["shr_0123456789abcdef"]}, "object": {"const": "share"},
+    "grantee_email": STRING,
+    "machines": {"anyOf": [{"type": "array", "items": STRING}, {"const": "all"}]},
+    "daily_request_limit": NULLABLE_INTEGER, "daily_token_limit": NULLABLE_INTEGER,
+    "input_price": {"type": "integer", "description": "µUSD per 1M prompt tokens; 0 with output_price 0: free."},
+    "output_price": INTEGER,
+    "expires_at": {"type": ["string", "null"], "format": "date-time"}, "created_at": TIMESTAMP,
+    "owner_email": {"type": "string", "description": "Received shares only."},
+    "machine_names": {"type": "object", "additionalProperties": STRING,
+                      "description": "Received shares only: the owner's machines it covers, by id."},
+}, required=("id", "object", "grantee_email", "machines", "daily_request_limit", "daily_token_limit", "input_price",
+             "output_price", "expires_at", "created_at"))
+
+_SHARE_CREATE = obj({
+    "email": {"type": "string", "format": "email", "maxLength": 320},
+    "machines": {"type": "array", "items": STRING, "minItems": 1, "maxItems": 1000,
+                 "description": "Left out: all your machines, present and future."},
+    "daily_request_limit": {"type": ["integer", "null"], "minimum": 1},
+    "daily_token_limit": {"type": ["integer", "null"], "minimum": 1},
+    "input_price": {"type": "integer", "minimum": 0}, "output_price": {"type": "integer", "minimum": 0},
+    "expires_at": {"type": ["string", "null"], "format": "date-time"},
+}, ("email",), additionalProperties=False)
 
 _EARNINGS_ROW = obj({
     "request_id": STRING, "created_at": TIMESTAMP, "model": STRING, "provider_id": NULLABLE_STRING,
@@ -209,6 +236,12 @@ SCHEMAS: dict[str, Schema] = {
     "Unlinked": obj({"id": STRING, "deleted": {"const": True}}),
     "Balance": obj({"balance_micro_usd": INTEGER, "withdrawable_micro_usd": INTEGER}),
     "UsageRow": _USAGE_ROW, "UsagePage": page_of("UsageRow"),
+    "Share": _SHARE, "ShareCreate": _SHARE_CREATE,
+    "ShareLists": obj({"given": {"type": "array", "items": ref("Share")},
+                       "received": {"type": "array", "items": ref("Share")}}),
+    "ShareUsage": obj({"share_id": STRING,
+                       "today": obj({"requests": INTEGER, "prompt_tokens": INTEGER, "completion_tokens": INTEGER}),
+                       "data": {"type": "array", "items": ref("UsageRow")}}),
     "EarningsRow": _EARNINGS_ROW, "EarningsPage": page_of("EarningsRow", total_micro_usd=INTEGER),
     "ApiKeyCreate": obj(_KEY_FIELDS, ("name",), additionalProperties=False),
     "ApiKeyUpdate": obj(_KEY_FIELDS, (), additionalProperties=False),
