@@ -48,8 +48,9 @@ class Settle:
     fee_bps: int
     reserved: bool           # closes an open reservation; False: exclusive, charged from the balance
     self_routed: bool        # free on the caller's own machine (the usage row's flag)
-    routed: str              # owned | fleet
+    routed: str              # owned | shared | fleet
     ownership_changed: bool = False  # exclusive, but the machine changed owner mid-flight (still free)
+    share_id: str | None = None      # routed through this share (free, or charged at its prices)
 
 
 @dataclass(frozen=True)
@@ -243,5 +244,5 @@ class _Planner:
         self.changes.usage.append((
             request_id, step.account_id, step.key_id, step.model, step.provider_id, step.provider_account_id,
             step.prompt_tokens, step.completion_tokens, collected, fee, payout, step.self_routed, step.routed,
-            self.changes.now, step.ownership_changed))
+            self.changes.now, step.ownership_changed, step.share_id))
         return Settled(collected, fee, payout, uncollected)
