@@ -52,6 +52,29 @@ class Node:
     def popen(self, *args: str, **kwargs: object) -> subprocess.Popen[bytes]:
         return subprocess.Popen(darkbloom_cmd(*args), env=self.env, cwd=REPO_ROOT, **kwargs)  # type: ignore[call-overload]
 
+    def entries(self) -> list[str]:
+        """What the store holds, besides its downloads in progress."""
+        return sorted(p.name for p in self.store.iterdir() if p.name != ".partial") if self.store.exists() else []
+
+    def partials(self) -> list[Path]:
+        return sorted(self.store.glob(".partial/*/*.incomplete"))
+
+
+def pulled(result: subprocess.CompletedProcess[str]) -> tuple[str, Path]:
+    """The `ID PATH` line a successful pull prints."""
+    assert result.returncode == 0, result.stderr
+    model_id, path = result.stdout.strip().split(" ", 1)
+    return model_id, Path(path)
+
+
+def failed(result: subprocess.CompletedProcess[str], code: int = 1) -> str:
+    """The one error line a failed command prints last on stderr (after any progress lines)."""
+    assert result.returncode == code, result.stdout + result.stderr
+    errors = [line for line in result.stderr.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and result.stderr.strip().splitlines()[-1] == errors[0], result.stderr
+    assert "Traceback" not in result.stderr and result.stdout == ""
+    return errors[0]
+
 
 def node_env(home: Path, hub_url: str, scratch: Path) -> dict[str, str]:
     env = {key: value for key, value in os.environ.items()

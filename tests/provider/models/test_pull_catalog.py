@@ -11,8 +11,7 @@ from typing import Iterator
 import httpx
 import pytest
 
-from tests.provider.models.conftest import BUNDLED_NAME, MIRROR, ONE, Node
-from tests.provider.models.test_pull_hub import entries, failed, partials, pulled
+from tests.provider.models.conftest import BUNDLED_NAME, MIRROR, ONE, Node, failed, pulled
 from tests.support.accounts import create_account, login_node, wait_model_listed
 from tests.support.hub_server import HubServer
 from tests.support.processes import Coordinator, darkbloom_cmd, free_port, spawn, sqlite_coordinator
@@ -77,7 +76,7 @@ def test_weights_the_hub_announces_with_another_hash_are_not_downloaded(node: No
                                                                        coordinator: Coordinator) -> None:
     line = failed(node.run("models", "pull", "smol-wrong-hash", "--coordinator", coordinator.base_url))
     assert "not the catalog's weight_hash sha256:0000" in line
-    assert hub.downloads() == [] and entries(node) == []
+    assert hub.downloads() == [] and node.entries() == []
 
 
 def test_downloaded_bytes_with_another_hash_are_deleted(node: Node, hub: HubServer, coordinator: Coordinator,
@@ -85,14 +84,14 @@ def test_downloaded_bytes_with_another_hash_are_deleted(node: Node, hub: HubServ
     hub.corrupt = True  # the Hub announces the right sha256; the bytes that arrive are not those
     line = failed(node.run("models", "pull", "smol-catalog", "--coordinator", coordinator.base_url))
     assert f"differs from the catalog's weight_hash {weight_hash}" in line and "the file was deleted" in line
-    assert len(hub.downloads()) == 1 and entries(node) == [] and partials(node) == []
+    assert len(hub.downloads()) == 1 and node.entries() == [] and node.partials() == []
 
 
 def test_a_model_larger_than_the_free_disk_is_refused_before_the_hub_is_asked(
         node: Node, hub: HubServer, coordinator: Coordinator) -> None:
     line = failed(node.run("models", "pull", "smol-huge", "--coordinator", coordinator.base_url))
     assert "not enough disk space for smol-huge: it needs 1000000000.00 GB more" in line
-    assert hub.requests == [] and entries(node) == []
+    assert hub.requests == [] and node.entries() == []
 
 
 @pytest.mark.parametrize(("args", "cause"), [
@@ -104,7 +103,7 @@ def test_a_model_larger_than_the_free_disk_is_refused_before_the_hub_is_asked(
 def test_what_the_catalog_cannot_give_exits_1(node: Node, hub: HubServer, coordinator: Coordinator,
                                              args: list[str], cause: str) -> None:
     assert cause in failed(node.run("models", "pull", *args, "--coordinator", coordinator.base_url))
-    assert hub.requests == [] and entries(node) == []
+    assert hub.requests == [] and node.entries() == []
 
 
 def test_without_a_reachable_coordinator_a_catalog_id_cannot_be_pulled(node: Node) -> None:
@@ -123,7 +122,7 @@ def test_serving_a_model_the_store_lacks_names_the_pull(node: Node, coordinator:
         f'[coordinator]\nurl = "{coordinator.base_url}"\n\n[[models]]\nid = "smol-served"\npath = ""\n')
     assert "`darkbloom models pull smol-served`" in failed(node.run("serve"))
     assert "has no model 'nope'" in failed(node.run("serve", "--model", "nope", "--pull"))
-    assert entries(node) == []
+    assert node.entries() == []
 
 
 def test_serve_pull_fetches_a_catalog_model_then_serves_it(node: Node, hub: HubServer,
@@ -135,7 +134,7 @@ def test_serve_pull_fetches_a_catalog_model_then_serves_it(node: Node, hub: HubS
     try:
         wait_model_listed(coordinator, owner, "smol-served")
         assert "pulling smol-served" in process.log()
-        assert entries(node) == ["smol-served"]
+        assert node.entries() == ["smol-served"]
         # the catalog pins the weights: only a node advertising their sha256 is given the request
         answer = httpx.post(coordinator.api_url + "/chat/completions", headers=owner.headers(), timeout=120, json={
             "model": "smol-served", "max_tokens": 4, "messages": [{"role": "user", "content": "Hi"}]})

@@ -11,36 +11,11 @@ from pathlib import Path
 
 import pytest
 
-from tests.provider.models.conftest import BUNDLED_NAME, MIRROR, NOT_GGUF, ONE, TWO, Node
+from tests.provider.models.conftest import BUNDLED_NAME, MIRROR, NOT_GGUF, ONE, TWO, Node, failed, pulled
 from tests.support.hub_server import HubServer
 from tests.support.processes import free_port, wait_until
 
 DEFAULT_ID = "smollm2-135m-instruct.q4_1"  # the file's stem, lower-cased
-
-
-def pulled(result: subprocess.CompletedProcess[str]) -> tuple[str, Path]:
-    """The `ID PATH` line a successful pull prints."""
-    assert result.returncode == 0, result.stderr
-    model_id, path = result.stdout.strip().split(" ", 1)
-    return model_id, Path(path)
-
-
-def failed(result: subprocess.CompletedProcess[str], code: int = 1) -> str:
-    """The one error line a failed command prints last on stderr (after any progress lines)."""
-    assert result.returncode == code, result.stdout + result.stderr
-    errors = [line for line in result.stderr.splitlines() if line.startswith("error:")]
-    assert len(errors) == 1 and result.stderr.strip().splitlines()[-1] == errors[0], result.stderr
-    assert "Traceback" not in result.stderr and result.stdout == ""
-    return errors[0]
-
-
-def entries(node: Node) -> list[str]:
-    """What the store holds, besides its in-progress downloads."""
-    return sorted(p.name for p in node.store.iterdir() if p.name != ".partial") if node.store.exists() else []
-
-
-def partials(node: Node) -> list[Path]:
-    return sorted(node.store.glob(".partial/*/*.incomplete"))
 
 
 def test_a_repo_with_one_gguf_is_pulled_checked_and_recorded(node: Node, hub: HubServer, gguf: Path) -> None:
@@ -54,7 +29,7 @@ def test_a_repo_with_one_gguf_is_pulled_checked_and_recorded(node: Node, hub: Hu
     assert manifest["source"] == {"repo": ONE, "file": BUNDLED_NAME, "revision": "main", "commit": hub.commit(ONE)}
     assert (manifest["weight_hash"], manifest["size_bytes"], manifest["catalog"]) == (weight_hash,
                                                                                     gguf.stat().st_size, None)
-    assert partials(node) == []
+    assert node.partials() == []
     # the node will not hash the file again to advertise it
     assert weight_hash in json.loads((node.home / "weight_hashes.json").read_text()).values()
     # the Hub client left nothing in its own cache
@@ -72,7 +47,7 @@ def test_a_file_is_named_inline_or_with_file_and_stored_under_as(node: Node, hub
     assert pulled(node.run("models", "pull", f"{MIRROR}:smollm2-135m-q4_1.gguf", "--as", "My-Smol"))[0] == "My-Smol"
     model_id, path = pulled(node.run("models", "pull", TWO, "--file", "model-copy.Q4_1.gguf"))
     assert (model_id, path.name) == ("model-copy.q4_1", "model-copy.Q4_1.gguf")
-    assert entries(node) == ["My-Smol", "model-copy.q4_1"]
+    assert node.entries() == ["My-Smol", "model-copy.q4_1"]
 
 
 def test_a_repo_with_two_ggufs_exits_2_listing_them(node: Node, hub: HubServer) -> None:
@@ -80,7 +55,7 @@ def test_a_repo_with_two_ggufs_exits_2_listing_them(node: Node, hub: HubServer) 
     assert result.returncode == 2, result.stderr
     assert "--file" in result.stderr
     assert [line.strip() for line in result.stderr.splitlines()[1:]] == ["model-copy.Q4_1.gguf", "model.Q4_1.gguf"]
-    assert entries(node) == [] and hub.downloads() == []
+    assert node.entries() == [] and hub.downloads() == []
 
 
 @pytest.mark.parametrize(("args", "cause"), [
@@ -97,7 +72,7 @@ def test_a_repo_with_two_ggufs_exits_2_listing_them(node: Node, hub: HubServer) 
 def test_what_cannot_be_pulled_exits_1_naming_the_cause(node: Node, hub: HubServer, args: list[str],
                                                          cause: str) -> None:
     assert cause in failed(node.run("models", "pull", *args))
-    assert entries(node) == [] and hub.downloads() == []
+    assert node.entries() == [] and hub.downloads() == []
     assert not (node.home.parent / "outside").exists()
 
 
@@ -106,19 +81,19 @@ def test_an_unreachable_hub_exits_1(node: Node) -> None:
     assert f"cannot reach the Hub at {endpoint}" in failed(node.run("models", "pull", ONE, HF_ENDPOINT=endpoint))
     assert f"cannot reach the Hub at {endpoint}" in failed(
         node.run("models", "pull", f"{ONE}:{BUNDLED_NAME}", HF_ENDPOINT=endpoint))
-    assert entries(node) == []
+    assert node.entries() == []
 
 
 def test_a_file_that_is_not_gguf_is_deleted(node: Node, hub: HubServer) -> None:
     assert "is not a GGUF file" in failed(node.run("models", "pull", NOT_GGUF))
-    assert entries(node) == [] and partials(node) == []
+    assert node.entries() == [] and node.partials() == []
 
 
 def test_bytes_that_differ_from_the_hubs_sha256_are_deleted(node: Node, hub: HubServer) -> None:
     hub.corrupt = True
     line = failed(node.run("models", "pull", ONE))
     assert "differs from the Hub's sha256" in line and "deleted" in line
-    assert entries(node) == [] and partials(node) == []
+    assert node.entries() == [] and node.partials() == []
 
 
 def test_a_connection_cut_mid_file_is_resumed_with_a_range(node: Node, hub: HubServer, gguf: Path) -> None:
@@ -138,7 +113,7 @@ def test_an_interrupted_pull_resumes_where_it_stopped(node: Node, hub: HubServer
     hub.stall_after = 25 << 20  # the download stops there and waits
     process = node.popen("models", "pull", ONE, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     try:
-        [partial] = wait_until(lambda: [p for p in partials(node) if p.stat().st_size >= 20 << 20], timeout=60,
+        [partial] = wait_until(lambda: [p for p in node.partials() if p.stat().st_size >= 20 << 20], timeout=60,
                                what="20 MiB on disk")
         process.send_signal(signal.SIGINT)
         _, stderr = process.communicate(timeout=30)
@@ -147,14 +122,14 @@ def test_an_interrupted_pull_resumes_where_it_stopped(node: Node, hub: HubServer
     assert process.returncode == 130, stderr
     assert b"interrupted" in stderr and b"again to resume" in stderr
     kept = partial.stat().st_size
-    assert kept >= 20 << 20 and entries(node) == []
+    assert kept >= 20 << 20 and node.entries() == []
 
     hub.release()
     _, path = pulled(node.run("models", "pull", ONE))
     assert filecmp.cmp(path, gguf, shallow=False)
     last = hub.downloads()[-1]
     assert (last.range, last.sent) == (f"bytes={kept}-", size - kept)
-    assert partials(node) == []
+    assert node.partials() == []
 
 
 def test_the_hub_token_goes_to_the_hub_never_to_the_cdn(node: Node, hub: HubServer) -> None:
@@ -184,7 +159,7 @@ def test_list_shows_bundled_pulled_and_configured_models_and_rm_removes(node: No
 
     removed = node.run("models", "rm", model_id)
     assert removed.returncode == 0, removed.stderr
-    assert not path.parent.exists() and entries(node) == []
+    assert not path.parent.exists() and node.entries() == []
     assert f"model {model_id!r} is not in the model store" in failed(node.run("models", "rm", model_id))
     assert "the bundled model" in failed(node.run("models", "rm", "smollm2-135m"))
     assert gguf.is_file()
