@@ -318,13 +318,14 @@ def models_list(model: ModelOpt = None, backend: BackendOpt = None, upstream_url
 
 @models_app.command("pull")
 def models_pull(
-    name: Annotated[str, typer.Argument(metavar="NAME", help="A catalog id of the coordinator, or a Hub repo owner/name[:file.gguf].")],
+    name: Annotated[str, typer.Argument(
+        metavar="NAME", help="A catalog id of the coordinator, or a Hub repo owner/name[:file.gguf].")],
     coordinator: Annotated[Optional[str], typer.Option(
         "--coordinator", envvar="DARKBLOOM_COORDINATOR",
         help="Coordinator whose catalog names the model (default: DARKBLOOM_COORDINATOR, then provider.toml).")] = None,
     file: Annotated[Optional[str], typer.Option("--file", help="The GGUF file of a Hub repo with several.")] = None,
-    revision: Annotated[Optional[str], typer.Option("--revision", help="Hub branch, tag or commit (default main).")]
-    = None,
+    revision: Annotated[Optional[str], typer.Option(
+        "--revision", help="Hub branch, tag or commit (default main).")] = None,
     as_id: Annotated[Optional[str], typer.Option(
         "--as", help="The model id to store a Hub file under (default: the file's name, lower-cased).")] = None,
 ) -> None:

@@ -232,7 +232,7 @@ def _file_metadata(target: PullTarget, endpoint: str | None) -> HfFileMetadata:
 
 def _only_gguf(repo: str, revision: str, endpoint: str | None) -> str:
     try:
-        info = HfApi(endpoint=endpoint).model_info(repo, revision=revision)
+        info = HfApi(endpoint=endpoint).model_info(repo, revision=revision, timeout=constants.HF_HUB_ETAG_TIMEOUT)
     except (HfHubHTTPError, httpx2.HTTPError, OfflineModeIsEnabled) as exc:
         raise _hub_failure(exc, repo, revision, endpoint) from None
     ggufs = sorted(s.rfilename for s in info.siblings or [] if s.rfilename.lower().endswith(".gguf"))

@@ -8,7 +8,7 @@ import os
 import subprocess
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterator
+from typing import Any, Iterator
 
 import pytest
 
@@ -49,8 +49,8 @@ class Node:
         return subprocess.run(darkbloom_cmd(*args), env={**self.env, **env}, cwd=REPO_ROOT, capture_output=True,
                               text=True, timeout=timeout)
 
-    def popen(self, *args: str, **kwargs: object) -> subprocess.Popen[bytes]:
-        return subprocess.Popen(darkbloom_cmd(*args), env=self.env, cwd=REPO_ROOT, **kwargs)  # type: ignore[call-overload]
+    def popen(self, *args: str, **kwargs: Any) -> subprocess.Popen[bytes]:
+        return subprocess.Popen(darkbloom_cmd(*args), env=self.env, cwd=REPO_ROOT, **kwargs)
 
     def entries(self) -> list[str]:
         """What the store holds, besides its downloads in progress."""
