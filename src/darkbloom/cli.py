@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import Annotated, Any, Optional
+from typing import TYPE_CHECKING, Annotated, Any, NoReturn, Optional
 
 import typer
 from rich.console import Console
@@ -13,6 +13,9 @@ from rich.table import Table
 
 from darkbloom.coordinator.config import CoordinatorSettings, env_var, flag_name
 from darkbloom.paths import darkbloom_home
+
+if TYPE_CHECKING:
+    from darkbloom.provider.config import ProviderConfig
 
 app = typer.Typer(add_completion=False, no_args_is_help=True,
                   help="Darkbloom: private inference on machines people own.")
@@ -38,6 +41,12 @@ def _typed_options(ctx: typer.Context) -> dict[str, Any]:
     Compared by name: typer may ship its own copy of click, with its own ParameterSource."""
     return {name: value for name, value in ctx.params.items()
             if getattr(ctx.get_parameter_source(name), "name", None) == "COMMANDLINE"}
+
+
+def _fail(message: object, code: int) -> NoReturn:
+    """An error line on stderr (the message as one line, however wide the terminal), then exit `code`."""
+    err_console.print(f"[red]error:[/red] {escape(str(message))}", highlight=False, soft_wrap=True)
+    raise typer.Exit(code)
 
 
 @app.command()
@@ -130,6 +139,23 @@ LocalEndpointOpt = Annotated[Optional[bool], typer.Option(
     "--local-endpoint", help="Also serve direct mode (an OpenAI-compatible endpoint on this machine).")]
 PortOpt = Annotated[Optional[int], typer.Option("--port", help="Direct-mode port (default 8000).")]
 BindOpt = Annotated[Optional[str], typer.Option("--bind", help="Direct-mode bind address (default 127.0.0.1).")]
+PullOpt = Annotated[bool, typer.Option("--pull", help="Pull catalog models missing from the model store first.")]
+
+
+def _node_config(home: Path, overrides: dict[str, object], pull: bool) -> ProviderConfig:
+    """The node's config; with `pull`, the catalog models it names that the store lacks are pulled
+    first (progress on stderr). Raises ConfigError (ModelNotPulled without `pull`) or PullError."""
+    from darkbloom.provider.config import ModelNotPulled, load_config
+    from darkbloom.provider.model_store import ModelStore
+    from darkbloom.provider.pull import pull_missing
+
+    try:
+        return load_config(home, overrides)
+    except ModelNotPulled as missing:
+        if not pull:
+            raise
+        pull_missing(missing.model_ids, missing.config.coordinator_url, ModelStore(home))
+        return load_config(home, overrides)
 
 
 @app.command()
@@ -137,17 +163,23 @@ def serve(coordinator: CoordinatorOpt = None, model: ModelOpt = None, backend: B
           upstream_url: UpstreamOpt = None, private_only: PrivateOpt = None,
           max_concurrency: ConcurrencyOpt = None, local_endpoint: LocalEndpointOpt = None,
           port: PortOpt = None, bind: BindOpt = None,
+          pull: PullOpt = False,
           local_only: Annotated[bool, typer.Option("--local-only", hidden=True,
                                                    help="Direct mode only (what `start --local` runs).")] = False,
           ) -> None:
     """Run a provider node in the foreground."""
-    from darkbloom.provider.config import ConfigError, load_config
+    from darkbloom.provider.config import ConfigError, ModelNotPulled
+    from darkbloom.provider.pull import PullError
     from darkbloom.provider.runner import serve_forever
 
     home = darkbloom_home()
     try:
-        config = load_config(home, _node_overrides(coordinator, model, backend, upstream_url, private_only,
-                                                    max_concurrency, local_endpoint, port, bind))
+        config = _node_config(home, _node_overrides(coordinator, model, backend, upstream_url, private_only,
+                                                    max_concurrency, local_endpoint, port, bind), pull)
+    except ModelNotPulled as exc:
+        _fail(exc, 1)
+    except PullError as exc:
+        _fail(exc, exc.exit_code)
     except ConfigError as exc:
         err_console.print(f"[red]error:[/red] {exc}")
         raise typer.Exit(2) from None
@@ -159,9 +191,11 @@ def start(local: Annotated[bool, typer.Option("--local", help="Direct mode only;
           coordinator: CoordinatorOpt = None, model: ModelOpt = None, backend: BackendOpt = None,
           upstream_url: UpstreamOpt = None, private_only: PrivateOpt = None,
           max_concurrency: ConcurrencyOpt = None, local_endpoint: LocalEndpointOpt = None,
-          port: PortOpt = None, bind: BindOpt = None) -> None:
+          port: PortOpt = None, bind: BindOpt = None,
+          pull: PullOpt = False) -> None:
     """Run the node as a background process."""
-    from darkbloom.provider.config import ConfigError, load_config
+    from darkbloom.provider.config import ConfigError, ModelNotPulled
+    from darkbloom.provider.pull import PullError
     from darkbloom.provider.runner import StartError, start_background
 
     if local and local_endpoint:
@@ -171,8 +205,12 @@ def start(local: Annotated[bool, typer.Option("--local", help="Direct mode only;
     overrides = _node_overrides(coordinator, model, backend, upstream_url, private_only, max_concurrency,
                                 local_endpoint, port, bind)
     try:
-        config = load_config(home, overrides)
+        config = _node_config(home, overrides, pull)
         pid = start_background(config, home, local_only=local)
+    except ModelNotPulled as exc:
+        _fail(exc, 1)
+    except PullError as exc:
+        _fail(exc, exc.exit_code)
     except (ConfigError, StartError) as exc:
         err_console.print(f"[red]error:[/red] {exc}")
         raise typer.Exit(1) from None
@@ -239,23 +277,87 @@ def chat(
 
 
 @models_app.command("list")
-def models_list(model: ModelOpt = None, backend: BackendOpt = None, upstream_url: UpstreamOpt = None) -> None:
-    """List the models this node can serve."""
-    from darkbloom.provider.config import ConfigError, load_config
-    from darkbloom.provider.models import describe_models
+def models_list(model: ModelOpt = None, backend: BackendOpt = None, upstream_url: UpstreamOpt = None,
+                as_json: Annotated[bool, typer.Option("--json", help="One JSON list on stdout.")] = False) -> None:
+    """List the models this node can serve: bundled, pulled and configured."""
+    import json
 
+    from darkbloom.client.chat import provider_toml_defaults
+    from darkbloom.provider.config import ConfigError, ModelNotPulled, load_config
+    from darkbloom.provider.model_store import ModelStore
+    from darkbloom.provider.pull import PullError, fetch_catalog
+    from darkbloom.provider.servable import servable_models
+
+    home = darkbloom_home()
+    overrides = _node_overrides(None, model, backend, upstream_url, None, None, None, None, None)
     try:
-        config = load_config(darkbloom_home(), _node_overrides(None, model, backend, upstream_url,
-                                                               None, None, None, None, None))
-        models = describe_models(config)
-    except (ConfigError, OSError) as exc:
-        err_console.print(f"[red]error:[/red] {exc}")
-        raise typer.Exit(1) from None
-    table = Table("id", "file", "size", "weight hash")
-    for info, path in models:
-        table.add_row(info.id, str(path or "—"), f"{info.size_bytes / 1e6:.1f} MB" if info.size_bytes else "—",
-                      info.weight_hash or "—")
+        config = load_config(home, overrides)
+    except ModelNotPulled as missing:
+        config = missing.config
+    except ConfigError as exc:
+        _fail(exc, 1)
+    coordinator_url = os.environ.get("DARKBLOOM_COORDINATOR") or provider_toml_defaults(home)[0]
+    try:
+        catalog = fetch_catalog(coordinator_url, timeout=3.0) if coordinator_url else None
+    except PullError:
+        catalog = None
+    models = servable_models(config, ModelStore(home), catalog)
+    if as_json:
+        print(json.dumps([m.as_json() for m in models], indent=2))
+        return
+    table = Table("id", "source", "file", "size", "weight hash", "in catalog")
+    for m in models:
+        file = str(m.file) if m.file else ("upstream" if m.source == "upstream" else
+                                           f"not pulled: darkbloom models pull {m.id}")
+        table.add_row(m.id + (" *" if m.configured else ""), m.source, file,
+                      f"{m.size_bytes / 1e6:.1f} MB" if m.size_bytes else "—", m.weight_hash or "—",
+                      {True: "yes", False: "no", None: "unknown"}[m.in_catalog])
     console.print(table)
+    console.print("* served by `darkbloom serve` without --model", style="dim")
+
+
+@models_app.command("pull")
+def models_pull(
+    name: Annotated[str, typer.Argument(
+        metavar="NAME", help="A catalog id of the coordinator, or a Hub repo owner/name[:file.gguf].")],
+    coordinator: Annotated[Optional[str], typer.Option(
+        "--coordinator", envvar="DARKBLOOM_COORDINATOR",
+        help="Coordinator whose catalog names the model (default: DARKBLOOM_COORDINATOR, then provider.toml).")] = None,
+    file: Annotated[Optional[str], typer.Option("--file", help="The GGUF file of a Hub repo with several.")] = None,
+    revision: Annotated[Optional[str], typer.Option(
+        "--revision", help="Hub branch, tag or commit (default main).")] = None,
+    as_id: Annotated[Optional[str], typer.Option(
+        "--as", help="The model id to store a Hub file under (default: the file's name, lower-cased).")] = None,
+) -> None:
+    """Download a model into the model store; prints `ID PATH`."""
+    from darkbloom.client.chat import provider_toml_defaults
+    from darkbloom.provider.model_store import ModelStore
+    from darkbloom.provider.pull import PullError, pull_model
+
+    home = darkbloom_home()
+    try:
+        stored = pull_model(name, ModelStore(home), coordinator_url=coordinator or provider_toml_defaults(home)[0],
+                            file=file, revision=revision, as_id=as_id)
+    except PullError as exc:
+        _fail(exc, exc.exit_code)
+    print(f"{stored.id} {stored.path}")
+
+
+@models_app.command("rm")
+def models_rm(model_id: Annotated[str, typer.Argument(metavar="ID", help="A pulled model's id.")]) -> None:
+    """Remove a pulled model from the model store."""
+    from darkbloom.provider.model_store import InvalidModelId, ModelStore, NotInStore
+    from darkbloom.wire.catalog import BUNDLED_MODEL_ID
+
+    store = ModelStore(darkbloom_home())
+    if model_id == BUNDLED_MODEL_ID:
+        _fail(f"{model_id!r} is the bundled model, part of the installed package; only pulled models can be removed",
+              1)
+    try:
+        stored = store.remove(model_id)
+    except (InvalidModelId, NotInStore):
+        _fail(f"model {model_id!r} is not in the model store {store.root}; `darkbloom models list` shows what is", 1)
+    console.print(f"removed {stored.id} ({stored.path.parent})", highlight=False, soft_wrap=True)
 
 
 @app.command()

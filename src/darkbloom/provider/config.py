@@ -17,6 +17,7 @@ from pydantic_core import ErrorDetails
 from darkbloom.wire.catalog import BUNDLED_MODEL_ID
 from darkbloom.wire.openai.body import DEFAULT_MAX_BODY_BYTES
 from darkbloom.provider.bundled_model import BundledModelMissing, bundled_gguf_path
+from darkbloom.provider.model_store import InvalidModelId, ModelStore
 from darkbloom.paths import provider_config_path
 from darkbloom.wire.protocol import CAPABILITIES, PROVIDER_WS_PATH
 
@@ -26,6 +27,19 @@ DEFAULT_COORDINATOR_URL = "http://127.0.0.1:8080"
 
 class ConfigError(Exception):
     """A configuration the node cannot run with; the message says what to change."""
+
+
+class ModelNotPulled(ConfigError):
+    """Models named by id alone that are neither the bundled one nor in the model store. `config`
+    is valid apart from them (their paths are still empty)."""
+
+    def __init__(self, model_ids: list[str], config: "ProviderConfig", store: Path) -> None:
+        self.model_ids = model_ids
+        self.config = config
+        super().__init__("; ".join(
+            f"model {model_id!r} is not in the model store {store}: run `darkbloom models pull {model_id}` "
+            f"(or serve with --pull), or serve a file with --model {model_id}=/path/to/model.gguf"
+            for model_id in model_ids))
 
 
 class ModelSpec(NamedTuple):
@@ -72,6 +86,7 @@ def load_config(home: Path, overrides: dict[str, object]) -> ProviderConfig:
     _apply_environment(config)
     _apply_overrides(config, overrides)
     _validate(config)
+    _resolve_from_store(config, ModelStore(home))
     return config
 
 
@@ -114,7 +129,7 @@ def default_toml(coordinator_url: str) -> str:
         "max_concurrency = 2\n\n"
         "[[models]]\n"
         f'id = "{BUNDLED_MODEL_ID}"\n'
-        'path = ""                 # empty: the bundled file; else any GGUF path\n\n'
+        'path = ""                 # empty: the bundled file (or, for another id, the pulled one); else a GGUF path\n\n'
         "[local]\n"
         "port = 8000\n"
         'bind = "127.0.0.1"\n'
@@ -285,12 +300,37 @@ def _validate(config: ProviderConfig) -> None:
 
 
 def _check_model_file(model: ModelSpec) -> None:
-    if not model.path and model.id != BUNDLED_MODEL_ID:
-        raise ConfigError(f"model {model.id!r} has no file; use --model {model.id}=/path/to/model.gguf "
-                          f"(only {BUNDLED_MODEL_ID!r} is bundled)")
+    if _from_store(model):
+        return
     try:
         path = resolve_model_path(model)
     except BundledModelMissing as exc:
         raise ConfigError(str(exc)) from None
     if not path.is_file():
         raise ConfigError(f"model file for {model.id!r} not found: {path}; check the path after '='")
+
+
+def _from_store(model: ModelSpec) -> bool:
+    return not model.path and model.id != BUNDLED_MODEL_ID
+
+
+def _resolve_from_store(config: ProviderConfig, store: ModelStore) -> None:
+    """llama-cpp: a model given by id alone (not the bundled one) is served from the model store."""
+    if config.backend != "llama-cpp":
+        return
+    missing = []
+    for index, model in enumerate(config.models):
+        if not _from_store(model):
+            continue
+        try:
+            stored = store.get(model.id)
+        except InvalidModelId as exc:
+            raise ConfigError(f"model {model.id!r} has no file and cannot come from the model store ({exc}); "
+                              "serve a file with --model ID=/path/to/model.gguf, or pull a Hub repo with "
+                              "`darkbloom models pull owner/name` and serve the id it prints") from None
+        if stored is None:
+            missing.append(model.id)
+        else:
+            config.models[index] = model._replace(path=str(stored.path))
+    if missing:
+        raise ModelNotPulled(missing, config, store.root)

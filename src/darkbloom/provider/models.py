@@ -44,14 +44,29 @@ def describe_models(config: ProviderConfig, home: Path | None = None) -> list[tu
 
 def weight_hash(path: Path, cache_path: Path) -> str:
     """sha256 of the file, cached by path + size + mtime so a large file is hashed once."""
-    stat = path.stat()
-    key = f"{path}|{stat.st_size}|{stat.st_mtime_ns}"
+    key = _cache_key(path)
     cache = _read_cache(cache_path)
     if isinstance(cache.get(key), str):
         return str(cache[key])
-    log.info("hashing %s (%d bytes), once", path, stat.st_size)
+    log.info("hashing %s (%d bytes), once", path, path.stat().st_size)
     with path.open("rb") as fh:
         digest = "sha256:" + hashlib.file_digest(fh, "sha256").hexdigest()
+    _write_cache(cache_path, cache, path, key, digest)
+    return digest
+
+
+def record_weight_hash(path: Path, digest: str, cache_path: Path) -> None:
+    """Remember a hash computed elsewhere (a pull checks the file it installs), so that serving the
+    file does not hash it again."""
+    _write_cache(cache_path, _read_cache(cache_path), path, _cache_key(path), digest)
+
+
+def _cache_key(path: Path) -> str:
+    stat = path.stat()
+    return f"{path}|{stat.st_size}|{stat.st_mtime_ns}"
+
+
+def _write_cache(cache_path: Path, cache: dict[str, Any], path: Path, key: str, digest: str) -> None:
     cache = {k: v for k, v in cache.items() if not k.startswith(f"{path}|")}
     cache[key] = digest
     try:
@@ -61,7 +76,6 @@ def weight_hash(path: Path, cache_path: Path) -> str:
         os.replace(tmp, cache_path)
     except OSError as exc:
         log.warning("cannot write the weight hash cache %s: %s", cache_path, exc)
-    return digest
 
 
 def _read_cache(cache_path: Path) -> dict[str, Any]:

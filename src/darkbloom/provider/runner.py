@@ -14,7 +14,7 @@ from pathlib import Path
 from darkbloom import paths
 from darkbloom.logs import configure_logging
 from darkbloom.provider.backends import Backend, BackendError
-from darkbloom.provider.config import ConfigError, ProviderConfig, load_config
+from darkbloom.provider.config import ConfigError, ModelNotPulled, ProviderConfig, load_config
 from darkbloom.provider.direct.endpoint import LocalEndpointError
 from darkbloom.provider.state import read_state
 
@@ -124,6 +124,8 @@ def node_status(home: Path) -> dict[str, object]:
     state = read_state(home) or {}
     try:
         config: ProviderConfig | None = load_config(home, {})
+    except ModelNotPulled as missing:
+        config = missing.config
     except ConfigError:
         config = None
     running = running_pid(home) is not None

@@ -1,0 +1,165 @@
+"""The model store: pulled GGUF files under `$DARKBLOOM_HOME/models/`, one directory per model id
+with the file and its manifest (docs/models.md "Pulling a model")."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+from dataclasses import dataclass
+from datetime import datetime, timezone
+from pathlib import Path
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from darkbloom.wire.catalog import BUNDLED_MODEL_ID, MAX_MODEL_ID, WEIGHT_HASH_PATTERN
+
+STORE_DIR = "models"
+MANIFEST_NAME = "manifest.json"
+PARTIAL_DIR = ".partial"  # downloads in progress, kept between runs so a pull resumes
+
+
+class InvalidModelId(ValueError):
+    """A name the store cannot hold as a model id; the message says why."""
+
+
+class NotInStore(LookupError):
+    """No pulled model has this id."""
+
+
+def check_model_id(model_id: str) -> str:
+    """`model_id` if the store can hold it: 1–256 printable characters, no path separator, not
+    starting with a dot, and not the bundled model's id."""
+    if not model_id or len(model_id) > MAX_MODEL_ID:
+        raise InvalidModelId(f"model id {model_id[:40]!r} must be 1 to {MAX_MODEL_ID} characters")
+    if "/" in model_id or "\\" in model_id:
+        raise InvalidModelId(f"model id {model_id!r} must not contain '/' or '\\'")
+    if model_id.startswith(".") or not model_id.isprintable() or model_id != model_id.strip():
+        raise InvalidModelId(f"model id {model_id!r} must not start with '.' or hold spaces at its ends "
+                             "or control characters")
+    if model_id == BUNDLED_MODEL_ID:
+        raise InvalidModelId(f"{BUNDLED_MODEL_ID!r} is the bundled model's id; choose another with --as")
+    return model_id
+
+
+class WeightOrigin(BaseModel):
+    """Where a stored file came from on the Hub: the repo, the file in it, the revision asked for
+    and the commit it resolved to."""
+    model_config = ConfigDict(extra="ignore")
+
+    repo: str
+    file: str
+    revision: str = "main"
+    commit: str | None = None
+
+
+class Manifest(BaseModel):
+    """`models/<id>/manifest.json`: written last, so an entry without one was never completed."""
+    model_config = ConfigDict(extra="ignore")
+
+    id: str
+    file: str = Field(pattern=r"^[^/\\]+\.(?i:gguf)$")
+    size_bytes: int = Field(ge=0)
+    weight_hash: str = Field(pattern=WEIGHT_HASH_PATTERN)
+    source: WeightOrigin
+    catalog: str | None = None  # the coordinator whose catalog named the weights, when pulled by catalog id
+    pulled_at: str = Field(default_factory=lambda: datetime.now(timezone.utc).isoformat(timespec="seconds"))
+
+
+@dataclass(frozen=True)
+class StoredModel:
+    manifest: Manifest
+    path: Path  # the GGUF file
+
+    @property
+    def id(self) -> str:
+        return self.manifest.id
+
+
+class ModelStore:
+    """The pulled models of one `$DARKBLOOM_HOME`. Every path it hands out or deletes is checked to
+    lie inside `root`."""
+
+    def __init__(self, home: Path) -> None:
+        self.home = home
+        self.root = home / STORE_DIR
+
+    def get(self, model_id: str) -> StoredModel | None:
+        """The pulled model `model_id`, if its manifest and file are complete; raises InvalidModelId."""
+        entry = self._entry_dir(model_id)
+        if not self._inside(entry):
+            return None  # a symlink out of the store
+        try:
+            manifest = Manifest.model_validate_json((entry / MANIFEST_NAME).read_bytes())
+        except (OSError, ValidationError):
+            return None
+        path = entry / manifest.file
+        if manifest.id != model_id or not self._inside(path) or not path.is_file():
+            return None
+        return StoredModel(manifest, path)
+
+    def models(self) -> list[StoredModel]:
+        if not self.root.is_dir():
+            return []
+        found = []
+        for entry in sorted(self.root.iterdir()):
+            try:
+                stored = self.get(entry.name)
+            except InvalidModelId:
+                continue
+            if stored is not None:
+                found.append(stored)
+        return found
+
+    def remove(self, model_id: str) -> StoredModel:
+        """Delete a pulled model's directory (and any partial download of it); raises NotInStore."""
+        stored = self.get(model_id)
+        if stored is None:
+            raise NotInStore(model_id)
+        self._delete(self._entry_dir(model_id))
+        self._delete(self.partial_dir(model_id))
+        return stored
+
+    @property
+    def lock_path(self) -> Path:
+        """Held by the one pull that may run at a time in this store."""
+        return self.root / PARTIAL_DIR / "pull.lock"
+
+    def partial_dir(self, model_id: str) -> Path:
+        """Where a download of `model_id` in progress is kept."""
+        return self.root / PARTIAL_DIR / check_model_id(model_id)
+
+    def install(self, download: Path, manifest: Manifest) -> StoredModel:
+        """Move a complete, verified `download` into the store under `manifest.id`, replacing what
+        was there in one rename; the manifest is written before that rename."""
+        entry = self._entry_dir(manifest.id)
+        partial = self.partial_dir(manifest.id).parent
+        partial.mkdir(parents=True, exist_ok=True)
+        staging = Path(tempfile.mkdtemp(prefix=".staging-", dir=partial))  # no model id starts with a dot
+        os.replace(download, staging / manifest.file)
+        (staging / MANIFEST_NAME).write_text(manifest.model_dump_json(indent=2) + "\n")
+        retired = staging.with_name(staging.name + ".old")
+        if entry.is_symlink() or entry.exists():
+            os.replace(entry, retired)
+        os.replace(staging, entry)
+        self._delete(retired)
+        stored = self.get(manifest.id)
+        assert stored is not None, f"{entry} was just installed"
+        return stored
+
+    def _entry_dir(self, model_id: str) -> Path:
+        """`root/<id>`: a valid id has no separator and no leading dot, so the name stays in `root`."""
+        return self.root / check_model_id(model_id)
+
+    def _inside(self, path: Path) -> bool:
+        """Whether `path`, with every symlink followed, still lies below `root`."""
+        root = self.root.resolve()
+        resolved = path.resolve()
+        return resolved != root and resolved.is_relative_to(root)
+
+    def _delete(self, path: Path) -> None:
+        """Remove a directory of the store; a symlink is unlinked, never followed."""
+        if path.is_symlink() or path.is_file():
+            path.unlink()
+        elif path.is_dir() and self._inside(path):
+            shutil.rmtree(path)
