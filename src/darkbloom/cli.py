@@ -111,11 +111,12 @@ def login(
 
 def _node_overrides(coordinator: str | None, model: list[str] | None, backend: str | None,
                     upstream_url: str | None, private_only: bool | None, max_concurrency: int | None,
-                    local_endpoint: bool | None, port: int | None, bind: str | None) -> dict[str, object]:
+                    local_endpoint: bool | None, port: int | None, bind: str | None,
+                    max_memory_gb: float | None = None, keep_alive: float | None = None) -> dict[str, object]:
     overrides = {"coordinator_url": coordinator, "models": model or None, "backend": backend,
                  "upstream_url": upstream_url, "private_only": private_only,
                  "max_concurrency": max_concurrency, "local_endpoint": local_endpoint,
-                 "local_port": port, "local_bind": bind}
+                 "local_port": port, "local_bind": bind, "max_memory_gb": max_memory_gb, "keep_alive": keep_alive}
     return {key: value for key, value in overrides.items() if value is not None}
 
 
@@ -130,13 +131,18 @@ LocalEndpointOpt = Annotated[Optional[bool], typer.Option(
     "--local-endpoint", help="Also serve direct mode (an OpenAI-compatible endpoint on this machine).")]
 PortOpt = Annotated[Optional[int], typer.Option("--port", help="Direct-mode port (default 8000).")]
 BindOpt = Annotated[Optional[str], typer.Option("--bind", help="Direct-mode bind address (default 127.0.0.1).")]
+MaxMemoryOpt = Annotated[Optional[float], typer.Option(
+    "--max-memory-gb", help="Memory models may use, GB (default: this machine's RAM or cgroup limit).")]
+KeepAliveOpt = Annotated[Optional[float], typer.Option(
+    "--keep-alive", help="Seconds an idle model stays loaded (default 300; 0: unload at once; <0: never).")]
 
 
 @app.command()
 def serve(coordinator: CoordinatorOpt = None, model: ModelOpt = None, backend: BackendOpt = None,
           upstream_url: UpstreamOpt = None, private_only: PrivateOpt = None,
           max_concurrency: ConcurrencyOpt = None, local_endpoint: LocalEndpointOpt = None,
-          port: PortOpt = None, bind: BindOpt = None,
+          port: PortOpt = None, bind: BindOpt = None, max_memory_gb: MaxMemoryOpt = None,
+          keep_alive: KeepAliveOpt = None,
           local_only: Annotated[bool, typer.Option("--local-only", hidden=True,
                                                    help="Direct mode only (what `start --local` runs).")] = False,
           ) -> None:
@@ -147,7 +153,8 @@ def serve(coordinator: CoordinatorOpt = None, model: ModelOpt = None, backend: B
     home = darkbloom_home()
     try:
         config = load_config(home, _node_overrides(coordinator, model, backend, upstream_url, private_only,
-                                                    max_concurrency, local_endpoint, port, bind))
+                                                    max_concurrency, local_endpoint, port, bind, max_memory_gb,
+                                                    keep_alive))
     except ConfigError as exc:
         err_console.print(f"[red]error:[/red] {exc}")
         raise typer.Exit(2) from None
@@ -159,7 +166,8 @@ def start(local: Annotated[bool, typer.Option("--local", help="Direct mode only;
           coordinator: CoordinatorOpt = None, model: ModelOpt = None, backend: BackendOpt = None,
           upstream_url: UpstreamOpt = None, private_only: PrivateOpt = None,
           max_concurrency: ConcurrencyOpt = None, local_endpoint: LocalEndpointOpt = None,
-          port: PortOpt = None, bind: BindOpt = None) -> None:
+          port: PortOpt = None, bind: BindOpt = None, max_memory_gb: MaxMemoryOpt = None,
+          keep_alive: KeepAliveOpt = None) -> None:
     """Run the node as a background process."""
     from darkbloom.provider.config import ConfigError, load_config
     from darkbloom.provider.runner import StartError, start_background
@@ -169,7 +177,7 @@ def start(local: Annotated[bool, typer.Option("--local", help="Direct mode only;
         raise typer.Exit(1)
     home = darkbloom_home()
     overrides = _node_overrides(coordinator, model, backend, upstream_url, private_only, max_concurrency,
-                                local_endpoint, port, bind)
+                                local_endpoint, port, bind, max_memory_gb, keep_alive)
     try:
         config = load_config(home, overrides)
         pid = start_background(config, home, local_only=local)
