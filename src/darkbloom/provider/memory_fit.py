@@ -49,8 +49,9 @@ class MemoryNeed:
 
     def describe(self) -> str:
         requests = "1 request" if self.instances == 1 else f"{self.instances} requests"
-        return (f"{size_text(self.total)} ({size_text(self.file_bytes)} file + "
-                f"{size_text(self.context_bytes)} context for {requests})")
+        total = self.total
+        return (f"{size_text(total)} ({size_text(self.file_bytes, total)} file + "
+                f"{size_text(self.context_bytes, total)} context for {requests})")
 
 
 @dataclass(frozen=True)
@@ -138,10 +139,12 @@ def refuse_unfit_models(config: ProviderConfig) -> None:
     refuse_unfit(needs, memory_budget(config.max_memory_gb))
 
 
-def too_large_message(need: MemoryNeed, budget: MemoryBudget) -> str:
-    return f"model {need.model_id} needs {need.describe()}; this machine has {budget.describe()}"
+def too_large_message(need: MemoryNeed, budget: MemoryBudget, kind: PoolKind = "chat") -> str:
+    purpose = " for embeddings" if kind == "embedding" else ""
+    return f"model {need.model_id} needs {need.describe()}{purpose}; this machine has {budget.describe()}"
 
 
-def size_text(size: int) -> str:
-    """GB (2^30 bytes) with one decimal from 1 GB up, else whole MB (2^20)."""
-    return f"{size / GIB:.1f} GB" if size >= GIB else f"{size / MIB:.0f} MB"
+def size_text(size: int, unit_of: int | None = None) -> str:
+    """GB (2^30 bytes) with one decimal from 1 GB up, else whole MB (2^20); the unit `unit_of` would
+    have, when given (the parts of a sum in the sum's unit)."""
+    return f"{size / GIB:.1f} GB" if (size if unit_of is None else unit_of) >= GIB else f"{size / MIB:.0f} MB"

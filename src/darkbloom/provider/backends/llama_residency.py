@@ -139,8 +139,7 @@ class Residency:
                 await asyncio.shield(resident.loading)
                 continue
             if not self._fits({resident}):
-                raise BackendError(503, too_large_message(resident.need, self.budget) +
-                                   ("" if resident.kind == "chat" else " (for embeddings)"))
+                raise BackendError(503, too_large_message(resident.need, self.budget, resident.kind))
             if self._make_room(resident):
                 await self._start_load(resident)
                 continue
@@ -166,9 +165,9 @@ class Residency:
         resident.pool, resident.last_used = pool, time.monotonic()
         log.info("model %s loaded (%s pool, %s) in %.2f s", resident.model_id, resident.kind,
                  resident.need.describe(), resident.last_used - started)
-        if resident.leases == 0:
-            self._expire_later(resident)
         self._changed_loaded()
+        if resident.leases == 0:  # a preload, or every request waiting for it was cancelled
+            self._expire_later(resident)
         return pool
 
     def _make_room(self, resident: Resident) -> bool:
