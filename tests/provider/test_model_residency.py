@@ -121,6 +121,20 @@ async def test_keep_alive_zero_unloads_when_the_last_request_ends(models: dict[s
         assert w.backend.loaded_models() == [] and w.changes == [["a"], []]
 
 
+async def test_a_first_request_is_checked_against_the_vocabulary_it_loads(models: dict[str, Path]) -> None:
+    async with started(models, BOTH_FIT, 0) as w:  # nothing loaded yet: the vocabulary is not known
+        with pytest.raises(BackendError) as refused:
+            async for _ in w.backend.stream_chat("a", {"messages": [{"role": "user", "content": "Hi."}],
+                                                       "max_tokens": 2, "logit_bias": {"49152": 5}}):
+                pass
+        assert (refused.value.status_code, refused.value.param) == (400, "logit_bias")
+        with pytest.raises(BackendError) as refused:  # known now: refused before any instance is taken
+            async for _ in w.backend.stream_chat("a", {"messages": [{"role": "user", "content": "Hi."}],
+                                                       "logit_bias": {"49152": 5}}):
+                pass
+        assert refused.value.param == "logit_bias" and w.changes == [["a"], []]
+
+
 async def test_concurrent_first_requests_share_one_load(models: dict[str, Path],
                                                         caplog: pytest.LogCaptureFixture) -> None:
     caplog.set_level(logging.INFO, logger="darkbloom.provider.backends.llama_residency")

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import time
 from dataclasses import dataclass, field
 from typing import Awaitable, Callable, Iterable
@@ -119,6 +120,7 @@ class Residency:
     async def close(self) -> None:
         """Unload everything (the caller has stopped every request); waits for loads in progress."""
         self._closed = True
+        self._notify()  # leases waiting for memory give up
         loads = [r.loading for r in self._residents.values() if r.loading is not None]
         await asyncio.gather(*loads, return_exceptions=True)
         for resident in self._residents.values():
@@ -163,8 +165,8 @@ class Residency:
             pool.close()
             raise BackendError(503, "the llama.cpp backend is shut down")
         resident.pool, resident.last_used = pool, time.monotonic()
-        log.info("model %s loaded (%s pool, %s) in %.2f s", resident.model_id, resident.kind,
-                 resident.need.describe(), resident.last_used - started)
+        log.info("model %s loaded (%s pool) in %.2f s; it needs %s", resident.model_id, resident.kind,
+                 resident.last_used - started, resident.need.describe())
         self._changed_loaded()
         if resident.leases == 0:  # a preload, or every request waiting for it was cancelled
             self._expire_later(resident)
@@ -189,7 +191,7 @@ class Residency:
         self._keep(resident)
         if self.keep_alive == 0:
             self._unload(resident, "its request ended (keep-alive 0)")
-        elif self.keep_alive > 0:
+        elif 0 < self.keep_alive < math.inf:
             resident.expiry = asyncio.get_running_loop().call_later(self.keep_alive, self._expire, resident)
 
     def _expire(self, resident: Resident) -> None:
