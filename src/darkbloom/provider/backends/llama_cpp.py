@@ -132,12 +132,6 @@ class LlamaCppBackend:
         """Call `callback` on the event loop after a model loads or unloads."""
         self._residency.watch(callback)
 
-    @property
-    def _pools(self) -> dict[str, Pool]:
-        """The chat pools loaded now."""
-        return {model_id: pool for model_id in self.models
-                if (pool := self._residency.pool(model_id, "chat")) is not None}
-
     async def _open_pool(self, model_id: str, kind: PoolKind) -> Pool:
         """A new pool with one instance loaded (a bad file fails here); the rest load as requests need them."""
         pool = Pool(model_id, self.models[model_id], self.max_concurrency,
