@@ -120,11 +120,12 @@ def login(
 
 def _node_overrides(coordinator: str | None, model: list[str] | None, backend: str | None,
                     upstream_url: str | None, private_only: bool | None, max_concurrency: int | None,
-                    local_endpoint: bool | None, port: int | None, bind: str | None) -> dict[str, object]:
+                    local_endpoint: bool | None, port: int | None, bind: str | None,
+                    max_memory_gb: float | None = None, keep_alive: float | None = None) -> dict[str, object]:
     overrides = {"coordinator_url": coordinator, "models": model or None, "backend": backend,
                  "upstream_url": upstream_url, "private_only": private_only,
                  "max_concurrency": max_concurrency, "local_endpoint": local_endpoint,
-                 "local_port": port, "local_bind": bind}
+                 "local_port": port, "local_bind": bind, "max_memory_gb": max_memory_gb, "keep_alive": keep_alive}
     return {key: value for key, value in overrides.items() if value is not None}
 
 
@@ -140,6 +141,10 @@ LocalEndpointOpt = Annotated[Optional[bool], typer.Option(
 PortOpt = Annotated[Optional[int], typer.Option("--port", help="Direct-mode port (default 8000).")]
 BindOpt = Annotated[Optional[str], typer.Option("--bind", help="Direct-mode bind address (default 127.0.0.1).")]
 PullOpt = Annotated[bool, typer.Option("--pull", help="Pull catalog models missing from the model store first.")]
+MaxMemoryOpt = Annotated[Optional[float], typer.Option(
+    "--max-memory-gb", help="Memory models may use, GB (default: this machine's RAM or cgroup limit).")]
+KeepAliveOpt = Annotated[Optional[float], typer.Option(
+    "--keep-alive", help="Seconds an idle model stays loaded (default 300; 0: unload at once; <0: never).")]
 
 
 def _node_config(home: Path, overrides: dict[str, object], pull: bool) -> ProviderConfig:
@@ -162,8 +167,8 @@ def _node_config(home: Path, overrides: dict[str, object], pull: bool) -> Provid
 def serve(coordinator: CoordinatorOpt = None, model: ModelOpt = None, backend: BackendOpt = None,
           upstream_url: UpstreamOpt = None, private_only: PrivateOpt = None,
           max_concurrency: ConcurrencyOpt = None, local_endpoint: LocalEndpointOpt = None,
-          port: PortOpt = None, bind: BindOpt = None,
-          pull: PullOpt = False,
+          port: PortOpt = None, bind: BindOpt = None, max_memory_gb: MaxMemoryOpt = None,
+          keep_alive: KeepAliveOpt = None, pull: PullOpt = False,
           local_only: Annotated[bool, typer.Option("--local-only", hidden=True,
                                                    help="Direct mode only (what `start --local` runs).")] = False,
           ) -> None:
@@ -175,7 +180,8 @@ def serve(coordinator: CoordinatorOpt = None, model: ModelOpt = None, backend: B
     home = darkbloom_home()
     try:
         config = _node_config(home, _node_overrides(coordinator, model, backend, upstream_url, private_only,
-                                                    max_concurrency, local_endpoint, port, bind), pull)
+                                                    max_concurrency, local_endpoint, port, bind, max_memory_gb,
+                                                    keep_alive), pull)
     except ModelNotPulled as exc:
         _fail(exc, 1)
     except PullError as exc:
@@ -191,8 +197,8 @@ def start(local: Annotated[bool, typer.Option("--local", help="Direct mode only;
           coordinator: CoordinatorOpt = None, model: ModelOpt = None, backend: BackendOpt = None,
           upstream_url: UpstreamOpt = None, private_only: PrivateOpt = None,
           max_concurrency: ConcurrencyOpt = None, local_endpoint: LocalEndpointOpt = None,
-          port: PortOpt = None, bind: BindOpt = None,
-          pull: PullOpt = False) -> None:
+          port: PortOpt = None, bind: BindOpt = None, max_memory_gb: MaxMemoryOpt = None,
+          keep_alive: KeepAliveOpt = None, pull: PullOpt = False) -> None:
     """Run the node as a background process."""
     from darkbloom.provider.config import ConfigError, ModelNotPulled
     from darkbloom.provider.pull import PullError
@@ -203,7 +209,7 @@ def start(local: Annotated[bool, typer.Option("--local", help="Direct mode only;
         raise typer.Exit(1)
     home = darkbloom_home()
     overrides = _node_overrides(coordinator, model, backend, upstream_url, private_only, max_concurrency,
-                                local_endpoint, port, bind)
+                                local_endpoint, port, bind, max_memory_gb, keep_alive)
     try:
         config = _node_config(home, overrides, pull)
         pid = start_background(config, home, local_only=local)

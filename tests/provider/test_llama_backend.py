@@ -57,7 +57,7 @@ async def test_usage_matches_the_library_non_streaming_count(backend: LlamaCppBa
     """Our streamed counts equal what llama-cpp-python reports for the same non-streamed request."""
     body = {"messages": [{"role": "user", "content": "Name a colour."}], "max_tokens": 12, "temperature": 0}
     streamed = (await collect(backend, body))[-1]["usage"]
-    pool = backend._pools["smollm2-135m"]
+    pool = backend._residency.pool("smollm2-135m", "chat")
     llama = await pool.acquire()
     try:
         reference = await asyncio.to_thread(llama.create_chat_completion, **body)
@@ -80,7 +80,7 @@ async def test_two_concurrent_requests_use_two_instances(backend: RecordingLlama
         assert chunks[-1]["usage"]["completion_tokens"] > 0
     assert len(backend.recent) == 2
     assert backend.recent[0].instance != backend.recent[1].instance
-    assert len(backend._pools["smollm2-135m"].instances) == 2
+    assert len(backend._residency.pool("smollm2-135m", "chat").instances) == 2
 
 
 async def test_closing_the_stream_stops_generation(backend: RecordingLlamaCppBackend) -> None:
@@ -179,7 +179,8 @@ async def test_unknown_model_is_404_and_unknown_params_are_ignored(backend: Llam
 
 
 async def test_instances_load_without_extra_buffer_types_by_default(backend: LlamaCppBackend) -> None:
-    [llama] = backend._pools["smollm2-135m"].instances  # decoding with them crashes on some VMs (AMX)
+    pool = backend._residency.pool("smollm2-135m", "chat")
+    [llama] = pool.instances  # decoding with them crashes on some VMs (AMX)
     assert llama.model_params.use_extra_bufts is False
     assert llama_cpp.llama_model_default_params().use_extra_bufts is True  # the library itself is untouched
 

@@ -183,7 +183,7 @@ async def test_a_cancelled_prefill_stops_between_batches(gguf: Path) -> None:
         while not backend.recent:
             await asyncio.sleep(0.01)
         [stats] = backend.recent
-        llama = backend._pools[MODEL].instances[0]
+        llama = backend._residency.pool(MODEL, "chat").instances[0]
         assert stats.cancelled and stats.sampled == 0
         assert llama.n_tokens < 1500  # the prompt was never evaluated whole
     finally:

@@ -47,7 +47,7 @@ async def test_completion_streams_text_completion_chunks_with_exact_usage(backen
     assert chunks[-1]["choices"][0]["finish_reason"] in ("stop", "length")
     text = "".join(c["choices"][0]["text"] for c in chunks)
     assert final["choices"] == [] and final["object"] == "text_completion"
-    pool = backend._pools[MODEL]
+    pool = backend._residency.pool(MODEL, "chat")
     llama = await pool.acquire()
     llama.reset()  # no prompt prefix reused: the same computation as ours (a near tie can differ otherwise)
     try:
@@ -59,7 +59,7 @@ async def test_completion_streams_text_completion_chunks_with_exact_usage(backen
 
 
 async def test_completion_token_prompt_stop_and_logprobs(backend: LlamaCppBackend) -> None:
-    llama = backend._pools[MODEL].instances[0]
+    llama = backend._residency.pool(MODEL, "chat").instances[0]
     tokens = llama.tokenize(STORY.encode(), add_bos=True, special=True)
     chunks = await collect(backend, "completions", {"prompt": [tokens], "max_tokens": 5, "temperature": 0,
                                                     "logprobs": 2})
@@ -85,7 +85,7 @@ async def test_embeddings_dimension_determinism_lists_and_token_ids(backend: Lla
     [item] = data["data"]
     assert item["object"] == "embedding" and item["index"] == 0
     vector = item["embedding"]
-    llama = backend._pools[MODEL].instances[0]
+    llama = backend._residency.pool(MODEL, "chat").instances[0]
     assert len(vector) == llama.n_embd() and all(isinstance(v, float) for v in vector)
     assert math.isclose(math.fsum(v * v for v in vector), 1.0, rel_tol=1e-6)
     tokens = llama.tokenize(b"a lighthouse", add_bos=True, special=False)

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import math
 import os
 import socket
 import tomllib
@@ -23,6 +24,7 @@ from darkbloom.wire.protocol import CAPABILITIES, PROVIDER_WS_PATH
 
 BACKENDS = ("llama-cpp", "openai")
 DEFAULT_COORDINATOR_URL = "http://127.0.0.1:8080"
+DEFAULT_KEEP_ALIVE = 300.0  # seconds a llama-cpp model stays loaded with no request (docs/models.md)
 
 
 class ConfigError(Exception):
@@ -65,6 +67,8 @@ class ProviderConfig:
     context_length: int = 2048  # llama-cpp n_ctx per instance
     threads: int = 0  # llama-cpp threads per instance; 0 = cores / max_concurrency
     extra_buffer_types: bool = False  # llama-cpp: llama.cpp's repacked-weight (AMX) kernels; off: plain CPU
+    max_memory_gb: float | None = None  # the memory models may use; None: this machine's (memory_fit)
+    keep_alive: float = DEFAULT_KEEP_ALIVE  # llama-cpp: idle seconds before a model unloads; 0 at once, <0 never
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES  # direct mode: larger request bodies get 413
 
     @property
@@ -163,6 +167,8 @@ class _BackendTable(_Table):
     context_length: int | None = None
     threads: int | None = None
     extra_buffer_types: bool | None = None
+    max_memory_gb: float | None = None
+    keep_alive: float | None = None
 
 
 class _LocalTable(_Table):
@@ -240,7 +246,7 @@ def _apply_environment(config: ProviderConfig) -> None:
 
 
 _OVERRIDE_FIELDS = {"coordinator_url", "backend", "upstream_url", "private_only", "max_concurrency",
-                    "local_endpoint", "local_port", "local_bind"}
+                    "local_endpoint", "local_port", "local_bind", "max_memory_gb", "keep_alive"}
 
 
 def _apply_overrides(config: ProviderConfig, overrides: dict[str, object]) -> None:
@@ -274,6 +280,10 @@ def _validate(config: ProviderConfig) -> None:
         raise ConfigError("[backend] context_length must be at least 64")
     if config.threads < 0:
         raise ConfigError("[backend] threads must be 0 (automatic) or more")
+    if config.max_memory_gb is not None and not 0 < config.max_memory_gb < math.inf:
+        raise ConfigError(f"max_memory_gb must be a number of GB greater than 0 (got {config.max_memory_gb!r})")
+    if math.isnan(config.keep_alive):
+        raise ConfigError("keep_alive must be a number of seconds (0: unload at once, negative: never)")
     if config.max_body_bytes < 1:
         raise ConfigError("[local] max_body_bytes must be at least 1")
     if not 0 <= config.local_port < 65536:  # 0: a port the system chooses (local.json names it)

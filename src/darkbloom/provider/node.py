@@ -10,6 +10,10 @@ endpoint on this machine from the same backend, or from `direct_backend` when gi
 direct requests take their slots from one `Slots` of `max_concurrency`: a fleet request finding
 none free is refused with 429, and heartbeats report both kinds as `active_requests`. With
 `local_only` the node never dials a coordinator.
+
+Registration's `loaded_models` and every heartbeat's `models` name the models in memory now (a
+backend that loads on demand says which; any other has them all), and a load or unload sends a
+heartbeat at once (several changes before it goes, one heartbeat).
 """
 
 from __future__ import annotations
@@ -29,6 +33,7 @@ from darkbloom.wire import crypto
 from darkbloom.wire import protocol
 from darkbloom.wire.protocol import ModelInfo
 from darkbloom.provider.backends import Backend, create_backend
+from darkbloom.provider.backends.base import LoadsOnDemand
 from darkbloom.provider.config import ProviderConfig, ws_url
 from darkbloom.provider.direct.endpoint import LocalEndpoint
 from darkbloom.provider.fleet_requests import FleetRequests
@@ -63,6 +68,9 @@ class ProviderNode:
         self.reconnect = reconnect if reconnect is not None else ReconnectPolicy()
         self._outbox: Outbox = closed_outbox()
         self._registered = False
+        self._models_changed = asyncio.Event()  # a model loaded or unloaded since the last heartbeat
+        if isinstance(self.backend, LoadsOnDemand):
+            self.backend.watch_loaded(self._models_changed.set)
 
     async def run(self, stop: asyncio.Event) -> None:
         """Serve until `stop` is set, reconnecting when the connection ends (`reconnect.py`)."""
@@ -139,8 +147,10 @@ class ProviderNode:
             log.info("connected to %s", url)
             outbox = self._outbox = Outbox()
             assert self.identity is not None
+            self._models_changed.clear()  # registration says what is loaded now
             await ws.send(protocol.dump(register_frame(self.config, self.home, self.identity, self.models,
-                                                       self.runtime_hash, backend=self.backend)))
+                                                       self.runtime_hash, backend=self.backend,
+                                                       loaded_models=self.loaded_models())))
             self._set_state(connected=True)
             tasks = [asyncio.create_task(outbox.write_to(ws)), asyncio.create_task(self._heartbeats()),
                      asyncio.create_task(self._reader(ws))]
@@ -163,12 +173,21 @@ class ProviderNode:
     def _send(self, frame: BaseModel) -> None:
         self._outbox.send(frame)
 
+    def loaded_models(self) -> list[str]:
+        """The fleet backend's models in memory now."""
+        if isinstance(self.backend, LoadsOnDemand):
+            return self.backend.loaded_models()
+        return self.config.model_ids
+
     async def _heartbeats(self) -> None:
+        """Every `heartbeat_interval_secs`, and at once when a model loaded or unloaded."""
         while True:
-            await asyncio.sleep(self.config.heartbeat_interval_secs)
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(self._models_changed.wait(), self.config.heartbeat_interval_secs)
+            self._models_changed.clear()
             active = self.slots.active  # fleet and direct-mode requests alike
             status = "idle" if active == 0 else "busy" if active >= self.config.max_concurrency else "serving"
-            self._send(protocol.Heartbeat(status=status, active_requests=active, models=self.config.model_ids))
+            self._send(protocol.Heartbeat(status=status, active_requests=active, models=self.loaded_models()))
 
     async def _reader(self, ws: ClientConnection) -> None:
         async for raw in ws:

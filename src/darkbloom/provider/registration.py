@@ -20,13 +20,15 @@ from darkbloom.wire import crypto
 from darkbloom.wire import protocol
 from darkbloom.provider.backends import Backend
 from darkbloom.provider.config import ProviderConfig
+from darkbloom.provider.memory_fit import memory_budget
 
 log = logging.getLogger(__name__)
 
 
 def register_frame(config: ProviderConfig, home: Path, identity: crypto.NodeIdentity,
                    models: list[protocol.ModelInfo], runtime_hash: str,
-                   backend: Backend | None = None) -> protocol.Register:
+                   backend: Backend | None = None, loaded_models: list[str] | None = None) -> protocol.Register:
+    """`loaded_models`: the ids in memory now (None: all of them, as a backend without loading says)."""
     if backend is not None:
         models = with_capabilities(models, backend)
     return protocol.Register(
@@ -34,8 +36,8 @@ def register_frame(config: ProviderConfig, home: Path, identity: crypto.NodeIden
         runtime_hash=runtime_hash, public_key=identity.public_key_b64, identity_key=identity.identity_key_b64,
         attestation=identity.attestation(runtime_hash), certificate=read_certificate(home),
         encrypted_response_chunks=True, authenticated_chunks=True, private_only=config.private_only,
-        max_concurrency=config.max_concurrency, hardware=hardware(), name=config.name,
-        max_request_frame_bytes=protocol.MAX_REQUEST_FRAME_BYTES)
+        max_concurrency=config.max_concurrency, hardware=hardware(config.max_memory_gb), name=config.name,
+        max_request_frame_bytes=protocol.MAX_REQUEST_FRAME_BYTES, loaded_models=loaded_models)
 
 
 def with_capabilities(models: list[protocol.ModelInfo], backend: Backend) -> list[protocol.ModelInfo]:
@@ -136,9 +138,6 @@ def version() -> str:
         return "0.0.0"
 
 
-def hardware() -> protocol.Hardware:
-    try:
-        memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30
-    except (ValueError, OSError, AttributeError):
-        memory = 0.0
-    return protocol.Hardware(cpu_count=os.cpu_count() or 0, memory_gb=round(memory, 1))
+def hardware(max_memory_gb: float | None = None) -> protocol.Hardware:
+    """`memory_gb` is the budget models may use: `--max-memory-gb`, else the machine's (`memory_fit`)."""
+    return protocol.Hardware(cpu_count=os.cpu_count() or 0, memory_gb=memory_budget(max_memory_gb).gb)

@@ -16,6 +16,7 @@ from darkbloom.logs import configure_logging
 from darkbloom.provider.backends import Backend, BackendError
 from darkbloom.provider.config import ConfigError, ModelNotPulled, ProviderConfig, load_config
 from darkbloom.provider.direct.endpoint import LocalEndpointError
+from darkbloom.provider.memory_fit import refuse_unfit_models
 from darkbloom.provider.state import read_state
 
 log = logging.getLogger(__name__)
@@ -61,6 +62,7 @@ def start_background(config: ProviderConfig, home: Path, local_only: bool) -> in
     running = running_pid(home)
     if running is not None:
         raise StartError(f"a Darkbloom node is already running (pid {running}); stop it with `darkbloom stop`")
+    refuse_unfit_models(config)  # what `serve` would refuse, said here rather than in node.log
     log_path = home / LOG_NAME
     args = [sys.executable, "-m", "darkbloom", "serve", *_serve_args(config, local_only)]
     with log_path.open("ab") as log_file:
@@ -88,7 +90,9 @@ def _serve_args(config: ProviderConfig, local_only: bool = False) -> list[str]:
         args += ["--model", f"{model.id}={Path(model.path).expanduser().resolve()}" if model.path else model.id]
     if config.upstream_url:
         args += ["--upstream-url", config.upstream_url]
-    return args
+    if config.max_memory_gb is not None:
+        args += ["--max-memory-gb", repr(config.max_memory_gb)]
+    return args + ["--keep-alive", repr(config.keep_alive)]
 
 
 def stop_background(home: Path, timeout: float = 20.0) -> bool:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 import time
 import uuid
-from typing import Any, AsyncIterator, Protocol
+from typing import Any, AsyncIterator, Callable, Protocol, runtime_checkable
 
 from darkbloom.wire.protocol import Api, Usage
 
@@ -61,6 +61,20 @@ class UsageMeter:
         except TimeoutError:
             return False
         return True
+
+
+@runtime_checkable
+class LoadsOnDemand(Protocol):
+    """A backend whose models are not all in memory at once (llama.cpp: loaded on demand, unloaded
+    when idle). Any other backend has every configured model ready (an upstream keeps its own)."""
+
+    def loaded_models(self) -> list[str]:
+        """The model ids in memory now."""
+        ...
+
+    def watch_loaded(self, callback: Callable[[], None]) -> None:
+        """Call `callback` on the event loop after a model loads or unloads."""
+        ...
 
 
 class Backend(Protocol):

@@ -16,8 +16,13 @@ tokens really used: the templated prompt and the tokens sampled until it stopped
 
 The same machinery serves chat (`llama_chat`), legacy completions and embeddings (`llama_text`):
 the body is checked on the event loop before an instance is taken, the work runs on a worker
-thread. Embeddings use a second pool per model, of instances loaded with `embedding=True`,
-created on the first embeddings request. Logprobs need no special instance (`llama_decode`).
+thread. Embeddings use a second pool per model, of instances loaded with `embedding=True`.
+Logprobs need no special instance (`llama_decode`).
+
+Pools are in memory only while they are used (`llama_residency`): a model loads on its first
+request and unloads after `keep_alive` idle seconds, within the node's memory budget
+(`memory_fit`). At start, chat pools load in config order while they fit; a model whose pool cannot
+fit in the budget even alone is refused before anything loads (`memory_fit.ModelDoesNotFit`).
 
 Error messages are our own sentences: a library or chat-template exception can quote the prompt,
 and `BackendError.message` leaves the node unsealed.
@@ -40,8 +45,12 @@ from darkbloom.provider.backends.base import (TEXT_MODEL_CAPABILITIES, BackendEr
                                               new_completion_id, usage_chunk)
 from darkbloom.provider.backends.llama_chat import chat_job, run_chat
 from darkbloom.provider.backends.llama_instances import Cancelled, CountingLlama, GenerationStats, Pool
+from darkbloom.provider.backends.llama_residency import Residency
 from darkbloom.provider.backends.llama_text import completion_job, embedding_job, run_completion, run_embeddings
 from darkbloom.provider.backends.params import require_object
+from darkbloom.provider.config import DEFAULT_KEEP_ALIVE, ConfigError
+from darkbloom.provider.memory_fit import MemoryBudget, PoolKind, estimate, memory_budget, refuse_unfit
+from darkbloom.provider.models import read_gguf_metadata
 
 log = logging.getLogger(__name__)
 EMBEDDING_BATCH = 512  # the most tokens one embeddings input may have
@@ -50,16 +59,30 @@ Work = Callable[[CountingLlama, GenerationStats, Callable[[dict[str, Any]], None
 
 class LlamaCppBackend:
     def __init__(self, models: dict[str, Path], *, max_concurrency: int = 2, n_ctx: int = 2048,
-                 n_threads: int = 0, extra_buffer_types: bool = False) -> None:
+                 n_threads: int = 0, extra_buffer_types: bool = False, memory: MemoryBudget | None = None,
+                 keep_alive: float = DEFAULT_KEEP_ALIVE) -> None:
+        """`memory`: the budget for models (default: this machine's, `memory_fit.memory_budget`);
+        `keep_alive`: idle seconds before a model unloads (0: when its last request ends; negative:
+        only when another model needs the memory). Raises `ConfigError` (`ModelDoesNotFit`) for a
+        file that is not GGUF or a model that cannot fit."""
         self.models = dict(models)
         self.max_concurrency = max_concurrency
         self.n_ctx = n_ctx
         self.n_threads = n_threads or max(1, (os.cpu_count() or 1) // max_concurrency)
         self.extra_buffer_types = extra_buffer_types  # llama.cpp's repacked-weight kernels (`CountingLlama`)
-        self._pools: dict[str, Pool] = {}
-        self._embedding_pools: dict[str, Pool] = {}
-        self._n_vocab: dict[str, int] = {}
+        self._n_vocab: dict[str, int] = {}  # known once a model has loaded, kept across unloads
         self._own_pooling: dict[Path, bool] = {}  # whether the GGUF says how to pool its embeddings
+        needs = []
+        for model_id, path in self.models.items():
+            metadata = read_gguf_metadata(path)
+            if not metadata:
+                raise ConfigError(f"model file for {model_id!r} is not a GGUF file: {path}")
+            self._own_pooling[path] = f"{metadata.get('general.architecture', '')}.pooling_type" in metadata
+            needs += [(kind, estimate(model_id, path, n_ctx, max_concurrency, kind, metadata))
+                      for kind in ("chat", "embedding")]
+        self.memory = memory if memory is not None else memory_budget()
+        refuse_unfit([need for kind, need in needs if kind == "chat"], self.memory)
+        self._residency = Residency(needs, self._open_pool, self.memory, keep_alive)
         self._active: set[GenerationStats] = set()
         self._executor: ThreadPoolExecutor | None = None
 
@@ -80,18 +103,15 @@ class LlamaCppBackend:
                              pooling_type=pooling, extra_buffer_types=self.extra_buffer_types, verbose=False)
 
     async def start(self) -> None:
+        """Load the models that fit, in config order (a bad file among them fails here)."""
         self._executor = ThreadPoolExecutor(max_workers=self.max_concurrency, thread_name_prefix="llama")
-        for model_id, path in self.models.items():
-            pool = Pool(model_id, path, self.max_concurrency, self._load)
-            self._pools[model_id] = pool
-            self._embedding_pools[model_id] = Pool(model_id, path, self.max_concurrency, self._load_embedding)
-            llama = await pool.acquire()  # load one instance now: a bad file fails at start
-            self._n_vocab[model_id] = llama.n_vocab()
-            arch = llama.metadata.get("general.architecture", "")
-            self._own_pooling[path] = f"{arch}.pooling_type" in llama.metadata
-            pool.release(llama)
-        log.info("llama.cpp backend ready: %s (pool of %d per model, %d threads each)",
-                 ", ".join(self.models), self.max_concurrency, self.n_threads)
+        for model_id in self.models:
+            await self._residency.preload(model_id)
+        on_demand = [model_id for model_id in self.models if model_id not in self.loaded_models()]
+        log.info("llama.cpp backend ready: %s loaded%s (pool of %d per model, %d threads each; memory %s)",
+                 ", ".join(self.loaded_models()) or "no model",
+                 f", {', '.join(on_demand)} on demand" if on_demand else "", self.max_concurrency,
+                 self.n_threads, self._residency.used_text())
 
     async def close(self) -> None:
         for stats in list(self._active):
@@ -99,28 +119,42 @@ class LlamaCppBackend:
         if self._executor is not None:
             await asyncio.to_thread(self._executor.shutdown, True)
             self._executor = None
-        for pool in (*self._pools.values(), *self._embedding_pools.values()):
-            pool.close()
-        self._pools.clear()
-        self._embedding_pools.clear()
+        await self._residency.close()
 
     def capabilities(self, model_id: str) -> frozenset[str]:
         return TEXT_MODEL_CAPABILITIES if model_id in self.models else frozenset()
 
+    def loaded_models(self) -> list[str]:
+        """The model ids in memory now (a request for another one waits for its load)."""
+        return self._residency.loaded_models()
+
+    def watch_loaded(self, callback: Callable[[], None]) -> None:
+        """Call `callback` on the event loop after a model loads or unloads."""
+        self._residency.watch(callback)
+
+    async def _open_pool(self, model_id: str, kind: PoolKind) -> Pool:
+        """A new pool with one instance loaded (a bad file fails here); the rest load as requests need them."""
+        pool = Pool(model_id, self.models[model_id], self.max_concurrency,
+                    self._load if kind == "chat" else self._load_embedding)
+        llama = await pool.acquire()
+        self._n_vocab[model_id] = llama.n_vocab()
+        pool.release(llama)
+        return pool
+
     async def stream_chat(self, model_id: str, body: dict[str, Any],
                           meter: UsageMeter | None = None) -> AsyncIterator[dict[str, Any]]:
-        self._pool(model_id)
+        self._served(model_id)
         job = chat_job(require_object(body), self._n_vocab.get(model_id), self.n_ctx)
-        async with _closing(self._stream(self._pools, model_id, lambda llama, _s, emit: run_chat(llama, job, emit),
+        async with _closing(self._stream("chat", model_id, lambda llama, _s, emit: run_chat(llama, job, emit),
                                          meter, "chatcmpl", "chat.completion.chunk", "messages")) as stream:
             async for chunk in stream:
                 yield chunk
 
     async def stream_completion(self, model_id: str, body: dict[str, Any],
                                 meter: UsageMeter | None = None) -> AsyncIterator[dict[str, Any]]:
-        self._pool(model_id)
+        self._served(model_id)
         job = completion_job(body, self._n_vocab.get(model_id))
-        async with _closing(self._stream(self._pools, model_id,
+        async with _closing(self._stream("chat", model_id,
                                          lambda llama, _s, emit: run_completion(llama, job, emit), meter, "cmpl",
                                          "text_completion", "prompt")) as stream:
             async for chunk in stream:
@@ -128,26 +162,24 @@ class LlamaCppBackend:
 
     async def stream_embeddings(self, model_id: str, body: dict[str, Any],
                                 meter: UsageMeter | None = None) -> AsyncIterator[dict[str, Any]]:
-        self._pool(model_id)
+        self._served(model_id)
         inputs = embedding_job(body)
-        async with _closing(self._stream(self._embedding_pools, model_id,
+        async with _closing(self._stream("embedding", model_id,
                                          lambda llama, stats, emit: run_embeddings(llama, inputs, stats, emit),
                                          meter, "embd", "list", "input")) as stream:
             async for chunk in stream:
                 yield chunk
 
-    def _pool(self, model_id: str) -> Pool:
-        pool = self._pools.get(model_id)
-        if pool is None:
+    def _served(self, model_id: str) -> None:
+        if model_id not in self.models:
             raise BackendError(404, f"model {model_id!r} is not served by this node", param="model")
-        return pool
 
-    async def _stream(self, pools: dict[str, Pool], model_id: str, work: Work, meter: UsageMeter | None,
+    async def _stream(self, kind: PoolKind, model_id: str, work: Work, meter: UsageMeter | None,
                       id_prefix: str, object_name: str, param: str) -> AsyncIterator[dict[str, Any]]:
-        """Run `work` on an instance from `pools[model_id]` on a worker thread; yield what it emits, then
-        the usage chunk. Closing this early stops the work within one token."""
-        pool = pools.get(model_id)
-        if pool is None:
+        """Run `work` on an instance of `model_id`'s `kind` pool (loading it first if it is not in
+        memory) on a worker thread; yield what it emits, then the usage chunk. Closing this early
+        stops the work within one token."""
+        if self._executor is None:
             raise BackendError(503, "the llama.cpp backend is shut down")
         loop = asyncio.get_running_loop()
         queue: asyncio.Queue[tuple[str, Any]] = asyncio.Queue()
@@ -156,16 +188,23 @@ class LlamaCppBackend:
             with contextlib.suppress(RuntimeError):  # the loop is gone (shutdown): nobody is listening
                 loop.call_soon_threadsafe(callback, item)
 
-        llama = await pool.acquire()
+        lease = await self._residency.lease(model_id, kind)  # held until the instance is handed back
+        try:
+            llama = await lease.pool.acquire()
+        except BaseException:
+            lease.release()
+            raise
         stats = GenerationStats(model_id=model_id, instance=id(llama),
                                 meter=meter if meter is not None else UsageMeter())
         executor = self._executor
         if executor is None:
-            pool.release(llama)
+            lease.pool.release(llama)
+            lease.release()
             raise BackendError(503, "the llama.cpp backend is shut down")
 
         def handed_back(used: CountingLlama) -> None:  # on the loop, once the worker has stopped
-            pool.release(used)
+            lease.pool.release(used)
+            lease.release()
             stats.meter.end()
 
         self._active.add(stats)

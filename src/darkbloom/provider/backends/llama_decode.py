@@ -77,6 +77,8 @@ def decode(llama: CountingLlama, prompt: list[int], sampling: Sampling, *, param
     n_ctx = llama.n_ctx()
     if len(prompt) >= n_ctx:
         raise ContextOverflow(len(prompt), n_ctx, param)
+    if any(token >= llama.n_vocab() for token in sampling.logit_bias):  # checked before loading when known
+        raise BackendError(400, "logit_bias keys must be token ids of this model", param="logit_bias")
     room = n_ctx - len(prompt)
     max_tokens = min(sampling.max_tokens or room, room)
     seed = sampling.seed if sampling.seed is not None else random.Random(llama._seed).randint(0, 2**32)
