@@ -105,6 +105,8 @@ class Register(_Frame):
     hardware: Hardware = Field(default_factory=Hardware)
     decode_tps: float = 0.0
     name: str = ""
+    # the ids of `models` loaded in memory now; None (an older node): every advertised model is loaded
+    loaded_models: list[str] | None = None
 
 
 class Heartbeat(_Frame):
@@ -113,7 +115,7 @@ class Heartbeat(_Frame):
     type: Literal["heartbeat"] = "heartbeat"
     status: str = "idle"
     active_requests: int = 0
-    models: list[str] = Field(default_factory=list)
+    models: list[str] = Field(default_factory=list)  # the ids loaded now (absent: unchanged)
 
 
 class InferenceAccepted(_Frame):

@@ -13,7 +13,7 @@ from darkbloom.coordinator.routing import selfroute
 from darkbloom.coordinator.routing.decision import RouteDecision
 from darkbloom.coordinator.routing.policy import Policy
 from darkbloom.coordinator.routing.queue import NoEligibleSession, QueueRefused
-from darkbloom.coordinator.routing.scheduler import Claim, blocked_by_capability, survey
+from darkbloom.coordinator.routing.scheduler import Claim, blocked_by_capability, longest_context, survey
 from darkbloom.coordinator.services import Services
 from darkbloom.wire.catalog import MAX_MODEL_ID, CatalogModel
 from darkbloom.wire.openai.errors import ApiError
@@ -41,14 +41,36 @@ def resolve_model(services: Services, caller: Caller, name: str, policy: Policy)
     return model
 
 
-def decide(services: Services, policy: Policy, model: CatalogModel, *, needs: frozenset[str]) -> RouteDecision:
+def decide(services: Services, policy: Policy, model: CatalogModel, *, needs: frozenset[str],
+           context_needed: int = 0) -> RouteDecision:
     # a model outside the catalog is reachable only on the caller's own machines, even with prefer:
     # another account's machine advertising the same name is not public fleet for it
     owner_only_model = services.settings.catalog.resolve(model.id) is None
     return RouteDecision(model=model, needs=needs,
                          owner_account_id=policy.owner_account_id,
                          owned_only=policy.exclusive or (policy.self_routed and owner_only_model),
-                         pinned=policy.pinned)
+                         pinned=policy.pinned, context_needed=context_needed)
+
+
+def check_context(services: Services, decision: RouteDecision, prompt_tokens: int) -> None:
+    """400 ``context_length_exceeded`` when the request cannot fit the context of any session it may
+    use (before anything is reserved); a session that does not say its context never refuses. When
+    no session may serve it at all, placement says why instead."""
+    needed = decision.context_needed
+    if not needed:
+        return
+    longest = longest_context(services.registry, decision, services.settings)
+    if 0 < longest < needed:
+        raise context_length_exceeded(decision, prompt_tokens, int(longest))
+
+
+def context_length_exceeded(decision: RouteDecision, prompt_tokens: int, longest: int) -> ApiError:
+    answer = decision.context_needed - prompt_tokens
+    return ApiError(400, "invalid_request_error",
+                    f"This request needs up to {decision.context_needed} tokens of context ({prompt_tokens} for "
+                    f"the prompt, counted as at most one per byte, and {answer} for the answer), but the "
+                    f"longest context of a provider serving '{decision.model.id}' is {longest} tokens. Shorten "
+                    "the prompt or lower max_tokens.", code="context_length_exceeded", param="messages")
 
 
 async def place(services: Services, decision: RouteDecision, policy: Policy,
