@@ -21,13 +21,8 @@ def _serves_model(s: ProviderSession, d: RouteDecision, _c: CoordinatorSettings,
 
 
 def _verified_weights(s: ProviderSession, d: RouteDecision, _c: CoordinatorSettings, _n: float) -> bool:
-    return d.owns(s) or verified(s, d)
-
-
-def verified(s: ProviderSession, d: RouteDecision) -> bool:
-    """Whether one of the session's entries for the model has the weights the catalog pins (any
-    weights when it pins none)."""
-    return any(d.model.verifies(m.weight_hash) for m in s.registration.models if m.id in d.names)
+    # an owner may run any weights for themselves; anyone else needs an entry with the pinned ones
+    return d.owns(s) or any(d.model.verifies(m.weight_hash) for m in s.registration.models if m.id in d.names)
 
 
 def _trusted(s: ProviderSession, _d: RouteDecision, _c: CoordinatorSettings, _n: float) -> bool:

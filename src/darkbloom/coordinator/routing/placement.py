@@ -61,14 +61,14 @@ def check_context(services: Services, decision: RouteDecision, prompt_tokens: in
         return
     longest = longest_context(services.registry, decision, services.settings)
     if 0 < longest < needed:
-        raise context_length_exceeded(decision, prompt_tokens, int(longest))
+        raise _context_length_exceeded(decision, prompt_tokens, int(longest))
 
 
-def context_length_exceeded(decision: RouteDecision, prompt_tokens: int, longest: int) -> ApiError:
+def _context_length_exceeded(decision: RouteDecision, prompt_tokens: int, longest: int) -> ApiError:
     answer = decision.context_needed - prompt_tokens
     return ApiError(400, "invalid_request_error",
                     f"This request needs up to {decision.context_needed} tokens of context ({prompt_tokens} for "
-                    f"the prompt, counted as at most one per byte, and {answer} for the answer), but the "
+                    f"the prompt, counted as one per byte, and {answer} for the answer), but the "
                     f"longest context of a provider serving '{decision.model.id}' is {longest} tokens. Shorten "
                     "the prompt or lower max_tokens.", code="context_length_exceeded", param="messages")
 
