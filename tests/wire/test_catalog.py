@@ -92,7 +92,7 @@ def _expected(catalog: Catalog) -> None:
     a, b = catalog.resolve("alpha"), catalog.resolve("b")
     assert a is not None and b is not None
     assert (a.id, a.input_price, a.output_price, a.max_output_tokens, a.weight_hash) == \
-        ("a", 100, 300, 512, "sha256:abc")
+        ("a", 100, 300, 512, "sha256:abababababababababababababababababababababababababababababababab")
     assert (b.id, b.aliases, b.max_output_tokens, b.weight_hash) == ("b", [], 4096, None)
 
 
@@ -100,7 +100,7 @@ def test_load_json(tmp_path: Path) -> None:
     path = tmp_path / "catalog.json"
     path.write_text(json.dumps({"models": [
         {"id": "a", "aliases": ["alpha"], "input_price": 100, "output_price": 300, "max_output_tokens": 512,
-         "weight_hash": "sha256:abc"},
+         "weight_hash": "sha256:abababababababababababababababababababababababababababababababab"},
         {"id": "b", "input_price": 1, "output_price": 2},
     ]}))
     _expected(Catalog.load(path))
@@ -115,7 +115,7 @@ aliases = ["alpha"]
 input_price = 100
 output_price = 300
 max_output_tokens = 512
-weight_hash = "sha256:abc"
+weight_hash = "sha256:abababababababababababababababababababababababababababababababab"
 
 [[models]]
 id = "b"
