@@ -6,7 +6,8 @@ bundled file (the verified weights); another, linked to the owner, serves a copy
 under the same id (other weights). Public requests only ever reach the first; the owner still gets
 answers from their own machine (exclusive and prefer), which lists the model in `unverified_models`;
 an admin's catalog change applies to the machines already connected. A request longer than every
-context it could use is refused before anything is reserved or counted.
+context it could use is refused before anything is reserved or counted; one with more bytes than
+the context has tokens, but fewer tokens, is served.
 """
 
 from __future__ import annotations
@@ -138,7 +139,7 @@ def test_a_request_longer_than_every_context_is_refused_before_anything_is_taken
     w, s = world, world.stack
     payer = s.account(credit=CREDIT)
     key = s.key(payer, rpm_limit=1)  # one request a minute: a refused one must not use it up
-    long_prompt = [{"role": "user", "content": "lighthouse " * 2000}]  # 22,000 bytes, over any context here
+    long_prompt = [{"role": "user", "content": "lighthouse " * 8000}]  # 88,000 bytes: ~22,000 tokens estimated
     for fields in ({"max_tokens": TOO_LONG}, {"messages": long_prompt}, {"max_tokens": TOO_LONG, "stream": True}):
         response = s.chat(key, **fields)
         assert response.status_code == 400, response.text
@@ -151,6 +152,9 @@ def test_a_request_longer_than_every_context_is_refused_before_anything_is_taken
     assert error_of(s.chat(broke.api_key, max_tokens=TOO_LONG))["code"] == "context_length_exceeded"
     mine = s.chat(w.owner.api_key, SELF, max_tokens=TOO_LONG)  # the owner's own machine has no longer context
     assert mine.status_code == 400 and error_of(mine)["code"] == "context_length_exceeded"
-    response = s.chat(key)  # the key's one request a minute is still there
+    # more bytes than the context has tokens, but far fewer tokens: served (the key's one request a
+    # minute is still there)
+    response = s.chat(key, messages=[{"role": "user", "content": "lighthouse " * 300 + "Say yes."}])
     assert response.status_code == 200, response.text
+    assert response.json()["usage"]["prompt_tokens"] < 2048 < 3300
     assert [row["request_id"] for row in s.usage(payer)] == [response.headers["x-request-id"]]

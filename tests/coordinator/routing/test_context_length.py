@@ -24,7 +24,7 @@ OWNER = "acct_owner"
 
 def refusal(registry: Registry, **fields: object) -> ApiError | None:
     try:
-        check_context(services(registry), decision(**fields), prompt_tokens=100)
+        check_context(services(registry), decision(**fields))
     except ApiError as error:
         return error
     return None
@@ -37,7 +37,7 @@ def test_refused_only_when_no_session_it_may_use_fits() -> None:
     error = refusal(registry, context_needed=3000)
     assert error is not None and (error.status, error.code, error.param) == (400, "context_length_exceeded", "messages")
     assert error.type == "invalid_request_error"
-    assert "3000" in error.message and "2048" in error.message
+    assert "3000 tokens" in error.message and "2048 tokens" in error.message
     assert error.response().headers["x-should-retry"] == "false"
     assert refusal(registry, context_needed=2048) is None
     fleet(registry, 1, context_length=8192, active=1)  # busy still counts: it may serve it after the queue
@@ -105,10 +105,13 @@ def _call(api_edge: object, **body: object) -> object:
 @pytest.mark.parametrize("fields, answer", [({"max_tokens": 300}, 300), ({"max_completion_tokens": 40}, 40),
                                             ({"max_tokens": 10 ** 6}, 2048), ({}, 1)])
 def test_what_a_request_needs(fields: dict[str, object], answer: int) -> None:
+    """The prompt at four bytes a token (its bound counts one a byte), plus what it may answer."""
     model = CatalogModel(id=MODEL.id, input_price=1, output_price=1, max_output_tokens=2048)
-    call = _call(CHAT, messages=[{"role": "user", "content": "hello"}], **fields)
-    prompt = prompt_token_bound(call)  # type: ignore[arg-type]
-    assert context_needed(call, prompt, output_token_bound(call, model)) == prompt + answer  # type: ignore[arg-type]
+    call = _call(CHAT, messages=[{"role": "user", "content": "hello " * 100}], **fields)
+    bound = prompt_token_bound(call)  # type: ignore[arg-type]
+    assert bound > 600
+    needed = context_needed(call, bound, output_token_bound(call, model))  # type: ignore[arg-type]
+    assert needed == -(-bound // 4) + answer
 
 
 def test_embeddings_are_not_checked_here() -> None:

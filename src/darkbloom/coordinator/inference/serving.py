@@ -59,7 +59,7 @@ async def serve(edge: Edge, request: Request, caller: Caller, services: Services
             prompt_bound, output_bound = prompt_token_bound(call), output_token_bound(call, model)
             decision = placement.decide(services, policy, model, needs=call.needs,
                                         context_needed=context_needed(call, prompt_bound, output_bound))
-            placement.check_context(services, decision, prompt_bound)  # before anything is taken
+            placement.check_context(services, decision)  # before anything is taken
             # exclusive self-route never spends: no reservation, no key spend cap (rate limits still apply)
             await life.admit(model, prompt_bound, output_bound, self_routed=policy.self_routed,
                              reserve=not policy.exclusive)

@@ -11,6 +11,8 @@ from darkbloom.wire import token_bounds
 from darkbloom.wire.catalog import CatalogModel
 from darkbloom.coordinator.inference.calls import InferenceCall
 
+BYTES_PER_TOKEN = 4  # about what English text takes per token with a byte-level BPE vocabulary
+
 
 def prompt_token_bound(call: InferenceCall) -> int:
     return token_bounds.prompt_token_bound(call.api, call.body)
@@ -25,10 +27,15 @@ def output_token_bound(call: InferenceCall, model: CatalogModel) -> int:
 
 
 def context_needed(call: InferenceCall, prompt_bound: int, output_bound: int) -> int:
-    """The context the request may take (docs/models.md "Context length"): the prompt's bound plus
-    the max_tokens it asked for (capped as the reservation caps it), or plus one token when it asked
-    for none (a node ends the answer where its context ends, finish_reason "length"). 0 for
-    embeddings: each input is its own sequence, which the node checks."""
+    """The context the request may take (docs/models.md "Context length"): its prompt at
+    ``BYTES_PER_TOKEN``, plus the max_tokens it asked for (capped as the reservation caps it), or
+    plus one token when it asked for none (a node ends the answer where its context ends,
+    finish_reason "length"). 0 for embeddings: each input is its own sequence, which the node checks.
+
+    Not the prompt's bound: that counts a token per byte, about four times what ordinary text
+    takes, and would turn away prompts a node serves. A prompt this estimate counts low (code,
+    digits, other scripts) is refused by the node, which counts exactly."""
     if call.api == "embeddings":
         return 0
-    return prompt_bound + (output_bound if call.max_tokens is not None else 1)
+    prompt = -(-prompt_bound // BYTES_PER_TOKEN)
+    return prompt + (output_bound if call.max_tokens is not None else 1)

@@ -52,25 +52,18 @@ def decide(services: Services, policy: Policy, model: CatalogModel, *, needs: fr
                          pinned=policy.pinned, context_needed=context_needed)
 
 
-def check_context(services: Services, decision: RouteDecision, prompt_tokens: int) -> None:
+def check_context(services: Services, decision: RouteDecision) -> None:
     """400 ``context_length_exceeded`` when the request cannot fit the context of any session it may
     use (before anything is reserved); a session that does not say its context never refuses. When
     no session may serve it at all, placement says why instead."""
     needed = decision.context_needed
-    if not needed:
-        return
-    longest = longest_context(services.registry, decision, services.settings)
+    longest = longest_context(services.registry, decision, services.settings) if needed else 0
     if 0 < longest < needed:
-        raise _context_length_exceeded(decision, prompt_tokens, int(longest))
-
-
-def _context_length_exceeded(decision: RouteDecision, prompt_tokens: int, longest: int) -> ApiError:
-    answer = decision.context_needed - prompt_tokens
-    return ApiError(400, "invalid_request_error",
-                    f"This request needs up to {decision.context_needed} tokens of context ({prompt_tokens} for "
-                    f"the prompt, counted as one per byte, and {answer} for the answer), but the "
-                    f"longest context of a provider serving '{decision.model.id}' is {longest} tokens. Shorten "
-                    "the prompt or lower max_tokens.", code="context_length_exceeded", param="messages")
+        raise ApiError(400, "invalid_request_error",
+                       f"This request needs about {needed} tokens of context (its prompt, estimated from its "
+                       f"size, and max_tokens), but the longest context of a provider serving "
+                       f"'{decision.model.id}' is {int(longest)} tokens. Shorten the prompt or lower max_tokens.",
+                       code="context_length_exceeded", param="messages")
 
 
 async def place(services: Services, decision: RouteDecision, policy: Policy,
