@@ -219,6 +219,12 @@ class Stack:
         assert response.status_code == 200, response.text
         return list(response.json()["data"])
 
+    def wait_listed(self, account: Account, session_id: str, timeout: float = 30) -> None:
+        """Until the consumer side lists the account's machine online with this session (with
+        replicas, once the machine's replica announced it)."""
+        wait_until(lambda: any(m["session_id"] == session_id and m["online"] for m in self.machines(account)),
+                   timeout=timeout, interval=0.05, what=f"{session_id} listed online")
+
     def machine_of(self, account: Account, session_id: str) -> str:
         """The `mach_…` id of the account's machine whose live session is ``session_id``."""
         for machine in self.machines(account):

@@ -45,7 +45,8 @@ class RawProvider:
                  max_concurrency: int = 1, challenge_answer: str = "valid", tamper_attestation: bool = False,
                  certificate: str | None = None, identity: NodeIdentity | None = None,
                  runtime: str | None = None, max_request_frame_bytes: int | None = None,
-                 capabilities: tuple[str, ...] = (), authenticated_chunks: bool = True) -> None:
+                 capabilities: tuple[str, ...] = (), authenticated_chunks: bool = True,
+                 loaded: tuple[str, ...] | None = None, model_fields: dict[str, Any] | None = None) -> None:
         assert challenge_answer in CHALLENGE_ANSWERS, challenge_answer
         self.ws_url = base_url.replace("http://", "ws://") + "/ws/provider"
         self.identity = identity or NodeIdentity.generate()
@@ -59,6 +60,10 @@ class RawProvider:
         self.max_request_frame_bytes = max_request_frame_bytes  # None: not advertised (an older node)
         self.capabilities = capabilities  # advertised for every model
         self.authenticated_chunks = authenticated_chunks  # False: chunks from fresh keys (an older node)
+        # the models in memory (registration and heartbeats); None: not said at registration, every
+        # model listed in heartbeats (an older node)
+        self.loaded = loaded
+        self.model_fields = model_fields or {}  # more ModelInfo fields for every model (weight_hash, …)
         self.ws: ClientConnection | None = None
         self.provider_id: str | None = None
         self.registered: dict[str, Any] | None = None
@@ -75,8 +80,10 @@ class RawProvider:
         attestation = self.identity.attestation(rh)
         if self.tamper_attestation:
             attestation = _tampered(attestation)
-        return Register(auth_token=self.auth_token, models=[ModelInfo(id=m, capabilities=list(self.capabilities))
+        return Register(auth_token=self.auth_token, models=[ModelInfo(id=m, capabilities=list(self.capabilities),
+                                                                           **self.model_fields)
                                                                  for m in self.models],
+                        loaded_models=None if self.loaded is None else list(self.loaded),
                         backend="raw-test", version="test", runtime_hash=rh,
                         public_key=self.identity.public_key_b64, identity_key=self.identity.identity_key_b64,
                         attestation=attestation, certificate=self.certificate,
@@ -197,6 +204,9 @@ class RawProvider:
         await self.ws.send(dump(InferenceError(request_id=request.request_id, status_code=status, message=message,
                                                param=param, code=code)))
 
+    def heartbeat(self) -> Heartbeat:
+        return Heartbeat(models=list(self.models if self.loaded is None else self.loaded))
+
     async def close(self) -> None:
         if self.ws is not None:
             await self.ws.close()
@@ -269,7 +279,15 @@ class ThreadedRaw:
         assert self.provider.ws is not None
         while True:
             await asyncio.sleep(self.heartbeat_every)
-            await self.provider.ws.send(dump(Heartbeat(models=list(self.provider.models))))
+            await self.provider.ws.send(dump(self.provider.heartbeat()))
+
+    def report_loaded(self, models: tuple[str, ...]) -> None:
+        """From now on the node has these models in memory: a heartbeat says so at once."""
+        async def beat() -> None:
+            assert self.provider.ws is not None
+            self.provider.loaded = models
+            await self.provider.ws.send(dump(self.provider.heartbeat()))
+        self._call(beat())
 
     def _call(self, work: Any) -> Any:
         return asyncio.run_coroutine_threadsafe(work, self._loop).result(10)

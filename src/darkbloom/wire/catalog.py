@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import tomllib
 from pathlib import Path
+from typing import Iterable
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
@@ -39,6 +40,10 @@ class CatalogModel(BaseModel):
     size_bytes: int | None = Field(default=None, ge=0)
     context_length: int | None = Field(default=None, ge=1)
 
+    def verifies(self, weight_hash: str) -> bool:
+        """Whether weights with this hash are the ones the catalog names (any are, without a pin)."""
+        return self.weight_hash is None or weight_hash == self.weight_hash
+
     def cost(self, prompt_tokens: int, completion_tokens: int) -> int:
         """Raw cost in µUSD, before any minimum charge (docs/billing.md "Money")."""
         return _ceil_per_million(prompt_tokens * self.input_price) + _ceil_per_million(
@@ -70,6 +75,16 @@ class Catalog(BaseModel):
             if name == model.id or name in model.aliases:
                 return model
         return None
+
+    def unverified(self, advertised: Iterable[tuple[str, str]]) -> list[str]:
+        """Of the advertised (id, weight_hash) pairs, the ids whose weights differ from the catalog's
+        pin for that id, sorted (docs/models.md "Verified weights")."""
+        found = set()
+        for model_id, weight_hash in advertised:
+            model = self.resolve(model_id)
+            if model is not None and not model.verifies(weight_hash):
+                found.add(model_id)
+        return sorted(found)
 
     @classmethod
     def default(cls) -> "Catalog":

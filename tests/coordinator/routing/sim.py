@@ -79,14 +79,17 @@ class SimProvider:
                  encrypted: bool = True, with_key: bool = True, runtime_verified: bool = True,
                  challenge_age: float | None = 0.0, untrusted: str | None = None, online: bool = True,
                  decode_tps: float = 0.0, active: int = 0, session_id: str | None = None,
-                 capabilities: tuple[str, ...] = ()) -> None:
+                 capabilities: tuple[str, ...] = (), context_length: int = 0, size_bytes: int = 0,
+                 loaded: tuple[str, ...] | None = None) -> None:
         self.identity = NodeIdentity.generate()
         register = Register(
             auth_token=None, models=[ModelInfo(id=m, weight_hash=weight_hash, is_vision=vision,
-                                               capabilities=list(capabilities)) for m in models],
+                                               capabilities=list(capabilities), context_length=context_length,
+                                               size_bytes=size_bytes) for m in models],
             backend="sim", version="test", runtime_hash=RUNTIME, public_key=self.identity.public_key_b64,
             identity_key=self.identity.identity_key_b64, encrypted_response_chunks=encrypted,
-            private_only=private_only, max_concurrency=max_concurrency)
+            private_only=private_only, max_concurrency=max_concurrency,
+            loaded_models=None if loaded is None else list(loaded))
         self.link = SocketLink()
         self.session = ProviderSession(
             id=session_id or f"prov_sim{next(_ids):04d}", account_id=account, machine_id=machine,

@@ -27,7 +27,7 @@ from darkbloom.coordinator.fleet.session import ProviderSession
 from darkbloom.coordinator.identity.caller import Caller
 from darkbloom.coordinator.routing.decision import RouteDecision
 from darkbloom.coordinator.routing.model_views import list_models, owned_models
-from darkbloom.coordinator.routing.placement import place
+from darkbloom.coordinator.routing.placement import check_context, place
 from darkbloom.coordinator.routing.policy import Policy
 from darkbloom.coordinator.services import Services
 from darkbloom.store import accounts, create_engine, machines, migrate
@@ -128,6 +128,24 @@ async def test_a_capability_nobody_offers_is_named_from_one_session() -> None:
 
     counts = await at_each_size(request_for)
     assert counts[0] == counts[1] <= 1, counts
+
+
+async def test_a_context_too_long_for_every_session_is_refused_without_reading_one() -> None:
+    """The longest context of the sessions a request may use is kept by the views."""
+    def request_for(registry: Registry, size: int) -> Callable[[], Any]:
+        svc = services(registry)
+        counted(fleet(registry, size, models=("short-model",), context_length=2048))
+        short = MODEL.model_copy(update={"id": "short-model", "aliases": []})
+
+        def refused() -> None:
+            with pytest.raises(ApiError) as error:
+                check_context(svc, decision(model=short, context_needed=4096))
+            assert error.value.code == "context_length_exceeded"
+            check_context(svc, decision(model=short, context_needed=2048))  # fits
+        return refused
+
+    counts = await at_each_size(request_for)
+    assert counts[0] == counts[1] == 0, counts
 
 
 async def test_the_public_model_list_reads_a_session_per_model() -> None:

@@ -28,8 +28,9 @@ def reason_of(provider: SimProvider, **decision_fields: Any) -> str | None:
 
 def test_the_order_is_fixed() -> None:
     assert [gate.name for gate in GATES] == [
-        "model_not_served", "untrusted", "private_only", "trust_below_floor", "runtime_not_verified",
-        "no_encrypted_chunks", "challenge_stale", "capability_unsupported"]
+        "model_not_served", "unverified_weights", "untrusted", "private_only", "trust_below_floor",
+        "runtime_not_verified", "no_encrypted_chunks", "challenge_stale", "capability_unsupported",
+        "context_length"]
     assert PRIVACY_GATES == {"runtime_not_verified", "no_encrypted_chunks", "challenge_stale"}
 
 
@@ -47,10 +48,35 @@ def test_model_not_served() -> None:
 
 def test_weight_hash_pinned_by_the_catalog() -> None:
     pinned = CatalogModel(id=MODEL.id, input_price=1, output_price=1, weight_hash=GOOD_HASH)
-    assert reason_of(SimProvider(weight_hash=BAD_HASH), model=pinned) == "model_not_served"
-    assert reason_of(SimProvider(weight_hash=""), model=pinned) == "model_not_served"
+    assert reason_of(SimProvider(weight_hash=BAD_HASH), model=pinned) == "unverified_weights"
+    assert reason_of(SimProvider(weight_hash=""), model=pinned) == "unverified_weights"  # missing
     assert reason_of(SimProvider(weight_hash=GOOD_HASH), model=pinned) is None
     assert reason_of(SimProvider(weight_hash=BAD_HASH)) is None  # no pin, any weights
+
+
+def test_other_weights_still_serve_their_owner() -> None:
+    pinned = CatalogModel(id=MODEL.id, input_price=1, output_price=1, weight_hash=GOOD_HASH)
+    mine = SimProvider(weight_hash=BAD_HASH, account=OWNER)
+    assert reason_of(mine, model=pinned, owner_account_id=OWNER, owned_only=True) is None  # exclusive
+    assert reason_of(mine, model=pinned, owner_account_id=OWNER) is None                   # prefer
+    assert reason_of(mine, model=pinned) == "unverified_weights"                           # public
+    assert reason_of(mine, model=pinned, owner_account_id=OTHER) == "unverified_weights"   # another's prefer
+
+
+def test_the_pinned_weights_under_an_alias_count() -> None:
+    pinned = CatalogModel(id=MODEL.id, aliases=["smollm2"], input_price=1, output_price=1, weight_hash=GOOD_HASH)
+    assert reason_of(SimProvider(models=("smollm2",), weight_hash=GOOD_HASH), model=pinned) is None
+
+
+def test_context_length() -> None:
+    short = SimProvider(context_length=2048)
+    assert reason_of(short, context_needed=2048) is None
+    assert reason_of(short, context_needed=2049) == "context_length"
+    assert reason_of(short) is None                                           # not checked
+    assert reason_of(SimProvider(context_length=0), context_needed=10 ** 9) is None  # it does not say
+    # never relaxed for the owner: its node could not take the request either
+    assert reason_of(SimProvider(context_length=512, account=OWNER), context_needed=1000,
+                     owner_account_id=OWNER, owned_only=True) == "context_length"
 
 
 def test_untrusted_and_offline() -> None:
@@ -150,6 +176,7 @@ def test_no_free_slot_is_counted_after_the_gates() -> None:
 
 _BREAKERS: dict[str, dict[str, Any]] = {
     "model_not_served": dict(models=("other-model",)),
+    "unverified_weights": dict(weight_hash=BAD_HASH),
     "untrusted": dict(untrusted="failed a challenge"),
     "private_only": dict(private_only=True),
     "trust_below_floor": dict(trust="none"),
@@ -157,19 +184,25 @@ _BREAKERS: dict[str, dict[str, Any]] = {
     "no_encrypted_chunks": dict(encrypted=False),
     "challenge_stale": dict(challenge_age=None),
     "capability_unsupported": dict(vision=False),
+    "context_length": dict(context_length=100),
 }
+_PINNED = CatalogModel(id=MODEL.id, aliases=MODEL.aliases, input_price=1, output_price=1, weight_hash=GOOD_HASH)
+# a request every breaker turns away: images, a pinned model, more context than 100 tokens
+_DEMANDING = dict(needs=frozenset({"images"}), model=_PINNED, context_needed=1000)
+_HEALTHY = dict(vision=True, weight_hash=GOOD_HASH, context_length=4096)
 
 
 @pytest.mark.parametrize("first,second", list(itertools.combinations([gate.name for gate in GATES], 2)))
 def test_a_session_failing_two_gates_reports_the_earlier(first: str, second: str) -> None:
-    fields: dict[str, Any] = {"vision": True, **_BREAKERS[second], **_BREAKERS[first]}
-    assert reason_of(SimProvider(**fields), needs=frozenset({"images"})) == first
+    fields: dict[str, Any] = {**_HEALTHY, **_BREAKERS[second], **_BREAKERS[first]}
+    assert reason_of(SimProvider(**fields), **_DEMANDING) == first
 
 
 def test_every_gate_has_a_breaker() -> None:
     assert set(_BREAKERS) == {gate.name for gate in GATES}
+    assert reason_of(SimProvider(**_HEALTHY), **_DEMANDING) is None
     for name, fields in _BREAKERS.items():
-        assert reason_of(SimProvider(**{"vision": True, **fields}), needs=frozenset({"images"})) == name
+        assert reason_of(SimProvider(**{**_HEALTHY, **fields}), **_DEMANDING) == name
 
 
 # survey: reasons and metrics

@@ -4,6 +4,7 @@ disowned, disconnected, newly registered), and the survey only when nothing is e
 
 from __future__ import annotations
 
+import math
 import random
 import time
 from collections import Counter
@@ -19,8 +20,10 @@ from darkbloom.coordinator.fleet.slots import Slot
 from darkbloom.coordinator.routing import queue as queueing
 from darkbloom.coordinator.routing.decision import RouteDecision
 from darkbloom.coordinator.routing.queue import NoEligibleSession, RequestQueues
-from darkbloom.coordinator.routing.scheduler import (any_eligible, expected_wait, routable_public, select,
-                                                     select_idle_or_free, survey, try_place)
+from darkbloom.coordinator.routing.gates import passes_lasting_gates
+from darkbloom.coordinator.routing.scheduler import (any_eligible, candidates, expected_wait, longest_context,
+                                                     routable_public, select, select_idle_or_free, survey,
+                                                     try_place)
 from tests.coordinator.routing.sim import BAD_HASH, GOOD_HASH, MODEL, SimProvider, decision, fleet, settings
 
 OWNER = "acct_owner"
@@ -42,19 +45,29 @@ def best_by_survey(registry: Registry, route: RouteDecision, config: Any) -> set
     pool = owned or ([] if route.owned_only else available)
     if not pool:
         return set()
-    best = min(expected_wait(s) for s in pool)
-    return {s for s in pool if expected_wait(s) == best}
+    best = min(expected_wait(s, route.names) for s in pool)
+    return {s for s in pool if expected_wait(s, route.names) == best}
 
 
 def best_for_retry(registry: Registry, route: RouteDecision, config: Any, idle_only: bool) -> set[ProviderSession]:
-    """The retry and backup rule: idle if asked, owned first, fewest active, then fastest."""
+    """The retry and backup rule: idle if asked, owned first, the model loaded, fewest active, then fastest."""
     available = [s for s in survey(registry, route, config).available if not idle_only or s.active == 0]
     owned = [s for s in available if route.owns(s)]
     pool = owned or ([] if route.owned_only else available)
     if not pool:
         return set()
-    best = min((s.active, -s.decode_tps) for s in pool)
-    return {s for s in pool if (s.active, -s.decode_tps) == best}
+
+    def rank(s: ProviderSession) -> tuple[bool, int, float]:
+        return not s.has_loaded(route.names), s.active, -s.decode_tps
+
+    best = min(rank(s) for s in pool)
+    return {s for s in pool if rank(s) == best}
+
+
+def longest_by_survey(registry: Registry, route: RouteDecision, config: Any) -> float:
+    """The longest context of the sessions that pass every lasting gate for the route (0 unknown = inf)."""
+    sessions = [s for s in candidates(registry, route) if passes_lasting_gates(s, route, config)]
+    return max((s.context_for(route.names) or math.inf for s in sessions), default=0)
 
 
 class World:
@@ -78,7 +91,9 @@ class World:
             max_concurrency=rng.choice([1, 2, 3, 4]), private_only=rng.random() < 0.15,
             vision=rng.random() < 0.5, weight_hash=rng.choice(["", GOOD_HASH, BAD_HASH]),
             runtime_verified=rng.random() < 0.9, challenge_age=rng.choice([0.0, 0.0, 0.0, None, 5000.0]),
-            decode_tps=rng.choice([0.0, 20.0, 40.0]), online=rng.random() < 0.95)
+            decode_tps=rng.choice([0.0, 20.0, 40.0]), online=rng.random() < 0.95,
+            context_length=rng.choice([0, 512, 2048, 2048, 8192]),
+            loaded=rng.choice([None, (), (MODEL.id,), ("smollm2",)]))
         self.registry.add(provider.session)
         self.held[provider.session] = []
 
@@ -92,7 +107,10 @@ class World:
         elif action < 7 and self.held[session]:
             self.held[session].pop(rng.randrange(len(self.held[session]))).release()
         elif action == 7:
-            session.decode_tps = rng.choice([0.0, 20.0, 40.0, 80.0, 33.3])
+            if rng.random() < 0.5:
+                session.decode_tps = rng.choice([0.0, 20.0, 40.0, 80.0, 33.3])
+            else:  # a heartbeat that lists the models loaded now
+                session.report_loaded(rng.choice([[], [MODEL.id], ["smollm2"], [MODEL.id, "other-model"]]))
         elif action == 8:
             change: Callable[[], None] = rng.choice([
                 lambda: setattr(session, "untrusted_reason", "failed a challenge"),
@@ -121,6 +139,10 @@ ROUTES = [
     ("prefer, images", decision(owner_account_id=OWNER, needs=frozenset({"images"})), {}),
     ("exclusive", decision(owner_account_id=OWNER, owned_only=True), {}),
     ("exclusive, pinned", decision(owner_account_id=OWNER, owned_only=True, pinned="mach_3"), {}),
+    ("prefer, weights pinned", decision(model=PINNED, owner_account_id=OWNER), {}),
+    ("exclusive, weights pinned", decision(model=PINNED, owner_account_id=OWNER, owned_only=True), {}),
+    ("long context", decision(context_needed=2049), {}),
+    ("prefer, long context", decision(owner_account_id=OWNER, context_needed=600), {}),
 ]
 
 
@@ -143,6 +165,7 @@ def test_selection_matches_a_full_survey_through_every_change(seed: int) -> None
                 expected = best_for_retry(registry, route, config, idle)
                 got = select_idle_or_free(registry, route, config, idle)
                 assert (got in expected) if expected else got is None, (step, name, idle)
+            assert longest_context(registry, route, config) == longest_by_survey(registry, route, config), (step, name)
         public = bool(survey(world.registry, decision(), configs["public"]).eligible)
         assert routable_public(world.registry, MODEL, configs["public"]) == public
 

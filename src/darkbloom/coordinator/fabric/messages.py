@@ -45,6 +45,8 @@ def announcement(session: ProviderSession, now: float | None = None) -> dict[str
         "challenge_age": None if passed is None else max(0.0, now - passed),
         "connected_age": max(0.0, now - session.connected_at),
         "active": session.active, "decode_tps": session.decode_tps,
+        # which of ``models`` are loaded now, by position: never longer than the list it points into
+        "loaded": [index for index, model in enumerate(registration.models) if model.id in session.loaded_models],
     }
 
 
@@ -56,6 +58,15 @@ def registration_of(announced: dict[str, Any]) -> Register:
                     authenticated_chunks=bool(announced["authenticated_chunks"]),
                     private_only=bool(announced["private_only"]), max_concurrency=announced["max_concurrency"],
                     max_request_frame_bytes=announced["max_request_frame_bytes"], name=announced["name"] or "")
+
+
+def loaded_of(announced: dict[str, Any], models: list[ModelInfo]) -> frozenset[str]:
+    """The ids of the announced session's loaded models (all of them from a replica that does not say)."""
+    loaded = announced.get("loaded")
+    if not isinstance(loaded, list):
+        return frozenset(model.id for model in models)
+    return frozenset(models[index].id for index in loaded
+                     if type(index) is int and 0 <= index < len(models))
 
 
 # on ``<prefix>.fleet`` (every replica) and ``<prefix>.view.<replica>`` (one): JSON objects, ``k`` their kind

@@ -341,6 +341,9 @@ def _update(stand_in: ProviderSession, announced: dict[str, Any], now: float) ->
         stand_in.untrusted_reason = announced["untrusted_reason"]
     if announced["draining"] and not stand_in.draining:
         stand_in.draining = True
+    loaded = messages.loaded_of(announced, stand_in.registration.models)
+    if stand_in.loaded_models != loaded:
+        stand_in.loaded_models = loaded
     if stand_in.decode_tps != announced["decode_tps"]:
         stand_in.decode_tps = float(announced["decode_tps"])
     if stand_in.active != announced["active"]:

@@ -31,6 +31,9 @@ async def linked_machines(services: Services, account_id: str) -> list[dict[str,
             "name": row["name"],
             "online": session is not None,
             "models": sorted(session.advertised_models) if session else list(row["models"] or []),
+            # what it serves with other weights than the catalog pins: its owner's requests only
+            "unverified_models": services.settings.catalog.unverified(
+                (m.id, m.weight_hash) for m in session.registration.models) if session else [],
             "trust_level": effective_trust(session) if session else row["trust_level"],
             "private_only": session.private_only if session else bool(row["private_only"]),
             "last_seen": row["last_seen"],

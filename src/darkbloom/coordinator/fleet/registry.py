@@ -3,11 +3,13 @@ views the scheduler selects from without scanning the fleet.
 
 A ``SessionView`` is the set of sessions one kind of request may use — a model (its names), an
 owner or the public, and an ``admits`` check the scheduler supplies (the gates that do not change
-with the clock) — with the free sessions in a ``FreeOrder`` and the busy ones aside. The registry
-opens a view on first use (one pass over the model's or the owner's sessions) and from then on keeps
-it exact: sessions join and leave as they are added, removed and disowned, and as they report
-(through ``ProviderSession._watch``) a change of their active count, decode speed, online, draining,
-trust or owner. A view of an account goes when the account's last session does.
+with the clock) — with the free sessions in a ``FreeOrder`` and the busy ones aside, and the context
+lengths its members serve the model with (so the longest is known without a pass over them). The
+registry opens a view on first use (one pass over the model's or the owner's sessions) and from then
+on keeps it exact: sessions join and leave as they are added, removed and disowned, and as they
+report (through ``ProviderSession._watch``) a change of their active count, decode speed, loaded
+models, online, draining, trust or owner. A view of an account goes when the account's last session
+does; every view goes when the catalog changes (``close_views``), to be opened again on first use.
 """
 
 from __future__ import annotations
@@ -15,14 +17,16 @@ from __future__ import annotations
 import heapq
 import itertools
 import logging
-from collections import defaultdict
+import math
+from collections import Counter, defaultdict
 from typing import Callable, Hashable, Iterable, Iterator
 
 from darkbloom.coordinator.fleet.session import ProviderSession
 from darkbloom.coordinator.fleet.slots import FreeOrder, Slots
 
 log = logging.getLogger("darkbloom.registry")
-_ORDER_ONLY = frozenset({"_active", "decode_tps"})  # they move a session within its views, never in or out
+# they move a session within its views, never in or out
+_ORDER_ONLY = frozenset({"_active", "decode_tps", "loaded_models"})
 
 
 class SessionView:
@@ -34,6 +38,7 @@ class SessionView:
         self.admits = admits
         self.free = FreeOrder()
         self.busy: set[ProviderSession] = set()
+        self._contexts: Counter[int] = Counter()  # the members' context lengths for the model (0: unknown)
 
     def __len__(self) -> int:
         return len(self.free) + len(self.busy)
@@ -43,17 +48,32 @@ class SessionView:
         yield from self.busy
         yield from self.free
 
+    @property
+    def longest_context(self) -> float:
+        """The longest context a member serves the model with: infinite when one does not say, 0
+        without members."""
+        if self._contexts[0]:
+            return math.inf
+        return max(self._contexts, default=0)
+
     def _place(self, session: ProviderSession) -> None:
+        if session not in self.free and session not in self.busy:
+            self._contexts[session.context_for(self.names)] += 1
         if session.has_free_slot:
             self.busy.discard(session)
-            self.free.put(session)
+            self.free.put(session, cold=not session.has_loaded(self.names))
         else:
             self.free.discard(session)
             self.busy.add(session)
 
     def _drop(self, session: ProviderSession) -> None:
-        self.free.discard(session)
-        self.busy.discard(session)
+        if session in self.free or session in self.busy:
+            self.free.discard(session)
+            self.busy.discard(session)
+            context = session.context_for(self.names)
+            self._contexts[context] -= 1
+            if not self._contexts[context]:
+                del self._contexts[context]
 
 
 class Registry:
@@ -240,6 +260,16 @@ class Registry:
         elif view in self._member_of.get(session, ()):
             view._drop(session)
             self._member_of[session].discard(view)
+
+    def close_views(self) -> None:
+        """Forget every view (what they admit changed: the catalog did); each opens again on first use."""
+        for view in self._views.values():
+            for session in list(view):
+                view._drop(session)
+                self._member_of.get(session, set()).discard(view)
+        self._views.clear()
+        self._public_views.clear()
+        self._account_views.clear()
 
     def _close_account_views(self, account_id: str) -> None:
         if account_id in self._by_account:

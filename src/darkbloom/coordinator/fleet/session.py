@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable, Protocol
+from typing import Any, Callable, Iterable, Protocol
 
 from nacl.public import PublicKey
 
@@ -20,7 +20,7 @@ from darkbloom.wire.protocol import Envelope, Register, Usage
 # what the registry's views of free sessions depend on (and the replica fabric announces): setting one
 # of these calls the session's ``_watch`` (the registry's, while the session is listed), whoever sets it
 WATCHED = frozenset({"_active", "decode_tps", "online", "draining", "untrusted_reason", "trust_level",
-                     "runtime_verified", "public_key", "account_id", "challenge_passed_at"})
+                     "runtime_verified", "public_key", "account_id", "challenge_passed_at", "loaded_models"})
 FRAME_TOO_LARGE = "frame_too_large"  # the code of a failure the coordinator gives a frame it refused as too large
 
 
@@ -100,6 +100,7 @@ class ProviderSession:
     online: bool = False              # listed as routable only after registration completes
     inboxes: dict[str, Inbox] = field(default_factory=dict)  # request id → where its frames go
     advertised_models: frozenset[str] = frozenset()
+    loaded_models: frozenset[str] = frozenset()  # the advertised ids the node has in memory now
     untrusted_reason: str | None = None      # set once the session fails a check; never routable again
     runtime_verified: bool = False           # runtime hash in the coordinator's allow-list
     challenge_passed_at: float | None = None  # monotonic time of the last passed attestation challenge
@@ -110,6 +111,8 @@ class ProviderSession:
 
     def __post_init__(self) -> None:
         self.advertised_models = frozenset(m.id for m in self.registration.models)
+        loaded = self.registration.loaded_models
+        self.loaded_models = self.advertised_models if loaded is None else self.advertised_models.intersection(loaded)
 
     def __setattr__(self, name: str, value: Any) -> None:
         object.__setattr__(self, name, value)
@@ -133,6 +136,25 @@ class ProviderSession:
     @property
     def has_free_slot(self) -> bool:
         return self.active < self.max_concurrency
+
+    def report_loaded(self, model_ids: Iterable[str]) -> None:
+        """The node says which of its models are in memory now (ids it never advertised are ignored)."""
+        loaded = self.advertised_models.intersection(model_ids)
+        if loaded != self.loaded_models:
+            self.loaded_models = loaded
+
+    def has_loaded(self, names: tuple[str, ...]) -> bool:
+        """Whether the node has the model (one of its names) in memory now."""
+        return not self.loaded_models.isdisjoint(names)
+
+    def context_for(self, names: tuple[str, ...]) -> int:
+        """The context length the node serves the model (its names) with; 0 when it does not say."""
+        lengths = [m.context_length for m in self.registration.models if m.id in names]
+        return 0 if not lengths or 0 in lengths else max(lengths)
+
+    def size_for(self, names: tuple[str, ...]) -> int:
+        """The size in bytes of the node's weights for the model (0 when it does not say)."""
+        return max((m.size_bytes for m in self.registration.models if m.id in names), default=0)
 
     @property
     def chunks_proven(self) -> bool:

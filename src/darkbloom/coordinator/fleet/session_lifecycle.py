@@ -158,6 +158,8 @@ def close_session(services: Services, session: ProviderSession) -> None:
 
 
 def on_heartbeat(services: Services, session: ProviderSession, frame: Heartbeat) -> None:
+    if "models" in frame.model_fields_set:  # the models loaded now (the scheduler prefers those)
+        session.report_loaded(frame.models)
     if time.monotonic() - session.machine_seen_at >= MACHINE_SEEN_EVERY:
         _record_machine(services, session)
 

@@ -6,10 +6,11 @@ taken in.
 queues subscribe with ``on_release``), so no caller has to remember to drain a queue.
 
 ``FreeOrder`` holds sessions with a free slot ready to be taken in the scheduler's order without a
-scan of the fleet: grouped by (active, max_concurrency), i.e. by load ``(active + 1) /
+scan of the fleet: those with the view's model loaded before those that would first have to load it
+(``cold``), then grouped by (active, max_concurrency), i.e. by load ``(active + 1) /
 max_concurrency``, and within a group bucketed by measured decode speed, fastest first (a heap of
 speeds). The registry keeps one per view and moves a session between groups whenever its ``active``
-count or its speed changes.
+count, its speed or its loaded models change.
 """
 
 from __future__ import annotations
@@ -92,7 +93,7 @@ class _Bucket:
 
 
 class _Group:
-    """Free sessions with one (active, max_concurrency), bucketed by decode speed."""
+    """Free sessions with one (cold, active, max_concurrency), bucketed by decode speed."""
 
     __slots__ = ("buckets", "_heap")
 
@@ -123,13 +124,16 @@ class _Group:
         return -heap[0]
 
 
+GroupKey = tuple[bool, int, int]  # (cold, active, max_concurrency)
+
+
 class FreeOrder:
     """Sessions with a free slot; ``by_expected_wait`` and ``by_active`` yield them as ties, best first."""
 
     def __init__(self) -> None:
-        self._groups: dict[tuple[int, int], _Group] = {}
-        self._loads: list[tuple[float, int, int]] = []  # (load, active, max_concurrency) per group, sorted
-        self._at: dict[ProviderSession, tuple[tuple[int, int], float]] = {}
+        self._groups: dict[GroupKey, _Group] = {}
+        self._loads: list[tuple[bool, float, int, int]] = []  # (cold, load, active, max_concurrency), sorted
+        self._at: dict[ProviderSession, tuple[GroupKey, float]] = {}
 
     def __len__(self) -> int:
         return len(self._at)
@@ -140,9 +144,10 @@ class FreeOrder:
     def __iter__(self) -> Iterator[ProviderSession]:
         return iter(self._at)
 
-    def put(self, session: ProviderSession) -> None:
-        """Add the session, or move it to the group and bucket of its current load and speed."""
-        where = ((session.active, session.max_concurrency), speed_of(session))
+    def put(self, session: ProviderSession, cold: bool = False) -> None:
+        """Add the session, or move it to the group and bucket of its current load and speed; ``cold``:
+        it would first have to load the model."""
+        where = ((cold, session.active, session.max_concurrency), speed_of(session))
         old = self._at.get(session)
         if old == where:
             return
@@ -152,7 +157,7 @@ class FreeOrder:
         group = self._groups.get(key)
         if group is None:
             group = self._groups[key] = _Group()
-            bisect.insort(self._loads, ((key[0] + 1) / key[1], *key))
+            bisect.insort(self._loads, _load_of(key))
         group.add(session, speed)
         self._at[session] = where
 
@@ -161,26 +166,33 @@ class FreeOrder:
         if old is not None:
             self._take(session, old)
 
-    def _take(self, session: ProviderSession, where: tuple[tuple[int, int], float]) -> None:
+    def _take(self, session: ProviderSession, where: tuple[GroupKey, float]) -> None:
         key, speed = where
         group = self._groups[key]
         group.remove(session, speed)
         if not group.buckets:
             del self._groups[key]
-            self._loads.pop(bisect.bisect_left(self._loads, ((key[0] + 1) / key[1], *key)))
+            self._loads.pop(bisect.bisect_left(self._loads, _load_of(key)))
 
     def by_expected_wait(self) -> Iterator[Ties]:
-        """The scheduler's order: lowest ``(active + 1) / max_concurrency``, then the fastest
-        measured decode speed; each item is one rank (ties are broken by the caller)."""
+        """The scheduler's order: the model loaded first, then the lowest ``(active + 1) /
+        max_concurrency``, then the fastest measured decode speed; each item is one rank (ties are
+        broken by the caller)."""
         loads = list(self._loads)
-        for _, same in itertools.groupby(loads, key=lambda entry: entry[0]):
-            yield from _by_speed([self._groups[(active, slots)] for _, active, slots in same])
+        for _, same in itertools.groupby(loads, key=lambda entry: entry[:2]):
+            yield from _by_speed([self._groups[(cold, active, slots)] for cold, _, active, slots in same])
 
     def by_active(self, idle_only: bool = False) -> Iterator[Ties]:
-        """Retries and backups: the fewest active requests (only idle sessions if asked), then the fastest."""
-        keys = sorted(key for key in self._groups if not idle_only or key[0] == 0)
-        for _, same in itertools.groupby(keys, key=lambda key: key[0]):
+        """Retries and backups: the model loaded first, then the fewest active requests (only idle
+        sessions if asked), then the fastest."""
+        keys = sorted(key for key in self._groups if not idle_only or key[1] == 0)
+        for _, same in itertools.groupby(keys, key=lambda key: key[:2]):
             yield from _by_speed([self._groups[key] for key in same])
+
+
+def _load_of(key: GroupKey) -> tuple[bool, float, int, int]:
+    cold, active, slots = key
+    return cold, (active + 1) / slots, active, slots
 
 
 def _by_speed(groups: list[_Group]) -> Iterator[Ties]:

@@ -26,7 +26,7 @@ from darkbloom.coordinator.inference.calls import InferenceCall
 from darkbloom.coordinator.inference.failures import ProviderFailure, crashed_providers, timed_out
 from darkbloom.coordinator.inference.settlement import RequestLifecycle
 from darkbloom.coordinator.routing.decision import RouteDecision
-from darkbloom.coordinator.routing.scheduler import Claim, claim, select_idle_or_free
+from darkbloom.coordinator.routing.scheduler import Claim, claim, load_seconds, select_idle_or_free
 
 log = logging.getLogger("darkbloom.attempts")
 MAX_ATTEMPTS = 3
@@ -119,9 +119,14 @@ class Attempts:
         self.life.hold(claimed.slot)
         return claimed
 
+    def _clock_starts(self, attempt: Attempt) -> float:
+        """When the attempt's first-content budget starts: now, or once its node has loaded the model
+        when it does not have it in memory (the scheduler's estimate of the load)."""
+        return time.monotonic() + load_seconds(attempt.session, self.decision)
+
     async def _first_content(self, primary: Attempt) -> tuple[Attempt, bool]:
         budget = self.services.settings.first_content_timeout
-        started = time.monotonic()
+        started = self._clock_starts(primary)
         try:
             return primary, await primary.first_content(started + budget / 2)
         except ProviderFailure:
@@ -146,7 +151,7 @@ class Attempts:
         log.info("request %s: %s silent after %.1f s, backup on %s", self.request_id, primary.session.id,
                  budget / 2, backup.session.id)
         return await self._race(primary, backup, {primary: started + budget,
-                                                  backup: time.monotonic() + budget})
+                                                  backup: self._clock_starts(backup) + budget})
 
     async def _race(self, primary: Attempt, backup: Attempt,
                     deadlines: dict[Attempt, float]) -> tuple[Attempt, bool]:

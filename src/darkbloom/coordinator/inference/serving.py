@@ -26,7 +26,7 @@ from darkbloom.coordinator.inference.disconnect import DisconnectWatch
 from darkbloom.coordinator.inference.failures import ProviderFailure, failure_error
 from darkbloom.coordinator.inference.settlement import RequestLifecycle
 from darkbloom.coordinator.money.admission import request_charges
-from darkbloom.coordinator.money.estimation import output_token_bound, prompt_token_bound
+from darkbloom.coordinator.money.estimation import context_needed, output_token_bound, prompt_token_bound
 from darkbloom.coordinator.routing import placement
 from darkbloom.coordinator.routing.policy import Policy, resolve_policy
 from darkbloom.coordinator.services import Services
@@ -56,10 +56,12 @@ async def serve(edge: Edge, request: Request, caller: Caller, services: Services
         policy = resolve_policy(request.headers, caller)
         with DisconnectWatch(request) as watch:
             model = placement.resolve_model(services, caller, call.model, policy)
-            decision = placement.decide(services, policy, model, needs=call.needs)
-            output_bound = output_token_bound(call, model)
+            prompt_bound, output_bound = prompt_token_bound(call), output_token_bound(call, model)
+            decision = placement.decide(services, policy, model, needs=call.needs,
+                                        context_needed=context_needed(call, prompt_bound, output_bound))
+            placement.check_context(services, decision)  # before anything is taken
             # exclusive self-route never spends: no reservation, no key spend cap (rate limits still apply)
-            await life.admit(model, prompt_token_bound(call), output_bound, self_routed=policy.self_routed,
+            await life.admit(model, prompt_bound, output_bound, self_routed=policy.self_routed,
                              reserve=not policy.exclusive)
             admitted_at = time.monotonic()
             first = await watch.until(placement.place(services, decision, policy, life.hold))

@@ -21,6 +21,7 @@ class RouteDecision:
     owned_only: bool = False              # exclusive self-route: never the public fleet
     pinned: str | None = None             # an owned mach_… or prov_… id (exclusive only)
     excluded: set[str] = field(default_factory=set)  # sessions that already failed this request
+    context_needed: int = 0               # tokens of context the request may take (0: not checked)
 
     @property
     def names(self) -> tuple[str, ...]:

@@ -17,13 +17,12 @@ Check = Callable[[ProviderSession, RouteDecision, CoordinatorSettings, float], b
 
 
 def _serves_model(s: ProviderSession, d: RouteDecision, _c: CoordinatorSettings, _n: float) -> bool:
-    if not any(name in s.advertised_models for name in d.names):
-        return False
-    pinned_hash = d.model.weight_hash
-    if pinned_hash:
-        hashes = {m.weight_hash for m in s.registration.models if m.id in d.names}
-        return pinned_hash in hashes
-    return True
+    return any(name in s.advertised_models for name in d.names)
+
+
+def _verified_weights(s: ProviderSession, d: RouteDecision, _c: CoordinatorSettings, _n: float) -> bool:
+    # an owner may run any weights for themselves; anyone else needs an entry with the pinned ones
+    return d.owns(s) or any(d.model.verifies(m.weight_hash) for m in s.registration.models if m.id in d.names)
 
 
 def _trusted(s: ProviderSession, _d: RouteDecision, _c: CoordinatorSettings, _n: float) -> bool:
@@ -56,6 +55,13 @@ def _capabilities(s: ProviderSession, d: RouteDecision, _c: CoordinatorSettings,
     return any(d.needs <= model_capabilities(m) for m in s.registration.models if m.id in d.names)
 
 
+def _context_fits(s: ProviderSession, d: RouteDecision, _c: CoordinatorSettings, _n: float) -> bool:
+    if not d.context_needed:
+        return True
+    context = s.context_for(d.names)
+    return context == 0 or d.context_needed <= context
+
+
 def model_capabilities(model: ModelInfo) -> frozenset[str]:
     """What a registered model advertises, `images` included when it is a vision model."""
     advertised = frozenset(model.capabilities) & CAPABILITIES
@@ -66,8 +72,9 @@ def model_capabilities(model: ModelInfo) -> frozenset[str]:
 class Gate:
     """A named check; ``blocker`` is what an owner is told when only this gate keeps their own
     machine from serving them privately (the privacy gates and ``untrusted``). A ``lasting`` gate's
-    answer changes only when the session, the settings or the request's model, owner or traits do,
-    never with the clock, so the registry's views can keep it (``passes_lasting_gates``)."""
+    answer changes only when the session, the settings or the request's model, owner or needs do,
+    never with the clock or the request's size, so the registry's views can keep it
+    (``passes_lasting_gates``)."""
 
     name: str
     check: Check
@@ -78,6 +85,7 @@ class Gate:
 # The fixed order; the names are the reasons in logs, metrics and self-route errors.
 GATES: tuple[Gate, ...] = (
     Gate("model_not_served", _serves_model),
+    Gate("unverified_weights", _verified_weights),
     Gate("untrusted", _trusted,
          blocker="it failed an integrity check (restart the node; if it persists, reinstall it)"),
     Gate("private_only", _private_only),
@@ -88,11 +96,12 @@ GATES: tuple[Gate, ...] = (
     Gate("challenge_stale", _challenge_fresh,
          blocker="it has not passed a recent attestation challenge (restart the node)", lasting=False),
     Gate("capability_unsupported", _capabilities),
+    Gate("context_length", _context_fits, lasting=False),
 )
 PRIVACY_GATES = frozenset({"runtime_not_verified", "no_encrypted_chunks", "challenge_stale"})
 LASTING_GATES = tuple(gate for gate in GATES if gate.lasting)
 NO_FREE_SLOT = "no_free_slot"
-CAPABILITY_GATE = "capability_unsupported"  # the last gate: a session failing it passed all the others
+CONTEXT_GATE = "context_length"  # the last gate: a session failing it passed all the others
 
 
 def first_failed_gate(session: ProviderSession, decision: RouteDecision, settings: CoordinatorSettings,

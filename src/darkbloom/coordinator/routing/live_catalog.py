@@ -24,3 +24,4 @@ async def store_catalog(services: Services, catalog: Catalog) -> None:
     async with services.engine.begin() as conn:
         await stored_settings.put(conn, _NAME, catalog.model_dump())
     services.settings.catalog = catalog
+    services.registry.close_views()  # what they admit may differ now (a weight_hash pin, aliases)

@@ -13,7 +13,7 @@ from darkbloom.coordinator.routing import selfroute
 from darkbloom.coordinator.routing.decision import RouteDecision
 from darkbloom.coordinator.routing.policy import Policy
 from darkbloom.coordinator.routing.queue import NoEligibleSession, QueueRefused
-from darkbloom.coordinator.routing.scheduler import Claim, blocked_by_capability, survey
+from darkbloom.coordinator.routing.scheduler import Claim, blocked_by_capability, longest_context, survey
 from darkbloom.coordinator.services import Services
 from darkbloom.wire.catalog import MAX_MODEL_ID, CatalogModel
 from darkbloom.wire.openai.errors import ApiError
@@ -41,14 +41,29 @@ def resolve_model(services: Services, caller: Caller, name: str, policy: Policy)
     return model
 
 
-def decide(services: Services, policy: Policy, model: CatalogModel, *, needs: frozenset[str]) -> RouteDecision:
+def decide(services: Services, policy: Policy, model: CatalogModel, *, needs: frozenset[str],
+           context_needed: int = 0) -> RouteDecision:
     # a model outside the catalog is reachable only on the caller's own machines, even with prefer:
     # another account's machine advertising the same name is not public fleet for it
     owner_only_model = services.settings.catalog.resolve(model.id) is None
     return RouteDecision(model=model, needs=needs,
                          owner_account_id=policy.owner_account_id,
                          owned_only=policy.exclusive or (policy.self_routed and owner_only_model),
-                         pinned=policy.pinned)
+                         pinned=policy.pinned, context_needed=context_needed)
+
+
+def check_context(services: Services, decision: RouteDecision) -> None:
+    """400 ``context_length_exceeded`` when the request cannot fit the context of any session it may
+    use (before anything is reserved); a session that does not say its context never refuses. When
+    no session may serve it at all, placement says why instead."""
+    needed = decision.context_needed
+    longest = longest_context(services.registry, decision, services.settings) if needed else 0
+    if 0 < longest < needed:
+        raise ApiError(400, "invalid_request_error",
+                       f"This request needs about {needed} tokens of context (its prompt, estimated from its "
+                       f"size, and max_tokens), but the longest context of a provider serving "
+                       f"'{decision.model.id}' is {int(longest)} tokens. Shorten the prompt or lower max_tokens.",
+                       code="context_length_exceeded", param="messages")
 
 
 async def place(services: Services, decision: RouteDecision, policy: Policy,

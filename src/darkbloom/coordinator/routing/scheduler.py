@@ -1,4 +1,5 @@
-"""Choosing a provider session: named gates in a fixed order, then the lowest expected wait.
+"""Choosing a provider session: named gates in a fixed order, then the lowest expected wait (the
+model already loaded first: a load costs seconds, ``load_seconds``).
 
 A ``RouteDecision`` is made once per request and carried through first dispatch, sequential
 retries, the speculative backup and the queue, so all four honour the same rules (which
@@ -21,6 +22,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import math
 import random
 import time
 from dataclasses import dataclass, field
@@ -63,8 +65,15 @@ class Survey:
 
 
 Order = Callable[[FreeOrder], Iterator[Ties]]
-Rank = Callable[[ProviderSession], tuple[float, float]]  # what ``Order`` sorts by: lower is better
+Rank = Callable[[ProviderSession], tuple[bool, float, float]]  # what ``Order`` sorts by: lower is better
 _PROBES = 8  # random draws within a rank before it is walked whole
+# What loading a model the node does not have in memory costs before its first token: reading the
+# GGUF at about 1 GB/s (an SSD read, page-in and, on a Mac, the Metal buffers; a fast NVMe does
+# better, a SATA disk worse) plus a constant for the context, the KV cache and the first prefill.
+# Capped, so that a node cannot stretch a request's deadline by advertising a huge file.
+LOAD_SECONDS_BASE = 2.0
+LOAD_BYTES_PER_SECOND = 1e9
+MAX_LOAD_SECONDS = 120.0
 
 
 def candidates(registry: Registry, decision: RouteDecision) -> Iterable[ProviderSession]:
@@ -101,10 +110,25 @@ def survey(registry: Registry, decision: RouteDecision, settings: CoordinatorSet
     return result
 
 
-def expected_wait(session: ProviderSession) -> tuple[float, float]:
-    """Rank for time to first content: load over capacity first, then the faster measured decode
-    speed (a session not yet measured ranks as the slowest among equally loaded ones)."""
-    return (session.active + 1) / session.max_concurrency, -session.decode_tps
+def expected_wait(session: ProviderSession, names: tuple[str, ...]) -> tuple[bool, float, float]:
+    """Rank for time to first content: the model (``names``) loaded before a session that would
+    first have to load it, then load over capacity, then the faster measured decode speed (a session
+    not yet measured ranks as the slowest among equally loaded ones)."""
+    return not session.has_loaded(names), (session.active + 1) / session.max_concurrency, -session.decode_tps
+
+
+def retry_rank(session: ProviderSession, names: tuple[str, ...]) -> tuple[bool, float, float]:
+    """Rank for a retry or the backup: the model loaded first, then the fewest active, then the fastest."""
+    return not session.has_loaded(names), session.active, -speed_of(session)
+
+
+def load_seconds(session: ProviderSession, decision: RouteDecision) -> float:
+    """What the session needs before its first token to load the model (0 when it has it loaded):
+    from the size of its weights (else the catalog's), at ``LOAD_BYTES_PER_SECOND``."""
+    if session.has_loaded(decision.names):
+        return 0.0
+    size = session.size_for(decision.names) or decision.model.size_bytes or 0
+    return min(MAX_LOAD_SECONDS, LOAD_SECONDS_BASE + size / LOAD_BYTES_PER_SECOND)
 
 
 def choose(available: list[ProviderSession], decision: RouteDecision) -> Optional[ProviderSession]:
@@ -113,12 +137,16 @@ def choose(available: list[ProviderSession], decision: RouteDecision) -> Optiona
     pool = owned or ([] if decision.owned_only else [s for s in available if not decision.owns(s)])
     if not pool:
         return None
-    best = min(expected_wait(s) for s in pool)
-    return random.choice([s for s in pool if expected_wait(s) == best])
+    best = min(expected_wait(s, decision.names) for s in pool)
+    return random.choice([s for s in pool if expected_wait(s, decision.names) == best])
 
 
 def claim(registry: Registry, session: ProviderSession, decision: RouteDecision) -> Claim:
-    provider_model_id = next(name for name in decision.names if name in session.advertised_models)
+    """The slot, under the first of the model's names the session advertises (with a pin, the first
+    with the pinned weights, when it has one)."""
+    names = [name for name in decision.names if name in session.advertised_models]
+    verified = {m.id for m in session.registration.models if decision.model.verifies(m.weight_hash)}
+    provider_model_id = next((name for name in names if name in verified), names[0])
     return Claim(registry.slots.claim(session), provider_model_id, owned=decision.owns(session))
 
 
@@ -136,7 +164,7 @@ def select(registry: Registry, decision: RouteDecision, settings: CoordinatorSet
     default ``expected_wait``)."""
     now = time.monotonic()
     owner = decision.owner_account_id
-    rank = rank or expected_wait
+    rank = rank or (lambda session: expected_wait(session, decision.names))
     if owner is not None:
         found = _pick(registry, decision, settings, order, rank, owner, False, now)
         if found is not None or decision.owned_only:
@@ -148,9 +176,10 @@ def select(registry: Registry, decision: RouteDecision, settings: CoordinatorSet
 
 def select_idle_or_free(registry: Registry, decision: RouteDecision, settings: CoordinatorSettings,
                         idle_only: bool) -> Optional[ProviderSession]:
-    """For a retry or the backup: owned first, then the fewest active requests, then the fastest."""
+    """For a retry or the backup: owned first, then the model loaded, then the fewest active
+    requests, then the fastest."""
     return select(registry, decision, settings, lambda free: free.by_active(idle_only),
-                  lambda session: (session.active, -speed_of(session)))
+                  lambda session: retry_rank(session, decision.names))
 
 
 def _pick(registry: Registry, decision: RouteDecision, settings: CoordinatorSettings, order: Order, rank: Rank,
@@ -180,6 +209,24 @@ def blocked_by_capability(registry: Registry, decision: RouteDecision, settings:
     if not decision.needs:
         return False
     return _first_eligible(registry, dataclasses.replace(decision, needs=frozenset()), settings) is not None
+
+
+def longest_context(registry: Registry, decision: RouteDecision, settings: CoordinatorSettings) -> float:
+    """The longest context among the sessions the decision may use for its model (its views: every
+    lasting gate passed): infinite when one of them does not say, 0 when there are none. Kept by the
+    views; with a pin, read from the pinned machine's sessions alone."""
+    owner = decision.owner_account_id
+    views = [] if owner is None else [_view(registry, decision, settings, owner)]
+    if not decision.owned_only:
+        views.append(_view(registry, decision, settings, None))
+    if decision.pinned:
+        return max((_context_of(s, decision.names) for view in views for s in view
+                    if decision.pinned in (s.id, s.machine_id)), default=0)
+    return max((view.longest_context for view in views), default=0)
+
+
+def _context_of(session: ProviderSession, names: tuple[str, ...]) -> float:
+    return session.context_for(names) or math.inf
 
 
 def routable_public(registry: Registry, model: CatalogModel, settings: CoordinatorSettings) -> bool:

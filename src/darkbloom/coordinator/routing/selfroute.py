@@ -5,7 +5,7 @@ a sentence that says what to do."""
 from __future__ import annotations
 
 from darkbloom.coordinator.routing.decision import RouteDecision
-from darkbloom.coordinator.routing.gates import GATES
+from darkbloom.coordinator.routing.gates import CONTEXT_GATE, GATES
 from darkbloom.coordinator.routing.scheduler import Survey
 from darkbloom.coordinator.services import Services
 from darkbloom.store import machines
@@ -69,6 +69,11 @@ def preflight_error(decision: RouteDecision, found: Survey, *, ever_linked: bool
         why = "; ".join(blockers)
         return ApiError(503, "model_routing_blocked",
                         f"Your machine serves '{decision.model.id}' but cannot be used privately right now: {why}.")
+    if reasons.get(CONTEXT_GATE):
+        return ApiError(400, "invalid_request_error",
+                        f"This request needs up to {decision.context_needed} tokens of context, more than your "
+                        f"machine serves '{decision.model.id}' with. Shorten the prompt or lower max_tokens.",
+                        code="context_length_exceeded", param="messages")
     return model_not_loaded(decision.model.id)
 
 

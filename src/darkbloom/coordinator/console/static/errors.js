@@ -33,6 +33,7 @@ const SENTENCES = {
   already_used: () => "That code was already used — if your machine isn't listed under Machines, run `darkbloom login` again.",
   network_error: () => "Can't reach Darkbloom — check your connection and retry.",
   request_too_large: () => "That message is too large — shorten it and retry.",
+  context_length_exceeded: () => "This conversation is too long for the model — clear the conversation, or lower Max answer tokens under Options.",
 };
 
 /** Text with `backticked` commands shown as code; everything stays text. */

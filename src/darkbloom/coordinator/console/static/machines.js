@@ -1,5 +1,7 @@
 // Linked machines from GET /v1/me/providers (one request per refresh, at most every 10 s while the
-// tab is visible), and unlink (DELETE /v1/me/providers/{id}).
+// tab is visible), and unlink (DELETE /v1/me/providers/{id}). A machine serving other weights than the
+// catalog pins says so per model, with the network's hash from GET /v1/models/catalog (asked once,
+// only when some machine needs it).
 import { api } from "./api.js";
 import { errorBlock } from "./errors.js";
 import { ago, when } from "./format.js";
@@ -13,6 +15,7 @@ const dialog = document.getElementById("unlink-dialog");
 
 let lastJson = null;
 let poller = null;
+let pinned = null;  // model id → the catalog's weight_hash, once asked
 
 const TRUST = {
   hardware: "Hardware-verified",
@@ -29,6 +32,9 @@ async function refresh() {
     updated.textContent = "Updated " + new Date().toLocaleTimeString() + " · refreshes every 10 s";
     const json = JSON.stringify(listing.data);
     if (json !== lastJson) {
+      if (!pinned && listing.data.some((m) => m.unverified_models && m.unverified_models.length)) {
+        pinned = await pinnedHashes();
+      }
       lastJson = json;
       render(listing.data);
     }
@@ -64,9 +70,32 @@ function machineCard(m) {
       fact("Trust", TRUST[m.trust_level] || m.trust_level || "unknown"),
       fact("Serves", m.private_only ? "Only you (private)" : "You first, and the network"),
       fact("Last seen", m.online ? "now" : h("time", { title: when(m.last_seen) }, ago(m.last_seen)))),
+    ...(m.unverified_models || []).map((id) => h("p", { class: "machine-note unverified", dataset: { model: id } },
+      unverifiedSentence(id))),
     h("div", { class: "machine-actions" },
       h("button", { type: "button", class: "button danger-outline", dataset: { machine: m.id },
         "aria-label": `Unlink ${m.name || m.id}`, onclick: (e) => confirmUnlink(m, e.currentTarget) }, "Unlink")));
+}
+
+function unverifiedSentence(id) {
+  const hash = pinned && pinned[id];
+  const network = hash ? ` (${hash.replace(":", " ").slice(0, 19)}…)` : "";
+  return `${id}: this machine's weights differ from the network's${network}, so it serves only your own ` +
+    "requests for it and earns nothing.";
+}
+
+async function pinnedHashes() {
+  try {
+    const catalog = await api("/v1/models/catalog");
+    const found = {};
+    for (const model of catalog.data) {
+      if (!model.weight_hash) continue;
+      for (const name of [model.id, ...(model.aliases || [])]) found[name] = model.weight_hash;
+    }
+    return found;
+  } catch {
+    return null;  // the sentence without the hash
+  }
 }
 
 function fact(term, value) {

@@ -141,6 +141,9 @@ _MACHINE = obj({
     "id": {"type": "string", "examples": ["mach_0123456789abcdef"]},
     "session_id": {**NULLABLE_STRING, "description": "The live prov_ session, or null when offline."},
     "name": STRING, "online": BOOLEAN, "models": {"type": "array", "items": STRING},
+    "unverified_models": {"type": "array", "items": STRING, "description": (
+        "Models it serves with other weights than the catalog pins (weight_hash): only your own requests "
+        "reach it for them, and they earn nothing. Sorted; [] when offline.")},
     "trust_level": {"type": "string", "examples": ["none", "self_signed", "hardware", "untrusted"]},
     "private_only": BOOLEAN, "last_seen": NULLABLE_INTEGER,
 })
