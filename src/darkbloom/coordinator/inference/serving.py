@@ -26,8 +26,11 @@ from darkbloom.coordinator.inference.disconnect import DisconnectWatch
 from darkbloom.coordinator.inference.failures import ProviderFailure, failure_error
 from darkbloom.coordinator.inference.settlement import RequestLifecycle
 from darkbloom.coordinator.money.admission import request_charges
+from darkbloom.coordinator.money.billing import worst_case
 from darkbloom.coordinator.money.estimation import context_needed, output_token_bound, prompt_token_bound
 from darkbloom.coordinator.routing import placement
+from darkbloom.coordinator.routing.decision import RouteDecision
+from darkbloom.coordinator.routing.sharing import load_grants
 from darkbloom.coordinator.routing.policy import Policy, resolve_policy
 from darkbloom.coordinator.services import Services
 from darkbloom.wire.openai.edges import Edge
@@ -55,16 +58,15 @@ async def serve(edge: Edge, request: Request, caller: Caller, services: Services
         call = parse_call(await read_body(), edge)
         policy = resolve_policy(request.headers, caller)
         with DisconnectWatch(request) as watch:
+            grants = await load_grants(services, caller.account_id, policy.share_id) if policy.shared else None
             model = placement.resolve_model(services, caller, call.model, policy)
             prompt_bound, output_bound = prompt_token_bound(call), output_token_bound(call, model)
-            decision = placement.decide(services, policy, model, needs=call.needs,
+            decision = placement.decide(services, policy, model, needs=call.needs, grants=grants,
                                         context_needed=context_needed(call, prompt_bound, output_bound))
             placement.check_context(services, decision)  # before anything is taken
-            # exclusive self-route never spends: no reservation, no key spend cap (rate limits still apply)
-            await life.admit(model, prompt_bound, output_bound, self_routed=policy.self_routed,
-                             reserve=not policy.exclusive)
+            await _admit(life, policy, decision, prompt_bound, output_bound)
             admitted_at = time.monotonic()
-            first = await watch.until(placement.place(services, decision, policy, life.hold))
+            first = await watch.until(placement.place(services, decision, policy, life.hold, life.take_share))
             PLACEMENT_SECONDS.labels(policy.mode).observe(time.monotonic() - admitted_at)
             try:
                 attempt, completed = await watch.until(Attempts(life, decision, call, output_bound).run(first))
@@ -89,11 +91,36 @@ async def serve(edge: Edge, request: Request, caller: Caller, services: Services
             return JSONResponse(body, headers=headers)
 
 
+async def _admit(life: RequestLifecycle, policy: Policy, decision: RouteDecision, prompt_bound: int,
+                 output_bound: int) -> None:
+    """Token charges and the reservation the route needs: none for exclusive self-route (no key spend
+    cap either; rate limits still apply), the worst case at the dearest priced share for shared
+    routing — and when the balance cannot hold that but the caller's own machines or a free share
+    could serve, no reservation and only those (docs/sharing.md "Money")."""
+    model = decision.model
+    if not policy.shared:
+        await life.admit(model, prompt_bound, output_bound, self_routed=policy.self_routed,
+                         reserve=not policy.exclusive)
+        return
+    min_charge = life.services.settings.min_charge_micro_usd
+    priced = [grant.priced_model(model) for grant in decision.shares if grant.priced]
+    dearest = max(priced, key=lambda m: worst_case(m, prompt_bound, output_bound, min_charge), default=None)
+    free_route = (any(not grant.priced for grant in decision.shares)
+                  or any(name in s.advertised_models for s in life.services.registry.owned_by(life.caller.account_id)
+                         for name in decision.names))
+    await life.admit(model, prompt_bound, output_bound, self_routed=True, reserve=dearest is not None,
+                     reserve_at=dearest, unreserved_if_short=free_route)
+    if dearest is not None and life.reservation is None:
+        decision.shares = tuple(grant for grant in decision.shares if not grant.priced)
+
+
 def _routing_headers(life: RequestLifecycle, attempt: Attempt, policy: Policy) -> dict[str, str]:
     owned = attempt.session.account_id == life.caller.account_id
+    shared = not owned and life.share is not None
+    free = (owned and policy.self_routed) or policy.exclusive or (shared and not life.share.priced)  # type: ignore[union-attr]
     return {"X-Request-Id": life.request_id, "X-Provider-Id": attempt.session.id,
-            "X-Darkbloom-Routed": "owned" if owned else "fleet",
-            "X-Darkbloom-Billing": "free" if (owned and policy.self_routed) or policy.exclusive else "charged",
+            "X-Darkbloom-Routed": "owned" if owned else "shared" if shared else "fleet",
+            "X-Darkbloom-Billing": "free" if free else "charged",
             **life.rate_headers}
 
 

@@ -2,7 +2,8 @@
 taken, and this is the one place that gives back what it did not use and settles what it did.
 
 A request takes, in order: rate charges (RPM before the body, ITPM/OTPM after), a reservation
-(paid and prefer requests), and provider slots (the first placement, retries, a backup). The
+(paid and prefer requests, and shared ones that may use a priced share), provider slots (the first
+placement, retries, a backup) and, when placed on a shared machine, a share's daily allowance. The
 ``RequestLifecycle`` records each as it is taken and, when the request ends, gives back exactly
 what was not used — once, on every end:
 
@@ -34,8 +35,12 @@ from darkbloom.coordinator.inference.attempt import Attempt, UsageBounds
 from darkbloom.coordinator.inference.disconnect import ClientDisconnected
 from darkbloom.coordinator.money import admission, billing
 from darkbloom.coordinator.money.ratelimit import Charge
+from darkbloom.coordinator.routing.decision import ShareGrant
+from darkbloom.coordinator.routing.sharing import take_allowance
 from darkbloom.coordinator.services import Services
+from darkbloom.store import shares
 from darkbloom.wire.catalog import CatalogModel
+from darkbloom.wire.openai.errors import ApiError
 
 log = logging.getLogger("darkbloom.completions")
 SETTLE_ATTEMPTS = 4
@@ -65,6 +70,8 @@ class RequestLifecycle:
         self.exclusive = False
         self.usage_bounds: UsageBounds | None = None
         self.serving: Attempt | None = None  # the attempt whose content goes to the client
+        self.share: ShareGrant | None = None  # the share whose allowance it took, and on which UTC day
+        self._share_day = 0
         self._slots: list[Slot] = []
         self._attempts: list[Attempt] = []
         self._handed_off = False
@@ -80,18 +87,36 @@ class RequestLifecycle:
             self.rate_headers.update(decision.headers)
 
     async def admit(self, model: CatalogModel, prompt_bound: int, output_bound: int, *, self_routed: bool,
-                    reserve: bool) -> None:
-        """ITPM/OTPM with the estimates, then the worst-case reservation (402 when it cannot be held)."""
+                    reserve: bool, reserve_at: CatalogModel | None = None, unreserved_if_short: bool = False) -> None:
+        """ITPM/OTPM with the estimates, then the worst-case reservation (402 when it cannot be held), at
+        the model's prices or ``reserve_at``'s (a priced share's). With ``unreserved_if_short``, a
+        balance that cannot hold it admits the request without one (it then goes only where it is free)."""
         self.model, self.self_routed = model, self_routed
         self.usage_bounds = UsageBounds(prompt_bound, output_bound)  # the most a provider may report
-        self.exclusive = self_routed and not reserve  # exclusive self-route: never reserves, never charged
         await self.charge_rates(admission.token_charges(self.services, self.caller, prompt_bound, output_bound))
         if reserve:
-            amount = billing.worst_case(model, prompt_bound, output_bound,
+            amount = billing.worst_case(reserve_at or model, prompt_bound, output_bound,
                                         self.services.settings.min_charge_micro_usd)
-            self.reservation = await billing.reserve(self.services, self.request_id, self.caller.account_id,
-                                                     self.caller.key, amount)
+            try:
+                self.reservation = await billing.reserve(self.services, self.request_id, self.caller.account_id,
+                                                         self.caller.key, amount)
+            except ApiError as exc:
+                if not (unreserved_if_short and exc.status == 402):
+                    raise
+        # exclusive self-route (and shared routing without a priced share): never reserves, never charged
+        self.exclusive = self_routed and self.reservation is None
         self.admitted = True
+
+    async def take_share(self, grant: ShareGrant) -> bool:
+        """One request and its worst-case tokens against the share's daily limits (False: a limit would
+        be passed, nothing taken); given back unless the request is served through it."""
+        assert self.share is None and self.usage_bounds is not None
+        bounds = self.usage_bounds
+        day = await take_allowance(self.services, grant, bounds.prompt_tokens + bounds.completion_tokens)
+        if day is None:
+            return False
+        self.share, self._share_day = grant, day
+        return True
 
     def hold(self, slot: Slot) -> None:
         """A claimed slot is the lifecycle's until an attempt is dispatched on it (or the end)."""
@@ -164,6 +189,7 @@ class RequestLifecycle:
 
     async def _give_back(self, *, refused: bool) -> None:
         self._release_attempts()
+        await self._close_share(None)
         reservation = self.reservation
         if reservation is not None:
             await self._money("refund", lambda: billing.refund(self.services, reservation))
@@ -186,8 +212,12 @@ class RequestLifecycle:
         session = attempt.session
         # the owner is re-read from the serving session object, even if it has disconnected since
         served = billing.Served(provider_id=session.id, provider_account_id=session.account_id)
+        through_share = self.share is not None and session.account_id != self.caller.account_id
+        terms = billing.ShareTerms(self.share.id, self.share.owner_account_id, self.share.priced_model(self.model)
+                                   ) if self.share is not None and through_share else None
         bill = billing.Bill(self.request_id, self.caller.account_id, self.caller.key_id, self.model,
-                            self.reservation, self.self_routed, exclusive=self.exclusive)
+                            self.reservation, self.self_routed, exclusive=self.exclusive, share=terms)
+        await self._close_share(usage if through_share else None)
         reservation = self.reservation
         if usage is not None:
             await self._money("settlement", lambda: billing.settle_bill(services, bill, usage, served))
@@ -199,6 +229,23 @@ class RequestLifecycle:
             await services.rate_limiter.refund(unused)
         self._log(outcome if usage is not None or outcome != "client_disconnected"
                   else "client_disconnected_unbilled")
+
+    async def _close_share(self, usage: Any) -> None:
+        """The share's allowance: what the request used when it was served through it, else all back."""
+        grant, self.share = self.share, None
+        if grant is None:
+            return
+        assert self.usage_bounds is not None
+        held = self.usage_bounds.prompt_tokens + self.usage_bounds.completion_tokens
+        try:
+            async with self.services.engine.begin() as conn:
+                if usage is not None:
+                    await shares.settle(conn, grant.id, self._share_day, held,
+                                        usage.prompt_tokens + usage.completion_tokens)
+                else:
+                    await shares.give_back(conn, grant.id, self._share_day, held)
+        except Exception:  # noqa: BLE001 - a day's counter; the request's money is settled apart
+            log.exception("request %s: share %s allowance could not be closed", self.request_id, grant.id)
 
     async def _money(self, what: str, step: Callable[[], Awaitable[Any]]) -> None:
         """A settlement or refund through the ledger writer, which retries a failed batch itself; this

@@ -132,6 +132,15 @@ def _log_failure(request_id: str) -> Callable[[asyncio.Future[Any]], None]:
 
 
 @dataclass(frozen=True)
+class ShareTerms:
+    """The share a request was admitted on (docs/sharing.md "Money"): its owner and its prices."""
+
+    share_id: str
+    owner_account_id: str
+    priced_model: CatalogModel   # the request's model at the share's prices (0 and 0: free)
+
+
+@dataclass(frozen=True)
 class Bill:
     """What settlement needs to know about a request, decided at admission."""
 
@@ -142,6 +151,7 @@ class Bill:
     reservation: Reservation | None  # None for exclusive self-route
     self_routed: bool                # the caller asked for their own machine (exclusive or prefer)
     exclusive: bool = False          # exclusive self-route: $0 whoever owns the machine by the end
+    share: ShareTerms | None = None  # shared routing: admitted on this share
 
 
 async def settle_bill(services: Services, bill: Bill, usage: Usage, served: Served) -> Settlement | None:
@@ -152,12 +162,19 @@ async def settle_bill(services: Services, bill: Bill, usage: Usage, served: Serv
     An exclusive request (no reservation) writes its usage row through the same writer."""
     settings = services.settings
     owned = served.provider_account_id == bill.account_id
+    share = None if owned else bill.share
+    routed, share_id, price = ("owned" if owned else "fleet"), None, bill.model
+    if share is not None:
+        # re-checked from the serving session's owner: a share revoked or expired in flight still settles at
+        # its own terms; a machine that changed owner mid-flight is free and pays nobody (never the fleet price)
+        routed, share_id = "shared", share.share_id
+        price = share.priced_model if served.provider_account_id == share.owner_account_id else None
     # exclusive guarantees $0 (docs/self-route.md "Billing"): a machine unlinked mid-flight makes it no one's own,
     # but the request still costs nothing and pays nobody, and its usage row says why
-    ownership_changed = bill.exclusive and not owned
-    free = (bill.self_routed and owned) or bill.exclusive
+    ownership_changed = (bill.exclusive and not owned and share is None) or (share is not None and price is None)
+    free = (bill.self_routed and owned) or (bill.exclusive and share is None) or price is None
     reservation = bill.reservation
-    cost = 0 if free else charge_for(bill.model, usage, settings.min_charge_micro_usd)
+    cost = 0 if free else charge_for(price, usage, settings.min_charge_micro_usd)  # type: ignore[arg-type]
     if reservation is not None and cost > reservation.amount:
         log.warning("request %s: reported usage costs %d µUSD, above its reservation %d; charging the reservation",
                     bill.request_id, cost, reservation.amount)
@@ -165,8 +182,8 @@ async def settle_bill(services: Services, bill: Bill, usage: Usage, served: Serv
     result = await services.ledger.run(rules.Settle(
         bill.request_id, bill.account_id, bill.key_id, bill.model.id, served.provider_id,
         served.provider_account_id, usage.prompt_tokens, usage.completion_tokens, cost, settings.platform_fee_bps,
-        reserved=reservation is not None, self_routed=free, routed="owned" if owned else "fleet",
-        ownership_changed=ownership_changed))
+        reserved=reservation is not None, self_routed=free and share is None, routed=routed,
+        ownership_changed=ownership_changed, share_id=share_id))
     if result is None:
         return None
     if result.uncollected:

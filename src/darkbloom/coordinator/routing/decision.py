@@ -1,8 +1,10 @@
-"""The routing decision one request carries through first dispatch, retries, the backup and the queue."""
+"""The routing decision one request carries through first dispatch, retries, the backup and the queue,
+and the shares it may route through."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Optional
 
 from darkbloom.coordinator.fleet.session import ProviderSession
 from darkbloom.wire.catalog import CatalogModel
@@ -11,6 +13,35 @@ from darkbloom.wire.catalog import CatalogModel
 _NEED_NAMES = {"tools": "tools", "structured_output": "structured output (response_format)",
                "logprobs": "logprobs", "completions": "legacy completions", "embeddings": "embeddings",
                "images": "images"}
+
+
+@dataclass(frozen=True)
+class ShareGrant:
+    """A share as a request routes and bills by it: whose machines, which ones, at what price."""
+
+    id: str
+    owner_account_id: str
+    machine_ids: frozenset[str] | None      # None: all the owner's machines
+    input_price: int
+    output_price: int
+    daily_request_limit: int | None
+    daily_token_limit: int | None
+
+    @property
+    def priced(self) -> bool:
+        return bool(self.input_price or self.output_price)
+
+    def covers(self, session: ProviderSession) -> bool:
+        return session.account_id == self.owner_account_id and (
+            self.machine_ids is None or session.machine_id in self.machine_ids)
+
+    def priced_model(self, model: CatalogModel) -> CatalogModel:
+        """The model at this share's prices (what a request through it is charged)."""
+        return CatalogModel(id=model.id, input_price=self.input_price, output_price=self.output_price)
+
+    def as_row(self) -> dict[str, object]:
+        return {"id": self.id, "daily_request_limit": self.daily_request_limit,
+                "daily_token_limit": self.daily_token_limit}
 
 
 @dataclass
@@ -22,6 +53,10 @@ class RouteDecision:
     pinned: str | None = None             # an owned mach_… or prov_… id (exclusive only)
     excluded: set[str] = field(default_factory=set)  # sessions that already failed this request
     context_needed: int = 0               # tokens of context the request may take (0: not checked)
+    # shared routing (docs/sharing.md): the shares whose machines it may use after the owner's own,
+    # and those it may not because today's allowance is used up
+    shares: tuple[ShareGrant, ...] = ()
+    exhausted_shares: tuple[ShareGrant, ...] = ()
 
     @property
     def names(self) -> tuple[str, ...]:
@@ -33,3 +68,26 @@ class RouteDecision:
 
     def owns(self, session: ProviderSession) -> bool:
         return self.owner_account_id is not None and session.account_id == self.owner_account_id
+
+    def granted(self, session: ProviderSession) -> Optional[ShareGrant]:
+        """The first (cheapest) of the request's shares that covers the session, if any."""
+        return next((grant for grant in self.shares if grant.covers(session)), None)
+
+    def may_use(self, session: ProviderSession) -> bool:
+        """Owned, or shared with the caller: what relaxes the trust floor and private_only."""
+        return self.owns(session) or (bool(self.shares) and self.granted(session) is not None)
+
+    @property
+    def share_owners(self) -> tuple[str, ...]:
+        """The accounts whose machines the shares cover, in the shares' order, each once."""
+        return tuple(dict.fromkeys(grant.owner_account_id for grant in self.shares))
+
+    def only_through(self, grant: ShareGrant) -> None:
+        """Admitted on this share: retries and the backup may use the caller's own machines and this
+        share's, no other share (whose allowance the request did not take)."""
+        self.shares = (grant,)
+
+    def exhaust(self, grant: ShareGrant) -> None:
+        """The share's allowance for today ran out while the request was being placed."""
+        self.shares = tuple(g for g in self.shares if g.id != grant.id)
+        self.exhausted_shares = (*self.exhausted_shares, grant)

@@ -30,11 +30,11 @@ def _trusted(s: ProviderSession, _d: RouteDecision, _c: CoordinatorSettings, _n:
 
 
 def _private_only(s: ProviderSession, d: RouteDecision, _c: CoordinatorSettings, _n: float) -> bool:
-    return not s.private_only or d.owns(s)
+    return not s.private_only or d.may_use(s)  # the owner, or someone the owner shared it with
 
 
 def _trust_floor(s: ProviderSession, d: RouteDecision, c: CoordinatorSettings, _n: float) -> bool:
-    return d.owns(s) or trust_at_least(s.trust_level, c.min_trust)
+    return d.may_use(s) or trust_at_least(s.trust_level, c.min_trust)
 
 
 def _runtime_verified(s: ProviderSession, _d: RouteDecision, _c: CoordinatorSettings, _n: float) -> bool:

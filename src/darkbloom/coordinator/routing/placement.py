@@ -5,11 +5,11 @@ error when it cannot be placed or its owned machines can no longer serve it."""
 from __future__ import annotations
 
 import dataclasses
-from typing import Callable
+from typing import Awaitable, Callable
 
 from darkbloom.coordinator.fleet.slots import Slot
 from darkbloom.coordinator.identity.caller import Caller
-from darkbloom.coordinator.routing import selfroute
+from darkbloom.coordinator.routing import selfroute, sharing
 from darkbloom.coordinator.routing.decision import RouteDecision
 from darkbloom.coordinator.routing.policy import Policy
 from darkbloom.coordinator.routing.queue import NoEligibleSession, QueueRefused
@@ -24,7 +24,7 @@ def resolve_model(services: Services, caller: Caller, name: str, policy: Policy)
     (free to the owner, so it has no price)."""
     model = services.settings.catalog.resolve(name)
     if model is None and policy.self_routed and len(name) <= MAX_MODEL_ID:
-        advertised = policy.exclusive or any(name in s.advertised_models
+        advertised = policy.never_fleet or any(name in s.advertised_models
                                              for s in services.registry.owned_by(caller.account_id))
         if advertised:
             model = CatalogModel(id=name, input_price=0, output_price=0)
@@ -42,14 +42,15 @@ def resolve_model(services: Services, caller: Caller, name: str, policy: Policy)
 
 
 def decide(services: Services, policy: Policy, model: CatalogModel, *, needs: frozenset[str],
-           context_needed: int = 0) -> RouteDecision:
+           context_needed: int = 0, grants: sharing.Grants | None = None) -> RouteDecision:
     # a model outside the catalog is reachable only on the caller's own machines, even with prefer:
     # another account's machine advertising the same name is not public fleet for it
     owner_only_model = services.settings.catalog.resolve(model.id) is None
     return RouteDecision(model=model, needs=needs,
                          owner_account_id=policy.owner_account_id,
-                         owned_only=policy.exclusive or (policy.self_routed and owner_only_model),
-                         pinned=policy.pinned, context_needed=context_needed)
+                         owned_only=policy.never_fleet or (policy.self_routed and owner_only_model),
+                         pinned=policy.pinned, context_needed=context_needed,
+                         shares=grants.usable if grants else (), exhausted_shares=grants.exhausted if grants else ())
 
 
 def check_context(services: Services, decision: RouteDecision) -> None:
@@ -66,25 +67,40 @@ def check_context(services: Services, decision: RouteDecision) -> None:
                        code="context_length_exceeded", param="messages")
 
 
-async def place(services: Services, decision: RouteDecision, policy: Policy,
-                hold: Callable[[Slot], None]) -> Claim:
+async def place(services: Services, decision: RouteDecision, policy: Policy, hold: Callable[[Slot], None],
+                take_share: Callable[[sharing.ShareGrant], Awaitable[bool]] | None = None) -> Claim:
     """A claimed slot now or after the queue; otherwise the named error of why not. ``hold`` takes each
     claimed slot at once (the request's lifecycle, which gives it back on every end). The session's
     link confirms the claim (at once here; one NATS round trip for another replica's session); when
     it is refused (the session is busy or gone there), the slot is given back and the request placed
-    again, as if that slot had not been free."""
+    again, as if that slot had not been free. A slot on a shared machine also takes the share's daily
+    allowance (``take_share``); when that is used up, the share is dropped and the request placed
+    again. Once placed, a shared request keeps to what it took: the caller's own machines, and the
+    share it was placed through (its retries and backup)."""
     while True:
         claimed = await _place(services, decision, policy)
         hold(claimed.slot)
-        if await claimed.session.link.confirm(claimed.slot.ticket):
+        if not await claimed.session.link.confirm(claimed.slot.ticket):
+            claimed.slot.release()
+            continue
+        grant = None if decision.owns(claimed.session) else decision.granted(claimed.session)
+        if grant is None:
+            decision.shares = ()  # on the caller's own machine: retries and the backup stay on theirs
+            return claimed
+        assert take_share is not None, "a shared decision is placed with the lifecycle's take_share"
+        if await take_share(grant):
+            decision.only_through(grant)
             return claimed
         claimed.slot.release()
+        decision.exhaust(grant)
 
 
 async def _place(services: Services, decision: RouteDecision, policy: Policy) -> Claim:
     try:
         return await services.queues.place(decision)
     except NoEligibleSession as exc:
+        if policy.shared:
+            await selfroute.shared_preflight(services, decision, exc.survey)
         if decision.owned_only:
             await selfroute.preflight(services, decision, exc.survey)
         if blocked_by_capability(services.registry, decision, services.settings):
@@ -97,7 +113,7 @@ async def _place(services: Services, decision: RouteDecision, policy: Policy) ->
                        f"No provider is serving '{decision.model.id}' right now. Try again later or pick "
                        "another model.") from None
     except QueueRefused as exc:
-        if policy.exclusive:
+        if policy.never_fleet:
             raise selfroute.machine_busy(exc.retry_after) from None
         why = "the queue is full" if exc.code == "queue_full" else "no slot freed up in time"
         raise ApiError(429, "rate_limit_exceeded",

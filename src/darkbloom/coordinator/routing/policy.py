@@ -1,9 +1,10 @@
-"""Route policy (docs/self-route.md "Three ways to ask for your own machine"): public, exclusive self-route or
-prefer, and an optional pinned machine.
+"""Route policy (docs/self-route.md "Three ways to ask for your own machine", docs/sharing.md): public,
+exclusive self-route, prefer or shared, an optional pinned machine and an optional share.
 
 The policy comes only from server-side facts: the ``X-Darkbloom-Route`` header (a request, never
-a body field), the API key's ``self_route_only`` ceiling and the authenticated account. The
-header can ask for self-routing; it can never name an owner.
+a body field), the API key's ``self_route_only`` and ``shared_only`` ceilings and the authenticated
+account. The header can ask for self-routing; it can never name an owner (a share it names must
+be one the caller received).
 """
 
 from __future__ import annotations
@@ -16,10 +17,12 @@ from starlette.datastructures import Headers
 from darkbloom.coordinator.identity.caller import Caller
 from darkbloom.wire.openai.errors import ApiError, invalid_request
 
-RouteMode = Literal["public", "exclusive", "prefer"]
+RouteMode = Literal["public", "exclusive", "prefer", "shared"]
 ROUTE_HEADER = "x-darkbloom-route"
 MACHINE_HEADER = "x-darkbloom-machine"
+SHARE_HEADER = "x-darkbloom-share"
 MAX_MACHINE_ID = 256
+_MODES: dict[str, RouteMode] = {"self": "exclusive", "prefer": "prefer", "shared": "shared"}
 
 
 @dataclass(frozen=True)
@@ -27,10 +30,20 @@ class Policy:
     mode: RouteMode
     owner_account_id: str | None
     pinned: str | None = None
+    share_id: str | None = None  # shared: only this share's machines (and the caller's own)
 
     @property
     def exclusive(self) -> bool:
         return self.mode == "exclusive"
+
+    @property
+    def shared(self) -> bool:
+        return self.mode == "shared"
+
+    @property
+    def never_fleet(self) -> bool:
+        """Exclusive or shared: the caller's own machines (and shared ones), never the public fleet."""
+        return self.mode in ("exclusive", "shared")
 
     @property
     def self_routed(self) -> bool:
@@ -38,14 +51,36 @@ class Policy:
 
 
 def resolve_policy(headers: Headers, caller: Caller, *, with_pin: bool = True) -> Policy:
-    """Header intent, capped by the key's ``self_route_only``; the owner is always the caller."""
+    """Header intent, capped by the key's ``self_route_only`` (which wins) or ``shared_only``; the
+    owner is always the caller."""
     values = headers.getlist(ROUTE_HEADER)
     first = values[0].split(",")[0].strip().lower() if values else ""
-    mode: RouteMode = "exclusive" if first == "self" else "prefer" if first == "prefer" else "public"
+    mode = _MODES.get(first, "public")
     if caller.key and caller.key.get("self_route_only"):
         mode = "exclusive"
+    elif caller.key and caller.key.get("shared_only"):
+        mode = "shared"
     pinned = _pinned(headers, mode) if with_pin else None
-    return Policy(mode, caller.account_id if mode != "public" else None, pinned)
+    share_id = _share(headers, mode) if with_pin else None
+    return Policy(mode, caller.account_id if mode != "public" else None, pinned, share_id)
+
+
+def _share(headers: Headers, mode: RouteMode) -> str | None:
+    values = headers.getlist(SHARE_HEADER)
+    if not values:
+        return None
+
+    def bad(why: str) -> ApiError:
+        return invalid_request(f"X-Darkbloom-Share {why}.", param="X-Darkbloom-Share")
+
+    if mode != "shared":
+        raise bad("only works with shared routing (X-Darkbloom-Route: shared or a shared_only key)")
+    if len(values) > 1:
+        raise bad("must be sent once")
+    value = values[0].strip()
+    if not value or "," in value or len(value) > MAX_MACHINE_ID:
+        raise bad("must name one share id (shr_…)")
+    return value
 
 
 def _pinned(headers: Headers, mode: RouteMode) -> str | None:

@@ -80,6 +80,9 @@ def candidates(registry: Registry, decision: RouteDecision) -> Iterable[Provider
     """Owner-restricted requests look only at the owner's sessions: O(their machines), not O(fleet)."""
     if decision.owned_only and decision.owner_account_id:
         pool: Iterable[ProviderSession] = registry.owned_by(decision.owner_account_id)
+        if decision.shares:  # and the machines shared with the caller: O(those owners' machines)
+            pool = set(pool) | {s for owner in decision.share_owners for s in registry.owned_by(owner)
+                                if decision.granted(s) is not None}
     else:
         pool = registry.serving(decision.names)
         if decision.owner_account_id:
@@ -132,9 +135,11 @@ def load_seconds(session: ProviderSession, decision: RouteDecision) -> float:
 
 
 def choose(available: list[ProviderSession], decision: RouteDecision) -> Optional[ProviderSession]:
-    """Owned sessions first whenever one is available (prefer and exclusive), then the rest."""
+    """Owned sessions first whenever one is available (prefer and exclusive), then shared ones
+    (shared routing), then the rest."""
     owned = [s for s in available if decision.owns(s)]
-    pool = owned or ([] if decision.owned_only else [s for s in available if not decision.owns(s)])
+    shared = [s for s in available if not decision.owns(s) and decision.may_use(s)]
+    pool = owned or shared or ([] if decision.owned_only else [s for s in available if not decision.owns(s)])
     if not pool:
         return None
     best = min(expected_wait(s, decision.names) for s in pool)
@@ -160,13 +165,17 @@ def try_place(registry: Registry, decision: RouteDecision, settings: Coordinator
 def select(registry: Registry, decision: RouteDecision, settings: CoordinatorSettings,
            order: Order = FreeOrder.by_expected_wait, rank: Rank | None = None) -> Optional[ProviderSession]:
     """What ``choose`` would pick from a full survey: owned sessions first (prefer and exclusive),
-    the model's public sessions after (never for ``owned_only``), each view in ``order`` (by ``rank``,
-    default ``expected_wait``)."""
+    then those of each share (shared routing), the model's public sessions after (never for
+    ``owned_only``), each view in ``order`` (by ``rank``, default ``expected_wait``)."""
     now = time.monotonic()
     owner = decision.owner_account_id
     rank = rank or (lambda session: expected_wait(session, decision.names))
     if owner is not None:
         found = _pick(registry, decision, settings, order, rank, owner, False, now)
+        for sharer in decision.share_owners:
+            if found is not None:
+                break
+            found = _pick(registry, decision, settings, order, rank, sharer, False, now)
         if found is not None or decision.owned_only:
             return found
     elif decision.owned_only:
@@ -215,14 +224,20 @@ def longest_context(registry: Registry, decision: RouteDecision, settings: Coord
     """The longest context among the sessions the decision may use for its model (its views: every
     lasting gate passed): infinite when one of them does not say, 0 when there are none. Kept by the
     views; with a pin, read from the pinned machine's sessions alone."""
-    owner = decision.owner_account_id
-    views = [] if owner is None else [_view(registry, decision, settings, owner)]
+    views = [_view(registry, decision, settings, owner) for owner in _owners(decision)]
     if not decision.owned_only:
         views.append(_view(registry, decision, settings, None))
     if decision.pinned:
         return max((_context_of(s, decision.names) for view in views for s in view
                     if decision.pinned in (s.id, s.machine_id)), default=0)
     return max((view.longest_context for view in views), default=0)
+
+
+def _owners(decision: RouteDecision) -> tuple[str, ...]:
+    """The accounts whose own views a decision reads before the public one: the caller's, then the
+    owners of the machines shared with them."""
+    owner = decision.owner_account_id
+    return () if owner is None else (owner, *decision.share_owners)
 
 
 def _context_of(session: ProviderSession, names: tuple[str, ...]) -> float:
@@ -238,7 +253,7 @@ def _first_eligible(registry: Registry, decision: RouteDecision,
                     settings: CoordinatorSettings) -> Optional[ProviderSession]:
     now = time.monotonic()
     owner = decision.owner_account_id
-    views = [] if owner is None else [(_view(registry, decision, settings, owner), False)]
+    views = [(_view(registry, decision, settings, account), False) for account in _owners(decision)]
     if not decision.owned_only or owner is None:  # (owned_only without an owner: the survey's candidates)
         views.append((_view(registry, decision, settings, None), owner is not None))
     for view, skip_owned in views:
@@ -267,6 +282,8 @@ def _usable(session: ProviderSession, decision: RouteDecision, settings: Coordin
             skip_owned: bool, count: bool = True) -> bool:
     if session.id in decision.excluded or (skip_owned and decision.owns(session)):
         return False  # excluded, or owned and already looked at in the owned view
+    if decision.shares and not decision.may_use(session):
+        return False  # a sharer's machine that none of the caller's shares covers
     if decision.pinned and decision.pinned not in (session.id, session.machine_id):
         return False
     reason = first_failed_gate(session, decision, settings, now)

@@ -4,9 +4,12 @@ a sentence that says what to do."""
 
 from __future__ import annotations
 
+import dataclasses
+
 from darkbloom.coordinator.routing.decision import RouteDecision
 from darkbloom.coordinator.routing.gates import CONTEXT_GATE, GATES
-from darkbloom.coordinator.routing.scheduler import Survey
+from darkbloom.coordinator.routing.scheduler import Survey, candidates, survey
+from darkbloom.coordinator.routing.sharing import no_shared_machine, share_quota_exceeded
 from darkbloom.coordinator.services import Services
 from darkbloom.store import machines
 from darkbloom.wire.openai.errors import ApiError
@@ -98,3 +101,24 @@ async def preflight(services: Services, decision: RouteDecision, found: Survey) 
     online = sum(1 for s in owned if s.online)
     raise preflight_error(decision, found, ever_linked=ever_linked, pinned_owned=pinned_owned,
                           owned_online=online)
+
+
+async def shared_preflight(services: Services, decision: RouteDecision, found: Survey) -> None:
+    """For a shared request with no eligible session among the caller's machines and those shared
+    with them (docs/sharing.md "When no machine can serve"): the shares' own errors first, then the
+    exclusive table over own and shared machines together."""
+    settings, registry = services.settings, services.registry
+    if decision.exhausted_shares:
+        behind_limits = dataclasses.replace(decision, shares=decision.exhausted_shares, exhausted_shares=(),
+                                            excluded=set())
+        if any(not decision.owns(s) for s in survey(registry, behind_limits, settings).eligible):
+            raise share_quota_exceeded()
+    account_id = decision.owner_account_id
+    assert account_id is not None
+    if not decision.shares and not decision.exhausted_shares:
+        async with services.engine.connect() as conn:
+            if not await machines.ever_linked(conn, account_id):
+                raise no_shared_machine()
+        return  # the caller's own machines: the exclusive table
+    online = sum(1 for s in candidates(registry, decision) if s.online)
+    raise preflight_error(decision, found, ever_linked=True, pinned_owned=False, owned_online=online)
