@@ -132,7 +132,10 @@ def test_serve_pull_fetches_a_catalog_model_then_serves_it(node: Node, hub: HubS
     process = spawn(darkbloom_cmd("serve", "--coordinator", coordinator.base_url, "--model", "smol-served",
                                   "--pull", "--max-concurrency", "1"), node.home, "node.log", env=node.env)
     try:
-        wait_model_listed(coordinator, owner, "smol-served")
+        try:
+            wait_model_listed(coordinator, owner, "smol-served")
+        except AssertionError as exc:
+            raise AssertionError(f"{exc}\nnode log:\n{process.log()[-4000:]}") from None
         assert "pulling smol-served" in process.log()
         assert node.entries() == ["smol-served"]
         # the catalog pins the weights: only a node advertising their sha256 is given the request
