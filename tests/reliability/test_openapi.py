@@ -108,7 +108,7 @@ def test_auth_and_bodies_are_described(document: dict[str, Any]) -> None:
 def test_the_self_route_headers(document: dict[str, Any]) -> None:
     chat = document["paths"]["/v1/chat/completions"]["post"]
     headers = {p["name"] for p in chat["parameters"] if p["in"] == "header"}
-    assert headers == {"X-Darkbloom-Route", "X-Darkbloom-Machine"}
+    assert headers == {"X-Darkbloom-Route", "X-Darkbloom-Machine", "X-Darkbloom-Share"}
     assert set(chat["requestBody"]["content"]) == {"application/json", "application/darkbloom-sealed+json"}
     ok = chat["responses"]["200"]
     assert set(ok["headers"]) == {"X-Request-Id", "X-Provider-Id", "X-Darkbloom-Routed", "X-Darkbloom-Billing"}
@@ -116,7 +116,7 @@ def test_the_self_route_headers(document: dict[str, Any]) -> None:
     assert {"402", "404", "409", "429", "502", "503", "504"} <= set(chat["responses"])
     assert "Retry-After" in chat["responses"]["429"]["headers"]
     components = document["components"]["headers"]
-    assert components["X-Darkbloom-Routed"]["schema"] == {"enum": ["owned", "fleet"]}
+    assert components["X-Darkbloom-Routed"]["schema"] == {"enum": ["owned", "shared", "fleet"]}
     assert components["X-Darkbloom-Billing"]["schema"] == {"enum": ["free", "charged"]}
     models = document["paths"]["/v1/models"]["get"]
     assert [p["name"] for p in models["parameters"] if p["in"] == "header"] == ["X-Darkbloom-Route"]

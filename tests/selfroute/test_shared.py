@@ -109,6 +109,14 @@ def test_a_free_share_serves_the_grantee_on_the_owners_machine_for_nothing(world
         used = share_usage(s, reader, given["id"])
         assert used["today"]["requests"] == 2 and len(used["data"]) == 2
     assert len(world.public.accepted()) == public_before  # never the fleet
+    listed = s.get("/models", grantee.api_key, SHARED)
+    assert [m["id"] for m in listed.json()["data"]] == ["smollm2-135m"], listed.text
+
+
+def test_the_shared_model_list_is_empty_with_nothing_shared(world: World) -> None:
+    s = world.stack
+    lonely = s.account()
+    assert s.get("/models", lonely.api_key, SHARED).json()["data"] == []
 
 
 def test_nothing_owned_and_nothing_shared_is_409(world: World) -> None:

@@ -48,9 +48,11 @@ def _header(description: str, schema: Schema | None = None, required: bool = Fal
 HEADERS: dict[str, dict[str, Any]] = {
     "X-Request-Id": _header("The request's id (chatcmpl-…), also in its usage row.", required=True),
     "X-Provider-Id": _header("The provider session (prov_…) that served the request.", required=True),
-    "X-Darkbloom-Routed": _header("`owned`: one of your own machines served it; `fleet`: the public fleet.",
-                                  {"enum": ["owned", "fleet"]}, required=True),
-    "X-Darkbloom-Billing": _header("`free` when your own machine served a self-routed request, else `charged`.",
+    "X-Darkbloom-Routed": _header("`owned`: one of your own machines served it; `shared`: a machine shared with "
+                                  "you; `fleet`: the public fleet.", {"enum": ["owned", "shared", "fleet"]},
+                                  required=True),
+    "X-Darkbloom-Billing": _header("`free` when your own machine served a self-routed request or a free share "
+                                   "served it, else `charged`.",
                                    {"enum": ["free", "charged"]}, required=True),
     "x-should-retry": _header("`false`: a retry of this request cannot succeed.", {"const": "false"},
                               required=True),
@@ -61,14 +63,21 @@ HEADERS: dict[str, dict[str, Any]] = {
 REQUEST_HEADERS: dict[str, dict[str, Any]] = {
     "X-Darkbloom-Route": {
         "description": "Self-Route: `self` serves only on your own machines (free; exclusive), `prefer` uses "
-                       "them when one can serve and the public fleet otherwise. First value, trimmed, "
-                       "case-insensitive; any other value is ignored. A self_route_only key is always exclusive.",
-        "schema": {"type": "string", "examples": ["self", "prefer"]}},
+                       "them when one can serve and the public fleet otherwise, `shared` your own machines and "
+                       "those shared with you (never the fleet; docs/sharing.md). First value, trimmed, "
+                       "case-insensitive; any other value is ignored. A self_route_only key is always exclusive, "
+                       "a shared_only key always shared.",
+        "schema": {"type": "string", "examples": ["self", "prefer", "shared"]}},
     "X-Darkbloom-Machine": {
         "description": "Pin an exclusive request to one of your machines (mach_… or prov_…). Sent without an "
                        "exclusive policy, twice, blank, with a comma or over 256 characters: 400 (param "
                        "X-Darkbloom-Machine); unknown or another account's: 404 machine_not_found.",
         "schema": {"type": "string"}},
+    "X-Darkbloom-Share": {
+        "description": "With shared routing, use only this share's machines (and your own). Sent without shared "
+                       "routing, twice or blank: 400 (param X-Darkbloom-Share); a share not given to you: 404 "
+                       "share_not_found.",
+        "schema": {"type": "string", "examples": ["shr_0123456789abcdef"]}},
 }
 
 SECURITY_SCHEMES = {

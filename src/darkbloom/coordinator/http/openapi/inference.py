@@ -70,7 +70,7 @@ def _operation(summary: str, request: str, answer: str, event: str | None, descr
         content["text/event-stream"] = event
     return Operation("inference", summary, auth="caller",
                      body={"application/json": request, SEALED_CONTENT_TYPE: "SealedRequest"},
-                     route_headers=("X-Darkbloom-Route", "X-Darkbloom-Machine"), errors=CHAT_ERRORS,
+                     route_headers=("X-Darkbloom-Route", "X-Darkbloom-Machine", "X-Darkbloom-Share"), errors=CHAT_ERRORS,
                      answers={200: Answer("The answer, or its server-sent events when streamed; sealed back "
                                           "when the request was sealed.", content, _ROUTED)},
                      description=description, error_schema=error_schema)

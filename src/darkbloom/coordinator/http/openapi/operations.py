@@ -60,10 +60,10 @@ CHAT_ERRORS = {
           "context_length_exceeded", "model_capability_unsupported"),
     402: ("insufficient_quota (type insufficient_funds)", "spend_cap_exceeded"),
     403: ("model_not_allowed",),
-    404: ("model_not_found", "machine_not_found"),
-    409: ("no_linked_machine",),
+    404: ("model_not_found", "machine_not_found", "share_not_found"),
+    409: ("no_linked_machine", "no_shared_machine"),
     429: ("rate_limit_exceeded", "queue_full (type rate_limit_exceeded)",
-          "queue_timeout (type rate_limit_exceeded)", "machine_busy"),
+          "queue_timeout (type rate_limit_exceeded)", "machine_busy", "share_quota_exceeded"),
     502: ("provider_error", "provider_unavailable", "untrusted_chunk", "untrusted_usage",
           "request_crashed_providers (type provider_error)", "frame_too_large (type provider_error)"),
     503: ("model_unavailable", "model_capability_unsupported (type model_unavailable)", "model_routing_blocked",
@@ -87,7 +87,7 @@ OPERATIONS: dict[tuple[str, str], Operation] = {
     ("post", "/v1/chat/completions"): Operation(
         "inference", "Create a chat completion", auth="caller",
         body={**_json_body("ChatCompletionRequest"), SEALED_CONTENT_TYPE: "SealedRequest"},
-        route_headers=("X-Darkbloom-Route", "X-Darkbloom-Machine"), errors=CHAT_ERRORS, examples=_CHAT_EXAMPLES,
+        route_headers=("X-Darkbloom-Route", "X-Darkbloom-Machine", "X-Darkbloom-Share"), errors=CHAT_ERRORS, examples=_CHAT_EXAMPLES,
         answers={200: Answer("The completion (`stream: false`), or its server-sent events (`stream: true`); "
                              "sealed back when the request was sealed.",
                              {"application/json": "ChatCompletion", "text/event-stream": "ChatCompletionEvent",

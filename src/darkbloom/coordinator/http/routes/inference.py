@@ -14,7 +14,9 @@ from darkbloom.coordinator.http.sealed_body import Unsealed, is_sealed, unseal
 from darkbloom.coordinator.identity.caller import Caller
 from darkbloom.coordinator.inference.serving import serve
 from darkbloom.coordinator.routing.model_views import list_models, model_entry, owned_models
-from darkbloom.coordinator.routing.policy import resolve_policy
+from darkbloom.coordinator.routing.decision import ShareGrant
+from darkbloom.coordinator.routing.policy import Policy, resolve_policy
+from darkbloom.coordinator.routing.sharing import load_grants
 from darkbloom.coordinator.services import Services, get_services
 from darkbloom.wire.openai.edges import EDGES, Edge
 
@@ -64,7 +66,11 @@ class _Body:
 async def models(request: Request, caller: Caller = Depends(require_caller),
                  services: Services = Depends(get_services)) -> dict[str, object]:
     policy = resolve_policy(request.headers, caller, with_pin=False)
-    return {"object": "list", "data": list_models(services, caller, policy)}
+    return {"object": "list", "data": list_models(services, caller, policy, await _shares(services, caller, policy))}
+
+
+async def _shares(services: Services, caller: Caller, policy: Policy) -> tuple[ShareGrant, ...]:
+    return (await load_grants(services, caller.account_id, None)).usable if policy.shared else ()
 
 
 @router.get("/v1/models/catalog")
@@ -79,7 +85,7 @@ async def model_catalog(services: Services = Depends(get_services)) -> dict[str,
 async def model(model_id: str, request: Request, caller: Caller = Depends(require_caller),
                 services: Services = Depends(get_services)) -> dict[str, object]:
     policy = resolve_policy(request.headers, caller, with_pin=False)
-    return model_entry(services, caller, policy, model_id)
+    return model_entry(services, caller, policy, model_id, await _shares(services, caller, policy))
 
 
 @router.get("/v1/me/self-route-models")
