@@ -27,7 +27,7 @@ from darkbloom.coordinator.http.sealed_body import load_or_create_key
 from darkbloom.coordinator.identity import auth_invalidation
 from darkbloom.coordinator.money import reconciliation
 from darkbloom.coordinator.money.ratelimit import create_rate_limiter
-from darkbloom.coordinator.routing.live_catalog import load_catalog
+from darkbloom.coordinator.routing.live_catalog import follow_catalog, load_catalog
 from darkbloom.coordinator.services import Services
 from darkbloom.store import create_engine, migrate
 
@@ -48,7 +48,8 @@ def create_app(settings: CoordinatorSettings) -> FastAPI:
         await reconciliation.reconcile_abandoned(services)
         background = [asyncio.create_task(session_lifecycle.evict_silent(services)),
                       asyncio.create_task(reconciliation.heartbeat_forever(services)),
-                      asyncio.create_task(services.queues.drain_forever())]
+                      asyncio.create_task(services.queues.drain_forever()),
+                      asyncio.create_task(follow_catalog(services))]
         background.append(auth_invalidation.start(services))  # cross-process auth changes (Postgres)
         services.machine_book.start()
         if settings.nats_url:
