@@ -57,6 +57,7 @@ class RouteDecision:
     # and those it may not because today's allowance is used up
     shares: tuple[ShareGrant, ...] = ()
     exhausted_shares: tuple[ShareGrant, ...] = ()
+    shared_routing: bool = False          # X-Darkbloom-Route: shared (its own pre-flight errors)
 
     @property
     def names(self) -> tuple[str, ...]:

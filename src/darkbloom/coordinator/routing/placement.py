@@ -50,7 +50,8 @@ def decide(services: Services, policy: Policy, model: CatalogModel, *, needs: fr
                          owner_account_id=policy.owner_account_id,
                          owned_only=policy.never_fleet or (policy.self_routed and owner_only_model),
                          pinned=policy.pinned, context_needed=context_needed,
-                         shares=grants.usable if grants else (), exhausted_shares=grants.exhausted if grants else ())
+                         shares=grants.usable if grants else (), exhausted_shares=grants.exhausted if grants else (),
+                         shared_routing=policy.shared)
 
 
 def check_context(services: Services, decision: RouteDecision) -> None:
@@ -99,7 +100,7 @@ async def _place(services: Services, decision: RouteDecision, policy: Policy) ->
     try:
         return await services.queues.place(decision)
     except NoEligibleSession as exc:
-        if policy.shared:
+        if decision.shared_routing:
             await selfroute.shared_preflight(services, decision, exc.survey)
         if decision.owned_only:
             await selfroute.preflight(services, decision, exc.survey)
@@ -135,6 +136,8 @@ async def unserved_error(services: Services, decision: RouteDecision, failure: A
         found = survey(services.registry, fresh, services.settings)
         if not found.eligible:
             try:
+                if fresh.shared_routing:
+                    await selfroute.shared_preflight(services, fresh, found)
                 await selfroute.preflight(services, fresh, found)
             except ApiError as named:
                 return named
