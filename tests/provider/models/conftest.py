@@ -79,8 +79,10 @@ def failed(result: subprocess.CompletedProcess[str], code: int = 1) -> str:
 def node_env(home: Path, hub_url: str, scratch: Path) -> dict[str, str]:
     env = {key: value for key, value in os.environ.items()
            if key not in ("HF_TOKEN", "DARKBLOOM_COORDINATOR", "DARKBLOOM_API_KEY", "HF_HUB_OFFLINE")}
+    # "0", not left out: processes.spawn lays this over os.environ, where tests/clients sets HF_HUB_OFFLINE=1
     env.update(DARKBLOOM_HOME=str(home), HF_ENDPOINT=hub_url, HF_HOME=str(scratch / "hf-home"),
-               HF_HUB_DISABLE_XET="1", HF_HUB_DISABLE_TELEMETRY="1", PYTHONUNBUFFERED="1")
+               HF_HUB_DISABLE_XET="1", HF_HUB_DISABLE_TELEMETRY="1", PYTHONUNBUFFERED="1",
+               HF_HUB_OFFLINE="0", TRANSFORMERS_OFFLINE="0")
     return env
 
 
