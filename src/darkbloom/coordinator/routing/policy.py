@@ -60,47 +60,33 @@ def resolve_policy(headers: Headers, caller: Caller, *, with_pin: bool = True) -
         mode = "exclusive"
     elif caller.key and caller.key.get("shared_only"):
         mode = "shared"
-    pinned = _pinned(headers, mode) if with_pin else None
-    share_id = _share(headers, mode) if with_pin else None
+    pinned = _one_id(headers, MACHINE_HEADER, "X-Darkbloom-Machine", "one machine", mode == "exclusive",
+                     "an exclusive self-route request (X-Darkbloom-Route: self or a self_route_only key)"
+                     ) if with_pin else None
+    share_id = _one_id(headers, SHARE_HEADER, "X-Darkbloom-Share", "one share", mode == "shared",
+                       "shared routing (X-Darkbloom-Route: shared or a shared_only key)") if with_pin else None
     return Policy(mode, caller.account_id if mode != "public" else None, pinned, share_id)
 
 
-def _share(headers: Headers, mode: RouteMode) -> str | None:
-    values = headers.getlist(SHARE_HEADER)
+def _one_id(headers: Headers, header: str, name: str, what: str, allowed: bool, needs: str) -> str | None:
+    """The id a narrowing header names, or None when it is absent; 400 naming the header when it is
+    sent without the route mode it narrows, twice, blank, with a comma, or too long."""
+    values = headers.getlist(header)
     if not values:
         return None
 
     def bad(why: str) -> ApiError:
-        return invalid_request(f"X-Darkbloom-Share {why}.", param="X-Darkbloom-Share")
+        return invalid_request(f"{name} {why}.", param=name)
 
-    if mode != "shared":
-        raise bad("only works with shared routing (X-Darkbloom-Route: shared or a shared_only key)")
-    if len(values) > 1:
-        raise bad("must be sent once")
-    value = values[0].strip()
-    if not value or "," in value or len(value) > MAX_MACHINE_ID:
-        raise bad("must name one share id (shr_…)")
-    return value
-
-
-def _pinned(headers: Headers, mode: RouteMode) -> str | None:
-    values = headers.getlist(MACHINE_HEADER)
-    if not values:
-        return None
-
-    def bad(why: str) -> ApiError:
-        return invalid_request(f"X-Darkbloom-Machine {why}.", param="X-Darkbloom-Machine")
-
-    if mode != "exclusive":
-        raise bad("only works with an exclusive self-route request (X-Darkbloom-Route: self or a "
-                  "self_route_only key)")
+    if not allowed:
+        raise bad(f"only works with {needs}")
     if len(values) > 1:
         raise bad("must be sent once")
     value = values[0].strip()
     if not value:
         raise bad("must not be blank")
     if "," in value:
-        raise bad("names one machine: no commas")
+        raise bad(f"names {what}: no commas")
     if len(value) > MAX_MACHINE_ID:
         raise bad(f"must be at most {MAX_MACHINE_ID} characters")
     return value
