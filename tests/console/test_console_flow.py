@@ -37,7 +37,7 @@ OUT_OF_CREDIT = ("You're out of credit — add credit to keep chatting. My Machi
 OFFLINE = "Your machine is offline — start your Darkbloom node and retry."
 NOT_FOUND = "That model isn't available — pick another one from the list."
 UNAVAILABLE = ("No machine is serving this model right now — pick another model, "
-               "or start your Darkbloom node and turn on My Machine.")
+               "or start your Darkbloom node and choose My Machine.")
 CREDIT_MICRO_USD = 1_000_000
 
 
@@ -158,9 +158,10 @@ def send(page: Any, text: str) -> Any:
 
 
 def my_machine(page: Any, on: bool) -> None:
-    switch = page.get_by_role("switch", name="My Machine")
-    switch.set_checked(on)
-    expect(switch).to_be_checked(checked=on)
+    """The chat's machine choice: My Machine (on) or Network (off)."""
+    choice = page.get_by_role("radio", name="My Machine" if on else "Network")
+    choice.check()
+    expect(choice).to_be_checked()
 
 
 def chat_requests(tab: Tab) -> list[tuple[str, str, dict[str, str], str | None]]:
@@ -218,7 +219,7 @@ def test_chat_with_my_machine_off_at_zero_balance_says_out_of_credit(linked: Con
 
     expect(answer.locator(".error-sentence")).to_have_text(OUT_OF_CREDIT)
     assert [c[2].get("x-darkbloom-route") for c in chat_requests(tab)] == [None]
-    assert page.evaluate("localStorage.getItem('darkbloom.myMachine')") == "false"
+    assert page.evaluate("localStorage.getItem('darkbloom.route')") == "network"
 
 
 def test_my_machine_at_zero_balance_is_out_of_credit_too(linked: Console) -> None:
@@ -246,9 +247,9 @@ def test_chat_with_my_machine_on_is_free_on_your_machine(linked: Console) -> Non
     assert before == CREDIT_MICRO_USD
     page.goto("/console/")
     my_machine(page, True)
-    assert page.evaluate("localStorage.getItem('darkbloom.myMachine')") == "true"
+    assert page.evaluate("localStorage.getItem('darkbloom.route')") == "prefer"
     page.reload()
-    expect(page.get_by_role("switch", name="My Machine")).to_be_checked()
+    expect(page.get_by_role("radio", name="My Machine")).to_be_checked()
     expect(page.locator("#machine-state")).to_contain_text("online")
     page.get_by_label("Model").select_option("smollm2-135m")
     page.locator(".options summary").click()
@@ -260,7 +261,7 @@ def test_chat_with_my_machine_on_is_free_on_your_machine(linked: Console) -> Non
     expect(answer.locator(".badge")).to_have_text("your machine · free")
     assert answer.locator(".answer").inner_text().strip() not in ("", "…")
     sent = chat_requests(tab)
-    # the toggle sends prefer — a header, never a body field — and nothing else
+    # My Machine sends prefer — a header, never a body field — and nothing else
     assert [c[2].get("x-darkbloom-route") for c in sent] == ["prefer"]
     for _, _, _, body in sent:
         assert set(json.loads(body or "{}")) == {"model", "messages", "stream", "max_tokens"}
@@ -392,8 +393,8 @@ def test_stopped_machine_shows_the_offline_sentence(linked: Console) -> None:
     wait_until(lambda: not any(m["online"] for m in linked.api("GET", "/v1/me/providers").json()["data"]),
                timeout=30, what="machines offline")
     page.goto("/console/")
-    expect(page.get_by_role("switch", name="My Machine")).to_be_checked()
-    # the machine-state line beside the switch says it, before anything is sent
+    expect(page.get_by_role("radio", name="My Machine")).to_be_checked()
+    # the machine-state line under the machine choice says it, before anything is sent
     expect(page.locator("#machine-state")).to_have_text(OFFLINE)
     # the model last used stays pickable, so the person learns why it cannot answer
     expect(page.get_by_label("Model")).to_have_value("html-echo")

@@ -25,6 +25,7 @@ PAGE_REQUESTS = {
     "/console/": {"/v1/models", "/v1/me/providers", "/v1/me/self-route-models"},  # My Machine on
     "/console/keys": {"/v1/keys"},
     "/console/machines": {"/v1/me/providers"},
+    "/console/sharing": {"/v1/shares", "/v1/me/providers"},  # and one /usage per share (none here)
     "/console/usage": {"/v1/payments/balance", "/v1/payments/usage", "/v1/provider/earnings"},
     "/console/link": set(),
 }
@@ -51,6 +52,7 @@ def account(coord: Coordinator) -> Account:
 
 @pytest.fixture
 def tab(browser: Any, coord: Coordinator, account: Account) -> Iterator[Any]:
+    # the former My Machine switch's preference: the chat reads it as My Machine chosen
     context, tab = signed_in_tab(browser, coord.base_url, account.session, account.email,
                                  local={"darkbloom.myMachine": "true"})
     try:
@@ -137,6 +139,9 @@ def test_every_control_is_labelled_and_pages_fit_a_phone(tab: Any, browser: Any,
         if path == "/console/keys":
             page.get_by_role("button", name="Create key").click()
             expect(page.locator("#model-choices")).not_to_be_empty()
+        if path == "/console/sharing":
+            page.get_by_role("button", name="Share machines").click()
+            expect(page.locator("#machine-choices")).not_to_be_empty()
         _check_page(page, path)
     context, signed_out = open_tab(browser, coord.base_url)
     try:
@@ -149,23 +154,31 @@ def test_every_control_is_labelled_and_pages_fit_a_phone(tab: Any, browser: Any,
         context.close()
 
 
-def test_keyboard_reaches_the_my_machine_switch_with_a_visible_focus_ring(tab: Any) -> None:
+def test_keyboard_reaches_the_machine_choice_with_a_visible_focus_ring(tab: Any) -> None:
     page = tab.page
     page.goto("/console/")
     page.keyboard.press("Tab")
     expect(page.get_by_role("link", name="Skip to content")).to_be_focused()
     for _ in range(20):
-        if page.evaluate("document.activeElement.id") == "my-machine":
+        if page.evaluate("document.activeElement.name") == "route":
             break
         page.keyboard.press("Tab")
-    switch = page.get_by_role("switch", name="My Machine")
-    expect(switch).to_be_focused()
-    assert page.evaluate("getComputedStyle(document.querySelector('.switch-track')).outlineStyle") == "solid"
-    expect(switch).to_be_checked()
-    page.keyboard.press("Space")
-    expect(switch).not_to_be_checked()
-    assert page.evaluate("localStorage.getItem('darkbloom.myMachine')") == "false"
-    expect(page.locator("#machine-state")).to_contain_text("answers come from the network")
+    mine = page.get_by_role("radio", name="My Machine")
+    expect(mine).to_be_focused()  # the chosen one of the group: the old switch's "true"
+    expect(mine).to_be_checked()
+    assert page.evaluate("getComputedStyle(document.querySelector('#route-prefer + span')).outlineStyle") == "solid"
+    expect(page.get_by_role("group", name="Run on")).to_be_visible()
+    page.keyboard.press("ArrowRight")
+    shared = page.get_by_role("radio", name="Shared machines")
+    expect(shared).to_be_focused()
+    expect(shared).to_be_checked()
+    assert page.evaluate("localStorage.getItem('darkbloom.route')") == "shared"
+    assert page.evaluate("localStorage.getItem('darkbloom.myMachine')") is None
+    expect(page.locator("#machine-state")).to_contain_text("Nobody has shared a machine with you yet")
+    page.keyboard.press("ArrowRight")
+    expect(page.get_by_role("radio", name="Network")).to_be_checked()
+    assert page.evaluate("localStorage.getItem('darkbloom.route')") == "network"
+    expect(page.locator("#machine-state")).to_contain_text("Answers come from the network")
 
 
 def test_keyboard_opens_and_closes_the_key_form(tab: Any) -> None:
@@ -213,7 +226,7 @@ def test_rate_limited_chat_says_when_to_retry_and_counts_down(tab: Any) -> None:
                                               "Retry after 4 s.", "type": "rate_limit_exceeded",
                                    "code": "rate_limit_exceeded", "param": "requests"}})))
     page.goto("/console/")
-    page.get_by_role("switch", name="My Machine").set_checked(False)
+    page.get_by_role("radio", name="Network").check()
     expect(page.get_by_label("Model")).to_have_value("smollm2-135m")
     page.get_by_label("Message").fill("hello")
     page.get_by_label("Message").press("Enter")

@@ -45,6 +45,7 @@ PAGES = {
     "": _Page("chat.html", "Chat", "chat.js"),
     "keys": _Page("keys.html", "API keys", "keys.js"),
     "machines": _Page("machines.html", "Machines", "machines.js"),
+    "sharing": _Page("sharing.html", "Sharing", "sharing.js"),
     "usage": _Page("usage.html", "Usage & billing", "usage.js"),
     "link": _Page("link.html", "Link a machine", "link.js"),
     "login": _Page("auth.html", "Log in", "auth.js", signed_in=False),

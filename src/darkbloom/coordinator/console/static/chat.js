@@ -1,17 +1,21 @@
-// Chat: model picker (/v1/models, plus your own machine's models with My Machine on), streaming
-// answers over fetch + SSE, rendered as safe Markdown, each badged from the response headers.
+// Chat: model picker (/v1/models, plus your own machine's models with My Machine or Shared machines,
+// the catalog with Shared machines), the machine choice (My Machine / Shared machines / Network),
+// streaming answers over fetch + SSE, rendered as safe Markdown, each badged from the response headers.
 import { api, errorFrom, send } from "./api.js";
 import { errorBlock, sentenceFor } from "./errors.js";
 import { h, poll, requireSession } from "./layout.js";
 import { renderMarkdown } from "./markdown.js";
 
-const MY_MACHINE_KEY = "darkbloom.myMachine"; // a boolean preference, per browser
+const ROUTE_KEY = "darkbloom.route";          // "prefer" | "shared" | "network", per browser
+const OLD_MY_MACHINE_KEY = "darkbloom.myMachine"; // the former My Machine switch ("true"/"false")
 const MODEL_KEY = "darkbloom.chatModel";
 const POLL_MS = 10_000;                       // machine state: at most one poll per 10 s
+// The X-Darkbloom-Route header each choice sends (none for Network)
+const ROUTE_HEADER = { prefer: "prefer", shared: "shared", network: null };
 
 const modelSelect = document.getElementById("model");
 const modelHint = document.getElementById("model-hint");
-const toggle = document.getElementById("my-machine");
+const routeInputs = [...document.querySelectorAll("input[name=route]")];
 const machineState = document.getElementById("machine-state");
 const transcript = document.getElementById("transcript");
 const emptyState = document.getElementById("empty-state");
@@ -25,7 +29,9 @@ const state = {
   history: [],          // completed turns sent with every request
   publicModels: null,   // ids from GET /v1/models
   ownModels: null,      // ids from GET /v1/me/self-route-models
+  catalogModels: null,  // ids from GET /v1/models/catalog (Shared machines: asked once)
   machines: null,       // GET /v1/me/providers
+  received: null,       // GET /v1/shares "received" (Shared machines)
   controller: null,     // the answer being streamed
   poller: null,
   modelsError: false,
@@ -33,12 +39,28 @@ const state = {
 
 if (requireSession()) start();
 
+/** The machine choice: "prefer" (My Machine), "shared" (Shared machines) or "network". */
+function route() {
+  const checked = routeInputs.find((input) => input.checked);
+  return checked ? checked.value : "network";
+}
+
+function savedRoute() {
+  const saved = localStorage.getItem(ROUTE_KEY);
+  if (saved in ROUTE_HEADER) return saved;
+  return localStorage.getItem(OLD_MY_MACHINE_KEY) === "true" ? "prefer" : "network";
+}
+
 function start() {
-  toggle.checked = localStorage.getItem(MY_MACHINE_KEY) === "true";
-  toggle.addEventListener("change", () => {
-    localStorage.setItem(MY_MACHINE_KEY, toggle.checked ? "true" : "false");
-    applyToggle();
-  });
+  const saved = savedRoute();
+  for (const input of routeInputs) {
+    input.checked = input.value === saved;
+    input.addEventListener("change", () => {
+      localStorage.setItem(ROUTE_KEY, route());
+      localStorage.removeItem(OLD_MY_MACHINE_KEY);
+      applyRoute();
+    });
+  }
   form.addEventListener("submit", (event) => { event.preventDefault(); submit(); });
   prompt.addEventListener("keydown", (event) => {
     if (event.key === "Enter" && !event.shiftKey && !event.isComposing) {
@@ -54,7 +76,7 @@ function start() {
   });
   modelSelect.addEventListener("change", () => localStorage.setItem(MODEL_KEY, modelSelect.value));
   loadPublicModels();
-  applyToggle();
+  applyRoute();
 }
 
 async function loadPublicModels() {
@@ -68,22 +90,31 @@ async function loadPublicModels() {
   renderModels();
 }
 
-function applyToggle() {
-  if (toggle.checked) {
-    if (!state.poller) state.poller = poll(refreshMachine, POLL_MS);
-  } else {
-    if (state.poller) state.poller.stop();
-    state.poller = null;
-  }
+function applyRoute() {
+  if (state.poller) state.poller.stop();
+  state.poller = route() === "network" ? null : poll(refreshMachine, POLL_MS);
+  if (route() === "shared" && state.catalogModels === null) loadCatalog();
   renderMachineState();
   renderModels();
 }
 
-async function refreshMachine() {
+async function loadCatalog() {
+  state.catalogModels = [];
   try {
-    const [machines, own] = await Promise.all([api("/v1/me/providers"), api("/v1/me/self-route-models")]);
+    state.catalogModels = (await api("/v1/models/catalog")).data.map((m) => m.id);
+  } catch { /* the network's models still list */ }
+  renderModels();
+}
+
+/** Your machines and their models; with Shared machines also the shares you received. */
+async function refreshMachine() {
+  const shared = route() === "shared";
+  try {
+    const [machines, own, shares] = await Promise.all([api("/v1/me/providers"), api("/v1/me/self-route-models"),
+      shared ? api("/v1/shares") : null]);
     state.machines = machines.data;
     state.ownModels = own.models;
+    if (shares) state.received = shares.received;
   } catch {
     state.machines = state.machines || null;
   }
@@ -93,8 +124,13 @@ async function refreshMachine() {
 
 function renderMachineState() {
   machineState.className = "machine-state";
-  if (!toggle.checked) {
-    machineState.textContent = "Off — answers come from the network (charged).";
+  const chosen = route();
+  if (chosen === "network") {
+    machineState.textContent = "Answers come from the network (charged).";
+    return;
+  }
+  if (chosen === "shared") {
+    renderSharedState();
     return;
   }
   const machines = state.machines;
@@ -118,22 +154,55 @@ function renderMachineState() {
     : `${online.length} of your machines are online — their answers are free (the cost is held, then refunded).`;
 }
 
+/** Shared machines: who shared with you (their owners run those machines), yours first. */
+function renderSharedState() {
+  const machines = state.machines;
+  const received = state.received;
+  if (machines === null || received === null) {
+    machineState.textContent = "Checking the machines shared with you…";
+    return;
+  }
+  const ownOnline = machines.filter((m) => m.online).length;
+  if (!received.length) {
+    machineState.classList.add("warn");
+    if (machines.length) {
+      machineState.replaceChildren("Nobody has shared a machine with you — only your own machines answer",
+        ownOnline ? " (free)." : ", and none is online.");
+    } else {
+      machineState.replaceChildren("Nobody has shared a machine with you yet — ", h("a", { href: "/console/sharing" }, "see Sharing"), ".");
+    }
+    return;
+  }
+  const owners = [...new Set(received.map((s) => s.owner_email))];
+  const priced = received.some((s) => s.input_price || s.output_price);
+  machineState.classList.add("ok");
+  machineState.replaceChildren(
+    ownOnline ? "Your machines first, then machines " : "Machines ",
+    "shared with you by ", owners.join(", "), ", who ", owners.length === 1 ? "runs them" : "run them",
+    priced ? " — some at their owner's prices (" : " — free (",
+    h("a", { href: "/console/sharing" }, "Sharing"), ").");
+}
+
 function renderModels() {
-  const publicIds = state.publicModels || [];
-  const ownIds = toggle.checked ? (state.ownModels || []) : [];
+  const chosen = route();
+  const publicIds = chosen === "shared" ? [...new Set([...(state.publicModels || []), ...(state.catalogModels || [])])]
+    : state.publicModels || [];
+  const ownIds = chosen !== "network" ? (state.ownModels || []) : [];
   const wanted = modelSelect.value || localStorage.getItem(MODEL_KEY);
   const served = [...new Set([...ownIds, ...publicIds])];
   const options = [];
   if (ownIds.length) {
     options.push(h("optgroup", { label: "On your machine (free)" }, ownIds.map((id) => h("option", { value: id }, id))));
     const rest = publicIds.filter((id) => !ownIds.includes(id));
-    if (rest.length) options.push(h("optgroup", { label: "The network" }, rest.map((id) => h("option", { value: id }, id))));
+    const label = chosen === "shared" ? "Other models" : "The network";
+    if (rest.length) options.push(h("optgroup", { label }, rest.map((id) => h("option", { value: id }, id))));
   } else {
     options.push(...publicIds.map((id) => h("option", { value: id }, id)));
   }
   // The model in use stays pickable when nothing serves it right now, so sending explains why
   // (for example "Your machine is offline …") instead of the model silently vanishing.
-  const loaded = state.publicModels !== null && (!toggle.checked || state.ownModels !== null);
+  const loaded = state.publicModels !== null && (chosen === "network" || state.ownModels !== null)
+    && (chosen !== "shared" || state.catalogModels !== null);
   if (wanted && !served.includes(wanted) && loaded) {
     options.push(h("option", { value: wanted }, `${wanted} (unavailable)`));
   }
@@ -147,9 +216,9 @@ function renderModels() {
   if (state.modelsError) {
     modelHint.textContent = "The model list could not be loaded — reload the page to retry.";
   } else if (loaded && !served.length) {
-    modelHint.textContent = toggle.checked
+    modelHint.textContent = chosen !== "network"
       ? "Neither the network nor your machine serves a model right now — start your Darkbloom node."
-      : "No model is being served right now — start your Darkbloom node and turn on My Machine, or try again later.";
+      : "No model is being served right now — start your Darkbloom node and choose My Machine, or try again later.";
   } else {
     modelHint.textContent = "";
   }
@@ -174,9 +243,10 @@ function machineOffline() {
   return !!(state.machines && state.machines.length && !state.machines.some((m) => m.online));
 }
 
-/** With My Machine on, every request carries `X-Darkbloom-Route: prefer` (a header, never a body
- * field; docs/self-route.md "Exclusive vs prefer"): your machine first, for free; the paid network when it
- * can't serve. */
+/** My Machine: every request carries `X-Darkbloom-Route: prefer` (a header, never a body field;
+ * docs/self-route.md "Exclusive vs prefer"): your machine first, for free; the paid network when it can't
+ * serve. Shared machines: `X-Darkbloom-Route: shared`: your machines, then those shared with you,
+ * never the network. Network: no route header. */
 async function ask(text, model) {
   const turn = h("li", { class: "turn assistant", "aria-busy": "true" });
   const meta = h("div", { class: "meta" }, h("span", { class: "model-name" }, model));
@@ -189,18 +259,19 @@ async function ask(text, model) {
   const request = { model, messages, stream: true };
   const limit = parseInt(maxTokens.value, 10);
   if (limit > 0) request.max_tokens = limit;
-  const myMachine = toggle.checked;
+  const chosen = route();
+  const shared = chosen === "shared";
 
   setBusy(new AbortController());
   let content = "";
   try {
-    const response = await post(request, myMachine, state.controller.signal);
+    const response = await post(request, chosen, state.controller.signal);
     if (!response.ok) {
       const error = await errorFrom(response);
       // the machine-state line knows your machine is offline: say so with the error
-      const extra = myMachine && machineOffline() && error.code !== "machine_offline"
+      const extra = chosen === "prefer" && machineOffline() && error.code !== "machine_offline"
         ? sentenceFor("machine_offline") : null;
-      body.replaceChildren(errorBlock(error, { extra, onRetry: () => retry(turn, text, model) }));
+      body.replaceChildren(errorBlock(error, { extra, shared, onRetry: () => retry(turn, text, model) }));
       turn.classList.add("failed");
       return;
     }
@@ -219,7 +290,7 @@ async function ask(text, model) {
     } else {
       if (content) renderAnswer(body, content, true);
       else body.replaceChildren();
-      body.append(errorBlock(error, { onRetry: () => retry(turn, text, model) }));
+      body.append(errorBlock(error, { shared, onRetry: () => retry(turn, text, model) }));
       turn.classList.add("failed");
     }
   } finally {
@@ -234,9 +305,9 @@ function retry(turn, text, model) {
   ask(text, model);
 }
 
-function post(request, myMachine, signal) {
+function post(request, chosen, signal) {
   const headers = { Accept: "text/event-stream" };
-  if (myMachine) headers["X-Darkbloom-Route"] = "prefer";
+  if (ROUTE_HEADER[chosen]) headers["X-Darkbloom-Route"] = ROUTE_HEADER[chosen];
   return send("/v1/chat/completions", { method: "POST", body: request, headers, signal });
 }
 
@@ -244,7 +315,7 @@ function badge(headers) {
   const routed = headers.get("X-Darkbloom-Routed");
   const billing = headers.get("X-Darkbloom-Billing");
   const parts = [];
-  if (routed) parts.push(routed === "owned" ? "your machine" : "the network");
+  if (routed) parts.push({ owned: "your machine", shared: "shared machine" }[routed] || "the network");
   if (billing) parts.push(billing === "free" ? "free" : "charged");
   if (!parts.length) return "";
   return h("span", { class: "badge " + (billing === "free" ? "free" : "charged") }, parts.join(" · "));

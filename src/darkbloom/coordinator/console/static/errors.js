@@ -10,6 +10,10 @@ const SENTENCES = {
   model_routing_blocked: () => "Your machine can't take private requests right now — update or restart your Darkbloom node, then retry.",
   model_capability_unsupported: () => "Your machine serves this model, but not for this kind of request (images or tools) — send plain text, or load a model that supports it.",
   machine_busy: () => "Your machine is busy with other requests — retry when the countdown ends, or raise its max_concurrency.",
+  // Shares (Sharing page; Shared machines in Chat)
+  no_shared_machine: () => "Nobody has shared a machine with you and you have none of your own — ask someone to share theirs with your email, or link a machine of your own under Link a machine.",
+  share_quota_exceeded: () => "You've used today's allowance on the machines shared with you — it resets at 00:00 UTC (wait for the countdown), or choose Network.",
+  share_not_found: () => "That share no longer exists — its owner revoked it, or the person it was shared with left it.",
   // Money
   insufficient_quota: () => "You're out of credit — add credit to keep chatting. My Machine needs credit too: the cost is held up front and refunded when your machine answers.",
   insufficient_funds: () => "You're out of credit — add credit to keep chatting. My Machine needs credit too: the cost is held up front and refunded when your machine answers.",
@@ -17,7 +21,7 @@ const SENTENCES = {
   // Capacity and limits
   rate_limit_exceeded: () => "You're sending requests faster than your limit allows — wait for the countdown, then retry.",
   service_unavailable: () => "Darkbloom is briefly overloaded — retry in a few seconds.",
-  model_unavailable: () => "No machine is serving this model right now — pick another model, or start your Darkbloom node and turn on My Machine.",
+  model_unavailable: () => "No machine is serving this model right now — pick another model, or start your Darkbloom node and choose My Machine.",
   model_not_found: () => "That model isn't available — pick another one from the list.",
   model_not_allowed: () => "This key may not use that model — edit the key's allowed models.",
   // The serving machine failed
@@ -36,6 +40,17 @@ const SENTENCES = {
   context_length_exceeded: () => "This conversation is too long for the model — clear the conversation, or lower Max answer tokens under Options.",
 };
 
+// The same errors on a request sent to Shared machines: the machines may be someone else's.
+const SHARED_SENTENCES = {
+  machine_offline: () => "None of the machines you can use is online — neither yours nor those shared with you. Ask their owner to start theirs (or start your own Darkbloom node), then retry.",
+  model_not_loaded: () => "No machine you can use serves this model — neither yours nor those shared with you. Pick another model, or ask the owner which models their machine serves.",
+  model_routing_blocked: () => "The machines you can use can't take private requests right now — ask their owner to update or restart their Darkbloom node, then retry.",
+  model_capability_unsupported: () => "The machines you can use serve this model, but not for this kind of request (images or tools) — send plain text.",
+  machine_busy: () => "The machines you can use are busy with other requests — retry when the countdown ends.",
+  insufficient_quota: () => "You're out of credit — the machines shared with you that could answer are priced by their owner, and the cost is held up front. Add credit, or ask the owner to share for free.",
+  insufficient_funds: () => "You're out of credit — the machines shared with you that could answer are priced by their owner, and the cost is held up front. Add credit, or ask the owner to share for free.",
+};
+
 /** Text with `backticked` commands shown as code; everything stays text. */
 export function withCode(text) {
   return text.split("`").map((part, i) => (i % 2 ? h("code", {}, part) : document.createTextNode(part)));
@@ -46,10 +61,10 @@ export function sentenceFor(code) {
   return SENTENCES[code]();
 }
 
-/** {sentence, detail, retryAfter} for an ApiError. */
-export function describe(error) {
+/** {sentence, detail, retryAfter} for an ApiError; `shared`: it answered a request sent to Shared machines. */
+export function describe(error, { shared = false } = {}) {
   const code = error.code || error.type;
-  const known = SENTENCES[code];
+  const known = (shared && SHARED_SENTENCES[code]) || SENTENCES[code];
   let sentence;
   if (known) sentence = known();
   else if (error.status === 429) sentence = SENTENCES.rate_limit_exceeded();
@@ -62,11 +77,19 @@ export function describe(error) {
   return { sentence, detail, retryAfter: error.retryAfter };
 }
 
+/** "45 s", "3 min 20 s", "11 h 59 min": a wait as a person reads it. */
+export function duration(seconds) {
+  if (seconds < 60) return `${seconds} s`;
+  if (seconds < 3600) return `${Math.floor(seconds / 60)} min` + (seconds % 60 ? ` ${seconds % 60} s` : "");
+  const minutes = Math.floor((seconds % 3600) / 60);
+  return `${Math.floor(seconds / 3600)} h` + (minutes ? ` ${minutes} min` : "");
+}
+
 /** Shows "Retry in N s" counting down; calls onDone at zero. Returns a cancel function. */
 export function countdown(el, seconds, onDone) {
   let left = seconds;
   const render = () => {
-    el.textContent = left > 0 ? `Retry in ${left} s` : "You can retry now.";
+    el.textContent = left > 0 ? `Retry in ${duration(left)}` : "You can retry now.";
   };
   render();
   const timer = setInterval(() => {
@@ -81,8 +104,8 @@ export function countdown(el, seconds, onDone) {
 }
 
 /** An error block: the sentence, optional extra lines, a Retry-After countdown and a Retry button. */
-export function errorBlock(error, { onRetry, extra } = {}) {
-  const { sentence, detail, retryAfter } = describe(error);
+export function errorBlock(error, { onRetry, extra, shared } = {}) {
+  const { sentence, detail, retryAfter } = describe(error, { shared });
   const block = h("div", { class: "error-block", role: "alert", dataset: { code: error.code || "" } },
     h("p", { class: "error-sentence" }, withCode(sentence)));
   if (detail) block.append(h("p", { class: "error-detail" }, detail));

@@ -1,5 +1,5 @@
-// Usage & billing: balance and withdrawable, usage rows (free self-routed rows marked) and
-// provider earnings — one request each, plus one per "Load more".
+// Usage & billing: balance and withdrawable, usage rows (free rows your machine or a share served
+// marked) and provider earnings — one request each, plus one per "Load more".
 import { api } from "./api.js";
 import { errorBlock } from "./errors.js";
 import { count, usd, when } from "./format.js";
@@ -70,9 +70,10 @@ function cell(label, ...content) {
 }
 
 function usageRow(r) {
-  const free = r.self_routed && r.cost_micro_usd === 0;
-  const served = r.routed === "owned"
-    ? h("span", { class: "badge " + (free ? "free" : "charged") }, free ? "your machine · free" : "your machine")
+  const free = (r.self_routed || r.routed === "shared") && r.cost_micro_usd === 0;
+  const where = { owned: "your machine", shared: "shared machine" }[r.routed];
+  const served = where
+    ? h("span", { class: "badge " + (free ? "free" : "charged") }, free ? where + " · free" : where)
     : h("span", { class: "badge network" }, "the network");
   return h("tr", { class: free ? "free-row" : null, dataset: { request: r.request_id, selfRouted: String(r.self_routed) } },
     cell("When", h("time", { title: r.request_id }, when(r.created_at))),
