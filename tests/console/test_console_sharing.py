@@ -4,7 +4,8 @@ the owner shares all machines, then a subset with limits and prices, from the Sh
 errors stand next to their field; the grantee sees the received share with the owner's email and
 whose hardware it is, chats with Shared machines and is answered by the owner's node for free; the
 owner sees what the share used today and revokes it, after which the grantee's chat says nobody has
-shared a machine with them; a grantee leaves a share; phone and desktop layouts fit. The tests run in
+shared a machine with them; a used-up daily limit says when it resets; a grantee leaves a share; phone
+and desktop layouts fit. The tests run in
 file order and share the owner's and the grantee's tabs."""
 
 from __future__ import annotations
@@ -33,6 +34,8 @@ FIXED_ANSWER = "The quick brown fox jumps over the lazy dog."  # bench/fixed_ups
 FIXED_USAGE = (12, 10)                                          # its prompt and completion tokens
 NO_SHARED_MACHINE = ("Nobody has shared a machine with you and you have none of your own — ask someone to share "
                      "theirs with your email, or link a machine of your own under Link a machine.")
+QUOTA = ("You've used today's allowance on the machines shared with you — it resets at 00:00 UTC (wait for the "
+         "countdown), or choose Network.")
 BAD_EMAIL = "Enter the email address of the person you're sharing with, like name@example.com."
 OWN_EMAIL = "That's your own email — your machines already serve you: choose My Machine in Chat."
 BAD_PRICE = "Enter a price in dollars from 0 to 1,000,000 (at most 6 decimals), or leave it empty for free."
@@ -322,15 +325,28 @@ def test_owner_sees_what_the_share_used_today_and_revokes_it(world: World) -> No
     expect(answer.locator(".error-sentence")).to_have_text(NO_SHARED_MACHINE)
 
 
-def test_grantee_leaves_a_share(world: World) -> None:
-    response = world.api("POST", "/shares", world.owner, json={"email": world.grantee.email, "daily_request_limit": 3})
+def test_a_used_up_daily_limit_says_when_it_resets_and_the_grantee_leaves(world: World) -> None:
+    response = world.api("POST", "/shares", world.owner, json={"email": world.grantee.email, "daily_request_limit": 1})
     assert response.status_code == 201, response.text
     page = world.grantee_tab.page
+    page.goto("/console/")
+    expect(page.get_by_role("radio", name="Shared machines")).to_be_checked()
+    expect(page.locator("#machine-state")).to_contain_text(world.owner.email)
+    page.get_by_label("Model").select_option(MODEL)
+    expect(send(page, "One").locator(".badge")).to_have_text("shared machine · free")
+    answer = send(page, "Two")
+    expect(answer.locator(".error-sentence")).to_have_text(QUOTA)
+    # Retry-After runs to 00:00 UTC: hours and minutes, not thousands of seconds
+    expect(answer.locator(".countdown")).to_have_text(re.compile(r"^Retry in (\d+ h( \d+ min)?|\d+ min( \d+ s)?|\d+ s)$"))
+    expect(answer.get_by_role("button", name="Retry")).to_be_disabled()
+
     page.goto("/console/sharing")
     card = page.locator("#received-list .share")
     expect(card).to_have_count(1)
-    expect(card).to_contain_text("3 requests a day")
-    expect(card.locator(".share-today")).to_have_text("0 requests of 3 · 0 tokens")
+    expect(card).to_contain_text("1 request a day")
+    prompt, completion = FIXED_USAGE
+    expect(card.locator(".share-today")).to_have_text(
+        f"1 request of 1 · {prompt + completion} tokens ({prompt} in, {completion} out)")
     card.get_by_role("button", name=f"Leave the share from {world.owner.email}").click()
     page.locator("#end-dialog").get_by_role("button", name="Leave").click()
     expect(page.locator("#sharing-status")).to_have_text(f"You left {world.owner.email}'s share.")

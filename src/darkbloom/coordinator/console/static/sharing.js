@@ -127,10 +127,14 @@ function priceText(share) {
   return priced(share) ? `${usd(share.input_price)} in · ${usd(share.output_price)} out per 1M tokens` : "Free";
 }
 
+function plural(n, word) {
+  return `${count(n)} ${word}${n === 1 ? "" : "s"}`;
+}
+
 function limitsText(share) {
   const limits = [];
-  if (share.daily_request_limit) limits.push(`${count(share.daily_request_limit)} requests`);
-  if (share.daily_token_limit) limits.push(`${count(share.daily_token_limit)} tokens`);
+  if (share.daily_request_limit) limits.push(plural(share.daily_request_limit, "request"));
+  if (share.daily_token_limit) limits.push(plural(share.daily_token_limit, "token"));
   return limits.length ? limits.join(" · ") + " a day" : "None";
 }
 
@@ -138,10 +142,10 @@ function usedText(share) {
   const today = state.today.get(share.id);
   if (!today) return "Couldn't be read — reload the page to retry.";
   const tokens = today.prompt_tokens + today.completion_tokens;
-  const requests = `${count(today.requests)} ${today.requests === 1 ? "request" : "requests"}` +
+  const requests = plural(today.requests, "request") +
     (share.daily_request_limit ? ` of ${count(share.daily_request_limit)}` : "");
   const split = tokens ? ` (${count(today.prompt_tokens)} in, ${count(today.completion_tokens)} out)` : "";
-  const tokenText = `${count(tokens)} tokens` + (share.daily_token_limit ? ` of ${count(share.daily_token_limit)}` : "") + split;
+  const tokenText = plural(tokens, "token") + (share.daily_token_limit ? ` of ${count(share.daily_token_limit)}` : "") + split;
   return `${requests} · ${tokenText}`;
 }
 
