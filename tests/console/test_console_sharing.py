@@ -337,7 +337,8 @@ def test_a_used_up_daily_limit_says_when_it_resets_and_the_grantee_leaves(world:
     answer = send(page, "Two")
     expect(answer.locator(".error-sentence")).to_have_text(QUOTA)
     # Retry-After runs to 00:00 UTC: hours and minutes, not thousands of seconds
-    expect(answer.locator(".countdown")).to_have_text(re.compile(r"^Retry in (\d+ h( \d+ min)?|\d+ min( \d+ s)?|\d+ s)$"))
+    expect(answer.locator(".countdown")).to_have_text(
+        re.compile(r"^Retry in (\d+ h( \d+ min)?|\d+ min( \d+ s)?|\d+ s)$"))
     expect(answer.get_by_role("button", name="Retry")).to_be_disabled()
 
     page.goto("/console/sharing")
@@ -384,3 +385,17 @@ def test_sharing_and_the_machine_choice_fit_a_phone_and_a_desktop(world: World) 
         "$0.25 in · $1.00 out per 1M tokens, paid from your credit")
     expect(page.locator("#received-list .badge")).to_have_text("At their prices")
     assert re.search(r"\S", page.locator("#received-list .share-note").inner_text())
+
+
+def test_revoking_a_share_already_gone_says_so_and_refreshes_the_list(world: World) -> None:
+    given = world.api("POST", "/shares", world.owner, json={"email": "gone@example.com"}).json()
+    page = world.owner_tab.page
+    page.goto("/console/sharing")
+    card = page.locator("#given-list .share", has_text="gone@example.com")
+    expect(card).to_have_count(1)
+    assert world.api("DELETE", f"/shares/{given['id']}", world.owner).status_code == 204  # elsewhere, meanwhile
+    card.get_by_role("button", name="Revoke the share with gone@example.com").click()
+    page.locator("#end-dialog").get_by_role("button", name="Revoke").click()
+    expect(page.locator("#sharing-status [data-code=share_not_found]")).to_have_text(
+        "That share no longer exists — its owner revoked it, or the person it was shared with left it.")
+    expect(card).to_have_count(0)

@@ -30,6 +30,7 @@ const state = {
   publicModels: null,   // ids from GET /v1/models
   ownModels: null,      // ids from GET /v1/me/self-route-models
   catalogModels: null,  // ids from GET /v1/models/catalog (Shared machines: asked once)
+  catalogAsked: false,
   machines: null,       // GET /v1/me/providers
   received: null,       // GET /v1/shares "received" (Shared machines)
   controller: null,     // the answer being streamed
@@ -47,7 +48,7 @@ function route() {
 
 function savedRoute() {
   const saved = localStorage.getItem(ROUTE_KEY);
-  if (saved in ROUTE_HEADER) return saved;
+  if (saved && Object.hasOwn(ROUTE_HEADER, saved)) return saved;
   return localStorage.getItem(OLD_MY_MACHINE_KEY) === "true" ? "prefer" : "network";
 }
 
@@ -93,16 +94,18 @@ async function loadPublicModels() {
 function applyRoute() {
   if (state.poller) state.poller.stop();
   state.poller = route() === "network" ? null : poll(refreshMachine, POLL_MS);
-  if (route() === "shared" && state.catalogModels === null) loadCatalog();
+  if (route() === "shared" && !state.catalogAsked) loadCatalog();
   renderMachineState();
   renderModels();
 }
 
 async function loadCatalog() {
-  state.catalogModels = [];
+  state.catalogAsked = true;
   try {
     state.catalogModels = (await api("/v1/models/catalog")).data.map((m) => m.id);
-  } catch { /* the network's models still list */ }
+  } catch {
+    state.catalogModels = [];  // the network's models still list
+  }
   renderModels();
 }
 
@@ -157,7 +160,8 @@ function renderMachineState() {
 /** Shared machines: who shared with you (their owners run those machines), yours first. */
 function renderSharedState() {
   const machines = state.machines;
-  const received = state.received;
+  const received = state.received && state.received.filter(
+    (share) => !share.expires_at || Date.parse(share.expires_at) > Date.now());  // not ended
   if (machines === null || received === null) {
     machineState.textContent = "Checking the machines shared with you…";
     return;
@@ -169,7 +173,8 @@ function renderSharedState() {
       machineState.replaceChildren("Nobody has shared a machine with you — only your own machines answer",
         ownOnline ? " (free)." : ", and none is online.");
     } else {
-      machineState.replaceChildren("Nobody has shared a machine with you yet — ", h("a", { href: "/console/sharing" }, "see Sharing"), ".");
+      machineState.replaceChildren("Nobody has shared a machine with you yet — ",
+        h("a", { href: "/console/sharing" }, "see Sharing"), ".");
     }
     return;
   }

@@ -97,13 +97,15 @@ async function load() {
 }
 
 function render() {
+  const noMachines = ["You have no machines to share yet — ", h("a", { href: "/console/link" }, "link one"),
+    ". You can also share all your machines now, and the ones you link later are included."];
   givenList.replaceChildren(...(state.given.length ? state.given.map(givenCard) : [h("li", { class: "empty" },
     state.machines.length
       ? "You haven't shared your machines with anyone. Share them to let someone in your household or team use them."
-      : ["You have no machines to share yet — ", h("a", { href: "/console/link" }, "link one"),
-        ". You can also share all your machines now, and the ones you link later are included."])]));
+      : noMachines)]));
   receivedList.replaceChildren(...(state.received.length ? state.received.map(receivedCard) : [h("li", { class: "empty" },
-    `Nobody has shared a machine with you. To use someone's, ask them to share it with ${session.email || "your email"}.`)]));
+    "Nobody has shared a machine with you. To use someone's, ask them to share it with " +
+    `${session.email || "your email"}.`)]));
 }
 
 function fact(term, value) {
@@ -145,7 +147,8 @@ function usedText(share) {
   const requests = plural(today.requests, "request") +
     (share.daily_request_limit ? ` of ${count(share.daily_request_limit)}` : "");
   const split = tokens ? ` (${count(today.prompt_tokens)} in, ${count(today.completion_tokens)} out)` : "";
-  const tokenText = plural(tokens, "token") + (share.daily_token_limit ? ` of ${count(share.daily_token_limit)}` : "") + split;
+  const tokenText = plural(tokens, "token") +
+    (share.daily_token_limit ? ` of ${count(share.daily_token_limit)}` : "") + split;
   return `${requests} · ${tokenText}`;
 }
 
@@ -185,7 +188,8 @@ function givenCard(share) {
       fact("Ends", endsText(share, "you revoke it")),
       fact("Shared", when(share.created_at))),
     h("div", { class: "share-actions" },
-      h("button", { type: "button", class: "button danger-outline", "aria-label": `Revoke the share with ${share.grantee_email}`,
+      h("button", { type: "button", class: "button danger-outline",
+        "aria-label": `Revoke the share with ${share.grantee_email}`,
         onclick: (e) => confirmEnd(share, "revoke", e.currentTarget) }, "Revoke")));
 }
 
@@ -214,7 +218,8 @@ function receivedCard(share) {
       fact("Price", priced(share) ? priceText(share) + ", paid from your credit" : "Free"),
       fact("Ends", endsText(share, "you leave it or they revoke it"))),
     h("div", { class: "share-actions" },
-      h("button", { type: "button", class: "button danger-outline", "aria-label": `Leave the share from ${share.owner_email}`,
+      h("button", { type: "button", class: "button danger-outline",
+        "aria-label": `Leave the share from ${share.owner_email}`,
         onclick: (e) => confirmEnd(share, "leave", e.currentTarget) }, "Leave")));
 }
 
