@@ -268,6 +268,9 @@ def test_grantee_sees_who_runs_the_machines_and_chats_on_them(world: World) -> N
     shared.check()
     assert page.evaluate("localStorage.getItem('darkbloom.route')") == "shared"
     expect(page.locator("#machine-state")).to_contain_text(f"shared with you by {world.owner.email}, who runs them")
+    # the picker offers what the owner's machines serve the grantee: /v1/models as the shared route sees it
+    expect(page.locator("#model option")).to_have_text([MODEL])
+    assert any(c[0] == "GET" and c[2].get("x-darkbloom-route") == "shared" for c in tab.calls("/v1/models"))
     page.get_by_label("Model").select_option(MODEL)
     tab.api_calls.clear()
 

@@ -1,6 +1,7 @@
-// Chat: model picker (/v1/models, plus your own machine's models with My Machine or Shared machines,
-// the catalog with Shared machines), the machine choice (My Machine / Shared machines / Network),
-// streaming answers over fetch + SSE, rendered as safe Markdown, each badged from the response headers.
+// Chat: model picker (/v1/models, plus your own machine's models with My Machine; with Shared
+// machines, /v1/models as that route sees it: your machines' and those shared with you), the machine
+// choice (My Machine / Shared machines / Network), streaming answers over fetch + SSE, rendered as
+// safe Markdown, each badged from the response headers.
 import { api, errorFrom, send } from "./api.js";
 import { errorBlock, sentenceFor } from "./errors.js";
 import { h, poll, requireSession } from "./layout.js";
@@ -29,8 +30,7 @@ const state = {
   history: [],          // completed turns sent with every request
   publicModels: null,   // ids from GET /v1/models
   ownModels: null,      // ids from GET /v1/me/self-route-models
-  catalogModels: null,  // ids from GET /v1/models/catalog (Shared machines: asked once)
-  catalogAsked: false,
+  sharedModels: null,   // ids from GET /v1/models with X-Darkbloom-Route: shared
   machines: null,       // GET /v1/me/providers
   received: null,       // GET /v1/shares "received" (Shared machines)
   controller: null,     // the answer being streamed
@@ -94,30 +94,26 @@ async function loadPublicModels() {
 function applyRoute() {
   if (state.poller) state.poller.stop();
   state.poller = route() === "network" ? null : poll(refreshMachine, POLL_MS);
-  if (route() === "shared" && !state.catalogAsked) loadCatalog();
   renderMachineState();
   renderModels();
 }
 
-async function loadCatalog() {
-  state.catalogAsked = true;
-  try {
-    state.catalogModels = (await api("/v1/models/catalog")).data.map((m) => m.id);
-  } catch {
-    state.catalogModels = [];  // the network's models still list
-  }
-  renderModels();
-}
-
-/** Your machines and their models; with Shared machines also the shares you received. */
+/** Your machines and their models; with Shared machines, the shares you received and the models
+ * your machines and those shared with you serve (GET /v1/models as the shared route sees it). */
 async function refreshMachine() {
   const shared = route() === "shared";
   try {
-    const [machines, own, shares] = await Promise.all([api("/v1/me/providers"), api("/v1/me/self-route-models"),
+    const [machines, models, shares] = await Promise.all([
+      api("/v1/me/providers"),
+      shared ? api("/v1/models", { headers: { "X-Darkbloom-Route": "shared" } }) : api("/v1/me/self-route-models"),
       shared ? api("/v1/shares") : null]);
     state.machines = machines.data;
-    state.ownModels = own.models;
-    if (shares) state.received = shares.received;
+    if (shared) {
+      state.sharedModels = models.data.map((m) => m.id);
+      state.received = shares.received;
+    } else {
+      state.ownModels = models.models;
+    }
   } catch {
     state.machines = state.machines || null;
   }
@@ -190,24 +186,23 @@ function renderSharedState() {
 
 function renderModels() {
   const chosen = route();
-  const publicIds = chosen === "shared" ? [...new Set([...(state.publicModels || []), ...(state.catalogModels || [])])]
-    : state.publicModels || [];
-  const ownIds = chosen !== "network" ? (state.ownModels || []) : [];
+  // Shared machines never reach the network: only what your machines and those shared with you serve
+  const publicIds = chosen === "shared" ? state.sharedModels || [] : state.publicModels || [];
+  const ownIds = chosen === "prefer" ? (state.ownModels || []) : [];
   const wanted = modelSelect.value || localStorage.getItem(MODEL_KEY);
   const served = [...new Set([...ownIds, ...publicIds])];
   const options = [];
   if (ownIds.length) {
     options.push(h("optgroup", { label: "On your machine (free)" }, ownIds.map((id) => h("option", { value: id }, id))));
     const rest = publicIds.filter((id) => !ownIds.includes(id));
-    const label = chosen === "shared" ? "Other models" : "The network";
-    if (rest.length) options.push(h("optgroup", { label }, rest.map((id) => h("option", { value: id }, id))));
+    if (rest.length) options.push(h("optgroup", { label: "The network" }, rest.map((id) => h("option", { value: id }, id))));
   } else {
     options.push(...publicIds.map((id) => h("option", { value: id }, id)));
   }
   // The model in use stays pickable when nothing serves it right now, so sending explains why
   // (for example "Your machine is offline …") instead of the model silently vanishing.
-  const loaded = state.publicModels !== null && (chosen === "network" || state.ownModels !== null)
-    && (chosen !== "shared" || state.catalogModels !== null);
+  const loaded = chosen === "shared" ? state.sharedModels !== null
+    : state.publicModels !== null && (chosen === "network" || state.ownModels !== null);
   if (wanted && !served.includes(wanted) && loaded) {
     options.push(h("option", { value: wanted }, `${wanted} (unavailable)`));
   }
@@ -221,9 +216,12 @@ function renderModels() {
   if (state.modelsError) {
     modelHint.textContent = "The model list could not be loaded — reload the page to retry.";
   } else if (loaded && !served.length) {
-    modelHint.textContent = chosen !== "network"
-      ? "Neither the network nor your machine serves a model right now — start your Darkbloom node."
-      : "No model is being served right now — start your Darkbloom node and choose My Machine, or try again later.";
+    modelHint.textContent = {
+      prefer: "Neither the network nor your machine serves a model right now — start your Darkbloom node.",
+      shared: "Neither your machines nor those shared with you serve a model right now — start your Darkbloom " +
+        "node, or ask the owner of a shared machine to start theirs.",
+      network: "No model is being served right now — start your Darkbloom node and choose My Machine, or try again later.",
+    }[chosen];
   } else {
     modelHint.textContent = "";
   }
