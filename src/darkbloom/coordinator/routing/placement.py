@@ -115,7 +115,7 @@ async def _place(services: Services, decision: RouteDecision, policy: Policy) ->
                        "another model.") from None
     except QueueRefused as exc:
         if policy.never_fleet:
-            raise selfroute.machine_busy(exc.retry_after) from None
+            raise selfroute.machine_busy(exc.retry_after, shared=policy.shared) from None
         why = "the queue is full" if exc.code == "queue_full" else "no slot freed up in time"
         raise ApiError(429, "rate_limit_exceeded",
                        f"Every provider serving '{decision.model.id}' is busy and {why}. "

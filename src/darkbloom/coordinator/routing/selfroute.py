@@ -23,7 +23,12 @@ def machine_not_found() -> ApiError:
                     "No machine with this id is linked to your account. GET /v1/me/providers lists yours.")
 
 
-def machine_offline(pinned: bool) -> ApiError:
+def machine_offline(pinned: bool, shared: bool = False) -> ApiError:
+    if shared:
+        return ApiError(503, "machine_offline",
+                        "Your machines and the machines shared with you are offline — start your Darkbloom node "
+                        "(`darkbloom serve`) or ask the owner of a shared machine to start theirs, and retry.",
+                        headers={"Retry-After": "30"})
     which = "That machine is" if pinned else "Your machine is"
     return ApiError(503, "machine_offline",
                     f"{which} offline — start your Darkbloom node (`darkbloom serve`) and retry.",
@@ -36,23 +41,32 @@ def no_linked_machine() -> ApiError:
                     "then `darkbloom serve`.")
 
 
-def model_not_loaded(model: str) -> ApiError:
+def model_not_loaded(model: str, shared: bool = False) -> ApiError:
+    if shared:
+        return ApiError(503, "model_not_loaded",
+                        f"The machines you can use (yours and those shared with you) are online but none serves "
+                        f"'{model}'. Pick a model one of them serves (GET /v1/models with X-Darkbloom-Route: shared).",
+                        headers={"Retry-After": "15"})
     return ApiError(503, "model_not_loaded",
                     f"Your machine is online but does not serve '{model}'. Start your node with "
                     f"`darkbloom serve --model {model}` or pick a model it serves (GET /v1/me/self-route-models).",
                     headers={"Retry-After": "15"})
 
 
-def machine_busy(retry_after: int) -> ApiError:
-    return ApiError(429, "machine_busy",
-                    f"Your machine is busy with other requests. Retry in {retry_after} s, or raise its "
-                    "max_concurrency.", headers={"Retry-After": str(max(1, retry_after))})
+def machine_busy(retry_after: int, shared: bool = False) -> ApiError:
+    which = ("The machines you can use (yours and those shared with you) are" if shared
+             else "Your machine is")
+    advice = "" if shared else ", or raise its max_concurrency"
+    return ApiError(429, "machine_busy", f"{which} busy with other requests. Retry in {retry_after} s{advice}.",
+                    headers={"Retry-After": str(max(1, retry_after))})
 
 
 def preflight_error(decision: RouteDecision, found: Survey, *, ever_linked: bool, pinned_owned: bool,
                     owned_online: int) -> ApiError:
     """Why an exclusive request cannot be served, in the order of the table in docs/self-route.md "When your
-    machine can't serve (exclusive only)"."""
+    machine can't serve (exclusive only)"; for shared routing, over own and shared machines (worded so)."""
+    shared = decision.shared_routing
+    yours = "A machine you can use" if shared else "Your machine"
     if decision.pinned and not pinned_owned:
         return machine_not_found()
     if decision.pinned and owned_online == 0:
@@ -60,24 +74,24 @@ def preflight_error(decision: RouteDecision, found: Survey, *, ever_linked: bool
     if not ever_linked:
         return no_linked_machine()
     if owned_online == 0:
-        return machine_offline(pinned=False)
+        return machine_offline(pinned=False, shared=shared)
     reasons = found.reasons
     if reasons.get("capability_unsupported"):
         return ApiError(503, "model_unavailable",
-                        f"Your machine serves '{decision.model.id}' but not with {decision.needs_in_words()}. "
+                        f"{yours} serves '{decision.model.id}' but not with {decision.needs_in_words()}. "
                         "Send the request without it or load a model that supports it.",
                         code="model_capability_unsupported")
     blockers = [gate.blocker for gate in _BLOCKING_GATES if reasons.get(gate.name)]
     if blockers:
         why = "; ".join(blockers)
         return ApiError(503, "model_routing_blocked",
-                        f"Your machine serves '{decision.model.id}' but cannot be used privately right now: {why}.")
+                        f"{yours} serves '{decision.model.id}' but cannot be used privately right now: {why}.")
     if reasons.get(CONTEXT_GATE):
         return ApiError(400, "invalid_request_error",
-                        f"This request needs up to {decision.context_needed} tokens of context, more than your "
-                        f"machine serves '{decision.model.id}' with. Shorten the prompt or lower max_tokens.",
+                        f"This request needs up to {decision.context_needed} tokens of context, more than "
+                        f"{yours.lower()} serves '{decision.model.id}' with. Shorten the prompt or lower max_tokens.",
                         code="context_length_exceeded", param="messages")
-    return model_not_loaded(decision.model.id)
+    return model_not_loaded(decision.model.id, shared=shared)
 
 
 async def preflight(services: Services, decision: RouteDecision, found: Survey) -> None:
