@@ -192,7 +192,8 @@ def _case(name: str, node: Node) -> Case:
                 lambda at: _ok(at.call("PATCH", f"/v1/keys/{key['id']}", account.session, json=patch)))
 
 
-CASES = ["delete key", "rotate key", "disable key", "limit_usd", "rpm_limit", "self_route_only", "allowed_models", "logout", "unlink machine"]
+CASES = ["delete key", "rotate key", "disable key",
+         "limit_usd", "rpm_limit", "self_route_only", "allowed_models", "logout", "unlink machine"]
 
 
 def _warm(node: Node, case: Case) -> None:
