@@ -6,8 +6,8 @@ transaction. No I/O here, so SQLite and Postgres share every rule.
 Steps: ``Reserve`` (a prefer request's fallback budget, then key cap, then balance, each checked
 against the state left by the steps before it), ``Settle`` (close the reservation once: refund the
 hold, charge, fee, payout, key windows, usage row; or, without a reservation, charge straight from
-the balance), ``Refund`` (close the reservation once, give the hold back). A refused or repeated step changes nothing and is a
-result for its caller only.
+the balance), ``Refund`` (close the reservation once, give the hold back). A refused or repeated
+step changes nothing and is a result for its caller only.
 """
 
 from __future__ import annotations
