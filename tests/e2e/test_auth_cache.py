@@ -167,6 +167,15 @@ def _case(name: str, node: Node) -> Case:
         key = _key(node, account)
         return Case(name, key["key"], _status("GET", "/v1/payments/balance"), "200", "401",
                     lambda at: _ok(at.call("DELETE", f"/v1/keys/{key['id']}", account.session)))
+    if name == "rotate key":  # the old secret is refused at once; the new one is the key
+        key = _key(node, account)
+        return Case(name, key["key"], _status("GET", "/v1/payments/balance"), "200", "401",
+                    lambda at: _ok(at.call("POST", f"/v1/keys/{key['id']}/rotate", account.session)))
+    if name == "disable key":
+        key = _key(node, account)
+        return Case(name, key["key"], _status("GET", "/v1/payments/balance"), "200", "401",
+                    lambda at: _ok(at.call("PATCH", f"/v1/keys/{key['id']}", account.session,
+                                           json={"disabled": True})))
     if name == "logout":
         return Case(name, account.session, _status("GET", "/v1/keys"), "200", "401",
                     lambda at: _ok(at.call("POST", "/v1/auth/logout", account.session)))
@@ -183,7 +192,8 @@ def _case(name: str, node: Node) -> Case:
                 lambda at: _ok(at.call("PATCH", f"/v1/keys/{key['id']}", account.session, json=patch)))
 
 
-CASES = ["delete key", "limit_usd", "rpm_limit", "self_route_only", "allowed_models", "logout", "unlink machine"]
+CASES = ["delete key", "rotate key", "disable key",
+         "limit_usd", "rpm_limit", "self_route_only", "allowed_models", "logout", "unlink machine"]
 
 
 def _warm(node: Node, case: Case) -> None:

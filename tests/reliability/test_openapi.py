@@ -24,7 +24,8 @@ from darkbloom.wire.openai.errors import ApiError, error_body
 
 HTTP_METHODS = ("get", "put", "post", "delete", "options", "head", "patch", "trace")
 BODYLESS_WRITES = {("post", "/v1/auth/logout"), ("post", "/v1/device/code"),
-                   ("delete", "/v1/keys/{key_id}"), ("delete", "/v1/me/providers/{machine_id}"),
+                   ("delete", "/v1/keys/{key_id}"), ("post", "/v1/keys/{key_id}/rotate"),
+                   ("delete", "/v1/me/providers/{machine_id}"),
                    ("post", "/v1/admin/machines/{machine_id}/enroll")}
 
 

@@ -42,6 +42,11 @@ api_keys = Table(
     Column("created_at", BigInteger, nullable=False),
     Column("last_used_at", BigInteger, nullable=True),
     Column("revoked_at", BigInteger, nullable=True),
+    # migration 0007: the key lifecycle and the fallback budget of prefer requests
+    Column("expires_at", BigInteger, nullable=True),
+    Column("disabled", Boolean, nullable=False, default=False, server_default=false()),
+    Column("fallback_limit_micro_usd", BigInteger, nullable=True),
+    Column("fallback_limit_reset", String(16), nullable=False, default="none", server_default="none"),
 )
 
 device_codes = Table(
@@ -90,6 +95,7 @@ admin_credits = Table(
 # billing (migration 0002)
 
 PLATFORM_ACCOUNT_ID = "acct_platform"
+FALLBACK_PREFIX = "fallback:"  # key_spend rows of a key's fallback budget: FALLBACK_PREFIX + key id
 
 ledger_entries = Table(
     "ledger_entries", metadata,
@@ -115,6 +121,7 @@ reservations = Table(
     Column("instance_id", String(64), nullable=False, index=True),
     Column("created_at", BigInteger, nullable=False),
     Column("closed_at", BigInteger, nullable=True),
+    Column("fallback_window_start", BigInteger, nullable=True),  # the key's fallback window (prefer; 0007)
 )
 
 usage_records = Table(
@@ -139,6 +146,8 @@ usage_records = Table(
     Column("created_at", BigInteger, nullable=False),
 )
 
+# a key's spend window: key_id is the key's id (its spend cap, limit_usd) or FALLBACK_PREFIX + the id
+# (its fallback budget, fallback_limit_usd: what prefer requests spend on the public fleet)
 key_spend = Table(
     "key_spend", metadata,
     Column("key_id", String(64), primary_key=True),

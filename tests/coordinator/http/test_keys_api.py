@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import time
+from datetime import datetime, timezone
 from typing import Any
 
 import pytest
@@ -216,7 +218,8 @@ def test_a_key_can_delete_itself(api: Api) -> None:
 
 @pytest.mark.parametrize("restriction", [
     {"self_route_only": True}, {"limit_usd": 0.001}, {"allowed_models": ["smollm2-135m"]}, {"rpm_limit": 5},
-    {"itpm_limit": 1000}, {"otpm_limit": 1000},
+    {"itpm_limit": 1000}, {"otpm_limit": 1000}, {"fallback_limit_usd": 1},
+    {"expires_at": "2999-01-01T00:00:00Z"},
 ])
 def test_a_restricted_key_can_never_widen_itself_or_mint_another(api: Api, restriction: dict[str, Any]) -> None:
     account = api.signup()
@@ -250,7 +253,7 @@ def test_an_unrestricted_key_manages_keys(api: Api) -> None:
 @pytest.mark.parametrize("unknown", [
     {"limit_micro_usd": 1000},                      # the view's own field, not an input
     {"key": "dk-mine"}, {"id": "key_x"},
-    {"fallback_limit_usd": 1}, {"expires_at": 2_000_000_000}, {"disabled": True},
+    {"fallback_limit_micro_usd": 1}, {"key_hash": "0" * 64}, {"enabled": True},
 ])
 def test_an_unknown_key_field_is_400_naming_it_on_create_and_edit(api: Api, shared_account: Account,
                                                                   unknown: dict[str, Any]) -> None:
@@ -284,3 +287,123 @@ def test_shared_only_is_a_boolean_and_restricts_the_key(api: Api) -> None:
     assert_error(api.post("/v1/keys", json={"name": "wider"}, headers=bearer(key["key"])), 403, "key_restricted")
     edited = api.patch(f"/v1/keys/{key['id']}", json={"shared_only": False}, headers=account.auth)
     assert edited.status_code == 200 and edited.json()["shared_only"] is False
+
+
+# the key lifecycle: expiry, disabling, rotation; the fallback budget's fields
+
+def _iso(seconds: float) -> str:
+    return datetime.fromtimestamp(seconds, timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+def test_lifecycle_fields_are_shown_and_edited(api: Api) -> None:
+    account = api.signup()
+    created = api.create_key(account)
+    assert (created["expires_at"], created["disabled"]) == (None, False)
+    assert (created["fallback_limit_usd"], created["fallback_limit_micro_usd"]) == (None, None)
+    assert created["fallback_limit_reset"] == "none"
+    later = _iso(time.time() + 3600)
+    patched = api.patch(f"/v1/keys/{created['id']}", headers=account.auth, json={
+        "expires_at": later, "fallback_limit_usd": 2.5, "fallback_limit_reset": "weekly", "disabled": True})
+    assert patched.status_code == 200, patched.text
+    body = patched.json()
+    assert body["expires_at"] == later and body["disabled"] is True
+    assert (body["fallback_limit_usd"], body["fallback_limit_micro_usd"]) == (2.5, 2_500_000)
+    assert body["fallback_limit_reset"] == "weekly"
+    assert api.get(f"/v1/keys/{created['id']}", headers=account.auth).json() == body
+    cleared = api.patch(f"/v1/keys/{created['id']}", headers=account.auth, json={
+        "expires_at": None, "fallback_limit_usd": None, "disabled": False}).json()
+    assert (cleared["expires_at"], cleared["fallback_limit_micro_usd"], cleared["disabled"]) == (None, None, False)
+    # an offset is honoured, and shown back in UTC
+    offset = api.create_key(account, expires_at="2999-06-01T02:00:00+02:00")
+    assert offset["expires_at"] == "2999-06-01T00:00:00Z"
+
+
+@pytest.mark.parametrize("body, param", [
+    ({"expires_at": "2000-01-01T00:00:00Z"}, "expires_at"),     # in the past
+    ({"expires_at": "tomorrow"}, "expires_at"),
+    ({"expires_at": 4_000_000_000}, "expires_at"),              # ISO-8601 only, not Unix seconds
+    ({"expires_at": True}, "expires_at"),
+    ({"disabled": "yes"}, "disabled"),
+    ({"disabled": 1}, "disabled"),
+    ({"fallback_limit_usd": -1}, "fallback_limit_usd"),
+    ({"fallback_limit_usd": "5"}, "fallback_limit_usd"),
+    ({"fallback_limit_usd": 0.0000001}, "fallback_limit_usd"),
+    ({"fallback_limit_usd": 1e13}, "fallback_limit_usd"),
+    ({"fallback_limit_reset": "hourly"}, "fallback_limit_reset"),
+])
+def test_bad_lifecycle_values_are_named_400s(api: Api, shared_account: Account, body: dict, param: str) -> None:
+    created = api.post("/v1/keys", json={"name": "k", **body}, headers=shared_account.auth)
+    error = assert_error(created, 400, "invalid_request_error")
+    assert error["param"] == param and param in error["message"]
+    key = api.create_key(shared_account)
+    error = assert_error(api.patch(f"/v1/keys/{key['id']}", json=body, headers=shared_account.auth),
+                         400, "invalid_request_error")
+    assert error["param"] == param
+
+
+_CHAT = {"model": "smollm2-135m", "messages": [{"role": "user", "content": "hi"}]}
+
+
+def test_a_disabled_key_is_401_key_disabled_until_enabled(api: Api) -> None:
+    account = api.signup()
+    key = api.create_key(account)
+    assert api.get("/v1/payments/balance", headers=bearer(key["key"])).status_code == 200  # cached now
+    assert api.patch(f"/v1/keys/{key['id']}", json={"disabled": True}, headers=account.auth).status_code == 200
+    for resp in (api.get("/v1/payments/balance", headers=bearer(key["key"])),
+                 api.post("/v1/chat/completions", json=_CHAT, headers=bearer(key["key"])),
+                 api.get("/v1/keys", headers=bearer(key["key"]))):
+        error = assert_error(resp, 401, "key_disabled")
+        assert error["code"] == "key_disabled"
+    assert api.patch(f"/v1/keys/{key['id']}", json={"disabled": False}, headers=account.auth).status_code == 200
+    assert api.get("/v1/payments/balance", headers=bearer(key["key"])).status_code == 200
+    born_disabled = api.create_key(account, disabled=True)
+    assert born_disabled["disabled"] is True
+    assert_error(api.get("/v1/models", headers=bearer(born_disabled["key"])), 401, "key_disabled")
+
+
+def test_an_expired_key_is_401_key_expired(api: Api) -> None:
+    account = api.signup()
+    expires = int(time.time()) + 2
+    key = api.create_key(account, expires_at=_iso(expires))
+    assert api.get("/v1/payments/balance", headers=bearer(key["key"])).status_code == 200  # cached now
+    time.sleep(max(0.0, expires - time.time()) + 0.2)
+    for resp in (api.get("/v1/payments/balance", headers=bearer(key["key"])),
+                 api.post("/v1/chat/completions", json=_CHAT, headers=bearer(key["key"]))):
+        error = assert_error(resp, 401, "key_expired")
+        assert error["code"] == "key_expired"
+    # the owner can give it a new life from a session (the key itself cannot: it is refused)
+    later = _iso(time.time() + 3600)
+    assert api.patch(f"/v1/keys/{key['id']}", json={"expires_at": later}, headers=account.auth).status_code == 200
+    assert api.get("/v1/payments/balance", headers=bearer(key["key"])).status_code == 200
+
+
+def test_rotate_gives_a_new_secret_and_refuses_the_old_one_at_once(api: Api) -> None:
+    account = api.signup()
+    key = api.create_key(account, name="ci", rpm_limit=50)
+    old = key["key"]
+    assert api.get("/v1/payments/balance", headers=bearer(old)).status_code == 200  # cached now
+    resp = api.post(f"/v1/keys/{key['id']}/rotate", headers=account.auth)
+    assert resp.status_code == 200, resp.text
+    rotated = resp.json()
+    assert rotated["id"] == key["id"] and rotated["key"].startswith("dk-") and rotated["key"] != old
+    assert_error(api.get("/v1/payments/balance", headers=bearer(old)), 401, "invalid_api_key")
+    assert api.get("/v1/payments/balance", headers=bearer(rotated["key"])).status_code == 200
+    view = api.get(f"/v1/keys/{key['id']}", headers=account.auth).json()
+    assert view["name"] == "ci" and view["rpm_limit"] == 50 and rotated["key"].startswith(view["key_prefix"])
+    assert rotated["key"] not in api.get("/v1/keys", headers=account.auth).text
+
+
+def test_rotate_needs_a_session_or_an_unrestricted_key_of_the_account(api: Api) -> None:
+    account, other = api.signup(), api.signup()
+    key = api.create_key(account)
+    restricted = api.create_key(account, rpm_limit=5)
+    assert_error(api.post(f"/v1/keys/{key['id']}/rotate", headers=other.auth), 404, "key_not_found")
+    assert_error(api.post("/v1/keys/key_nope/rotate", headers=account.auth), 404, "key_not_found")
+    assert_error(api.post(f"/v1/keys/{key['id']}/rotate", headers=bearer(restricted["key"])), 403, "key_restricted")
+    assert api.get("/v1/payments/balance", headers=bearer(key["key"])).status_code == 200  # untouched
+    rotated = api.post(f"/v1/keys/{key['id']}/rotate", headers=bearer(key["key"]))  # an unrestricted key, itself
+    assert rotated.status_code == 200
+    assert_error(api.get("/v1/payments/balance", headers=bearer(key["key"])), 401, "invalid_api_key")
+    deleted = api.create_key(account)
+    api.delete(f"/v1/keys/{deleted['id']}", headers=account.auth)
+    assert_error(api.post(f"/v1/keys/{deleted['id']}/rotate", headers=account.auth), 404, "key_not_found")

@@ -4,6 +4,7 @@ Tokens resolve through the process's AuthCache (coordinator/identity/auth_cache.
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 from fastapi import Depends, Request
@@ -75,16 +76,33 @@ async def require_caller(request: Request, services: Services = Depends(get_serv
     if caller is None:
         raise unauthorized("Missing or invalid API key. Pass it as 'x-api-key: dk-…' (or 'Authorization: Bearer "
                            "dk-…').") if anthropic else unauthorized()
+    if caller.key is not None:
+        _refuse_unusable(caller.key)
     request.state.account_id = caller.account_id
     return caller
 
 
-RESTRICTING_KEY_FIELDS = ("limit_micro_usd", "allowed_models", "rpm_limit", "itpm_limit", "otpm_limit")
+def _refuse_unusable(key: dict[str, Any]) -> None:
+    """A disabled or expired key authenticates nothing (checked on every request: a cached grant carries
+    the row, and an expiry needs no change to be announced)."""
+    if key.get("disabled"):
+        raise ApiError(401, "key_disabled", "This API key is disabled. Enable it again (PATCH /v1/keys/{id} with "
+                                            "\"disabled\": false) or use another key.", headers=_BEARER)
+    expires_at = key.get("expires_at")
+    if expires_at is not None and expires_at <= time.time():
+        raise ApiError(401, "key_expired", "This API key has expired. Set a later expires_at on it (or null) "
+                                           "from a console session, or create a new key.", headers=_BEARER)
+
+
+_BEARER = {"WWW-Authenticate": "Bearer"}
+RESTRICTING_KEY_FIELDS = ("limit_micro_usd", "fallback_limit_micro_usd", "expires_at", "allowed_models",
+                          "rpm_limit", "itpm_limit", "otpm_limit")
 
 
 def restricted(key: dict[str, Any]) -> bool:
-    """A key someone chose to limit (self-route or shared only, a spend cap, a model list, rate limits): if it
-    leaks, it must not be able to widen itself, mint an unrestricted key or link a machine."""
+    """A key someone chose to limit (self-route or shared only, a spend cap or fallback budget, an expiry, a
+    model list, rate limits): if it leaks, it must not be able to widen itself, mint an unrestricted key or
+    link a machine."""
     return bool(key.get("self_route_only") or key.get("shared_only")) or any(key.get(name) is not None for name in RESTRICTING_KEY_FIELDS)
 
 
@@ -95,9 +113,9 @@ async def require_account_writer(caller: Caller = Depends(require_caller)) -> Ca
         raise ApiError(403, "forbidden", "A device token can run inference and read the account, not change it; "
                                          "use a console session or an unrestricted API key.")
     if caller.key is not None and restricted(caller.key):
-        raise ApiError(403, "key_restricted", "This API key is restricted (self-route only, a spend limit, allowed "
-                                              "models or rate limits), so it cannot manage keys or machines; use a "
-                                              "console session or an unrestricted API key.")
+        raise ApiError(403, "key_restricted", "This API key is restricted (self-route only, a spend limit, an "
+                                              "expiry, allowed models or rate limits), so it cannot manage keys or "
+                                              "machines; use a console session or an unrestricted API key.")
     return caller
 
 

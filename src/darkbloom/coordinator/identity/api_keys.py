@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import math
+import time
+from datetime import datetime, timezone
 from decimal import Decimal, InvalidOperation
 from typing import Any
 
@@ -12,7 +14,10 @@ LIMIT_RESETS = ("none", "daily", "weekly", "monthly")
 _RATE_FIELDS = ("rpm_limit", "itpm_limit", "otpm_limit")
 _MAX_RATE = 2**31 - 1        # INTEGER column
 _MAX_MICRO_USD = 2**63 - 1   # BIGINT column
-KEY_FIELDS = ("name", "self_route_only", "shared_only", "limit_usd", "limit_reset", *_RATE_FIELDS, "allowed_models")
+KEY_FIELDS = ("name", "self_route_only", "shared_only", "limit_usd", "limit_reset", "fallback_limit_usd",
+              "fallback_limit_reset", "expires_at", "disabled", *_RATE_FIELDS, "allowed_models")
+_MONEY_FIELDS = {"limit_usd": ("limit_micro_usd", "limit_reset"),
+                 "fallback_limit_usd": ("fallback_limit_micro_usd", "fallback_limit_reset")}
 
 
 def key_fields(body: dict[str, Any], *, creating: bool) -> dict[str, Any]:
@@ -24,17 +29,20 @@ def key_fields(body: dict[str, Any], *, creating: bool) -> dict[str, Any]:
         if not isinstance(name, str) or not name.strip() or len(name) > 200:
             raise invalid_request("'name' must be a non-empty string of at most 200 characters.", param="name")
         fields["name"] = name.strip()
-    for flag in ("self_route_only", "shared_only"):
+    for flag in ("self_route_only", "shared_only", "disabled"):
         if flag in body:
             if not isinstance(body[flag], bool):
                 raise invalid_request(f"invalid value for {flag}", param=flag)
             fields[flag] = body[flag]
-    if "limit_usd" in body:
-        fields["limit_micro_usd"] = _micro_usd(body["limit_usd"])
-    if "limit_reset" in body:
-        if body["limit_reset"] not in LIMIT_RESETS:
-            raise invalid_request(f"'limit_reset' must be one of {', '.join(LIMIT_RESETS)}.", param="limit_reset")
-        fields["limit_reset"] = body["limit_reset"]
+    for name, (column, reset) in _MONEY_FIELDS.items():
+        if name in body:
+            fields[column] = _micro_usd(body[name], name)
+        if reset in body:
+            if body[reset] not in LIMIT_RESETS:
+                raise invalid_request(f"'{reset}' must be one of {', '.join(LIMIT_RESETS)}.", param=reset)
+            fields[reset] = body[reset]
+    if "expires_at" in body:
+        fields["expires_at"] = _expiry(body["expires_at"])
     for field in _RATE_FIELDS:
         if field in body:
             value = body[field]
@@ -60,30 +68,61 @@ def _refuse_unknown(body: dict[str, Any]) -> None:
                               f"A key takes {', '.join(KEY_FIELDS)}.", param=unknown[0])
 
 
-def _micro_usd(value: Any) -> int | None:
+def _micro_usd(value: Any, name: str) -> int | None:
     if value is None:
         return None
     if isinstance(value, bool) or not isinstance(value, (int, float)) or (
             isinstance(value, float) and not math.isfinite(value)):
-        raise invalid_request("'limit_usd' must be a number of US dollars or null.", param="limit_usd")
+        raise invalid_request(f"'{name}' must be a number of US dollars or null.", param=name)
     try:
         micro = Decimal(str(value)) * 1_000_000
     except InvalidOperation:
-        raise invalid_request("'limit_usd' must be a number of US dollars or null.", param="limit_usd") from None
+        raise invalid_request(f"'{name}' must be a number of US dollars or null.", param=name) from None
     if micro < 0 or micro != micro.to_integral_value():
-        raise invalid_request("'limit_usd' must be ≥ 0 with at most 6 decimal places.", param="limit_usd")
+        raise invalid_request(f"'{name}' must be ≥ 0 with at most 6 decimal places.", param=name)
     if micro > _MAX_MICRO_USD:
-        raise invalid_request("'limit_usd' is too large.", param="limit_usd")
+        raise invalid_request(f"'{name}' is too large.", param=name)
     return int(micro)
 
 
+def _expiry(value: Any) -> int | None:
+    """Unix seconds from an ISO-8601 date-time in the future (UTC when it names no offset); null clears."""
+    if value is None:
+        return None
+    bad = invalid_request("'expires_at' must be an ISO-8601 date-time (e.g. 2030-01-31T00:00:00Z) or null.",
+                          param="expires_at")
+    if not isinstance(value, str) or len(value) > 64:
+        raise bad
+    try:
+        when = datetime.fromisoformat(value.strip())
+    except ValueError:
+        raise bad from None
+    if when.tzinfo is None:
+        when = when.replace(tzinfo=timezone.utc)
+    seconds = math.ceil(when.timestamp())
+    if seconds <= time.time():
+        raise invalid_request("'expires_at' must be in the future; send null to make the key never expire.",
+                              param="expires_at")
+    return seconds
+
+
+def iso_utc(seconds: int | None) -> str | None:
+    return None if seconds is None else datetime.fromtimestamp(seconds, timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+def _usd(micro: int | None) -> float | None:
+    return None if micro is None else float(Decimal(micro) / 1_000_000)
+
+
 def key_view(row: dict[str, Any]) -> dict[str, Any]:
-    limit = row["limit_micro_usd"]
+    limit, fallback = row["limit_micro_usd"], row["fallback_limit_micro_usd"]
     return {
         "id": row["id"], "object": "api_key", "name": row["name"], "key_prefix": row["key_prefix"],
         "self_route_only": bool(row["self_route_only"]), "shared_only": bool(row["shared_only"]),
-        "limit_usd": None if limit is None else float(Decimal(limit) / 1_000_000),
-        "limit_micro_usd": limit, "limit_reset": row["limit_reset"],
+        "limit_usd": _usd(limit), "limit_micro_usd": limit, "limit_reset": row["limit_reset"],
+        "fallback_limit_usd": _usd(fallback), "fallback_limit_micro_usd": fallback,
+        "fallback_limit_reset": row["fallback_limit_reset"],
+        "expires_at": iso_utc(row["expires_at"]), "disabled": bool(row["disabled"]),
         "rpm_limit": row["rpm_limit"], "itpm_limit": row["itpm_limit"], "otpm_limit": row["otpm_limit"],
         "allowed_models": row["allowed_models"], "created_at": row["created_at"],
         "last_used_at": row["last_used_at"],

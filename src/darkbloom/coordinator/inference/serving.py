@@ -10,6 +10,7 @@ not used and settles the rest, however the request ends.
 
 from __future__ import annotations
 
+import dataclasses
 import secrets
 import time
 from typing import AsyncIterator, Awaitable, Callable
@@ -64,7 +65,7 @@ async def serve(edge: Edge, request: Request, caller: Caller, services: Services
             decision = placement.decide(services, policy, model, needs=call.needs, grants=grants,
                                         context_needed=context_needed(call, prompt_bound, output_bound))
             placement.check_context(services, decision)  # before anything is taken
-            await _admit(life, policy, decision, prompt_bound, output_bound)
+            policy = await _admit(life, policy, decision, prompt_bound, output_bound)
             admitted_at = time.monotonic()
             first = await watch.until(placement.place(services, decision, policy, life.hold, life.take_share))
             PLACEMENT_SECONDS.labels(policy.mode).observe(time.monotonic() - admitted_at)
@@ -92,16 +93,22 @@ async def serve(edge: Edge, request: Request, caller: Caller, services: Services
 
 
 async def _admit(life: RequestLifecycle, policy: Policy, decision: RouteDecision, prompt_bound: int,
-                 output_bound: int) -> None:
+                 output_bound: int) -> Policy:
     """Token charges and the reservation the route needs: none for exclusive self-route (no key spend
     cap either; rate limits still apply), the worst case at the dearest priced share for shared
     routing — and when the balance cannot hold that but the caller's own machines or a free share
-    could serve, no reservation and only those (docs/sharing.md "Money")."""
+    could serve, no reservation and only those (docs/sharing.md "Money"). A prefer request whose key's
+    fallback budget cannot hold its worst case goes on as exclusive (docs/self-route.md "Fallback
+    budget"): the policy it is placed with is returned."""
     model = decision.model
     if not policy.shared:
+        prefer = policy.mode == "prefer"
         await life.admit(model, prompt_bound, output_bound, self_routed=policy.self_routed,
-                         reserve=not policy.exclusive)
-        return
+                         reserve=not policy.exclusive, prefer=prefer)
+        if prefer and life.exclusive:
+            decision.owned_only = True
+            return dataclasses.replace(policy, mode="exclusive")
+        return policy
     min_charge = life.services.settings.min_charge_micro_usd
     priced = [grant.priced_model(model) for grant in decision.shares if grant.priced]
     dearest = max(priced, key=lambda m: worst_case(m, prompt_bound, output_bound, min_charge), default=None)
@@ -112,6 +119,7 @@ async def _admit(life: RequestLifecycle, policy: Policy, decision: RouteDecision
                      reserve_at=dearest, unreserved_if_short=free_route)
     if dearest is not None and life.reservation is None:
         decision.shares = tuple(grant for grant in decision.shares if not grant.priced)
+    return policy
 
 
 def _routing_headers(life: RequestLifecycle, attempt: Attempt, policy: Policy) -> dict[str, str]:

@@ -87,10 +87,13 @@ class RequestLifecycle:
             self.rate_headers.update(decision.headers)
 
     async def admit(self, model: CatalogModel, prompt_bound: int, output_bound: int, *, self_routed: bool,
-                    reserve: bool, reserve_at: CatalogModel | None = None, unreserved_if_short: bool = False) -> None:
+                    reserve: bool, reserve_at: CatalogModel | None = None, unreserved_if_short: bool = False,
+                    prefer: bool = False) -> None:
         """ITPM/OTPM with the estimates, then the worst-case reservation (402 when it cannot be held), at
         the model's prices or ``reserve_at``'s (a priced share's). With ``unreserved_if_short``, a
-        balance that cannot hold it admits the request without one (it then goes only where it is free)."""
+        balance that cannot hold it admits the request without one (it then goes only where it is free).
+        A ``prefer`` request also holds it against the key's fallback budget; when that cannot, it is
+        admitted without a reservation, as exclusive (``self.exclusive``: own machines only, $0)."""
         self.model, self.self_routed = model, self_routed
         self.usage_bounds = UsageBounds(prompt_bound, output_bound)  # the most a provider may report
         await self.charge_rates(admission.token_charges(self.services, self.caller, prompt_bound, output_bound))
@@ -99,7 +102,9 @@ class RequestLifecycle:
                                         self.services.settings.min_charge_micro_usd)
             try:
                 self.reservation = await billing.reserve(self.services, self.request_id, self.caller.account_id,
-                                                         self.caller.key, amount)
+                                                         self.caller.key, amount, prefer=prefer)
+            except billing.FallbackExhausted:
+                pass
             except ApiError as exc:
                 if not (unreserved_if_short and exc.status == 402):
                     raise

@@ -78,14 +78,18 @@ def worst_case(model: CatalogModel, prompt_tokens: int, output_bound: int, min_c
 
 
 async def reserve(services: Services, request_id: str, account_id: str, key: dict[str, Any] | None,
-                  amount: int) -> Reservation:
-    """Hold ``amount`` against the key's cap and debit it from the balance, atomically, or raise 402.
+                  amount: int, *, prefer: bool = False) -> Reservation:
+    """Hold ``amount`` against the key's cap (and, for a prefer request, its fallback budget) and debit
+    it from the balance, atomically, or raise 402 — or ``FallbackExhausted`` when the fallback budget
+    cannot hold it (nothing taken: the request goes as exclusive, docs/self-route.md "Fallback budget").
     Returns once the reservation is committed (the request may then be dispatched)."""
     cap = key.get("limit_micro_usd") if key else None
     window = spend_window_start(key["limit_reset"]) if key and cap is not None else None
+    fallback_cap = key.get("fallback_limit_micro_usd") if key and prefer else None
+    fallback_window = spend_window_start(key["fallback_limit_reset"]) if key and fallback_cap is not None else None
     key_id = key["id"] if key else None
     step = rules.Reserve(request_id, account_id, key_id, amount, None if cap is None else int(cap), window,
-                         services.instance_id)
+                         services.instance_id, None if fallback_cap is None else int(fallback_cap), fallback_window)
     future = services.ledger.submit(step)
     try:
         result = await asyncio.shield(future)
@@ -96,6 +100,8 @@ async def reserve(services: Services, request_id: str, account_id: str, key: dic
         log.exception("request %s: the reservation could not be written", request_id)
         raise ApiError(503, "service_unavailable", "Billing is temporarily unavailable; retry in a few seconds.",
                        headers={"Retry-After": "5"}) from None
+    if result == rules.FALLBACK_EXHAUSTED:
+        raise FallbackExhausted(request_id)
     if result == rules.SPEND_CAP_EXCEEDED:
         raise ApiError(402, "spend_cap_exceeded",
                        "This API key has reached its spend limit for the current period. Raise the key's "
@@ -111,6 +117,11 @@ async def reserve(services: Services, request_id: str, account_id: str, key: dic
 
 class DuplicateReservation(Exception):
     """A request id that already has a (different) reservation: ids are unique per request."""
+
+
+class FallbackExhausted(Exception):
+    """A prefer request whose key's fallback budget cannot hold its worst case this window: nothing was
+    reserved, and it is served as exclusive self-route (own machines only, $0)."""
 
 
 def _refund_orphan(services: Services, request_id: str, done: asyncio.Future[Any]) -> None:

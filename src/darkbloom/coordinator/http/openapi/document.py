@@ -87,8 +87,9 @@ SECURITY_SCHEMES = {
     "admin": {"type": "http", "scheme": "bearer", "description": "The coordinator's --admin-token."},
 }
 _AUTH_ERRORS: dict[str, dict[int, tuple[str, ...]]] = {
-    "caller": {401: ("invalid_api_key",)},
-    "manager": {401: ("invalid_api_key",), 403: ("permission_denied", "key_restricted", "forbidden")},
+    "caller": {401: ("invalid_api_key", "key_expired", "key_disabled")},
+    "manager": {401: ("invalid_api_key", "key_expired", "key_disabled"),
+                403: ("permission_denied", "key_restricted", "forbidden")},
     "admin": {401: ("invalid_api_key",), 403: ("permission_denied (the admin API is disabled)",)},
 }
 

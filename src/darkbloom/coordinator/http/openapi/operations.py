@@ -151,6 +151,10 @@ OPERATIONS: dict[tuple[str, str], Operation] = {
     ("patch", "/v1/keys/{key_id}"): Operation(
         "keys", "Edit an API key", {200: json_answer("ApiKey", "The edited key.")}, auth="manager",
         body=_json_body("ApiKeyUpdate"), body_required=False, errors={400: INVALID, 404: ("key_not_found",)}),
+    ("post", "/v1/keys/{key_id}/rotate"): Operation(
+        "keys", "Rotate an API key's secret", {200: json_answer(
+            "ApiKeyRotated", "A new secret for the same key and settings; the old secret is refused at once.")},
+        auth="manager", errors={400: INVALID, 404: ("key_not_found",)}),
     ("delete", "/v1/keys/{key_id}"): Operation(
         "keys", "Delete an API key", {200: json_answer("ApiKeyDeleted", "Deleted.")}, auth="manager",
         errors={400: INVALID, 404: ("key_not_found",)}),

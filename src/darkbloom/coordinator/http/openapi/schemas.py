@@ -123,6 +123,14 @@ _KEY_FIELDS = {
                                                       "(X-Darkbloom-Route: shared on every request)."},
     "limit_usd": {"type": ["number", "null"], "minimum": 0, "description": "Spend cap in US dollars (≤ 6 decimals)."},
     "limit_reset": {"enum": ["none", "daily", "weekly", "monthly"]},
+    "fallback_limit_usd": {"type": ["number", "null"], "minimum": 0, "description": (
+        "The most prefer requests on this key may spend on the public fleet per window, in US dollars; past it "
+        "(or when a request's worst case would pass it) prefer acts as exclusive until the window resets.")},
+    "fallback_limit_reset": {"enum": ["none", "daily", "weekly", "monthly"]},
+    "expires_at": {"type": ["string", "null"], "format": "date-time", "description": (
+        "ISO-8601, in the future (UTC when it names no offset); null: never expires. An expired key is 401 "
+        "key_expired.")},
+    "disabled": {"type": "boolean", "description": "A disabled key is 401 key_disabled until enabled again."},
     **{field: {"type": ["integer", "null"], "minimum": 1, "maximum": 2**31 - 1}
        for field in ("rpm_limit", "itpm_limit", "otpm_limit")},
     "allowed_models": {"type": ["array", "null"], "items": {"type": "string", "minLength": 1}},
@@ -132,7 +140,10 @@ _API_KEY = obj({
     "id": {"type": "string", "examples": ["key_0123456789abcdef"]}, "object": {"const": "api_key"},
     "name": STRING, "key_prefix": STRING, "self_route_only": BOOLEAN, "shared_only": BOOLEAN,
     "limit_usd": {"type": ["number", "null"]}, "limit_micro_usd": NULLABLE_INTEGER,
-    "limit_reset": STRING, "rpm_limit": NULLABLE_INTEGER, "itpm_limit": NULLABLE_INTEGER,
+    "limit_reset": STRING, "fallback_limit_usd": {"type": ["number", "null"]},
+    "fallback_limit_micro_usd": NULLABLE_INTEGER, "fallback_limit_reset": STRING,
+    "expires_at": {"type": ["string", "null"], "format": "date-time"}, "disabled": BOOLEAN,
+    "rpm_limit": NULLABLE_INTEGER, "itpm_limit": NULLABLE_INTEGER,
     "otpm_limit": NULLABLE_INTEGER, "allowed_models": {"type": ["array", "null"], "items": STRING},
     "created_at": TIMESTAMP, "last_used_at": {"type": ["integer", "null"]},
 })
@@ -252,6 +263,8 @@ SCHEMAS: dict[str, Schema] = {
     "ApiKeyWithSecret": {"allOf": [ref("ApiKey"), obj({"key": {
         "type": "string", "description": "The dk- secret, shown only in this answer."}})]},
     "ApiKeyList": page_of("ApiKey"),
+    "ApiKeyRotated": obj({"id": STRING, "object": {"const": "api_key"}, "key": {
+        "type": "string", "description": "The new secret, shown only here; the old one is refused at once."}}),
     "ApiKeyDeleted": obj({"id": STRING, "object": {"const": "api_key"}, "deleted": {"const": True}}),
     "DeviceCode": obj({"device_code": STRING, "user_code": {"type": "string", "pattern": "^[A-Z2-9]{4}-[A-Z2-9]{4}$"},
                        "verification_uri": STRING, "verification_uri_complete": STRING,

@@ -1,4 +1,4 @@
-"""API key management: create (secret shown once), list, read, edit, delete."""
+"""API key management: create (secret shown once), list, read, edit, rotate, delete."""
 
 from __future__ import annotations
 
@@ -64,6 +64,16 @@ async def update_key(key_id: str, request: Request, caller: Caller = Depends(req
     if row is None:
         raise _missing(key_id)
     return key_view(row)
+
+
+@router.post("/v1/keys/{key_id}/rotate")
+async def rotate_key(key_id: str, caller: Caller = Depends(require_account_writer),
+                     services: Services = Depends(get_services)) -> dict[str, Any]:
+    secret = new_token("dk-")
+    async with changing(services, key_subject(key_id)) as conn:  # the old secret is refused on every replica
+        if not await keys.rotate(conn, caller.account_id, key_id, token_hash(secret), secret[:10]):
+            raise _missing(key_id)
+    return {"id": key_id, "object": "api_key", "key": secret}
 
 
 @router.delete("/v1/keys/{key_id}")

@@ -16,20 +16,24 @@ from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
 
 from darkbloom.coordinator.money.ledger import rules
 from darkbloom.coordinator.money.ledger.rules import Changes, State, Step
+from darkbloom.store.schema import FALLBACK_PREFIX
 
 # One statement locks and reads everything a batch touches. UNION ALL runs its parts in order, each
 # locking its rows sorted: reservations, then key windows, then accounts — the one global lock order.
-# The windows and accounts of the reservations being closed come from those reservations themselves.
+# The windows (spend cap and fallback budget) and accounts of the reservations being closed come from
+# those reservations themselves.
 _LOCK = """
 SELECT 'r' AS part, request_id AS id, account_id, key_id, amount_micro_usd AS n1, window_start AS n2,
-       NULL::bigint AS n3, status, instance_id
+       fallback_window_start AS n3, status, instance_id
 FROM (SELECT * FROM reservations WHERE request_id = ANY($1::text[]) ORDER BY request_id FOR UPDATE) r
 UNION ALL
 SELECT 'w', NULL, NULL, key_id, window_start, spent_micro_usd, reserved_micro_usd, NULL, NULL
 FROM (SELECT * FROM key_spend
       WHERE (key_id, window_start) IN (SELECT * FROM unnest($2::text[], $3::bigint[])
                                        UNION SELECT key_id, window_start FROM reservations
-                                       WHERE request_id = ANY($1::text[]) AND window_start IS NOT NULL)
+                                       WHERE request_id = ANY($1::text[]) AND window_start IS NOT NULL
+                                       UNION SELECT $6::text || key_id, fallback_window_start FROM reservations
+                                       WHERE request_id = ANY($1::text[]) AND fallback_window_start IS NOT NULL)
       ORDER BY key_id, window_start FOR UPDATE OF key_spend) w
 UNION ALL
 SELECT 'a', id, NULL, NULL, balance_micro_usd, withdrawable_micro_usd, NULL, NULL, NULL
@@ -50,10 +54,11 @@ ku AS (UPDATE key_spend AS t SET spent_micro_usd = v.s, reserved_micro_usd = v.r
        FROM unnest($8::text[], $9::bigint[], $10::bigint[], $11::bigint[]) AS v(k, ws, s, r)
        WHERE t.key_id = v.k AND t.window_start = v.ws),
 rn AS (INSERT INTO reservations (request_id, account_id, key_id, amount_micro_usd, window_start, status,
-                                 instance_id, created_at, closed_at)
-       SELECT v.*, $32::bigint, CASE WHEN v.s = 'open' THEN NULL ELSE $32::bigint END
+                                 instance_id, created_at, closed_at, fallback_window_start)
+       SELECT v.r, v.acc, v.k, v.m, v.ws, v.s, v.i, $32::bigint, CASE WHEN v.s = 'open' THEN NULL ELSE $32::bigint END,
+              v.fw
        FROM unnest($12::text[], $13::text[], $14::text[], $15::bigint[], $16::bigint[], $17::text[],
-                   $18::text[]) AS v(r, acc, k, m, ws, s, i)),
+                   $18::text[], $43::bigint[]) AS v(r, acc, k, m, ws, s, i, fw)),
 rc AS (UPDATE reservations AS t SET status = v.s, closed_at = $32::bigint
        FROM unnest($19::text[], $20::text[]) AS v(r, s) WHERE t.request_id = v.r),
 le AS (INSERT INTO ledger_entries (account_id, kind, pocket, amount_micro_usd, balance_after, request_id,
@@ -124,14 +129,15 @@ async def _read(raw: Any, steps: list[Step]) -> State:
     state = State()
     reserving = rules.window_keys(steps, {})
     rows = await raw.fetch(_LOCK, rules.reservation_ids(steps), [k for k, _ in reserving],
-                           [w for _, w in reserving], rules.account_ids(steps, {}), rules.usage_ids(steps))
+                           [w for _, w in reserving], rules.account_ids(steps, {}), rules.usage_ids(steps),
+                           FALLBACK_PREFIX)
     for row in rows:
         part = row["part"]
         if part == "r":
             state.reservations[row["id"]] = {
                 "request_id": row["id"], "account_id": row["account_id"], "key_id": row["key_id"],
                 "amount_micro_usd": row["n1"], "window_start": row["n2"], "status": row["status"],
-                "instance_id": row["instance_id"]}
+                "instance_id": row["instance_id"], "fallback_window_start": row["n3"]}
         elif part == "w":
             state.windows[(row["key_id"], int(row["n1"]))] = [int(row["n2"]), int(row["n3"])]
         elif part == "a":
@@ -142,7 +148,7 @@ async def _read(raw: Any, steps: list[Step]) -> State:
 
 
 def _columns(changes: Changes) -> list[Any]:
-    """The write statement's arguments: one array per column, $1 … $41."""
+    """The write statement's arguments: one array per column, $1 … $43."""
     accounts = list(changes.accounts.items())
     new = [(k, v) for k, v in changes.windows.items() if k in changes.new_windows]
     old = [(k, v) for k, v in changes.windows.items() if k not in changes.new_windows]
@@ -168,4 +174,5 @@ def _columns(changes: Changes) -> list[Any]:
         changes.now,
         *[col(usage, lambda u, i=i: u[i]) for i in range(5, 13)],
         col(usage, lambda u: u[14]), col(usage, lambda u: u[15]),
+        col(reservations, lambda r: r.get("fallback_window_start")),
     ]

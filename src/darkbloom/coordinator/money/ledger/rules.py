@@ -3,11 +3,11 @@ batch touches into a ``State``, ``plan`` applies the batch's steps to it in arri
 returns each step's result plus the row changes to write, and the writer writes them in the same
 transaction. No I/O here, so SQLite and Postgres share every rule.
 
-Steps: ``Reserve`` (key cap, then balance, both checked against the state left by the steps
-before it), ``Settle`` (close the reservation once: refund the hold, charge, fee, payout, key
-window, usage row; or, without a reservation, charge straight from the balance), ``Refund`` (close
-the reservation once, give the hold back). A refused or repeated step changes nothing and is a
-result for its caller only.
+Steps: ``Reserve`` (a prefer request's fallback budget, then key cap, then balance, each checked
+against the state left by the steps before it), ``Settle`` (close the reservation once: refund the
+hold, charge, fee, payout, key windows, usage row; or, without a reservation, charge straight from
+the balance), ``Refund`` (close the reservation once, give the hold back). A refused or repeated
+step changes nothing and is a result for its caller only.
 """
 
 from __future__ import annotations
@@ -15,12 +15,13 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Iterable, Union
 
-from darkbloom.store.schema import PLATFORM_ACCOUNT_ID
+from darkbloom.store.schema import FALLBACK_PREFIX, PLATFORM_ACCOUNT_ID
 
 RESERVED = "reserved"
 SPEND_CAP_EXCEEDED = "spend_cap_exceeded"
 INSUFFICIENT_FUNDS = "insufficient_funds"
 DUPLICATE = "duplicate"  # the request id already has a different reservation
+FALLBACK_EXHAUSTED = "fallback_exhausted"  # prefer: the key's fallback budget cannot hold it (nothing taken)
 
 
 @dataclass(frozen=True)
@@ -32,6 +33,8 @@ class Reserve:
     cap: int | None          # the key's spend cap, when it has one
     window_start: int | None  # the cap's current window (None without a cap)
     instance_id: str
+    fallback_cap: int | None = None    # prefer on a key with a fallback budget: what the public fleet may take
+    fallback_window: int | None = None  # that budget's current window (None without one)
 
 
 @dataclass(frozen=True)
@@ -96,6 +99,28 @@ class Changes:
         return not (self.accounts or self.windows or self.new_reservations or self.closed or self.usage)
 
 
+def fallback_scope(key_id: str) -> str:
+    """The key_spend row name of a key's fallback budget (its spend cap's row is the key id)."""
+    return FALLBACK_PREFIX + key_id
+
+
+def _windows_of(row: dict[str, Any]) -> list[tuple[str, int]]:
+    """The key windows an open reservation holds its amount against: the spend cap's, the fallback budget's."""
+    held = []
+    if row["key_id"] and row["window_start"] is not None:
+        held.append((row["key_id"], int(row["window_start"])))
+    if row["key_id"] and row.get("fallback_window_start") is not None:
+        held.append((fallback_scope(row["key_id"]), int(row["fallback_window_start"])))
+    return held
+
+
+def _reserving(step: "Reserve") -> tuple[tuple[str, int] | None, tuple[str, int] | None]:
+    cap = (step.key_id, step.window_start) if step.cap is not None and step.key_id else None
+    fallback = (fallback_scope(step.key_id), step.fallback_window) if (
+        step.fallback_cap is not None and step.key_id and step.fallback_window is not None) else None
+    return cap, fallback  # type: ignore[return-value]
+
+
 # what to read, in the lock order: reservations, then key windows, then accounts
 
 def reservation_ids(steps: Iterable[Step]) -> list[str]:
@@ -103,11 +128,9 @@ def reservation_ids(steps: Iterable[Step]) -> list[str]:
 
 
 def window_keys(steps: Iterable[Step], reservations: dict[str, dict[str, Any]]) -> list[tuple[str, int]]:
-    keys = {(s.key_id, s.window_start) for s in steps
-            if isinstance(s, Reserve) and s.cap is not None and s.key_id and s.window_start is not None}
-    keys |= {(r["key_id"], int(r["window_start"])) for r in reservations.values()
-             if r["key_id"] and r["window_start"] is not None}
-    return sorted(keys)  # type: ignore[arg-type]
+    keys = {window for s in steps if isinstance(s, Reserve) for window in _reserving(s) if window is not None}
+    keys |= {window for r in reservations.values() for window in _windows_of(r)}
+    return sorted(keys)
 
 
 def account_ids(steps: Iterable[Step], reservations: dict[str, dict[str, Any]]) -> list[str]:
@@ -166,23 +189,29 @@ class _Planner:
                     and int(existing["amount_micro_usd"]) == step.amount
                     and existing["instance_id"] == step.instance_id)
             return RESERVED if same else DUPLICATE
-        key = (step.key_id, step.window_start) if step.cap is not None and step.key_id else None
-        if key is not None:
-            spent, held = self.state.windows.get(key, (0, 0))  # type: ignore[arg-type]
-            if spent + held + step.amount > step.cap:  # type: ignore[operator]
-                return SPEND_CAP_EXCEEDED
+        key, fallback = _reserving(step)
+        if fallback is not None and not self._holds(fallback, step.fallback_cap, step.amount):
+            return FALLBACK_EXHAUSTED  # first: the request then goes as exclusive, never capped nor charged
+        if key is not None and not self._holds(key, step.cap, step.amount):
+            return SPEND_CAP_EXCEEDED
         account = self.state.accounts.get(step.account_id)
         if account is None or account[0] < step.amount:
             return INSUFFICIENT_FUNDS
-        if key is not None:
-            self._window(key)[1] += step.amount  # type: ignore[arg-type]
+        for window in (key, fallback):
+            if window is not None:
+                self._window(window)[1] += step.amount
         self._move(step.account_id, "balance", -step.amount, "reservation", step.request_id)
         row = {"request_id": step.request_id, "account_id": step.account_id, "key_id": step.key_id,
                "amount_micro_usd": step.amount, "window_start": key[1] if key else None, "status": "open",
-               "instance_id": step.instance_id, "created_at": self.changes.now, "closed_at": None}
+               "instance_id": step.instance_id, "created_at": self.changes.now, "closed_at": None,
+               "fallback_window_start": fallback[1] if fallback else None}
         self.state.reservations[step.request_id] = row
         self.changes.new_reservations[step.request_id] = row
         return RESERVED
+
+    def _holds(self, window: tuple[str, int], cap: int | None, amount: int) -> bool:
+        spent, held = self.state.windows.get(window, (0, 0))
+        return spent + held + amount <= (cap or 0)
 
     def _close(self, request_id: str, status: str) -> dict[str, Any] | None:
         """open → settled | refunded, once; the reservation, its key window released."""
@@ -197,8 +226,8 @@ class _Planner:
         return row
 
     def _release(self, row: dict[str, Any], spent: int) -> None:
-        if row["key_id"] and row["window_start"] is not None:
-            window = self._window((row["key_id"], int(row["window_start"])))
+        for key in _windows_of(row):
+            window = self._window(key)
             window[0] += spent
             window[1] -= int(row["amount_micro_usd"])
 

@@ -14,13 +14,13 @@ from typing import Any
 from darkbloom.coordinator.money.ledger import rules
 from darkbloom.coordinator.money.ledger.rules import Changes, State, Step
 
-_RESERVATION = ("SELECT request_id, account_id, key_id, amount_micro_usd, window_start, status, instance_id "
-                "FROM reservations WHERE request_id = ?")
+_RESERVATION = ("SELECT request_id, account_id, key_id, amount_micro_usd, window_start, status, instance_id, "
+                "fallback_window_start FROM reservations WHERE request_id = ?")
 _WINDOW = "SELECT spent_micro_usd, reserved_micro_usd FROM key_spend WHERE key_id = ? AND window_start = ?"
 _ACCOUNT = "SELECT balance_micro_usd, withdrawable_micro_usd FROM accounts WHERE id = ?"
 _USED = "SELECT 1 FROM usage_records WHERE request_id = ?"
 _RESERVATION_COLUMNS = ("request_id", "account_id", "key_id", "amount_micro_usd", "window_start", "status",
-                        "instance_id", "created_at", "closed_at")
+                        "instance_id", "created_at", "closed_at", "fallback_window_start")
 
 
 class SqliteLedger:
@@ -68,7 +68,8 @@ class SqliteLedger:
 
 def _read(conn: sqlite3.Connection, steps: list[Step]) -> State:
     state = State()
-    names = ("request_id", "account_id", "key_id", "amount_micro_usd", "window_start", "status", "instance_id")
+    names = ("request_id", "account_id", "key_id", "amount_micro_usd", "window_start", "status", "instance_id",
+             "fallback_window_start")
     for request_id in rules.reservation_ids(steps):
         row = conn.execute(_RESERVATION, (request_id,)).fetchone()
         if row is not None:
