@@ -1,6 +1,7 @@
 """The same requests through `X-Darkbloom-Route: self`, sent by the node's owner with the clients'
-own header options: each answer says free and owned, the owner's balance does not move, and the
-request's usage row costs 0 and is marked self-routed."""
+own header options: each answer says free and owned (a whole one also says it cost 0, in its usage
+and `X-Darkbloom-Cost-Micro-USD`), the owner's balance does not move, and the request's usage row
+costs 0 and is marked self-routed."""
 
 from __future__ import annotations
 
@@ -28,6 +29,9 @@ def owned(stack: Stack) -> Iterator[list[Any]]:
     for raw in answers:
         assert raw.headers["x-darkbloom-billing"] == "free", dict(raw.headers)
         assert raw.headers["x-darkbloom-routed"] == "owned", dict(raw.headers)
+        if raw.headers["content-type"].startswith("application/json"):  # a whole answer
+            assert raw.headers["x-darkbloom-cost-micro-usd"] == "0", dict(raw.headers)
+            assert raw.http_response.json()["usage"]["cost_micro_usd"] == 0
         row = stack.usage_row(stack.owner, raw.headers["x-request-id"])
         assert row["cost_micro_usd"] == 0 and row["self_routed"] is True and row["routed"] == "owned", row
     assert stack.balance(stack.owner) == before

@@ -112,13 +112,19 @@ def test_the_self_route_headers(document: dict[str, Any]) -> None:
     assert headers == {"X-Darkbloom-Route", "X-Darkbloom-Machine", "X-Darkbloom-Share"}
     assert set(chat["requestBody"]["content"]) == {"application/json", "application/darkbloom-sealed+json"}
     ok = chat["responses"]["200"]
-    assert set(ok["headers"]) == {"X-Request-Id", "X-Provider-Id", "X-Darkbloom-Routed", "X-Darkbloom-Billing"}
+    assert set(ok["headers"]) == {"X-Request-Id", "X-Provider-Id", "X-Darkbloom-Routed", "X-Darkbloom-Billing",
+                                  "X-Darkbloom-Cost-Micro-USD"}
     assert set(ok["content"]) == {"application/json", "text/event-stream", "application/darkbloom-sealed+json"}
     assert {"402", "404", "409", "429", "502", "503", "504"} <= set(chat["responses"])
     assert "Retry-After" in chat["responses"]["429"]["headers"]
     components = document["components"]["headers"]
     assert components["X-Darkbloom-Routed"]["schema"] == {"enum": ["owned", "shared", "fleet"]}
     assert components["X-Darkbloom-Billing"]["schema"] == {"enum": ["free", "charged"]}
+    assert components["X-Darkbloom-Cost-Micro-USD"]["required"] is False  # streams say it in their usage event
+    schemas = document["components"]["schemas"]
+    assert "cost_micro_usd" in schemas["Usage"]["required"]
+    for answer in ("Response", "Message", "EmbeddingList"):
+        assert schemas[answer]["properties"]["usage"]["required"] == ["cost_micro_usd"], answer
     models = document["paths"]["/v1/models"]["get"]
     assert [p["name"] for p in models["parameters"] if p["in"] == "header"] == ["X-Darkbloom-Route"]
 

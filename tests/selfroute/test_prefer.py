@@ -12,9 +12,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Iterator
 
+import httpx
 import pytest
 
-from tests.selfroute.support import (FIXED_ANSWER, PREFER, SELF, Node, Stack, error_of,
+from tests.selfroute.support import (FIXED_ANSWER, PREFER, SELF, Node, Stack, error_of, sse_events,
                                      start_upstream, streamed_text)
 from tests.support.accounts import Account
 from tests.support.raw_provider import ThreadedRaw
@@ -58,6 +59,17 @@ def world(tmp_path_factory: pytest.TempPathFactory) -> Iterator[World]:
         stack.close()
 
 
+def _answered_cost(response: httpx.Response, streamed: str | None = None) -> int:
+    """The cost an answer says: a whole one in its header and usage (the same), a stream in its usage chunk."""
+    if streamed is not None:
+        usage = [event["usage"] for event in sse_events(streamed) if isinstance(event, dict) and event.get("usage")]
+        assert len(usage) == 1
+        return int(usage[0]["cost_micro_usd"])
+    cost = response.json()["usage"]["cost_micro_usd"]
+    assert response.headers["x-darkbloom-cost-micro-usd"] == str(cost)
+    return int(cost)
+
+
 def test_the_public_machine_is_the_faster_choice(world: World) -> None:
     """The premise of the next test: for a plain public request the scheduler picks the fast public
     machine over the owner's slow one."""
@@ -95,6 +107,7 @@ def test_prefer_uses_own_machine_even_when_a_faster_public_one_is_idle(world: Wo
         assert entries[0][3] < 0 and entries[1][3] == -entries[0][3]
         row = next(r for r in s.usage(w.owner) if r["request_id"] == request_id)
         assert row["cost_micro_usd"] == 0 and row["self_routed"] is True and row["routed"] == "owned"
+        assert _answered_cost(response, text if stream else None) == 0  # the answer says it was free
     assert s.balance(w.owner) == start
     assert w.public.accepted() == public_before
 
@@ -156,6 +169,7 @@ def test_prefer_without_own_machine_is_served_by_the_fleet_and_paid(world: World
     row = next(r for r in s.usage(caller) if r["request_id"] == request_id)
     cost = row["cost_micro_usd"]
     assert cost > 0 and row["self_routed"] is False and row["routed"] == "fleet"
+    assert _answered_cost(response) == cost  # the answer says the charge
     fee = cost * FEE_BPS // 10_000
     assert s.balance(caller) == CREDIT - cost
     earnings = s.earnings(provider_owner)

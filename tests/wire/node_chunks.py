@@ -60,14 +60,16 @@ def sse_events(raw: bytes | list[bytes]) -> list[tuple[str | None, Any]]:
     return out
 
 
-def run_stream(presenter: Any, chunks: list[dict[str, Any]], usage: Usage = USAGE) -> list[bytes]:
+def run_stream(presenter: Any, chunks: list[dict[str, Any]], usage: Usage = USAGE,
+               cost_micro_usd: int | None = None) -> list[bytes]:
     parts = list(presenter.stream_start())
     for chunk in chunks:
         parts += presenter.stream_chunk(chunk)
-    return parts + presenter.stream_end(usage)
+    return parts + presenter.stream_end(usage, cost_micro_usd)
 
 
-def run_collect(presenter: Any, chunks: list[dict[str, Any]], usage: Usage = USAGE) -> dict[str, Any]:
+def run_collect(presenter: Any, chunks: list[dict[str, Any]], usage: Usage = USAGE,
+                cost_micro_usd: int | None = None) -> dict[str, Any]:
     for chunk in chunks:
         presenter.collect(chunk)
-    return presenter.response(usage)
+    return presenter.response(usage, cost_micro_usd)

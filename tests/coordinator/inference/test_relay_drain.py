@@ -64,8 +64,10 @@ async def _streamed(stream: AsyncIterator[bytes]) -> bytes:
 
 async def test_collect_lets_the_loop_run_while_it_drains() -> None:
     pending = _flooded(head=CHUNKS)
-    ticks, body = await _ticks_while(lambda: pending.collect(False, ChatPresenter("chatcmpl-1", "m", {}),
-                                                           _deadlines()))
+    presenter = ChatPresenter("chatcmpl-1", "m", {})
+    ticks, _ = await _ticks_while(lambda: pending.collect(False, presenter, _deadlines()))
+    assert pending.usage is not None
+    body = presenter.response(pending.usage)
     assert body["choices"][0]["message"]["content"] == "h" * CHUNKS + "x" * CHUNKS
     assert ticks >= (2 * CHUNKS) // 64 - 2
 

@@ -142,6 +142,38 @@ async def test_success_settles_and_frees_the_slot(world: World) -> None:
     assert balance == CREDIT - rows[0]["cost_micro_usd"]
 
 
+async def test_finish_settles_once_and_gives_the_usage_rows_cost(world: World) -> None:
+    """A non-streamed answer settles before its body: ``finish`` returns what the usage row says was
+    charged, and neither a second ``finish`` nor the lifecycle's exit settles again."""
+    life = world.lifecycle("req-cost")
+    async with life:
+        run = await world.dispatched(life)
+        world.provider.reply("req-cost")
+        world.provider.complete("req-cost")
+        pending, completed = await run
+        await pending.collect(completed, ChatPresenter("req-cost", MODEL.id, {}), DEADLINES)
+        cost = await life.finish("ok")
+        rows = await world.usage_rows("req-cost")  # committed before the answer is made
+        assert len(rows) == 1 and cost == rows[0]["cost_micro_usd"] > 0
+        assert await life.finish("ok") == cost
+    assert len(await world.usage_rows("req-cost")) == 1
+    assert world.provider.session.active == 0
+    assert (await pockets(world.services, world.caller.account_id))[0] == CREDIT - cost
+
+
+async def test_a_request_that_failed_after_first_content_finishes_at_no_cost(world: World) -> None:
+    life = world.lifecycle("req-cost-broke")
+    async with life:
+        run = await world.dispatched(life)
+        world.provider.reply("req-cost-broke")
+        pending, completed = await run
+        world.provider.error("req-cost-broke", 500, "crashed")
+        with pytest.raises(ProviderFailure):
+            await pending.collect(completed, ChatPresenter("req-cost-broke", MODEL.id, {}), DEADLINES)
+        assert await life.finish("provider_error") == 0
+    await world.assert_refunded("req-cost-broke")
+
+
 async def test_failure_before_first_content_refunds_and_keeps_the_rpm_charge(world: World) -> None:
     life = world.lifecycle("req-unserved")
     with pytest.raises(ProviderFailure):

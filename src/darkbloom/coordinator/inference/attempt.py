@@ -249,8 +249,9 @@ class Attempt:
         if parts:
             yield b"".join(parts)
 
-    async def collect(self, completed: bool, presenter: Presenter, deadlines: Deadlines) -> dict[str, Any]:
-        """Assemble the non-streamed answer from the chunks."""
+    async def collect(self, completed: bool, presenter: Presenter, deadlines: Deadlines) -> None:
+        """Give the presenter every chunk of a non-streamed answer, until the provider completes (then
+        ``usage`` holds its report; the body is ``presenter.response`` once the request is settled)."""
         for index, data in enumerate(self.head):
             presenter.collect(data)
             if index % _YIELD_EVERY == _YIELD_EVERY - 1:
@@ -263,8 +264,6 @@ class Attempt:
                 raise ProviderFailure(event)
             else:
                 completed = True
-        assert self.usage is not None
-        return presenter.response(self.usage)
 
     async def _next_event(self, deadlines: Deadlines) -> Event:
         """The provider's next event, or — when it stays silent past a deadline, or floods past the

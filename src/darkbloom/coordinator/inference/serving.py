@@ -3,7 +3,8 @@
 ``serve`` reads top to bottom in the order the request goes: the RPM charge (before the body is
 read), the body into one ``InferenceCall``, the route policy, the model, admission (token charges
 and the reservation), placement on a claimed slot, the attempts to first content, and the answer
-— the presenter's JSON, or a stream — whose end settles the request. Everything the request takes
+— the presenter's JSON, or a stream — settled before it shows its usage, so the ``cost_micro_usd``
+in it (and a JSON answer's ``X-Darkbloom-Cost-Micro-USD``) is what the settlement charged. Everything the request takes
 is recorded on its ``RequestLifecycle`` (``inference/settlement.py``), which gives back what was
 not used and settles the rest, however the request ends.
 """
@@ -42,6 +43,7 @@ PLACEMENT_SECONDS = Histogram(
     "darkbloom_placement_seconds",
     "From admission to a claimed slot (queueing included), by route mode: public, prefer, exclusive",
     ["route"], buckets=(0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120))
+COST_HEADER = "X-Darkbloom-Cost-Micro-USD"  # on non-streamed answers: what the request was charged
 FIRST_CONTENT_SECONDS = Histogram(
     "darkbloom_time_to_first_content_seconds",
     "From the coordinator taking a request up to the first content of the attempt that serves it, by API path",
@@ -86,10 +88,13 @@ async def serve(edge: Edge, request: Request, caller: Caller, services: Services
                 events = _streamed(life, attempt, completed, presenter, deadlines)
                 return EventStreamResponse(events, headers, life.end_unfinished)
             try:
-                body = await watch.until(attempt.collect(completed, presenter, deadlines))
+                await watch.until(attempt.collect(completed, presenter, deadlines))
             except ProviderFailure as failure:
                 raise failure.as_api_error(call.request) from None
-            return JSONResponse(body, headers=headers)
+            cost = await life.finish("ok")  # settled before the body: it says what was charged
+            assert attempt.usage is not None
+            return JSONResponse(presenter.response(attempt.usage, cost),
+                                headers={**headers, COST_HEADER: str(cost)})
 
 
 async def _admit(life: RequestLifecycle, policy: Policy, decision: RouteDecision, prompt_bound: int,
@@ -137,11 +142,11 @@ async def _streamed(life: RequestLifecycle, attempt: Attempt, completed: bool, p
     async for part in attempt.relay(completed, presenter, deadlines):
         yield part
     failure = attempt.failure
-    await life.finish(failure.reason if failure else "ok")  # settled before the client sees the end
+    cost = await life.finish(failure.reason if failure else "ok")  # settled before the client sees the end
     if failure is not None:
         for part in presenter.stream_error(failure_error(failure)):
             yield part
         return
     assert attempt.usage is not None
-    for part in presenter.stream_end(attempt.usage):
+    for part in presenter.stream_end(attempt.usage, cost):
         yield part

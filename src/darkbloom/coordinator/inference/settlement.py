@@ -15,9 +15,12 @@ what was not used — once, on every end:
   first content), token charges reconciled with the real counts; a vanished client or a cancel
   stops the provider and charges what it reported (``charge_partial``).
 
-Use it as ``async with RequestLifecycle(...) as life:``. A streamed answer takes the end over with
-``hand_off()``: its stream calls ``finish`` before its last event, and the response's end hook
-``end_unfinished`` ends a stream that stopped early (the client went away) with a partial charge.
+Use it as ``async with RequestLifecycle(...) as life:``. A served answer settles with ``finish``
+before its usage is shown — the non-streamed body (and its ``X-Darkbloom-Cost-Micro-USD``) is built
+after it, a stream's last events follow it — so the ``cost_micro_usd`` the caller reads is what the
+settlement charged, the figure of the usage row. A streamed answer also takes the end over with
+``hand_off()``: the response's end hook ``end_unfinished`` ends a stream that stopped early (the
+client went away) with a partial charge.
 """
 
 from __future__ import annotations
@@ -25,7 +28,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from typing import Any, Awaitable, Callable
+from typing import Any, Awaitable, Callable, TypeVar
 
 from prometheus_client import Histogram
 
@@ -42,6 +45,7 @@ from darkbloom.store import shares
 from darkbloom.wire.catalog import CatalogModel
 from darkbloom.wire.openai.errors import ApiError
 
+T = TypeVar("T")
 log = logging.getLogger("darkbloom.completions")
 SETTLE_ATTEMPTS = 4
 DECODE_SPEED_WEIGHT = 0.2
@@ -71,6 +75,7 @@ class RequestLifecycle:
         self.usage_bounds: UsageBounds | None = None
         self.serving: Attempt | None = None  # the attempt whose content goes to the client
         self.share: ShareGrant | None = None  # the share whose allowance it took, and on which UTC day
+        self.cost_micro_usd = 0  # what its settlement charged the caller (the usage row's cost_micro_usd)
         self._share_day = 0
         self._slots: list[Slot] = []
         self._attempts: list[Attempt] = []
@@ -166,14 +171,18 @@ class RequestLifecycle:
         finally:
             self._observe(outcome)
 
-    async def finish(self, outcome: str) -> None:
-        """End a served request now (before the stream's last event), shielded from the client."""
-        if not self._ended:
-            self._ended = True
-            try:
-                await asyncio.shield(self.services.spawn(self._settle(outcome, charge_partial=False)))
-            finally:
-                self._observe("ok" if outcome == "ok" else "failed")
+    async def finish(self, outcome: str) -> int:
+        """End a served request now, before the answer shows its usage, shielded from the client (it
+        settles once whatever happens to the caller's task); returns what the settlement charged, in
+        µUSD (0: free, or nothing was charged)."""
+        if self._ended:
+            return self.cost_micro_usd
+        self._ended = True
+        try:
+            await asyncio.shield(self.services.spawn(self._settle(outcome, charge_partial=False)))
+        finally:
+            self._observe("ok" if outcome == "ok" else "failed")
+        return self.cost_micro_usd
 
     def end_unfinished(self) -> None:
         """The handed-off response ended: a stream that ended without ``finish`` lost its client."""
@@ -225,7 +234,8 @@ class RequestLifecycle:
         await self._close_share(usage if through_share else None)
         reservation = self.reservation
         if usage is not None:
-            await self._money("settlement", lambda: billing.settle_bill(services, bill, usage, served))
+            settled = await self._money("settlement", lambda: billing.settle_bill(services, bill, usage, served))
+            self.cost_micro_usd = settled.cost if settled is not None else 0  # not settled: nothing charged
         elif reservation is not None:
             await self._money("refund", lambda: billing.refund(services, reservation))
         unused = admission.unused_token_charges(self.rate_charges, usage.prompt_tokens if usage else 0,
@@ -252,18 +262,19 @@ class RequestLifecycle:
         except Exception:  # noqa: BLE001 - a day's counter; the request's money is settled apart
             log.exception("request %s: share %s allowance could not be closed", self.request_id, grant.id)
 
-    async def _money(self, what: str, step: Callable[[], Awaitable[Any]]) -> None:
+    async def _money(self, what: str, step: Callable[[], Awaitable[T]]) -> T | None:
         """A settlement or refund through the ledger writer, which retries a failed batch itself; this
         retries a step that still failed (idempotent on the request id), then leaves the reservation to
-        the reconciler of the next start. Awaited: the answer's last byte follows its commit."""
+        the reconciler of the next start (and returns None). Awaited: the answer's last byte follows
+        its commit."""
         for attempt in range(1, SETTLE_ATTEMPTS + 1):
             try:
-                await step()
-                return
+                return await step()
             except Exception:  # noqa: BLE001 - retried, then left to the reconciler at the next restart
                 log.exception("request %s: %s attempt %d failed", self.request_id, what, attempt)
                 if attempt < SETTLE_ATTEMPTS:
                     await asyncio.sleep(0.2 * 2 ** attempt)
+        return None
 
     def _log(self, outcome: str) -> None:
         assert self.serving is not None and self.model is not None

@@ -26,7 +26,7 @@ from darkbloom.wire.openai.chunks import delta_text, sse_event
 from darkbloom.wire.openai.errors import ApiError, invalid_request
 from darkbloom.wire.openai.parameters import check_model
 from darkbloom.wire.openai.presenters import api_id
-from darkbloom.wire.openai.shaping import TokenCounts
+from darkbloom.wire.openai.shaping import TokenCounts, with_cost
 
 _SKIPPED_BLOCKS = frozenset({"thinking", "redacted_thinking"})  # a reasoning model's; a chat model reads none
 
@@ -227,6 +227,10 @@ def _parsed_input(arguments: str) -> dict[str, Any]:
     return value if isinstance(value, dict) else {}
 
 
+def _usage(usage: TokenCounts, cost_micro_usd: int | None) -> dict[str, Any]:
+    return with_cost({"input_tokens": usage.prompt_tokens, "output_tokens": usage.completion_tokens}, cost_micro_usd)
+
+
 class MessagesPresenter:
     media_type = "text/event-stream"
 
@@ -303,9 +307,9 @@ class MessagesPresenter:
     def stream_chunk(self, chunk: dict[str, Any]) -> list[bytes]:
         return self._take(chunk)
 
-    def stream_end(self, usage: TokenCounts) -> list[bytes]:
+    def stream_end(self, usage: TokenCounts, cost_micro_usd: int | None = None) -> list[bytes]:
         delta = {"type": "message_delta", "delta": {"stop_reason": self._stop_reason(), "stop_sequence": None},
-                 "usage": {"input_tokens": usage.prompt_tokens, "output_tokens": usage.completion_tokens}}
+                 "usage": _usage(usage, cost_micro_usd)}
         return self._close() + [sse_event("message_delta", delta), sse_event("message_stop", {"type": "message_stop"})]
 
     def stream_error(self, error: ApiError) -> list[bytes]:
@@ -314,10 +318,10 @@ class MessagesPresenter:
     def collect(self, chunk: dict[str, Any]) -> None:
         self._take(chunk)
 
-    def response(self, usage: TokenCounts) -> dict[str, Any]:
+    def response(self, usage: TokenCounts, cost_micro_usd: int | None = None) -> dict[str, Any]:
         return {"id": self.id, "type": "message", "role": "assistant", "model": self.model,
                 "content": self._content(), "stop_reason": self._stop_reason(), "stop_sequence": None,
-                "usage": {"input_tokens": usage.prompt_tokens, "output_tokens": usage.completion_tokens}}
+                "usage": _usage(usage, cost_micro_usd)}
 
     def error_body(self, error: ApiError) -> dict[str, Any]:
         return anthropic_error_body(error)

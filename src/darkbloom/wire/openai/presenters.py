@@ -3,6 +3,8 @@
 The coordinator and direct mode drive them alike (one instance per request): `stream_start` just
 before the first chunk goes out, `stream_chunk` for each node chunk (never the usage chunk),
 then `stream_end` or `stream_error`; a non-streamed answer is `collect` per chunk, then `response`.
+`stream_end` and `response` take the request's cost when the caller gets one (the coordinator's
+settlement; `shaping.with_cost`) and put it in that API's usage object as `cost_micro_usd`.
 This module holds the OpenAI ones (chat, legacy completions, embeddings); the Responses API and
 Anthropic Messages live in `responses/` and `anthropic_messages`.
 """
@@ -17,7 +19,7 @@ from typing import Any, Protocol
 
 from darkbloom.wire.openai.chunks import SSE_DONE, MessageBuilder, sse, wants_usage_chunk
 from darkbloom.wire.openai.errors import ApiError
-from darkbloom.wire.openai.shaping import ChunkShaper, TokenCounts, usage_dict
+from darkbloom.wire.openai.shaping import ChunkShaper, TokenCounts, usage_dict, with_cost
 
 
 class Presenter(Protocol):
@@ -31,13 +33,13 @@ class Presenter(Protocol):
 
     def stream_chunk(self, chunk: dict[str, Any]) -> list[bytes]: ...
 
-    def stream_end(self, usage: TokenCounts) -> list[bytes]: ...
+    def stream_end(self, usage: TokenCounts, cost_micro_usd: int | None = None) -> list[bytes]: ...
 
     def stream_error(self, error: ApiError) -> list[bytes]: ...
 
     def collect(self, chunk: dict[str, Any]) -> None: ...
 
-    def response(self, usage: TokenCounts) -> dict[str, Any]: ...
+    def response(self, usage: TokenCounts, cost_micro_usd: int | None = None) -> dict[str, Any]: ...
 
     def error_body(self, error: ApiError) -> dict[str, Any]: ...
 
@@ -68,8 +70,10 @@ class _OpenAIStream:
     def stream_chunk(self, chunk: dict[str, Any]) -> list[bytes]:
         return [sse(self.shaper.chunk(chunk))]
 
-    def stream_end(self, usage: TokenCounts) -> list[bytes]:
-        return [sse(self.shaper.usage_chunk(usage)), SSE_DONE] if self.include_usage else [SSE_DONE]
+    def stream_end(self, usage: TokenCounts, cost_micro_usd: int | None = None) -> list[bytes]:
+        if not self.include_usage:
+            return [SSE_DONE]
+        return [sse(self.shaper.usage_chunk(usage, cost_micro_usd)), SSE_DONE]
 
     def stream_error(self, error: ApiError) -> list[bytes]:
         return [sse(error.body())]
@@ -90,9 +94,8 @@ class ChatPresenter(_OpenAIStream):
     def collect(self, chunk: dict[str, Any]) -> None:
         self.message.add(chunk)
 
-    def response(self, usage: TokenCounts) -> dict[str, Any]:
-        return self.shaper.completion(self.message, usage)
-
+    def response(self, usage: TokenCounts, cost_micro_usd: int | None = None) -> dict[str, Any]:
+        return self.shaper.completion(self.message, usage, cost_micro_usd)
 
 
 class CompletionsPresenter(_OpenAIStream):
@@ -121,11 +124,11 @@ class CompletionsPresenter(_OpenAIStream):
             if choice.get("finish_reason"):
                 self.finish_reason = choice["finish_reason"]
 
-    def response(self, usage: TokenCounts) -> dict[str, Any]:
+    def response(self, usage: TokenCounts, cost_micro_usd: int | None = None) -> dict[str, Any]:
         choice = {"index": 0, "text": "".join(self.text), "logprobs": self.logprobs,
                   "finish_reason": self.finish_reason or "stop"}
         return {"id": self.shaper.request_id, "object": "text_completion", "created": self.shaper.created,
-                "model": self.shaper.model, "choices": [choice], "usage": usage_dict(usage)}
+                "model": self.shaper.model, "choices": [choice], "usage": usage_dict(usage, cost_micro_usd)}
 
 
 def float32_base64(vector: list[float]) -> str:
@@ -155,7 +158,7 @@ class EmbeddingsPresenter:
     def stream_chunk(self, chunk: dict[str, Any]) -> list[bytes]:
         raise TypeError("embeddings are never streamed")
 
-    def stream_end(self, usage: TokenCounts) -> list[bytes]:
+    def stream_end(self, usage: TokenCounts, cost_micro_usd: int | None = None) -> list[bytes]:
         raise TypeError("embeddings are never streamed")
 
     def stream_error(self, error: ApiError) -> list[bytes]:
@@ -167,10 +170,10 @@ class EmbeddingsPresenter:
             self.data.append({"object": "embedding", "index": item.get("index", len(self.data)),
                               "embedding": float32_base64(vector) if self.base64 else vector})
 
-    def response(self, usage: TokenCounts) -> dict[str, Any]:
+    def response(self, usage: TokenCounts, cost_micro_usd: int | None = None) -> dict[str, Any]:
         data = sorted(self.data, key=lambda item: item["index"])
-        return {"object": "list", "data": data, "model": self.model,
-                "usage": {"prompt_tokens": usage.prompt_tokens, "total_tokens": usage.prompt_tokens}}
+        counts = {"prompt_tokens": usage.prompt_tokens, "total_tokens": usage.prompt_tokens}
+        return {"object": "list", "data": data, "model": self.model, "usage": with_cost(counts, cost_micro_usd)}
 
     def error_body(self, error: ApiError) -> dict[str, Any]:
         return error.body()

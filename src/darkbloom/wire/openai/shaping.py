@@ -1,6 +1,10 @@
 """The caller's view of an answer: our completion id, the model id they asked for, OpenAI's usage
 object, and the non-streaming ``chat.completion`` assembled from chunks. Used by the coordinator's
-relay and by the node's direct mode alike."""
+relay and by the node's direct mode alike.
+
+Every presenter's usage object carries ``cost_micro_usd`` when it is given one: the coordinator
+gives each answer what its settlement charged (0 when free); direct mode, which charges nothing and
+keeps no usage rows, gives none."""
 
 from __future__ import annotations
 
@@ -15,9 +19,16 @@ class TokenCounts(Protocol):
     completion_tokens: int
 
 
-def usage_dict(usage: TokenCounts) -> dict[str, int]:
-    return {"prompt_tokens": usage.prompt_tokens, "completion_tokens": usage.completion_tokens,
-            "total_tokens": usage.prompt_tokens + usage.completion_tokens}
+def with_cost(usage: dict[str, Any], cost_micro_usd: int | None) -> dict[str, Any]:
+    """An API's usage object with what the request cost, when there is a figure to give."""
+    if cost_micro_usd is not None:
+        usage["cost_micro_usd"] = cost_micro_usd
+    return usage
+
+
+def usage_dict(usage: TokenCounts, cost_micro_usd: int | None = None) -> dict[str, Any]:
+    return with_cost({"prompt_tokens": usage.prompt_tokens, "completion_tokens": usage.completion_tokens,
+                      "total_tokens": usage.prompt_tokens + usage.completion_tokens}, cost_micro_usd)
 
 
 class ChunkShaper:
@@ -37,10 +48,11 @@ class ChunkShaper:
         data.setdefault("created", self.created)
         return data
 
-    def usage_chunk(self, usage: TokenCounts) -> dict[str, Any]:
+    def usage_chunk(self, usage: TokenCounts, cost_micro_usd: int | None = None) -> dict[str, Any]:
         return {"id": self.request_id, "object": self.object, "created": self.created,
-                "model": self.model, "choices": [], "usage": usage_dict(usage)}
+                "model": self.model, "choices": [], "usage": usage_dict(usage, cost_micro_usd)}
 
-    def completion(self, message: MessageBuilder, usage: TokenCounts) -> dict[str, Any]:
+    def completion(self, message: MessageBuilder, usage: TokenCounts,
+                   cost_micro_usd: int | None = None) -> dict[str, Any]:
         return {"id": self.request_id, "object": "chat.completion", "created": self.created,
-                "model": self.model, "choices": [message.choice()], "usage": usage_dict(usage)}
+                "model": self.model, "choices": [message.choice()], "usage": usage_dict(usage, cost_micro_usd)}

@@ -54,6 +54,9 @@ HEADERS: dict[str, dict[str, Any]] = {
     "X-Darkbloom-Billing": _header("`free` when your own machine served a self-routed request or a free share "
                                    "served it, else `charged`.",
                                    {"enum": ["free", "charged"]}, required=True),
+    "X-Darkbloom-Cost-Micro-USD": _header("On a non-streamed answer: what the request was charged, in µUSD (0 when "
+                                          "free) — its `usage.cost_micro_usd` and its usage row's. A stream says "
+                                          "it in its usage event instead.", {"type": "string", "pattern": "^[0-9]+$"}),
     "x-should-retry": _header("`false`: a retry of this request cannot succeed.", {"const": "false"},
                               required=True),
     "Retry-After": _header("Seconds to wait before retrying.", {"type": "string", "pattern": "^[0-9]+$"}),

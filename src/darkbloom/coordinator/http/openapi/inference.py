@@ -4,14 +4,16 @@ them takes the chat route's policy headers, admission, errors and sealing (``inf
 
 from __future__ import annotations
 
-from darkbloom.coordinator.http.openapi.operations import CHAT_ERRORS, Answer, Operation
-from darkbloom.coordinator.http.openapi.schemas import INTEGER, NULLABLE_STRING, STRING, TIMESTAMP, Schema, obj, ref
+from darkbloom.coordinator.http.openapi.operations import CHAT_ERRORS, ROUTED, Answer, Operation
+from darkbloom.coordinator.http.openapi.schemas import (COST_MICRO_USD, INTEGER, NULLABLE_STRING, STRING, TIMESTAMP,
+                                                        Schema, obj, ref)
 from darkbloom.coordinator.http.sealed_body import SEALED_CONTENT_TYPE
 from darkbloom.wire.catalog import BUNDLED_MODEL_ID
 
 _MODEL = {"type": "string", "minLength": 1, "examples": [BUNDLED_MODEL_ID]}
 _OPEN = {"type": "object", "additionalProperties": True}
-_ROUTED = ("X-Request-Id", "X-Provider-Id", "X-Darkbloom-Routed", "X-Darkbloom-Billing")
+# the API's own usage object, with what the request cost
+_USAGE = {**obj({"cost_micro_usd": COST_MICRO_USD}), "additionalProperties": True}
 
 
 def _event(data: Schema, description: str) -> Schema:
@@ -29,19 +31,21 @@ INFERENCE_SCHEMAS: dict[str, Schema] = {
                         "description": "OpenAI Responses API, stateless: `store: true` and "
                                        "`previous_response_id` are refused with 400."},
     "Response": {**obj({"id": STRING, "object": {"const": "response"}, "created_at": TIMESTAMP, "model": STRING,
-                        "status": STRING, "output": {"type": "array", "items": _OPEN}, "usage": _OPEN},
+                        "status": STRING, "output": {"type": "array", "items": _OPEN}, "usage": _USAGE},
                        ("id", "object", "model", "output")), "additionalProperties": True},
     "ResponseEvent": _event({**obj({"type": STRING}), "additionalProperties": True},
-                            "`event: <type>` and `data: {…}` lines, `response.created` … `response.completed`; "
+                            "`event: <type>` and `data: {…}` lines, `response.created` … `response.completed` (its "
+                            "`response.usage` has `cost_micro_usd`); "
                             "a failure after the first output ends with `error` and `response.failed`."),
     "MessageRequest": {**obj({"model": _MODEL, "max_tokens": {"type": "integer", "minimum": 1},
                               "messages": {"type": "array", "minItems": 1, "items": _OPEN}}),
                        "additionalProperties": True, "description": "Anthropic Messages."},
     "Message": {**obj({"id": STRING, "type": {"const": "message"}, "role": {"const": "assistant"},
                        "model": STRING, "content": {"type": "array", "items": _OPEN}, "stop_reason": NULLABLE_STRING,
-                       "usage": _OPEN}, ("id", "type", "role", "content")), "additionalProperties": True},
+                       "usage": _USAGE}, ("id", "type", "role", "content")), "additionalProperties": True},
     "MessageEvent": _event({**obj({"type": STRING}), "additionalProperties": True},
-                           "Anthropic's events: `message_start`, `content_block_*`, `message_delta`, "
+                           "Anthropic's events: `message_start`, `content_block_*`, `message_delta` (its `usage` "
+                           "has `cost_micro_usd`), "
                            "`message_stop`; `error` after a failure."),
     "AnthropicError": obj({"type": {"const": "error"}, "error": obj({"type": STRING, "message": STRING})},
                           description="The error envelope of POST /v1/messages."),
@@ -59,7 +63,7 @@ INFERENCE_SCHEMAS: dict[str, Schema] = {
                                 "encoding_format": {"enum": ["float", "base64"]}}, ("model", "input")),
                          "additionalProperties": True},
     "EmbeddingList": {**obj({"object": {"const": "list"}, "data": {"type": "array", "items": _OPEN},
-                             "model": STRING, "usage": _OPEN}), "additionalProperties": True},
+                             "model": STRING, "usage": _USAGE}), "additionalProperties": True},
 }
 
 
@@ -72,7 +76,7 @@ def _operation(summary: str, request: str, answer: str, event: str | None, descr
                      body={"application/json": request, SEALED_CONTENT_TYPE: "SealedRequest"},
                      route_headers=("X-Darkbloom-Route", "X-Darkbloom-Machine", "X-Darkbloom-Share"), errors=CHAT_ERRORS,
                      answers={200: Answer("The answer, or its server-sent events when streamed; sealed back "
-                                          "when the request was sealed.", content, _ROUTED)},
+                                          "when the request was sealed.", content, ROUTED)},
                      description=description, error_schema=error_schema)
 
 

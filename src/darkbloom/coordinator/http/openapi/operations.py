@@ -10,6 +10,9 @@ from typing import Any, Literal
 from darkbloom.coordinator.http.sealed_body import SEALED_CONTENT_TYPE
 from darkbloom.wire.catalog import BUNDLED_MODEL_ID
 
+# the response headers of an inference answer (the cost one on non-streamed answers only)
+ROUTED = ("X-Request-Id", "X-Provider-Id", "X-Darkbloom-Routed", "X-Darkbloom-Billing", "X-Darkbloom-Cost-Micro-USD")
+
 Auth = Literal["caller", "manager", "admin"]
 
 
@@ -92,7 +95,7 @@ OPERATIONS: dict[tuple[str, str], Operation] = {
                              "sealed back when the request was sealed.",
                              {"application/json": "ChatCompletion", "text/event-stream": "ChatCompletionEvent",
                               SEALED_CONTENT_TYPE: "SealedResponse"},
-                             ("X-Request-Id", "X-Provider-Id", "X-Darkbloom-Routed", "X-Darkbloom-Billing"))},
+                             ROUTED)},
         description="OpenAI chat completions through the fleet or, with Self-Route, on your own machines."),
     ("get", "/v1/models"): Operation(
         "inference", "List the models you can use", {200: json_answer("ModelList", "OpenAI list shape.")},

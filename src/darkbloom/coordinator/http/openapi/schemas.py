@@ -80,7 +80,12 @@ _CHAT_REQUEST = {
     },
 }
 
-_USAGE = obj({"prompt_tokens": INTEGER, "completion_tokens": INTEGER, "total_tokens": INTEGER})
+COST_MICRO_USD: Schema = {"type": "integer", "minimum": 0,
+                          "description": "What the request was charged, in µUSD (0 when free): its usage row's "
+                                         "`cost_micro_usd`, settled before the answer (or the stream's usage event) "
+                                         "was sent."}
+_USAGE = obj({"prompt_tokens": INTEGER, "completion_tokens": INTEGER, "total_tokens": INTEGER,
+              "cost_micro_usd": COST_MICRO_USD})
 
 _CHAT_COMPLETION = obj({
     "id": {"type": "string", "examples": ["chatcmpl-0123456789abcdef01234567"]},
@@ -104,8 +109,8 @@ _CHAT_CHUNK = obj({
 _CHAT_EVENT = {
     "type": "object", "required": ["data"],
     "description": "One server-sent event (`text/event-stream`): a `data: {chat.completion.chunk}` line per "
-                   "chunk, a final `choices: []` chunk with `usage` only when `stream_options.include_usage` is "
-                   "true, then `data: [DONE]`. A failure after the first chunk ends the stream with one "
+                   "chunk, a final `choices: []` chunk with `usage` (its `cost_micro_usd` included) only when "
+                   "`stream_options.include_usage` is true, then `data: [DONE]`. A failure after the first chunk ends the stream with one "
                    "`data: {\"error\": {...}}` event and no `[DONE]`. A sealed request gets each JSON event "
                    "sealed as `{\"ciphertext\": …}`.",
     "properties": {

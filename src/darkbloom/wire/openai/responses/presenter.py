@@ -20,7 +20,7 @@ from typing import Any
 from darkbloom.wire.openai.chunks import delta_text, sse_event
 from darkbloom.wire.openai.errors import ApiError
 from darkbloom.wire.openai.presenters import api_id
-from darkbloom.wire.openai.shaping import TokenCounts
+from darkbloom.wire.openai.shaping import TokenCounts, with_cost
 
 _INCOMPLETE = {"length": "max_output_tokens", "content_filter": "content_filter"}
 # `Response.error.code` is a closed set in OpenAI's schema; anything else is reported as server_error
@@ -39,11 +39,11 @@ def _echoed_tools(tools: Any) -> list[dict[str, Any]]:
     return out
 
 
-def usage_object(usage: TokenCounts) -> dict[str, Any]:
-    return {"input_tokens": usage.prompt_tokens,
-            "input_tokens_details": {"cached_tokens": 0, "cache_write_tokens": 0},
-            "output_tokens": usage.completion_tokens, "output_tokens_details": {"reasoning_tokens": 0},
-            "total_tokens": usage.prompt_tokens + usage.completion_tokens}
+def usage_object(usage: TokenCounts, cost_micro_usd: int | None = None) -> dict[str, Any]:
+    return with_cost({"input_tokens": usage.prompt_tokens,
+                      "input_tokens_details": {"cached_tokens": 0, "cache_write_tokens": 0},
+                      "output_tokens": usage.completion_tokens, "output_tokens_details": {"reasoning_tokens": 0},
+                      "total_tokens": usage.prompt_tokens + usage.completion_tokens}, cost_micro_usd)
 
 
 class ResponsesPresenter:
@@ -62,8 +62,8 @@ class ResponsesPresenter:
 
     # -- the response object ---------------------------------------------------------------------
 
-    def _response(self, status: str, usage: TokenCounts | None = None,
-                  error: dict[str, Any] | None = None) -> dict[str, Any]:
+    def _response(self, status: str, usage: TokenCounts | None = None, error: dict[str, Any] | None = None,
+                  cost_micro_usd: int | None = None) -> dict[str, Any]:
         request = self.request
         reason = _INCOMPLETE.get(self.finish_reason or "") if status == "incomplete" else None
         return {
@@ -78,7 +78,7 @@ class ResponsesPresenter:
             "text": request.get("text") or {"format": {"type": "text"}},
             "truncation": "disabled", "store": False, "previous_response_id": None,
             "reasoning": {"effort": None, "summary": None}, "user": request.get("user"),
-            "usage": usage_object(usage) if usage is not None else None,
+            "usage": usage_object(usage, cost_micro_usd) if usage is not None else None,
         }
 
     def _status(self) -> str:
@@ -180,9 +180,10 @@ class ResponsesPresenter:
     def stream_chunk(self, chunk: dict[str, Any]) -> list[bytes]:
         return self._take(chunk)
 
-    def stream_end(self, usage: TokenCounts) -> list[bytes]:
+    def stream_end(self, usage: TokenCounts, cost_micro_usd: int | None = None) -> list[bytes]:
         events = self._close()
-        return events + [self._event("response.completed", response=self._response(self._status(), usage))]
+        completed = self._response(self._status(), usage, cost_micro_usd=cost_micro_usd)
+        return events + [self._event("response.completed", response=completed)]
 
     def stream_error(self, error: ApiError) -> list[bytes]:
         code = error.code if error.code in _RESPONSE_ERROR_CODES else "server_error"
@@ -193,9 +194,9 @@ class ResponsesPresenter:
     def collect(self, chunk: dict[str, Any]) -> None:
         self._take(chunk)
 
-    def response(self, usage: TokenCounts) -> dict[str, Any]:
+    def response(self, usage: TokenCounts, cost_micro_usd: int | None = None) -> dict[str, Any]:
         self._close()
-        return self._response(self._status(), usage)
+        return self._response(self._status(), usage, cost_micro_usd=cost_micro_usd)
 
     def error_body(self, error: ApiError) -> dict[str, Any]:
         return error.body()
