@@ -64,11 +64,12 @@ le AS (INSERT INTO ledger_entries (account_id, kind, pocket, amount_micro_usd, b
 u AS (INSERT INTO usage_records (request_id, account_id, key_id, model, provider_id, provider_account_id,
                                  prompt_tokens, completion_tokens, cost_micro_usd, platform_fee_micro_usd,
                                  provider_payout_micro_usd, self_routed, routed, created_at, ownership_changed,
-                                 share_id)
-      SELECT v.r, v.acc, v.k, v.m, v.p, v.pa, v.pt, v.ct, v.c, v.f, v.po, v.s, v.ro, $32::bigint, v.oc, v.sh
+                                 share_id, machine_id)
+      SELECT v.r, v.acc, v.k, v.m, v.p, v.pa, v.pt, v.ct, v.c, v.f, v.po, v.s, v.ro, $32::bigint, v.oc, v.sh, v.mi
       FROM unnest($27::text[], $28::text[], $29::text[], $30::text[], $31::text[], $33::text[], $34::bigint[],
                   $35::bigint[], $36::bigint[], $37::bigint[], $38::bigint[], $39::boolean[], $40::text[],
-                  $41::boolean[], $42::text[]) AS v(r, acc, k, m, p, pa, pt, ct, c, f, po, s, ro, oc, sh))
+                  $41::boolean[], $42::text[], $43::text[]) AS v(r, acc, k, m, p, pa, pt, ct, c, f, po, s, ro, oc, sh,
+                                                                 mi))
 SELECT 1"""
 
 
@@ -142,7 +143,7 @@ async def _read(raw: Any, steps: list[Step]) -> State:
 
 
 def _columns(changes: Changes) -> list[Any]:
-    """The write statement's arguments: one array per column, $1 … $41."""
+    """The write statement's arguments: one array per column, $1 … $43."""
     accounts = list(changes.accounts.items())
     new = [(k, v) for k, v in changes.windows.items() if k in changes.new_windows]
     old = [(k, v) for k, v in changes.windows.items() if k not in changes.new_windows]
@@ -167,5 +168,5 @@ def _columns(changes: Changes) -> list[Any]:
         *[col(usage, lambda u, i=i: u[i]) for i in range(5)],
         changes.now,
         *[col(usage, lambda u, i=i: u[i]) for i in range(5, 13)],
-        col(usage, lambda u: u[14]), col(usage, lambda u: u[15]),
+        col(usage, lambda u: u[14]), col(usage, lambda u: u[15]), col(usage, lambda u: u[16]),
     ]
