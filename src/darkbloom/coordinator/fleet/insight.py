@@ -31,13 +31,12 @@ import logging
 import math
 import time
 from collections import Counter
-from typing import TYPE_CHECKING, Callable, Iterable
+from typing import Callable, Iterable, Protocol
+
+from sqlalchemy.ext.asyncio import AsyncEngine
 
 from darkbloom.coordinator.fleet.session import ProviderSession
-
-if TYPE_CHECKING:
-    from darkbloom.coordinator.fleet.registry import Registry
-    from sqlalchemy.ext.asyncio import AsyncEngine
+from darkbloom.store import insight
 
 log = logging.getLogger("darkbloom.insight")
 
@@ -149,12 +148,22 @@ def tps_of_bucket(bucket: int) -> float:
     return round(TPS_BUCKET ** (bucket + 0.5), 1)
 
 
+class _Fleet(Protocol):
+    """What the flusher reads of the registry (fleet/registry.py, which builds on this module)."""
+
+    passed_over: PassedOver
+
+    def settle_tallies(self) -> None: ...
+
+    def held_here(self) -> list[ProviderSession]: ...
+
+
 class MachineInsight:
     """Every ``interval`` seconds: settle the views' tallies, sample the sessions held here (active
     slots, capacity, decode speed), and add it all to ``machine_insight`` in one transaction. A batch
     that fails is kept and added to the next."""
 
-    def __init__(self, registry: "Registry", engine: "AsyncEngine", interval: float) -> None:
+    def __init__(self, registry: _Fleet, engine: AsyncEngine, interval: float) -> None:
         self._registry = registry
         self._engine = engine
         self.interval = interval
@@ -191,8 +200,6 @@ class MachineInsight:
                 self._pending[(session.machine_id, hour, f"tps:{tps_bucket(session.decode_tps)}")] += 1
 
     async def flush(self, sample: bool = True, now: float | None = None) -> None:
-        from darkbloom.store import insight  # the store is loaded where the flusher runs
-
         self.collect(time.time() if now is None else now, sample)
         if not self._pending:
             return
