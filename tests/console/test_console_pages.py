@@ -26,7 +26,8 @@ PAGE_REQUESTS = {
     "/console/keys": {"/v1/keys"},
     "/console/machines": {"/v1/me/providers"},
     "/console/sharing": {"/v1/shares", "/v1/me/providers"},  # and one /usage per share (none here)
-    "/console/usage": {"/v1/payments/balance", "/v1/payments/usage", "/v1/provider/earnings"},
+    "/console/usage": {"/v1/payments/balance", "/v1/payments/usage", "/v1/payments/usage/daily",
+                       "/v1/provider/earnings"},
     "/console/link": set(),
 }
 

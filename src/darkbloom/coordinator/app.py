@@ -52,6 +52,7 @@ def create_app(settings: CoordinatorSettings) -> FastAPI:
                       asyncio.create_task(follow_catalog(services))]
         background.append(auth_invalidation.start(services))  # cross-process auth changes (Postgres)
         services.machine_book.start()
+        services.insight.start()
         if settings.nats_url:
             from darkbloom.coordinator.fabric.replica import Fabric  # only replicas pay for NATS
 
@@ -73,6 +74,7 @@ def create_app(settings: CoordinatorSettings) -> FastAPI:
             await services.auth_cache.close()
             await services.ledger.close()  # commits what is still queued
             await services.machine_book.close()  # writes what the closed sessions last said
+            await services.insight.close()  # adds what was counted since the last flush
             await engine.dispose()
 
     # no trailing-slash redirects: Starlette writes their Location from the request's Host header

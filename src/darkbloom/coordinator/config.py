@@ -83,6 +83,9 @@ class CoordinatorSettings(BaseSettings):
     machine_flush_interval: float = Field(
         1.0, description="Seconds between the batched writes of the machines' last seen, models and trust "
                          "(one transaction for every machine whose session changed or heartbeated).")
+    insight_interval: float = Field(
+        10.0, description="Seconds between the batched writes of machine insight (why machines were passed over, "
+                          "their busy slots and decode speed), which is also how often the sessions are sampled.")
     device_code_ttl: int = Field(900, description="Lifetime of a device login code in seconds.")
     device_poll_interval: int = 5
     max_body_bytes: int = 8 * 1024 * 1024
@@ -166,7 +169,7 @@ class CoordinatorSettings(BaseSettings):
             raise ValueError("--queue-max-wait and --queue-depth must not be negative")
         for name in ("challenge_interval", "challenge_deadline", "challenge_freshness", "enrollment_cert_days",
                      "first_content_timeout", "idle_timeout", "request_timeout", "replica_heartbeat",
-                     "machine_flush_interval"):
+                     "machine_flush_interval", "insight_interval"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{flag_name(name)} must be positive")
         if self.replica_timeout <= self.replica_heartbeat:

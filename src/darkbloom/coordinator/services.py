@@ -15,6 +15,7 @@ from darkbloom.coordinator.routing.queue import RequestQueues
 from darkbloom.coordinator.money.ratelimit import RateLimiter
 from darkbloom.coordinator.money.ledger.writer import LedgerWriter
 from darkbloom.coordinator.fleet.device_owners import DeviceOwners
+from darkbloom.coordinator.fleet.insight import MachineInsight
 from darkbloom.coordinator.fleet.machine_book import MachineBook
 from darkbloom.coordinator.fleet.registration_gate import RegistrationGate
 from darkbloom.coordinator.fleet.registry import Registry
@@ -36,6 +37,7 @@ class Services:
     fabric: Any = None  # fabric.replica.Fabric with --nats-url (replicas over NATS); None: one process
     registrations: RegistrationGate = field(default_factory=RegistrationGate)  # provider sockets registering
     device_owners: DeviceOwners = None  # type: ignore[assignment]  # registrations' token owners, batched, on engine
+    insight: MachineInsight = None  # type: ignore[assignment]  # machine insight, sampled and written in batches
     _tasks: set[asyncio.Task[Any]] = field(default_factory=set)
 
     def __post_init__(self) -> None:
@@ -47,6 +49,8 @@ class Services:
             self.machine_book = MachineBook(self.engine, self.settings.machine_flush_interval)
         if self.device_owners is None:
             self.device_owners = DeviceOwners(self.engine)
+        if self.insight is None:
+            self.insight = MachineInsight(self.registry, self.engine, self.settings.insight_interval)
 
     def spawn(self, work: Coroutine[Any, Any, Any]) -> asyncio.Task[Any]:
         """Run ``work`` to completion even if the request that started it goes away."""

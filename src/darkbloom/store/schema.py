@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from sqlalchemy import JSON, BigInteger, Boolean, Column, ForeignKey, Integer, MetaData, String, Table, Text, false
+from sqlalchemy import (JSON, BigInteger, Boolean, Column, ForeignKey, Index, Integer, MetaData, String, Table, Text,
+                        false)
 
 metadata = MetaData()
 
@@ -144,6 +145,9 @@ usage_records = Table(
     # an exclusive request whose machine changed owner mid-flight: still free, nobody paid
     Column("ownership_changed", Boolean, nullable=False, server_default=false()),
     Column("created_at", BigInteger, nullable=False),
+    # the machine (mach_…) of the serving session (migration 0008; null on older rows and unlinked nodes)
+    Column("machine_id", String(64), nullable=True),
+    Index("ix_usage_records_machine_created", "machine_id", "created_at"),
 )
 
 # a key's spend window: key_id is the key's id (its spend cap, limit_usd) or FALLBACK_PREFIX + the id
@@ -194,4 +198,16 @@ share_days = Table(
     Column("requests", BigInteger, nullable=False),       # admitted today (a request that failed unserved gives its back)
     Column("tokens", BigInteger, nullable=False),         # prompt + completion tokens of settled requests
     Column("held_tokens", BigInteger, nullable=False),    # the estimates of requests in flight
+)
+
+# machine insight (migration 0008): per machine and UTC hour, counters every replica adds to in batches
+# (coordinator/fleet/insight.py): "passed_over:<reason>", "slots_busy" / "slots_total" (summed samples of
+# active slots and capacity), "tps:<bucket>" (samples of the decode speed, 10 % wide buckets)
+
+machine_insight = Table(
+    "machine_insight", metadata,
+    Column("machine_id", String(64), primary_key=True),
+    Column("hour", BigInteger, primary_key=True),         # Unix seconds of the hour's start
+    Column("name", String(48), primary_key=True),
+    Column("value", BigInteger, nullable=False),
 )

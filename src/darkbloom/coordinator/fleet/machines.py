@@ -1,5 +1,5 @@
 """An account's linked machines: stored records (as the machine book will write them) joined with live
-sessions; admin enrollment."""
+sessions; their stats; admin enrollment."""
 
 from __future__ import annotations
 
@@ -9,13 +9,15 @@ from typing import Any
 
 from darkbloom.coordinator.fleet import session_lifecycle
 from darkbloom.coordinator.fleet.enrollment import CertificateError, load_or_create_ca
-from darkbloom.wire.openai.errors import ApiError
+from darkbloom.coordinator.fleet.insight import PASSED_OVER_REASONS, hour_of, tps_of_bucket
+from darkbloom.coordinator.routing.selfroute import machine_not_found
+from darkbloom.wire.openai.errors import ApiError, invalid_request
 from darkbloom.coordinator.fleet.session import ProviderSession
 from darkbloom.coordinator.services import Services
 from darkbloom.coordinator.fleet.trust import effective_trust
 from darkbloom.coordinator.identity.auth_cache import machine_subject
 from darkbloom.coordinator.identity.auth_invalidation import changing
-from darkbloom.store import devices, machines
+from darkbloom.store import devices, insight, machines
 
 
 async def linked_machines(services: Services, account_id: str) -> list[dict[str, Any]]:
@@ -106,3 +108,54 @@ async def enroll_machine(services: Services, machine_id: str) -> dict[str, Any]:
     for session in services.registry.for_machine(machine_id):
         session_lifecycle.on_enrolled(services, session, certificate, ca)
     return {"machine_id": machine_id, "trust_level": "hardware", "certificate": certificate}
+
+
+MAX_STATS_HOURS = 24 * 30
+
+
+async def machine_stats(services: Services, account_id: str, machine_id: str, hours: int) -> dict[str, Any]:
+    """What the owner's machine did over the last ``hours`` hours (docs/api.md "Machine stats"): its
+    usage rows by route and hour, and the insight counters every replica adds to (this replica's are
+    written first, so its own counts are current; another's are at most ``insight_interval`` late)."""
+    if not 1 <= hours <= MAX_STATS_HOURS:
+        raise invalid_request(f"'hours' must be a whole number from 1 to {MAX_STATS_HOURS}.", param="hours")
+    async with services.engine.connect() as conn:
+        row = await machines.get(conn, machine_id)
+    if row is None or row["account_id"] != account_id or row["unlinked_at"] is not None:
+        raise machine_not_found()
+    await services.insight.flush(sample=False)
+    first = hour_of(time.time()) - (hours - 1) * 3600
+    async with services.engine.connect() as conn:
+        by_hour = await insight.machine_hours(conn, machine_id, first)
+        counters = await insight.counters(conn, machine_id, first)
+    hourly = {first + 3600 * i: {"owned": 0, "shared": 0, "fleet": 0} for i in range(hours)}
+    requests = {"owned": 0, "shared": 0, "fleet": 0}
+    prompt = completion = earnings = 0
+    for r in by_hour:
+        routed = r["routed"] if r["routed"] in requests else "fleet"
+        requests[routed] += int(r["requests"])
+        if int(r["hour"]) in hourly:
+            hourly[int(r["hour"])][routed] += int(r["requests"])
+        prompt += int(r["prompt_tokens"] or 0)
+        completion += int(r["completion_tokens"] or 0)
+        earnings += int(r["payout"] or 0)
+    busy, total = counters.get("slots_busy", 0), counters.get("slots_total", 0)
+    return {
+        "hours": hours, "requests": {**requests}, "prompt_tokens": prompt, "completion_tokens": completion,
+        "earnings_micro_usd": earnings,
+        "busy_fraction": round(busy / total, 4) if total else None,
+        "decode_tps_p50": _median_tps({int(name[4:]): n for name, n in counters.items() if name.startswith("tps:")}),
+        "passed_over": {reason: counters.get(f"passed_over:{reason}", 0) for reason in PASSED_OVER_REASONS},
+        "hourly": [{"hour": hour, **counts} for hour, counts in hourly.items()],
+    }
+
+
+def _median_tps(buckets: dict[int, int]) -> float | None:
+    """The middle sample's bucket (as its decode speed), or None without samples."""
+    total = sum(buckets.values())
+    seen = 0
+    for bucket in sorted(buckets):
+        seen += buckets[bucket]
+        if 2 * seen >= total and total:
+            return tps_of_bucket(bucket)
+    return None

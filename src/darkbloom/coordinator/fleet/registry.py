@@ -21,6 +21,7 @@ import math
 from collections import Counter, defaultdict
 from typing import Callable, Hashable, Iterable, Iterator
 
+from darkbloom.coordinator.fleet.insight import PassedOver, ViewTally
 from darkbloom.coordinator.fleet.session import ProviderSession
 from darkbloom.coordinator.fleet.slots import FreeOrder, Slots
 
@@ -39,6 +40,7 @@ class SessionView:
         self.free = FreeOrder()
         self.busy: set[ProviderSession] = set()
         self._contexts: Counter[int] = Counter()  # the members' context lengths for the model (0: unknown)
+        self.tally: ViewTally | None = None  # a model's public view: what its selections passed over
 
     def __len__(self) -> int:
         return len(self.free) + len(self.busy)
@@ -65,11 +67,21 @@ class SessionView:
         else:
             self.free.discard(session)
             self.busy.add(session)
+        if self.tally is not None:
+            self.tally.placed(session, session.has_free_slot)
+
+    def count_passed_over(self, book: PassedOver, why_not: Callable[[ProviderSession], str | None]) -> ViewTally:
+        """Start counting what this (public) view's selections pass over (fleet/insight.py)."""
+        if self.tally is None:
+            self.tally = ViewTally(book, why_not, [(s, s in self.free) for s in self])
+        return self.tally
 
     def _drop(self, session: ProviderSession) -> None:
         if session in self.free or session in self.busy:
             self.free.discard(session)
             self.busy.discard(session)
+            if self.tally is not None:
+                self.tally.left(session)
             context = session.context_for(self.names)
             self._contexts[context] -= 1
             if not self._contexts[context]:
@@ -84,6 +96,7 @@ class Registry:
         self._by_account: dict[str, set[ProviderSession]] = defaultdict(set)
         self._by_machine: dict[str, set[ProviderSession]] = defaultdict(set)
         self._views: dict[Hashable, SessionView] = {}
+        self.passed_over = PassedOver()  # machine insight: counted by the public views' tallies
         self._public_views: dict[str, list[SessionView]] = defaultdict(list)  # by advertised name
         self._account_views: dict[str, list[SessionView]] = defaultdict(list)
         self._member_of: dict[ProviderSession, set[SessionView]] = {}
@@ -261,8 +274,15 @@ class Registry:
             view._drop(session)
             self._member_of[session].discard(view)
 
+    def settle_tallies(self) -> None:
+        """Bring ``passed_over`` up to date from every public view that counts (a flush of insight)."""
+        for view in self._views.values():
+            if view.tally is not None:
+                view.tally.flush(self.serving(view.names))
+
     def close_views(self) -> None:
         """Forget every view (what they admit changed: the catalog did); each opens again on first use."""
+        self.settle_tallies()
         for view in self._views.values():
             for session in list(view):
                 view._drop(session)

@@ -225,7 +225,8 @@ class RequestLifecycle:
         usage = attempt.usage if (outcome == "ok" or charge_partial) else None
         session = attempt.session
         # the owner is re-read from the serving session object, even if it has disconnected since
-        served = billing.Served(provider_id=session.id, provider_account_id=session.account_id)
+        served = billing.Served(provider_id=session.id, provider_account_id=session.account_id,
+                                machine_id=session.machine_id)
         through_share = self.share is not None and session.account_id != self.caller.account_id
         terms = billing.ShareTerms(self.share.id, self.share.owner_account_id, self.share.priced_model(self.model)
                                    ) if self.share is not None and through_share else None

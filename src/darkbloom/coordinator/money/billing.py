@@ -40,6 +40,7 @@ class Served:
 
     provider_id: str
     provider_account_id: str | None
+    machine_id: str | None = None
 
 
 @dataclass(frozen=True)
@@ -194,7 +195,7 @@ async def settle_bill(services: Services, bill: Bill, usage: Usage, served: Serv
         bill.request_id, bill.account_id, bill.key_id, bill.model.id, served.provider_id,
         served.provider_account_id, usage.prompt_tokens, usage.completion_tokens, cost, settings.platform_fee_bps,
         reserved=reservation is not None, self_routed=free and share is None, routed=routed,
-        ownership_changed=ownership_changed, share_id=share_id))
+        ownership_changed=ownership_changed, share_id=share_id, machine_id=served.machine_id))
     if result is None:
         return None
     if result.uncollected:

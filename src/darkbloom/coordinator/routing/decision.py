@@ -58,6 +58,7 @@ class RouteDecision:
     shares: tuple[ShareGrant, ...] = ()
     exhausted_shares: tuple[ShareGrant, ...] = ()
     shared_routing: bool = False          # X-Darkbloom-Route: shared (its own pre-flight errors)
+    tallied: bool = False                 # counted by its model's public view (machine insight), once
 
     @property
     def names(self) -> tuple[str, ...]:

@@ -112,6 +112,14 @@ def first_failed_gate(session: ProviderSession, decision: RouteDecision, setting
     return None
 
 
+def first_failed_lasting_gate(session: ProviderSession, decision: RouteDecision,
+                              settings: CoordinatorSettings) -> Optional[str]:
+    for gate in LASTING_GATES:
+        if not gate.check(session, decision, settings, 0.0):
+            return gate.name
+    return None
+
+
 def passes_lasting_gates(session: ProviderSession, decision: RouteDecision, settings: CoordinatorSettings) -> bool:
     for gate in LASTING_GATES:
         if not gate.check(session, decision, settings, 0.0):

@@ -13,6 +13,10 @@ full ``survey`` — every candidate through every gate, with the reasons — run
 pre-flight, over the owner's sessions. The rejection counter therefore counts the sessions a selection
 examined and turned away, plus every rejection of a full survey.
 
+A request's first selection from its model's public view is counted for machine insight by the view's
+tally (fleet/insight.py): the sessions it turned away, by gate, and the one it chose; the tally works
+out from those what each machine that advertised the model was passed over for.
+
 With replicas (``--nats-url``), a session this replica holds is taken over another replica's when it
 ranks as well: its request then makes no NATS hop. Another replica's session is taken only when it
 ranks strictly better (less loaded, or faster).
@@ -36,7 +40,9 @@ from darkbloom.coordinator.fleet.registry import Registry, SessionView
 from darkbloom.coordinator.fleet.session import ProviderSession
 from darkbloom.coordinator.fleet.slots import FreeOrder, Slot, Ties, speed_of
 from darkbloom.coordinator.routing.decision import RouteDecision
-from darkbloom.coordinator.routing.gates import NO_FREE_SLOT, first_failed_gate, passes_lasting_gates
+from darkbloom.coordinator.fleet.insight import ViewTally
+from darkbloom.coordinator.routing.gates import (NO_FREE_SLOT, first_failed_gate, first_failed_lasting_gate,
+                                                 passes_lasting_gates)
 
 log = logging.getLogger("darkbloom.scheduler")
 REJECTIONS = Counter("darkbloom_scheduler_rejections_total", "Sessions a gate turned away", ["reason"])
@@ -180,7 +186,9 @@ def select(registry: Registry, decision: RouteDecision, settings: CoordinatorSet
             return found
     elif decision.owned_only:
         return None
-    return _pick(registry, decision, settings, order, rank, None, owner is not None, now)
+    counting = not decision.tallied
+    decision.tallied = True
+    return _pick(registry, decision, settings, order, rank, None, owner is not None, now, counting)
 
 
 def select_idle_or_free(registry: Registry, decision: RouteDecision, settings: CoordinatorSettings,
@@ -192,15 +200,22 @@ def select_idle_or_free(registry: Registry, decision: RouteDecision, settings: C
 
 
 def _pick(registry: Registry, decision: RouteDecision, settings: CoordinatorSettings, order: Order, rank: Rank,
-          owner: str | None, skip_owned: bool, now: float) -> Optional[ProviderSession]:
+          owner: str | None, skip_owned: bool, now: float, counting: bool = False) -> Optional[ProviderSession]:
     """The first usable session of the view in ``order``; with replicas, one held here when it ranks
-    as well as another replica's that came first."""
-    found = _first(order(_view(registry, decision, settings, owner).free), decision, settings, now, skip_owned)
-    if found is None or settings.nats_url is None or registry.held(found.id) is not None:
-        return found
-    here = _first(order(_view(registry, decision, settings, owner, held_here=True).free), decision, settings, now,
-                  skip_owned)
-    return here if here is not None and rank(here) <= rank(found) else found
+    as well as another replica's that came first. ``counting``: the request's first public selection,
+    told to the view's tally."""
+    view = _view(registry, decision, settings, owner)
+    tally = view.tally if counting else None
+    if tally is not None:
+        tally.request()
+    found = _first(order(view.free), decision, settings, now, skip_owned, tally)
+    if found is not None and settings.nats_url is not None and registry.held(found.id) is None:
+        here = _first(order(_view(registry, decision, settings, owner, held_here=True).free), decision, settings,
+                      now, skip_owned)
+        found = here if here is not None and rank(here) <= rank(found) else found
+    if found is not None and tally is not None:
+        tally.chosen(found)
+    return found
 
 
 def any_eligible(registry: Registry, decision: RouteDecision, settings: CoordinatorSettings) -> bool:
@@ -275,11 +290,14 @@ def _view(registry: Registry, decision: RouteDecision, settings: CoordinatorSett
         view = registry.open_view(key, decision.names, owner,
                                   lambda session: (passes_lasting_gates(session, shape, settings)
                                                    and (not held_here or registry.held(session.id) is not None)))
+        if owner is None and not held_here:
+            view.count_passed_over(registry.passed_over,
+                                   lambda session: first_failed_lasting_gate(session, shape, settings))
     return view
 
 
 def _usable(session: ProviderSession, decision: RouteDecision, settings: CoordinatorSettings, now: float,
-            skip_owned: bool, count: bool = True) -> bool:
+            skip_owned: bool, count: bool = True, tally: ViewTally | None = None) -> bool:
     if session.id in decision.excluded or (skip_owned and decision.owns(session)):
         return False  # excluded, or owned and already looked at in the owned view
     if decision.shares and not decision.may_use(session):
@@ -290,11 +308,13 @@ def _usable(session: ProviderSession, decision: RouteDecision, settings: Coordin
     if reason is not None and count:
         REJECTIONS.labels(reason).inc()
         log.debug("session %s rejected for %s: %s", session.id, decision.model.id, reason)
+        if tally is not None:
+            tally.turned_away(session, reason)
     return reason is None
 
 
 def _first(ranks: Iterator[Ties], decision: RouteDecision, settings: CoordinatorSettings, now: float,
-           skip_owned: bool) -> Optional[ProviderSession]:
+           skip_owned: bool, tally: ViewTally | None = None) -> Optional[ProviderSession]:
     """The first rank holding a usable session, and a uniformly random usable one of that rank:
     random draws first, then (only if those all fail) the whole rank in random order."""
     for rank in ranks:
@@ -304,13 +324,13 @@ def _first(ranks: Iterator[Ties], decision: RouteDecision, settings: Coordinator
             for _ in range(_PROBES):
                 session = _nth(rank, random.randrange(size))
                 if session not in turned_away:
-                    if _usable(session, decision, settings, now, skip_owned):
+                    if _usable(session, decision, settings, now, skip_owned, tally=tally):
                         return session
                     turned_away.add(session)
         everyone = [session for members in rank for session in members if session not in turned_away]
         random.shuffle(everyone)
         for session in everyone:
-            if _usable(session, decision, settings, now, skip_owned):
+            if _usable(session, decision, settings, now, skip_owned, tally=tally):
                 return session
     return None
 

@@ -131,10 +131,25 @@ OPERATIONS: dict[tuple[str, str], Operation] = {
         "accounts", "Unlink a machine (revokes its device token)",
         {200: json_answer("Unlinked", "Unlinked.")}, auth="caller",
         errors={400: INVALID, 403: ("forbidden",), 404: ("machine_not_found",)}),
+    ("get", "/v1/me/providers/{machine_id}/stats"): Operation(
+        "accounts", "What your machine did over the last hours, and why it was passed over",
+        {200: json_answer("MachineStats", "Requests, tokens, earnings, busy fraction, decode speed, the public "
+                                          "requests it was passed over for by reason, and requests per hour.")},
+        auth="caller", errors={400: INVALID, 404: ("machine_not_found",)},
+        description="`?hours=` 1–720 (default 24). See docs/api.md \"Machine stats\" for what each figure counts."),
     ("get", "/v1/payments/balance"): Operation(
         "payments", "Your balance", {200: json_answer("Balance", "µUSD.")}, auth="caller"),
     ("get", "/v1/payments/usage"): Operation(
         "payments", "Your usage rows, newest first", {200: json_answer("UsagePage", "One page.")},
+        auth="caller", errors={400: INVALID}),
+    ("get", "/v1/payments/usage.csv"): Operation(
+        "payments", "Your usage rows as CSV, newest first",
+        {200: Answer("A header line, then one line per usage row (at most 100,000).", {"text/csv": "UsageCsv"})},
+        auth="caller"),
+    ("get", "/v1/payments/usage/daily"): Operation(
+        "payments", "Your usage per UTC day, oldest first",
+        {200: json_answer("UsageDaily", "One entry per day of the last `days` (1–366, default 30), today last; "
+                                        "days without use as zeros.")},
         auth="caller", errors={400: INVALID}),
     ("get", "/v1/provider/earnings"): Operation(
         "payments", "Payouts to your machines", {200: json_answer("EarningsPage", "One page and the total.")},

@@ -164,6 +164,21 @@ _MACHINE = obj({
     "private_only": BOOLEAN, "last_seen": NULLABLE_INTEGER,
 })
 
+_ROUTES = obj({"owned": INTEGER, "shared": INTEGER, "fleet": INTEGER})
+_MACHINE_STATS = obj({
+    "hours": INTEGER, "requests": _ROUTES, "prompt_tokens": INTEGER, "completion_tokens": INTEGER,
+    "earnings_micro_usd": {"type": "integer", "description": "Paid to you for what it served."},
+    "busy_fraction": {"type": ["number", "null"], "description": (
+        "Busy slots over slots, sampled every insight interval while online; null without samples.")},
+    "decode_tps_p50": {"type": ["number", "null"], "description": (
+        "Median of the sampled measured decode speed (tokens/s, to within 5 %); null before it was measured.")},
+    "passed_over": obj({reason: INTEGER for reason in (
+        "busy", "trust_floor", "private_only", "challenge_stale", "runtime_unverified", "capability",
+        "unverified_weights", "context_length", "another_machine_chosen")}),
+    "hourly": {"type": "array", "items": obj({"hour": TIMESTAMP, "owned": INTEGER, "shared": INTEGER,
+                                              "fleet": INTEGER})},
+})
+
 _USAGE_ROW = obj({
     "request_id": STRING, "created_at": TIMESTAMP, "model": STRING, "provider_id": NULLABLE_STRING,
     "prompt_tokens": INTEGER, "completion_tokens": INTEGER,
@@ -255,6 +270,12 @@ SCHEMAS: dict[str, Schema] = {
     "Unlinked": obj({"id": STRING, "deleted": {"const": True}}),
     "Balance": obj({"balance_micro_usd": INTEGER, "withdrawable_micro_usd": INTEGER}),
     "UsageRow": _USAGE_ROW, "UsagePage": page_of("UsageRow"),
+    "UsageCsv": {"type": "string", "description": "CSV: request_id, created_at, model, provider_id, prompt_tokens, "
+                                                  "completion_tokens, cost_micro_usd, self_routed, routed, share_id."},
+    "UsageDaily": obj({"data": {"type": "array", "items": obj({
+        "date": {"type": "string", "format": "date"}, "requests": INTEGER, "prompt_tokens": INTEGER,
+        "completion_tokens": INTEGER, "cost_micro_usd": INTEGER})}}),
+    "MachineStats": _MACHINE_STATS,
     "Share": _SHARE, "ShareCreate": _SHARE_CREATE,
     "ShareLists": obj({"given": {"type": "array", "items": ref("Share")},
                        "received": {"type": "array", "items": ref("Share")}}),

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from fastapi import APIRouter, Depends, Request
+from fastapi import APIRouter, Depends, Query, Request
 from fastapi.responses import JSONResponse
 
 from darkbloom.coordinator.identity import console_login
@@ -13,6 +13,7 @@ from darkbloom.coordinator.http.auth import bearer_token, require_account_writer
 from darkbloom.coordinator.identity.caller import Caller
 from darkbloom.coordinator.http.json_body import json_object
 from darkbloom.coordinator.fleet.machines import linked_machines, unlink_machine
+from darkbloom.coordinator.fleet.machines import machine_stats as stats_of
 from darkbloom.coordinator.services import Services, get_services
 
 router = APIRouter()
@@ -47,6 +48,12 @@ async def logout(request: Request, caller: Caller = Depends(require_caller),
 async def my_providers(caller: Caller = Depends(require_caller),
                        services: Services = Depends(get_services)) -> dict[str, Any]:
     return {"object": "list", "data": await linked_machines(services, caller.account_id), "next_cursor": None}
+
+
+@router.get("/v1/me/providers/{machine_id}/stats")
+async def machine_stats(machine_id: str, hours: int = Query(24), caller: Caller = Depends(require_caller),
+                        services: Services = Depends(get_services)) -> dict[str, Any]:
+    return await stats_of(services, caller.account_id, machine_id, hours)
 
 
 @router.delete("/v1/me/providers/{machine_id}")

@@ -1,13 +1,15 @@
-"""Balance, usage rows and provider earnings of the calling account."""
+"""Balance, usage rows (a page, per day, as CSV) and provider earnings of the calling account."""
 
 from __future__ import annotations
 
 from typing import Any
 
 from fastapi import APIRouter, Depends, Query
+from fastapi.responses import StreamingResponse
 
 from darkbloom.coordinator.http.auth import require_caller
 from darkbloom.coordinator.identity.caller import Caller
+from darkbloom.coordinator.money import usage_history
 from darkbloom.wire.openai.errors import invalid_request
 from darkbloom.coordinator.services import Services, get_services
 from darkbloom.store import accounts, ledger
@@ -47,6 +49,19 @@ async def usage(limit: int = Query(50, ge=1, le=500), cursor: str | None = None,
                                        before_id=_cursor(cursor))
     page, next_cursor = _page(rows, limit)
     return {"object": "list", "next_cursor": next_cursor, "data": [usage_row(r) for r in page]}
+
+
+@router.get("/v1/payments/usage.csv")
+async def usage_csv(caller: Caller = Depends(require_caller),
+                    services: Services = Depends(get_services)) -> StreamingResponse:
+    return StreamingResponse(usage_history.csv_lines(services, caller.account_id), media_type="text/csv",
+                             headers={"Content-Disposition": 'attachment; filename="darkbloom-usage.csv"'})
+
+
+@router.get("/v1/payments/usage/daily")
+async def usage_daily(days: int = Query(30), caller: Caller = Depends(require_caller),
+                      services: Services = Depends(get_services)) -> dict[str, Any]:
+    return {"data": await usage_history.daily(services, caller.account_id, days)}
 
 
 def usage_row(r: dict[str, Any]) -> dict[str, Any]:

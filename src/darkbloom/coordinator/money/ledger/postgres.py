@@ -69,11 +69,12 @@ le AS (INSERT INTO ledger_entries (account_id, kind, pocket, amount_micro_usd, b
 u AS (INSERT INTO usage_records (request_id, account_id, key_id, model, provider_id, provider_account_id,
                                  prompt_tokens, completion_tokens, cost_micro_usd, platform_fee_micro_usd,
                                  provider_payout_micro_usd, self_routed, routed, created_at, ownership_changed,
-                                 share_id)
-      SELECT v.r, v.acc, v.k, v.m, v.p, v.pa, v.pt, v.ct, v.c, v.f, v.po, v.s, v.ro, $32::bigint, v.oc, v.sh
+                                 share_id, machine_id)
+      SELECT v.r, v.acc, v.k, v.m, v.p, v.pa, v.pt, v.ct, v.c, v.f, v.po, v.s, v.ro, $32::bigint, v.oc, v.sh, v.mi
       FROM unnest($27::text[], $28::text[], $29::text[], $30::text[], $31::text[], $33::text[], $34::bigint[],
                   $35::bigint[], $36::bigint[], $37::bigint[], $38::bigint[], $39::boolean[], $40::text[],
-                  $41::boolean[], $42::text[]) AS v(r, acc, k, m, p, pa, pt, ct, c, f, po, s, ro, oc, sh))
+                  $41::boolean[], $42::text[], $44::text[]) AS v(r, acc, k, m, p, pa, pt, ct, c, f, po, s, ro, oc, sh,
+                                                                 mi))
 SELECT 1"""
 
 
@@ -175,4 +176,5 @@ def _columns(changes: Changes) -> list[Any]:
         *[col(usage, lambda u, i=i: u[i]) for i in range(5, 13)],
         col(usage, lambda u: u[14]), col(usage, lambda u: u[15]),
         col(reservations, lambda r: r.get("fallback_window_start")),
+        col(usage, lambda u: u[16]),
     ]

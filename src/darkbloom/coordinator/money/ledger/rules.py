@@ -54,6 +54,7 @@ class Settle:
     routed: str              # owned | shared | fleet
     ownership_changed: bool = False  # exclusive, but the machine changed owner mid-flight (still free)
     share_id: str | None = None      # routed through this share (free, or charged at its prices)
+    machine_id: str | None = None    # the serving session's machine (mach_…), for machine insight
 
 
 @dataclass(frozen=True)
@@ -273,5 +274,5 @@ class _Planner:
         self.changes.usage.append((
             request_id, step.account_id, step.key_id, step.model, step.provider_id, step.provider_account_id,
             step.prompt_tokens, step.completion_tokens, collected, fee, payout, step.self_routed, step.routed,
-            self.changes.now, step.ownership_changed, step.share_id))
+            self.changes.now, step.ownership_changed, step.share_id, step.machine_id))
         return Settled(collected, fee, payout, uncollected)

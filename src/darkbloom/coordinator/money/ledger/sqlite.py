@@ -115,5 +115,5 @@ def _write(conn: sqlite3.Connection, changes: Changes) -> None:
         conn.executemany("INSERT INTO usage_records (request_id, account_id, key_id, model, provider_id, "
                          "provider_account_id, prompt_tokens, completion_tokens, cost_micro_usd, "
                          "platform_fee_micro_usd, provider_payout_micro_usd, self_routed, routed, created_at, "
-                         "ownership_changed, share_id) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+                         "ownership_changed, share_id, machine_id) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
                          changes.usage)

@@ -1,0 +1,48 @@
+"""An account's usage over time: per UTC day (for the console's chart) and every row as CSV."""
+
+from __future__ import annotations
+
+import csv
+import datetime
+import io
+import time
+from typing import Any, AsyncIterator
+
+from darkbloom.coordinator.services import Services
+from darkbloom.store import insight
+from darkbloom.wire.openai.errors import invalid_request
+
+MAX_DAYS = 366
+CSV_MAX_ROWS = 100_000
+CSV_COLUMNS = ("request_id", "created_at", "model", "provider_id", "prompt_tokens", "completion_tokens",
+               "cost_micro_usd", "self_routed", "routed", "share_id")
+
+
+async def daily(services: Services, account_id: str, days: int) -> list[dict[str, Any]]:
+    """The last ``days`` UTC days, oldest first (today included), days without use as zeros."""
+    if not 1 <= days <= MAX_DAYS:
+        raise invalid_request(f"'days' must be a whole number from 1 to {MAX_DAYS}.", param="days")
+    today = int(time.time()) // insight.DAY
+    first = today - days + 1
+    async with services.engine.connect() as conn:
+        used = await insight.daily(conn, account_id, first * insight.DAY)
+    zero = {"requests": 0, "prompt_tokens": 0, "completion_tokens": 0, "cost_micro_usd": 0}
+    epoch = datetime.date(1970, 1, 1)
+    return [{"date": (epoch + datetime.timedelta(days=day)).isoformat(), **used.get(day, zero)}
+            for day in range(first, today + 1)]
+
+
+async def csv_lines(services: Services, account_id: str, limit: int = CSV_MAX_ROWS) -> AsyncIterator[str]:
+    """The header, then the account's usage rows newest first (at most ``limit``), a line at a time."""
+    yield _line(CSV_COLUMNS)
+    async with services.engine.connect() as conn:
+        async for row in insight.usage_rows(conn, account_id, limit):
+            yield _line([row["request_id"], row["created_at"], row["model"], row["provider_id"] or "",
+                         row["prompt_tokens"], row["completion_tokens"], row["cost_micro_usd"],
+                         "true" if row["self_routed"] else "false", row["routed"], row["share_id"] or ""])
+
+
+def _line(values: Any) -> str:
+    out = io.StringIO()
+    csv.writer(out, lineterminator="\r\n").writerow(values)
+    return out.getvalue()
