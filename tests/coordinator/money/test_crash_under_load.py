@@ -77,10 +77,11 @@ async def load(coord: Coordinator, keys: list[str], answers: int, kill: bool, se
     async def stop() -> None:
         await enough.wait()
         if kill:
-            # with the clients still sending: a reservation open in the database (requests past
-            # admission, not yet settled), so that the crash has something to leave behind
-            await asyncio.to_thread(wait_until, lambda: open_reservations(coord.database_url), timeout=60,
-                                    interval=0.005, what="a reservation open under load")
+            # with the clients still sending: several reservations open in the database (requests past
+            # admission, not yet settled), so that the crash has something to leave behind — one alone
+            # can settle between the look and the kill on a loaded machine
+            await asyncio.to_thread(wait_until, lambda: len(open_reservations(coord.database_url)) >= 8,
+                                    timeout=60, interval=0.005, what="reservations open under load")
             coord.process.kill()  # SIGKILL: no shutdown, no draining, no settlement of the rest
         stopped.set()
 
