@@ -10,14 +10,12 @@ from sqlalchemy import and_, func, or_, select, update
 from sqlalchemy.ext.asyncio import AsyncConnection
 
 from darkbloom.store.db import insert_ignore
+from darkbloom.store.insight import DAY
 from darkbloom.store.schema import accounts, machines, share_days, shares, usage_records
 from darkbloom.wire.crypto import new_id
 
-SECONDS_PER_DAY = 86_400
-
-
 def utc_day(now: float) -> int:
-    return int(now) // SECONDS_PER_DAY
+    return int(now) // DAY
 
 
 async def create(conn: AsyncConnection, owner_account_id: str, fields: dict[str, Any]) -> dict[str, Any]:
@@ -141,6 +139,6 @@ async def usage_today(conn: AsyncConnection, share_id: str, day: int) -> dict[st
     row = (await conn.execute(select(
         func.count(), func.coalesce(func.sum(usage_records.c.prompt_tokens), 0),
         func.coalesce(func.sum(usage_records.c.completion_tokens), 0)
-    ).where(usage_records.c.share_id == share_id, usage_records.c.created_at >= day * SECONDS_PER_DAY))).first()
+    ).where(usage_records.c.share_id == share_id, usage_records.c.created_at >= day * DAY))).first()
     assert row is not None
     return {"requests": int(row[0]), "prompt_tokens": int(row[1]), "completion_tokens": int(row[2])}

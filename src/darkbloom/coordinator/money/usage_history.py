@@ -1,4 +1,5 @@
-"""An account's usage over time: per UTC day (for the console's chart) and every row as CSV."""
+"""An account's usage rows as the API shows them, over time per UTC day (for the console's chart),
+and every row as CSV."""
 
 from __future__ import annotations
 
@@ -16,6 +17,18 @@ MAX_DAYS = 366
 CSV_MAX_ROWS = 100_000
 CSV_COLUMNS = ("request_id", "created_at", "model", "provider_id", "prompt_tokens", "completion_tokens",
                "cost_micro_usd", "self_routed", "routed", "share_id")
+
+
+def row_view(r: dict[str, Any]) -> dict[str, Any]:
+    """The documented row (docs/api.md "Usage rows"), plus the flags only where they apply: the share
+    that served, and an exclusive request whose machine changed owner mid-flight (still free)."""
+    return {
+        "request_id": r["request_id"], "created_at": r["created_at"], "model": r["model"],
+        "provider_id": r["provider_id"], "prompt_tokens": r["prompt_tokens"],
+        "completion_tokens": r["completion_tokens"], "cost_micro_usd": r["cost_micro_usd"],
+        "self_routed": bool(r["self_routed"]), "routed": r["routed"],
+        **({"share_id": r["share_id"]} if r.get("share_id") else {}),
+        **({"ownership_changed": True} if r["ownership_changed"] else {})}
 
 
 async def daily(services: Services, account_id: str, days: int) -> list[dict[str, Any]]:
@@ -37,9 +50,14 @@ async def csv_lines(services: Services, account_id: str, limit: int = CSV_MAX_RO
     yield _line(CSV_COLUMNS)
     async with services.engine.connect() as conn:
         async for row in insight.usage_rows(conn, account_id, limit):
-            yield _line([row["request_id"], row["created_at"], row["model"], row["provider_id"] or "",
-                         row["prompt_tokens"], row["completion_tokens"], row["cost_micro_usd"],
-                         "true" if row["self_routed"] else "false", row["routed"], row["share_id"] or ""])
+            view = row_view(row)
+            yield _line([_cell(view.get(column)) for column in CSV_COLUMNS])
+
+
+def _cell(value: Any) -> Any:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    return "" if value is None else value
 
 
 def _line(values: Any) -> str:

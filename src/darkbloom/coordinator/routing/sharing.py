@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from darkbloom.coordinator.routing.decision import ShareGrant
 from darkbloom.coordinator.services import Services
 from darkbloom.store import shares
+from darkbloom.store.insight import DAY
 from darkbloom.wire.openai.errors import ApiError
 
 
@@ -36,7 +37,7 @@ def no_shared_machine() -> ApiError:
 
 def seconds_to_utc_midnight(now: float | None = None) -> int:
     now = time.time() if now is None else now
-    return max(1, shares.SECONDS_PER_DAY - int(now) % shares.SECONDS_PER_DAY)
+    return max(1, DAY - int(now) % DAY)
 
 
 def share_quota_exceeded(now: float | None = None) -> ApiError:

@@ -48,7 +48,7 @@ async def usage(limit: int = Query(50, ge=1, le=500), cursor: str | None = None,
         rows = await ledger.usage_page(conn, account_id=caller.account_id, limit=limit + 1,
                                        before_id=_cursor(cursor))
     page, next_cursor = _page(rows, limit)
-    return {"object": "list", "next_cursor": next_cursor, "data": [usage_row(r) for r in page]}
+    return {"object": "list", "next_cursor": next_cursor, "data": [usage_history.row_view(r) for r in page]}
 
 
 @router.get("/v1/payments/usage.csv")
@@ -62,18 +62,6 @@ async def usage_csv(caller: Caller = Depends(require_caller),
 async def usage_daily(days: int = Query(30), caller: Caller = Depends(require_caller),
                       services: Services = Depends(get_services)) -> dict[str, Any]:
     return {"data": await usage_history.daily(services, caller.account_id, days)}
-
-
-def usage_row(r: dict[str, Any]) -> dict[str, Any]:
-    """The documented row (docs/api.md "Usage rows"), plus the flags only where they apply: the share
-    that served, and an exclusive request whose machine changed owner mid-flight (still free)."""
-    return {
-        "request_id": r["request_id"], "created_at": r["created_at"], "model": r["model"],
-        "provider_id": r["provider_id"], "prompt_tokens": r["prompt_tokens"],
-        "completion_tokens": r["completion_tokens"], "cost_micro_usd": r["cost_micro_usd"],
-        "self_routed": bool(r["self_routed"]), "routed": r["routed"],
-        **({"share_id": r["share_id"]} if r.get("share_id") else {}),
-        **({"ownership_changed": True} if r["ownership_changed"] else {})}
 
 
 @router.get("/v1/provider/earnings")

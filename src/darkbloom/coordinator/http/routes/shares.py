@@ -9,8 +9,8 @@ from fastapi import APIRouter, Depends, Query, Request, Response
 
 from darkbloom.coordinator.http.auth import require_account_writer, require_caller
 from darkbloom.coordinator.http.json_body import json_object
-from darkbloom.coordinator.http.routes.payments import usage_row
 from darkbloom.coordinator.identity.caller import Caller
+from darkbloom.coordinator.money.usage_history import row_view
 from darkbloom.coordinator.identity.shares import share_fields, share_not_found, share_view
 from darkbloom.coordinator.routing.selfroute import machine_not_found
 from darkbloom.coordinator.services import Services, get_services
@@ -68,4 +68,4 @@ async def share_usage(share_id: str, limit: int = Query(100, ge=1, le=500), call
             raise share_not_found()
         today = await shares.usage_today(conn, share_id, shares.utc_day(time.time()))
         rows = await shares.usage_rows(conn, share_id, limit)
-    return {"share_id": share_id, "today": today, "data": [usage_row(r) for r in rows]}
+    return {"share_id": share_id, "today": today, "data": [row_view(r) for r in rows]}
