@@ -1,7 +1,8 @@
 """A key's fallback budget end to end (docs/self-route.md "Fallback budget"), on SQLite and Postgres:
 the owner's machine is linked but offline, so every prefer request on the key would go to the paid
 public fleet; 200 of them at once spend at most the budget there, and every one the budget could not
-hold got the exclusive error (503 machine_offline) — never a 402."""
+hold got the exclusive error (503 machine_offline) — never a 402. Once the owner's machine comes
+online, a used-up key's prefer requests are served there, free."""
 
 from __future__ import annotations
 
@@ -32,6 +33,7 @@ class World:
     stack: Stack
     owner: Account   # funded; its one machine is linked but never connected
     public: Node     # another account's machine: the public fleet
+    upstream_url: str
 
 
 @pytest.fixture(scope="module", params=["sqlite", "postgres"])
@@ -45,7 +47,7 @@ def world(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFacto
             owner = stack.account(credit=CREDIT)
             stack.link(owner)  # linked, offline: prefer falls back, exclusive is 503 machine_offline
             public = stack.node("public", stack.account(), upstream=upstream_url, max_concurrency=8)
-            yield World(stack, owner, public)
+            yield World(stack, owner, public, upstream_url)
         finally:
             stack.close()
 
@@ -96,3 +98,34 @@ def test_200_concurrent_prefer_requests_never_pass_the_fallback_budget(world: Wo
     if budget - spent < worst:
         again = s.chat(key, PREFER)
         assert again.status_code == 503 and error_of(again)["code"] == "machine_offline"
+
+
+def test_a_used_up_budget_still_serves_prefer_on_the_owners_online_machine(world: World) -> None:
+    """Past the budget, prefer acts as exclusive — which, with the owner's machine online, means it is
+    served there, free, and the fleet gets nothing more from the key."""
+    s = world.stack
+    worst = _worst_case(world)
+    key = s.key(world.owner, fallback_limit_usd=worst / 1_000_000, fallback_limit_reset="daily")
+    first = s.chat(key, PREFER)  # the owner's machine is offline: the fleet, which uses the budget up
+    assert first.status_code == 200, first.text
+    assert first.headers["x-darkbloom-routed"] == "fleet"
+    refused = s.chat(key, PREFER)
+    assert refused.status_code == 503 and error_of(refused)["code"] == "machine_offline"
+
+    own = s.node("own", world.owner, upstream=world.upstream_url, max_concurrency=2)
+    try:
+        s.wait_listed(world.owner, own.session_id)
+        balance = s.balance(world.owner)
+        for _ in range(3):
+            response = s.chat(key, PREFER)
+            assert response.status_code == 200, response.text
+            assert response.headers["x-provider-id"] == own.session_id
+            assert response.headers["x-darkbloom-routed"] == "owned"
+            assert response.headers["x-darkbloom-billing"] == "free"
+            assert response.json()["usage"]["cost_micro_usd"] == 0
+        wait_settled(s.coordinator.database_url)
+        assert s.balance(world.owner) == balance
+        owned = [row for row in s.usage(world.owner) if row["provider_id"] == own.session_id]
+        assert len(owned) == 3 and all(row["cost_micro_usd"] == 0 and row["routed"] == "owned" for row in owned)
+    finally:
+        own.stop()

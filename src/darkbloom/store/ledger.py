@@ -44,6 +44,11 @@ async def open_reservations(conn: AsyncConnection, instance_ids: list[str] | Non
     return [dict(r) for r in (await conn.execute(query)).mappings()]
 
 
+async def charged_for(conn: AsyncConnection, request_id: str) -> int | None:
+    """What a request's usage row charged its caller (None: it has no usage row)."""
+    return await conn.scalar(select(usage_records.c.cost_micro_usd).where(usage_records.c.request_id == request_id))
+
+
 async def usage_page(conn: AsyncConnection, *, account_id: str | None = None,
                      provider_account_id: str | None = None, limit: int,
                      before_id: int | None) -> list[dict[str, Any]]:

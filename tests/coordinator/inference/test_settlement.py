@@ -21,6 +21,7 @@ from darkbloom.coordinator.inference.attempt import Attempt, Deadlines
 from darkbloom.coordinator.inference.attempts import Attempts
 from darkbloom.coordinator.inference.failures import ProviderFailure
 from darkbloom.coordinator.inference.settlement import RequestLifecycle
+from darkbloom.coordinator.money import billing
 from darkbloom.coordinator.money.admission import request_charges
 from darkbloom.coordinator.money.ratelimit import Charge, Decision, MemoryRateLimiter
 from darkbloom.coordinator.routing.scheduler import try_place
@@ -159,6 +160,34 @@ async def test_finish_settles_once_and_gives_the_usage_rows_cost(world: World) -
     assert len(await world.usage_rows("req-cost")) == 1
     assert world.provider.session.active == 0
     assert (await pockets(world.services, world.caller.account_id))[0] == CREDIT - cost
+
+
+async def test_a_settlement_whose_reply_was_lost_still_gives_the_rows_cost(
+        world: World, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The first settlement commits but its caller sees an error (a reply lost on the way back): the
+    retry finds the request settled, and the answer's cost is read back from the usage row, not 0."""
+    real = billing.settle_bill
+    calls = 0
+
+    async def commit_then_fail(*args: Any) -> Any:
+        nonlocal calls
+        calls += 1
+        settled = await real(*args)
+        if calls == 1:
+            raise ConnectionError("reply lost after the commit")
+        return settled
+
+    monkeypatch.setattr(billing, "settle_bill", commit_then_fail)
+    life = world.lifecycle("req-lost-reply")
+    async with life:
+        run = await world.dispatched(life)
+        world.provider.reply("req-lost-reply")
+        world.provider.complete("req-lost-reply")
+        pending, completed = await run
+        await pending.collect(completed, ChatPresenter("req-lost-reply", MODEL.id, {}), DEADLINES)
+        cost = await life.finish("ok")
+    rows = await world.usage_rows("req-lost-reply")
+    assert calls == 2 and len(rows) == 1 and cost == rows[0]["cost_micro_usd"] > 0
 
 
 async def test_a_request_that_failed_after_first_content_finishes_at_no_cost(world: World) -> None:

@@ -236,7 +236,11 @@ class RequestLifecycle:
         reservation = self.reservation
         if usage is not None:
             settled = await self._money("settlement", lambda: billing.settle_bill(services, bill, usage, served))
-            self.cost_micro_usd = settled.cost if settled is not None else 0  # not settled: nothing charged
+            if settled is not None:
+                self.cost_micro_usd = settled.cost
+            else:  # a retry found it settled (a commit whose reply was lost), or it never was: its row says
+                charged = await self._money("cost read", lambda: billing.charged(services, self.request_id))
+                self.cost_micro_usd = charged or 0
         elif reservation is not None:
             await self._money("refund", lambda: billing.refund(services, reservation))
         unused = admission.unused_token_charges(self.rate_charges, usage.prompt_tokens if usage else 0,

@@ -20,6 +20,7 @@ from darkbloom.wire.openai.errors import ApiError
 from darkbloom.coordinator.money.ledger import rules
 from darkbloom.coordinator.money.ledger.writer import LedgerUnavailable
 from darkbloom.coordinator.services import Services
+from darkbloom.store import ledger as ledger_store
 from darkbloom.wire.protocol import Usage
 
 log = logging.getLogger("darkbloom.billing")
@@ -202,6 +203,12 @@ async def settle_bill(services: Services, bill: Bill, usage: Usage, served: Serv
         log.warning("request %s: served by a machine the caller does not own and the charge of %d µUSD "
                     "cannot be collected; the provider is not paid", bill.request_id, result.uncollected)
     return Settlement(result.cost, result.platform_fee, result.payout)
+
+
+async def charged(services: Services, request_id: str) -> int:
+    """What a settled request charged, read back from its usage row (0: it has none, nothing was charged)."""
+    async with services.engine.connect() as conn:
+        return await ledger_store.charged_for(conn, request_id) or 0
 
 
 async def refund(services: Services, reservation: Reservation) -> bool:
