@@ -11,9 +11,10 @@ import stat
 from pathlib import Path
 
 import pytest
-from nacl.public import PrivateKey
+from nacl.public import Box, PrivateKey, PublicKey
 
 from darkbloom.coordinator.fleet.trust import ATTESTATION_SKEW_SECONDS, attestation_trust
+from darkbloom.wire import crypto
 from darkbloom.wire.crypto import (
     DecryptionError,
     NodeIdentity,
@@ -83,6 +84,38 @@ def test_reply_key_request_and_replies() -> None:
     sealer = Sealer(reply_key.public_key)
     assert [reply_key.open(sealer.seal(c)) for c in chunks] == chunks
     assert reply_key.open(seal(b"from another key", reply_key.public_key)) == b"from another key"
+
+
+def test_a_request_and_its_replies_take_one_key_agreement_per_side(monkeypatch: pytest.MonkeyPatch) -> None:
+    """X25519 is most of sealing's cost: the node opens the request and seals its replies with one box,
+    and the coordinator opens the replies with the box it sealed the request with."""
+    agreements: list[Box] = []
+
+    def counted(private: PrivateKey, public: PublicKey) -> Box:
+        agreements.append(Box(private, public))
+        return agreements[-1]
+
+    monkeypatch.setattr(crypto, "Box", counted)
+    node = PrivateKey.generate()
+    reply_key = ReplyKey(sender=b64e(bytes(node.public_key)))
+    request = reply_key.seal_request(b"request body", node.public_key)
+    assert len(agreements) == 1
+
+    sealer = Sealer.between(node, request.ephemeral_public_key)
+    assert sealer.open(request) == b"request body"
+    replies = [sealer.seal(chunk) for chunk in (b"one", b"two", b"three")]
+    assert len(agreements) == 2
+
+    assert [reply_key.open(reply) for reply in replies] == [b"one", b"two", b"three"]
+    assert len(agreements) == 2
+
+
+def test_a_sealer_opens_only_what_its_peer_sealed_to_it() -> None:
+    node = PrivateKey.generate()
+    request = ReplyKey().seal_request(b"for this node", node.public_key)
+    stranger = Sealer.between(PrivateKey.generate(), request.ephemeral_public_key)
+    with pytest.raises(DecryptionError):
+        stranger.open(request)
 
 
 @pytest.mark.parametrize("index", [0, NONCE, -1])

@@ -177,8 +177,8 @@ class FleetRequests:
         """The plaintext OpenAI body, and a sealer to the request's ephemeral key for every reply chunk."""
         assert self.identity is not None
         try:
-            plaintext = crypto.open_envelope(frame.encrypted_body, self.identity.encryption_key)
             sealer = crypto.Sealer.between(self.identity.encryption_key, frame.encrypted_body.ephemeral_public_key)
+            plaintext = sealer.open(frame.encrypted_body)
         except crypto.DecryptionError:
             raise BackendError(400, "the request body does not open with this node's key") from None
         try:

@@ -91,6 +91,11 @@ class Sealer:
         return Envelope(ephemeral_public_key=self.ephemeral_public_key,
                         ciphertext=b64e(bytes(self._box.encrypt(plaintext))))
 
+    def open(self, envelope: Envelope) -> bytes:
+        """Open what the recipient sealed to our key: the box is the same one both ways, so a node
+        answering a request opens it and seals every reply with one key agreement."""
+        return _open(self._box, envelope.ciphertext)
+
 
 class ReplyKey:
     """The per-request ephemeral key pair whose public half travels with a sealed request
@@ -103,7 +108,9 @@ class ReplyKey:
         self.sender = sender
 
     def seal_request(self, plaintext: bytes, recipient: PublicKey) -> Envelope:
+        """Seal to the node's key; its replies come from that key, so the box is kept to open them."""
         box = Box(self._private, recipient)
+        self._boxes[b64e(bytes(recipient))] = box
         return Envelope(ephemeral_public_key=b64e(bytes(self.public_key)),
                         ciphertext=b64e(bytes(box.encrypt(plaintext))))
 
