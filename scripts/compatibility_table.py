@@ -50,7 +50,20 @@ NOTES = {
 CELL_NOTES = {
     ("llm", "tool"): "`llm` has no `tool_choice` option, so the call cannot be forced: the test checks that a prompt "
                      "with a tool (`-T llm_version`) is answered, and that a call, when the model makes one, runs.",
+    ("open-responses", "tool-calling"): "Under the case's `tool_choice: \"auto\"` the tiny model may answer in text: "
+                                        "the answer is checked against the schema, and a `tool_choice: \"required\"` "
+                                        "twin checks the `function_call` output item.",
+    ("open-responses", "tool-calling-streaming"): "As above, streamed: every event is checked, and the `required` twin "
+                                                  "checks `output_item.added`/`.done` with a `function_call` item and "
+                                                  "`function_call_arguments.delta`/`.done`.",
+    ("open-responses", "image-input"): "The bundled model reads no images: the case checks the refusal, 400 "
+                                       "`model_capability_unsupported` (a vision model's node would answer it).",
 }
+# the Open Responses specification's compliance cases (tests/clients/test_open_responses.py): id → its name there
+OPEN_RESPONSES = [("basic-response", "Basic Text Response"), ("streaming-response", "Streaming Response"),
+                  ("system-prompt", "System Prompt"), ("tool-calling", "Tool Calling"),
+                  ("tool-calling-streaming", "Tool Calling (Streaming)"), ("image-input", "Image Input"),
+                  ("multi-turn", "Multi-turn Conversation")]
 SELF_ROUTE = [("chat", "chat completion"), ("stream", "chat, streamed"), ("tool", "forced tool call"),
               ("responses", "Responses"), ("completions", "legacy completions"), ("embeddings", "embeddings"),
               ("messages", "Anthropic messages")]
@@ -148,6 +161,17 @@ def render(results: dict[str, Any]) -> str:
     out.append("|---|---|")
     for feature, label in SELF_ROUTE:
         out.append(f"| {label} | {notes.mark(found.get(('self-route', feature)))} |")
+    out += [""] + notes.lines + [""] if notes.lines else [""]
+    notes = Notes()
+    out.append("## Open Responses compliance suite\n")
+    out.append("The seven cases of the Open Responses specification's compliance runner, sent as it sends them "
+               "(raw HTTP, the same bodies) to `POST /v1/responses`: every response object and every streamed "
+               "event is validated against the specification's JSON schemas (version 2026-04-24, vendored in "
+               "`tests/support/open_responses_spec/`), then the case's own checks run.\n")
+    out.append("| case | result |")
+    out.append("|---|---|")
+    for case, label in OPEN_RESPONSES:
+        out.append(f"| {label} (`{case}`) | {notes.mark(found.get(('open-responses', case)), ('open-responses', case))} |")
     out += [""] + notes.lines + [""] if notes.lines else [""]
     out.append(WHAT)
     run = results.get("full_run", {})

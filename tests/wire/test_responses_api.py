@@ -1,5 +1,6 @@
-"""The Responses API edge: request translation (and each 400 with its param), and the presenter's
-`response` object and event stream, checked with the openai SDK's own models and stream accumulator."""
+"""The Responses API edge: request translation (and each 400 with its param), the request echo, and
+the presenter's `response` object and event stream, checked with the openai SDK's own models and
+stream accumulator and against the Open Responses specification's schemas."""
 
 from __future__ import annotations
 
@@ -10,8 +11,10 @@ from openai.types.responses import Response, ResponseStreamEvent
 from pydantic import TypeAdapter
 
 from darkbloom.wire.openai.errors import ApiError
+from darkbloom.wire.openai.parameters import CHAT_SAMPLING_DEFAULTS
 from darkbloom.wire.openai.responses.presenter import ResponsesPresenter
 from darkbloom.wire.openai.responses.request import responses_to_chat
+from tests.support.open_responses import check_event, check_response
 from tests.wire.node_chunks import chat, run_collect, run_stream, sse_events, text_chunks, tool_chunks
 
 MODEL = "smollm2-135m"
@@ -28,8 +31,22 @@ def translate(**body: Any) -> dict[str, Any]:
 def test_string_input_and_instructions() -> None:
     assert translate(input="Hi", instructions="Be brief.", max_output_tokens=16, temperature=0.2, top_p=0.9,
                      stream=True, store=False, metadata={"a": "b"}, truncation="disabled") == {
-        "model": MODEL, "max_tokens": 16, "temperature": 0.2, "top_p": 0.9, "stream": True,
+        "model": MODEL, "max_tokens": 16, "temperature": 0.2, "top_p": 0.9, "presence_penalty": 0.0,
+        "frequency_penalty": 0.0, "stream": True,
         "messages": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}]}
+
+
+def test_the_node_is_sent_every_sampling_number_its_defaults_filling_the_gaps() -> None:
+    sent = translate(input="Hi", presence_penalty=0.5, frequency_penalty=-1)
+    assert {key: sent[key] for key in ("temperature", "top_p", "presence_penalty", "frequency_penalty")} == {
+        "temperature": CHAT_SAMPLING_DEFAULTS["temperature"], "top_p": CHAT_SAMPLING_DEFAULTS["top_p"],
+        "presence_penalty": 0.5, "frequency_penalty": -1.0}
+
+
+def test_echo_only_fields_are_not_forwarded() -> None:
+    sent = translate(input="Hi", service_tier="flex", safety_identifier="user-1", prompt_cache_key="k",
+                     max_tool_calls=2, top_logprobs=3, background=False, truncation="auto", metadata={"a": "b"})
+    assert set(sent) == {"model", "messages", "temperature", "top_p", "presence_penalty", "frequency_penalty"}
 
 
 def test_message_items_and_parts() -> None:
@@ -124,6 +141,26 @@ def test_text_format_becomes_response_format(text: dict[str, Any], sent: Any) ->
     ({"max_output_tokens": 0}, "max_output_tokens"),
     ({"parallel_tool_calls": "yes"}, "parallel_tool_calls"),
     ({"model": ""}, "model"),
+    ({"temperature": 2.5}, "temperature"),
+    ({"top_p": "high"}, "top_p"),
+    ({"presence_penalty": -3}, "presence_penalty"),
+    ({"frequency_penalty": True}, "frequency_penalty"),
+    ({"store": "no"}, "store"),
+    ({"background": 1}, "background"),
+    ({"service_tier": "gold"}, "service_tier"),
+    ({"truncation": "middle"}, "truncation"),
+    ({"safety_identifier": "x" * 65}, "safety_identifier"),
+    ({"safety_identifier": 7}, "safety_identifier"),
+    ({"prompt_cache_key": "k" * 65}, "prompt_cache_key"),
+    ({"max_tool_calls": 0}, "max_tool_calls"),
+    ({"max_tool_calls": "2"}, "max_tool_calls"),
+    ({"top_logprobs": 21}, "top_logprobs"),
+    ({"top_logprobs": -1}, "top_logprobs"),
+    ({"metadata": {"a": 1}}, "metadata"),
+    ({"metadata": {"k" * 65: "v"}}, "metadata"),
+    ({"metadata": {f"k{i}": "v" for i in range(17)}}, "metadata"),
+    ({"metadata": {"a": "v" * 513}}, "metadata"),
+    ({"metadata": ["a"]}, "metadata"),
 ])
 def test_refusals_name_their_param(change: dict[str, Any], param: str) -> None:
     with pytest.raises(ApiError) as caught:
@@ -142,7 +179,7 @@ REQUEST = {"model": MODEL, "input": "Hi", "instructions": "Be brief.", "tools": 
 
 
 def test_response_object_with_text() -> None:
-    body = run_collect(ResponsesPresenter("resp_abc", MODEL, REQUEST), text_chunks("Hel", "lo"))
+    body = check_response(run_collect(ResponsesPresenter("resp_abc", MODEL, REQUEST), text_chunks("Hel", "lo")))
     response = Response.model_validate(body)
     assert response.id == "resp_abc" and response.object == "response" and response.status == "completed"
     assert response.output_text == "Hello" and response.model == MODEL and response.instructions == "Be brief."
@@ -157,7 +194,8 @@ def test_response_object_with_text() -> None:
 
 def test_response_object_with_function_calls() -> None:
     chunks = tool_chunks(finish=None) + tool_chunks("get_time", ('{}',), "call_2", 1, role=False)
-    response = Response.model_validate(run_collect(ResponsesPresenter("resp_abc", MODEL, REQUEST), chunks))
+    response = Response.model_validate(check_response(run_collect(ResponsesPresenter("resp_abc", MODEL, REQUEST),
+                                                                   chunks)))
     calls = [item for item in response.output if item.type == "function_call"]
     assert [(c.call_id, c.name, c.arguments, c.status) for c in calls] == [
         ("call_abc123", "get_weather", '{"city": "Paris"}', "completed"), ("call_2", "get_time", "{}", "completed")]
@@ -165,9 +203,11 @@ def test_response_object_with_function_calls() -> None:
 
 
 def test_length_makes_the_response_incomplete() -> None:
-    body = run_collect(ResponsesPresenter("resp_abc", MODEL, REQUEST), text_chunks("Hel", finish="length"))
+    body = check_response(run_collect(ResponsesPresenter("resp_abc", MODEL, REQUEST),
+                                      text_chunks("Hel", finish="length")))
     response = Response.model_validate(body)
     assert response.status == "incomplete" and response.incomplete_details is not None
+    assert body["completed_at"] is None
     assert response.incomplete_details.reason == "max_output_tokens" and response.output_text == "Hel"
 
 
@@ -176,6 +216,7 @@ def stream(chunks: list[dict[str, Any]], request: dict[str, Any] = REQUEST) -> l
     for name, data in events:
         assert name == data["type"]
         EVENTS.validate_python(data)  # every event is one the SDK knows, in its shape
+        check_event(data)  # and one of the specification's, in its shape
     assert [data["sequence_number"] for _, data in events] == list(range(len(events)))
     return events
 
@@ -228,10 +269,15 @@ def test_a_stream_failure_is_an_error_event_then_response_failed() -> None:
     events = sse_events(parts)
     for _, data in events:
         EVENTS.validate_python(data)
+        check_event(data)
     assert [name for name, _ in events][-2:] == ["error", "response.failed"]
-    assert events[-2][1]["message"] == "The provider failed." and events[-2][1]["code"] == "provider_error"
+    error = events[-2][1]
+    assert error["error"] == {"type": "provider_error", "code": "provider_error", "message": "The provider failed.",
+                              "param": None}
+    assert error["message"] == "The provider failed." and error["code"] == "provider_error"  # OpenAI's flat copy
     failed = Response.model_validate(events[-1][1]["response"])
     assert failed.status == "failed" and failed.error is not None and failed.error.code == "server_error"
+    assert events[-1][1]["response"]["completed_at"] is None
 
 
 def test_the_sdk_accumulates_our_stream() -> None:
@@ -248,3 +294,56 @@ def test_the_sdk_accumulates_our_stream() -> None:
 def test_error_body_is_openai_envelope() -> None:
     error = ApiError(404, "model_not_found", "No such model.", param="model")
     assert ResponsesPresenter("resp_abc", MODEL, REQUEST).error_body(error)["error"]["param"] == "model"
+
+
+def test_a_bare_request_echoes_every_field_with_what_was_used() -> None:
+    body = check_response(run_collect(ResponsesPresenter("resp_abc", MODEL, {"model": MODEL, "input": "Hi"}),
+                                      text_chunks("Hi")))
+    assert isinstance(body["completed_at"], int) and body["completed_at"] >= body["created_at"]
+    assert {key: body[key] for key in (
+        "temperature", "top_p", "presence_penalty", "frequency_penalty", "top_logprobs", "max_tool_calls",
+        "max_output_tokens", "background", "store", "service_tier", "truncation", "safety_identifier",
+        "prompt_cache_key", "previous_response_id", "instructions", "tools", "tool_choice", "text", "metadata",
+        "parallel_tool_calls")} == {
+        "temperature": CHAT_SAMPLING_DEFAULTS["temperature"], "top_p": CHAT_SAMPLING_DEFAULTS["top_p"],
+        "presence_penalty": 0.0, "frequency_penalty": 0.0, "top_logprobs": 0, "max_tool_calls": None,
+        "max_output_tokens": None, "background": False, "store": False, "service_tier": "default",
+        "truncation": "disabled", "safety_identifier": None, "prompt_cache_key": None, "previous_response_id": None,
+        "instructions": None, "tools": [], "tool_choice": "auto", "text": {"format": {"type": "text"}},
+        "metadata": {}, "parallel_tool_calls": True}
+
+
+def test_given_fields_are_echoed_as_given() -> None:
+    request = {"model": MODEL, "input": "Hi", "temperature": 0, "top_p": 0.5, "presence_penalty": 1,
+               "frequency_penalty": -0.5, "top_logprobs": 4, "max_tool_calls": 3, "service_tier": "auto",
+               "safety_identifier": "user-7", "prompt_cache_key": "cache-1", "background": False, "store": False,
+               "metadata": {"run": "1"}, "parallel_tool_calls": False, "tools": [WEATHER], "tool_choice": "required",
+               "text": {"verbosity": "low"}, "truncation": "auto"}
+    body = check_response(run_collect(ResponsesPresenter("resp_abc", MODEL, request), text_chunks("Hi")))
+    assert {key: body[key] for key in request if key not in ("model", "input")} == {
+        **{key: value for key, value in request.items() if key not in ("model", "input")},
+        "temperature": 0.0, "presence_penalty": 1.0, "service_tier": "default", "truncation": "disabled",
+        "text": {"format": {"type": "text"}, "verbosity": "low"}}
+
+
+def test_the_echoed_sampling_is_what_the_node_was_sent() -> None:
+    request = {"model": MODEL, "input": "Hi", "top_p": 0.7}
+    sent = responses_to_chat(request)
+    body = run_collect(ResponsesPresenter("resp_abc", MODEL, request), text_chunks("Hi"))
+    for key in ("temperature", "top_p", "presence_penalty", "frequency_penalty"):
+        assert body[key] == sent[key], key
+
+
+def test_every_snapshot_of_a_stream_conforms_and_only_the_completed_one_has_completed_at() -> None:
+    events = stream(text_chunks("Hel", "lo"))
+    snapshots = [data["response"] for _, data in events if "response" in data]
+    assert [s["completed_at"] is None for s in snapshots] == [True, True, False]
+    for snapshot in snapshots:
+        check_response(snapshot)
+
+
+def test_a_json_schema_format_is_echoed_whole() -> None:
+    fmt = {"type": "json_schema", "name": "city", "schema": {"type": "object"}}
+    body = run_collect(ResponsesPresenter("resp_abc", MODEL, {"model": MODEL, "input": "Hi", "text": {"format": fmt}}),
+                       text_chunks("{}"))
+    assert body["text"] == {"format": {**fmt, "description": None, "strict": False}}

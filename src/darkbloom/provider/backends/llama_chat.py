@@ -30,9 +30,10 @@ from darkbloom.provider.backends.llama_decode import (ContextOverflow, Finish, P
                                                       decode)
 from darkbloom.provider.backends.llama_instances import CountingLlama
 from darkbloom.provider.backends.llama_prompt import chat_prompt
-from darkbloom.provider.backends.params import CHAT_DEFAULTS, Sampling, chat_logprobs, sampling
+from darkbloom.provider.backends.params import Sampling, chat_logprobs, sampling
 from darkbloom.provider.backends.tool_params import (ToolPlan, call_schema, response_schema, schema_grammar,
                                                      tool_grammar, tool_plan)
+from darkbloom.wire.openai.parameters import CHAT_SAMPLING_DEFAULTS
 
 _CALL_HEAD = re.compile(r'\s*\{\s*"name"\s*:\s*("(?:[^"\\]|\\.)*")\s*,\s*"arguments"\s*:\s*')
 _CALL_TAIL = re.compile(r"[\s}]*\Z")
@@ -56,7 +57,7 @@ def chat_job(body: dict[str, Any], n_vocab: int | None, n_ctx: int) -> ChatJob:
         raise ContextOverflow(None, n_ctx, "messages")
     plan = tool_plan(body)
     schema = response_schema(body)
-    settings = sampling(body, CHAT_DEFAULTS, n_vocab)
+    settings = sampling(body, CHAT_SAMPLING_DEFAULTS, n_vocab)
     settings.top_logprobs = chat_logprobs(body)
     messages = template_messages(messages, plan, schema)
     grammar, param, hold = None, "response_format", False

@@ -29,9 +29,9 @@ import numpy as np
 from darkbloom.provider.backends.llama_decode import ContextOverflow, Piece, decode
 from darkbloom.provider.backends.llama_instances import Cancelled, CountingLlama, GenerationStats
 from darkbloom.provider.backends.llama_prompt import bounded_tokens
-from darkbloom.provider.backends.params import (COMPLETION_DEFAULTS, Sampling, check_token_ids,
-                                                completion_options, completion_prompt, embedding_inputs,
-                                                require_object, sampling)
+from darkbloom.provider.backends.params import (Sampling, check_token_ids, completion_options, completion_prompt,
+                                                embedding_inputs, require_object, sampling)
+from darkbloom.wire.openai.parameters import COMPLETION_SAMPLING_DEFAULTS
 
 
 @dataclass
@@ -43,7 +43,7 @@ class CompletionJob:
 def completion_job(body: Any, n_vocab: int | None) -> CompletionJob:
     body = require_object(body)
     prompt = completion_prompt(body)
-    settings = sampling(body, COMPLETION_DEFAULTS, n_vocab)
+    settings = sampling(body, COMPLETION_SAMPLING_DEFAULTS, n_vocab)
     settings.top_logprobs = completion_options(body)
     return CompletionJob(prompt, settings)
 

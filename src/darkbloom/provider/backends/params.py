@@ -18,10 +18,6 @@ _FLOATS: dict[str, tuple[float, float]] = {
     "presence_penalty": (-2.0, 2.0), "frequency_penalty": (-2.0, 2.0), "repeat_penalty": (0.0, 10.0),
 }
 _INTS: dict[str, tuple[int, int]] = {"top_k": (0, 1_000_000), "seed": (-(2**63), 2**64 - 1)}
-# llama-cpp-python's own defaults for a chat completion and for a prompt completion
-CHAT_DEFAULTS = {"temperature": 0.2, "top_p": 0.95, "top_k": 40, "min_p": 0.05, "typical_p": 1.0,
-                 "repeat_penalty": 1.0, "presence_penalty": 0.0, "frequency_penalty": 0.0}
-COMPLETION_DEFAULTS = {**CHAT_DEFAULTS, "temperature": 0.8}
 MAX_STOPS = 4
 MAX_EMBEDDING_INPUTS = 2048  # OpenAI's own limit; each input is a decode of its own
 

@@ -20,23 +20,12 @@ from typing import Any
 from darkbloom.wire.openai.chunks import delta_text, sse_event
 from darkbloom.wire.openai.errors import ApiError
 from darkbloom.wire.openai.presenters import api_id
+from darkbloom.wire.openai.responses import echo
 from darkbloom.wire.openai.shaping import TokenCounts, with_cost
 
 _INCOMPLETE = {"length": "max_output_tokens", "content_filter": "content_filter"}
 # `Response.error.code` is a closed set in OpenAI's schema; anything else is reported as server_error
 _RESPONSE_ERROR_CODES = frozenset({"server_error", "rate_limit_exceeded", "invalid_prompt"})
-
-
-def _echoed_tools(tools: Any) -> list[dict[str, Any]]:
-    """The request's function tools in the Responses shape (flat), as the response repeats them."""
-    out = []
-    for tool in tools if isinstance(tools, list) else ():
-        if not isinstance(tool, dict):
-            continue
-        spec = tool["function"] if isinstance(tool.get("function"), dict) else tool
-        out.append({"type": "function", "name": spec.get("name"), "description": spec.get("description"),
-                    "parameters": spec.get("parameters"), "strict": spec.get("strict")})
-    return out
 
 
 def usage_object(usage: TokenCounts, cost_micro_usd: int | None = None) -> dict[str, Any]:
@@ -64,20 +53,13 @@ class ResponsesPresenter:
 
     def _response(self, status: str, usage: TokenCounts | None = None, error: dict[str, Any] | None = None,
                   cost_micro_usd: int | None = None) -> dict[str, Any]:
-        request = self.request
         reason = _INCOMPLETE.get(self.finish_reason or "") if status == "incomplete" else None
         return {
-            "id": self.id, "object": "response", "created_at": self.created_at, "status": status,
+            "id": self.id, "object": "response", "created_at": self.created_at,
+            "completed_at": int(time.time()) if status == "completed" else None, "status": status,
             "model": self.model, "output": [self._public(item) for item in self.output],
             "error": error, "incomplete_details": {"reason": reason} if reason else None,
-            "instructions": request.get("instructions"), "max_output_tokens": request.get("max_output_tokens"),
-            "metadata": request.get("metadata") or {},
-            "parallel_tool_calls": request.get("parallel_tool_calls", True),
-            "temperature": request.get("temperature", 1.0), "top_p": request.get("top_p", 1.0),
-            "tool_choice": request.get("tool_choice") or "auto", "tools": _echoed_tools(request.get("tools")),
-            "text": request.get("text") or {"format": {"type": "text"}},
-            "truncation": "disabled", "store": False, "previous_response_id": None,
-            "reasoning": {"effort": None, "summary": None}, "user": request.get("user"),
+            **echo.echo(self.request),
             "usage": usage_object(usage, cost_micro_usd) if usage is not None else None,
         }
 
@@ -186,8 +168,11 @@ class ResponsesPresenter:
         return events + [self._event("response.completed", response=completed)]
 
     def stream_error(self, error: ApiError) -> list[bytes]:
+        """The spec's `error` event (its payload nested in `error`; OpenAI's flat `code`, `message` and
+        `param` kept beside it), then `response.failed`."""
         code = error.code if error.code in _RESPONSE_ERROR_CODES else "server_error"
-        return [self._event("error", code=error.code, message=error.message, param=error.param),
+        payload = {"type": error.type, "code": error.code, "message": error.message, "param": error.param}
+        return [self._event("error", error=payload, code=error.code, message=error.message, param=error.param),
                 self._event("response.failed",
                             response=self._response("failed", error={"code": code, "message": error.message}))]
 

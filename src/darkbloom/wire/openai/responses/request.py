@@ -2,9 +2,10 @@
 chat-completions body a node serves (the answer's way back is `responses.presenter`).
 
 Nothing is stored: `store: true`, `previous_response_id`, `conversation`, `background` and stored
-prompts are refused (400 naming the param). Fields that only shape stored or hosted features
-(`include`, `reasoning`, `truncation`, `metadata`, `user`, `service_tier`, …) are accepted and not
-forwarded.
+prompts are refused (400 naming the param). Fields the response only repeats (`metadata`,
+`service_tier`, `safety_identifier`, …) are checked by `echo` and not forwarded; `include` and
+`reasoning` are accepted and ignored. The sampling numbers are always sent, the node's defaults
+filling the ones left out, so that the response reports what the node sampled with.
 """
 
 from __future__ import annotations
@@ -13,7 +14,8 @@ import json
 from typing import Any
 
 from darkbloom.wire.openai.errors import ApiError, invalid_request
-from darkbloom.wire.openai.parameters import check_model
+from darkbloom.wire.openai.parameters import chat_sampling, check_model
+from darkbloom.wire.openai.responses import echo
 
 _STORED = ("previous_response_id", "conversation", "prompt")
 _ROLES = {"user": "user", "assistant": "assistant", "system": "system", "developer": "system"}
@@ -33,7 +35,8 @@ def responses_to_chat(body: dict[str, Any]) -> dict[str, Any]:
     for param in ("store", "background"):
         if body.get(param) is True:
             raise _stored_unavailable(param)
-    chat: dict[str, Any] = {"model": check_model(body), "messages": _messages(body)}
+    echo.check(body)
+    chat: dict[str, Any] = {"model": check_model(body), "messages": _messages(body), **chat_sampling(body)}
     if body.get("tools") is not None:
         tools = _tools(body["tools"])
         if tools:
@@ -52,9 +55,8 @@ def responses_to_chat(body: dict[str, Any]) -> dict[str, Any]:
         if not isinstance(max_output, int) or isinstance(max_output, bool) or max_output < 1:
             raise invalid_request("'max_output_tokens' must be a positive integer.", param="max_output_tokens")
         chat["max_tokens"] = max_output
-    for field in ("temperature", "top_p", "stream"):
-        if body.get(field) is not None:
-            chat[field] = body[field]
+    if body.get("stream") is not None:
+        chat["stream"] = body["stream"]
     return chat
 
 
