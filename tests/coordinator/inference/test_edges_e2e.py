@@ -206,6 +206,26 @@ async def test_anthropic_messages_take_x_api_key_and_answer_in_anthropics_envelo
     await raw.close()
 
 
+async def _assert_anthropic_refusals(coord: Coordinator,
+                                     cases: list[tuple[str, dict[str, Any], dict[str, str], int, str]]) -> None:
+    for path, sent, headers, status, kind in cases:
+        refused = await _post(coord, path, sent, headers)
+        assert refused.status_code == status, (path, refused.text)
+        assert refused.json() == {"type": "error", "error": {"type": kind, "message": refused.json()["error"]["message"]}}
+
+
+async def test_every_messages_path_answers_in_anthropics_envelope(coord: Coordinator, account: Account) -> None:
+    body = {"model": "no-such", "max_tokens": 4, "messages": HELLO}
+    await _assert_anthropic_refusals(coord, [
+        ("/messages/batches", body, {"x-api-key": account.api_key}, 404, "not_found_error"),
+        ("/messages/batches", body, {}, 404, "not_found_error"),
+        ("/messages", body, {"x-api-key": "dk-wrong"}, 401, "authentication_error"),
+        ("/messages", {**body, "pad": "x" * (9 << 20)}, {"x-api-key": account.api_key}, 413, "request_too_large")])
+    wrong_method = httpx.get(coord.api_url + "/messages", headers=account.headers())
+    assert wrong_method.status_code == 405 and wrong_method.json()["type"] == "error"
+    assert (await _post(coord, "/messagesx", body, account.headers())).json()["error"]["type"] == "not_found"
+
+
 async def test_responses_stream_ends_with_response_completed(coord: Coordinator, account: Account) -> None:
     model = _new_model(coord)
     raw = await _provider(coord, model, ALL)
