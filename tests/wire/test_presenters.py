@@ -45,6 +45,17 @@ def test_chat_stream_has_our_id_and_model_and_usage_only_on_request(include_usag
     assert "".join(c.choices[0].delta.content or "" for c in chunks) == "Hello"
 
 
+def test_chat_stream_opens_with_role_and_empty_content_as_openai_does() -> None:
+    presenter = ChatPresenter(REQUEST_ID, MODEL, {"model": MODEL, "stream": True})
+    events = sse_events(run_stream(presenter, [chat({"role": "assistant"}), chat({"content": "Hi"}), chat({}, "stop")]))
+    assert events[0][1]["choices"][0]["delta"] == {"role": "assistant", "content": ""}
+    assert events[1][1]["choices"][0]["delta"] == {"content": "Hi"}
+    call = {"index": 0, "id": "call_1", "type": "function", "function": {"name": "f", "arguments": "{}"}}
+    opening = chat({"role": "assistant", "tool_calls": [call]})
+    calls = sse_events(run_stream(ChatPresenter(REQUEST_ID, MODEL, {}), [opening, chat({}, "tool_calls")]))
+    assert calls[0][1]["choices"][0]["delta"] == {"role": "assistant", "content": None, "tool_calls": [call]}
+
+
 def test_chat_stream_error_is_one_error_event_and_no_done() -> None:
     presenter = ChatPresenter(REQUEST_ID, MODEL, {"model": MODEL, "stream": True})
     parts = presenter.stream_start() + presenter.stream_chunk(chat({"content": "Hi"}))

@@ -83,7 +83,8 @@ class _OpenAIStream:
 
 
 class ChatPresenter(_OpenAIStream):
-    """`chat.completion` and its chunks: our id and model on every chunk, the `choices: []` usage
+    """`chat.completion` and its chunks: our id and model on every chunk, `content` beside the
+    opening `role`, the `choices: []` usage
     chunk only on `stream_options.include_usage`, one `data: [DONE]`; an in-band failure is one
     `data: {"error": …}` event and no `[DONE]`."""
 
@@ -91,11 +92,23 @@ class ChatPresenter(_OpenAIStream):
         super().__init__(ChunkShaper(request_id, model), request)
         self.message = MessageBuilder()
 
+    def stream_chunk(self, chunk: dict[str, Any]) -> list[bytes]:
+        for choice in chunk.get("choices") or ():
+            _with_content(choice.get("delta"))
+        return super().stream_chunk(chunk)
+
     def collect(self, chunk: dict[str, Any]) -> None:
         self.message.add(chunk)
 
     def response(self, usage: TokenCounts, cost_micro_usd: int | None = None) -> dict[str, Any]:
         return self.shaper.completion(self.message, usage, cost_micro_usd)
+
+
+def _with_content(delta: Any) -> None:
+    """A delta opening the message (`role`) carries `content` as OpenAI's does: `""`, or null beside
+    tool calls; clients read it from the first chunk on."""
+    if isinstance(delta, dict) and "role" in delta and "content" not in delta:
+        delta["content"] = None if delta.get("tool_calls") or delta.get("function_call") else ""
 
 
 class CompletionsPresenter(_OpenAIStream):
