@@ -129,6 +129,7 @@ def test_message_with_text() -> None:
     assert message.id == "msg_abc" and message.model == MODEL and message.stop_reason == "end_turn"
     assert [block.type for block in message.content] == ["text"] and body["content"][0]["text"] == "Hello"
     assert (message.usage.input_tokens, message.usage.output_tokens) == (7, 5) and message.stop_sequence is None
+    assert (message.usage.cache_read_input_tokens, message.usage.cache_creation_input_tokens) == (0, 0)
 
 
 @pytest.mark.parametrize("finish, reason", [("length", "max_tokens"), ("content_filter", "refusal")])
@@ -178,9 +179,10 @@ def test_streamed_text_event_sequence() -> None:
     assert [name for name, _ in events] == [
         "message_start", "ping", "content_block_start", "content_block_delta", "content_block_delta",
         "content_block_stop", "message_delta", "message_stop"]
-    assert events[0][1]["message"]["usage"] == {"input_tokens": 0, "output_tokens": 0}
+    no_cache = {"cache_creation_input_tokens": 0, "cache_read_input_tokens": 0}
+    assert events[0][1]["message"]["usage"] == {"input_tokens": 0, "output_tokens": 0, **no_cache}
     assert events[6][1]["delta"]["stop_reason"] == "end_turn"
-    assert events[6][1]["usage"] == {"input_tokens": 7, "output_tokens": 5}
+    assert events[6][1]["usage"] == {"input_tokens": 7, "output_tokens": 5, **no_cache}
     message = accumulate(events)
     assert message.content[0].type == "text" and message.content[0].text == "Hello"
     assert message.stop_reason == "end_turn" and message.usage.output_tokens == 5
