@@ -10,7 +10,8 @@ import anthropic.types as at
 import pytest
 from pydantic import TypeAdapter
 
-from darkbloom.wire.openai.anthropic_messages import MessagesPresenter, anthropic_error_body, messages_to_chat
+from darkbloom.wire.openai.anthropic_messages import (MessagesPresenter, anthropic_error_body, messages_prompt,
+                                                      messages_to_chat)
 from darkbloom.wire.openai.errors import ApiError
 from tests.wire.node_chunks import chat, run_collect, run_stream, sse_events, text_chunks, tool_chunks
 
@@ -121,6 +122,15 @@ def test_refusals_name_their_param(change: dict[str, Any], param: str) -> None:
         messages_to_chat({"model": MODEL, "max_tokens": 32, "messages": HI, **change})
     assert (caught.value.status, caught.value.param) == (400, param)
     assert anthropic_error_body(caught.value)["error"]["type"] == "invalid_request_error"
+
+
+def test_the_prompt_part_needs_no_max_tokens_and_is_what_the_request_sends() -> None:
+    body = {"model": MODEL, "system": "Be brief.", "messages": HI,
+            "tools": [{"name": "f", "input_schema": {"type": "object"}}], "temperature": 0.5}
+    prompt = messages_prompt(body)
+    assert set(prompt) == {"model", "messages", "tools"} and prompt["messages"][0]["role"] == "system"
+    assert {k: v for k, v in messages_to_chat({**body, "max_tokens": 8}).items()
+            if k in prompt} == prompt
 
 
 def test_message_with_text() -> None:

@@ -206,6 +206,27 @@ async def test_anthropic_messages_take_x_api_key_and_answer_in_anthropics_envelo
     await raw.close()
 
 
+async def test_count_tokens_is_the_context_estimate_unbilled_and_in_anthropics_envelope(
+        coord: Coordinator, account: Account) -> None:
+    model = _new_model(coord)
+    before = balance(coord, account)
+    body = {"model": model, "system": "Be brief.", "messages": HELLO}
+    counted = await _post(coord, "/messages/count_tokens", body, {"x-api-key": account.api_key})
+    assert counted.status_code == 200, counted.text
+    chat = {"messages": [{"role": "system", "content": "Be brief."}, *HELLO]}
+    expected = -(-(len(json.dumps(chat, separators=(",", ":"))) + 16) // 4)  # the context check's estimate
+    assert counted.json() == {"input_tokens": expected}
+    longer = await _post(coord, "/messages/count_tokens", {**body, "messages": [{"role": "user", "content": "hi " * 50}]},
+                         account.headers())
+    assert longer.json()["input_tokens"] > expected
+    rows = httpx.get(coord.api_url + "/payments/usage", headers=account.headers()).json()["data"]
+    assert balance(coord, account) == before and not any(row["model"] == model for row in rows)
+    await _assert_anthropic_refusals(coord, [
+        ("/messages/count_tokens", body, {"x-api-key": "dk-wrong"}, 401, "authentication_error"),
+        ("/messages/count_tokens", {"model": model}, {"x-api-key": account.api_key}, 400, "invalid_request_error"),
+        ("/messages/count_tokens", {**body, "model": "no-such"}, account.headers(), 404, "not_found_error")])
+
+
 async def _assert_anthropic_refusals(coord: Coordinator,
                                      cases: list[tuple[str, dict[str, Any], dict[str, str], int, str]]) -> None:
     for path, sent, headers, status, kind in cases:

@@ -37,5 +37,10 @@ def context_needed(call: InferenceCall, prompt_bound: int, output_bound: int) ->
     digits, other scripts) is refused by the node, which counts exactly."""
     if call.api == "embeddings":
         return 0
-    prompt = -(-prompt_bound // BYTES_PER_TOKEN)
-    return prompt + (output_bound if call.max_tokens is not None else 1)
+    return prompt_estimate(prompt_bound) + (output_bound if call.max_tokens is not None else 1)
+
+
+def prompt_estimate(prompt_bound: int) -> int:
+    """The prompt's tokens as the coordinator estimates them (its bound at ``BYTES_PER_TOKEN``): what
+    the context check counts, and what ``POST /v1/messages/count_tokens`` answers."""
+    return -(-prompt_bound // BYTES_PER_TOKEN)

@@ -33,34 +33,43 @@ _SKIPPED_BLOCKS = frozenset({"thinking", "redacted_thinking"})  # a reasoning mo
 
 
 def messages_to_chat(body: dict[str, Any]) -> dict[str, Any]:
-    model = check_model(body)
+    check_model(body)
     max_tokens = body.get("max_tokens")
     if not isinstance(max_tokens, int) or isinstance(max_tokens, bool) or max_tokens < 1:
         raise invalid_request("max_tokens is required: a positive integer.", param="max_tokens")
-    messages = _system(body.get("system"))
-    raw = body.get("messages")
-    if not isinstance(raw, list) or not raw:
-        raise invalid_request("messages must be a non-empty array of messages.", param="messages")
-    for index, message in enumerate(raw):
-        messages += _message(message, f"messages[{index}]")
-    chat: dict[str, Any] = {"model": model, "messages": messages, "max_tokens": max_tokens}
-    tools = body.get("tools")
-    if tools is not None:
-        chat["tools"] = _tools(tools)
-    if body.get("tool_choice") is not None:
-        chat.update(_tool_choice(body["tool_choice"]))
+    chat = messages_prompt(body)
+    chat["max_tokens"] = max_tokens
     stop = body.get("stop_sequences")
     if stop is not None:
         if not isinstance(stop, list) or not all(isinstance(s, str) for s in stop):
             raise invalid_request("stop_sequences must be an array of strings.", param="stop_sequences")
         if stop:
             chat["stop"] = stop
-    response_format = _output_format(body.get("output_config"))
-    if response_format is not None:
-        chat["response_format"] = response_format
     for field in ("temperature", "top_p", "top_k", "stream"):
         if body.get(field) is not None:
             chat[field] = body[field]
+    return chat
+
+
+def messages_prompt(body: dict[str, Any]) -> dict[str, Any]:
+    """What of a Messages request the model reads, as chat: `model`, `messages` (the system prompt
+    first), `tools`, `tool_choice` and `response_format` — the part `count_tokens` counts."""
+    model = check_model(body)
+    messages = _system(body.get("system"))
+    raw = body.get("messages")
+    if not isinstance(raw, list) or not raw:
+        raise invalid_request("messages must be a non-empty array of messages.", param="messages")
+    for index, message in enumerate(raw):
+        messages += _message(message, f"messages[{index}]")
+    chat: dict[str, Any] = {"model": model, "messages": messages}
+    tools = body.get("tools")
+    if tools is not None:
+        chat["tools"] = _tools(tools)
+    if body.get("tool_choice") is not None:
+        chat.update(_tool_choice(body["tool_choice"]))
+    response_format = _output_format(body.get("output_config"))
+    if response_format is not None:
+        chat["response_format"] = response_format
     return chat
 
 
