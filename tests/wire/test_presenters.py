@@ -125,6 +125,21 @@ def test_completions_stream(include_usage: bool) -> None:
     assert [c.choices[0].text for c in chunks] == [" upon", " a"] and chunks[-1].choices[0].finish_reason == "length"
 
 
+def test_a_batch_of_prompts_answers_one_choice_per_prompt_in_order() -> None:
+    def at(index: int, text: str, finish: str | None = None) -> dict[str, object]:
+        chunk = completion(text, finish)
+        chunk["choices"][0]["index"] = index
+        return chunk
+
+    request = {"model": MODEL, "prompt": ["a", "b", "c"]}
+    chunks = [at(0, "A"), at(0, "a", "stop"), at(2, "C", "length"), at(1, "B", "stop"), at(7, "stray")]
+    parsed = oai.Completion.model_validate(run_collect(CompletionsPresenter(REQUEST_ID, MODEL, request), chunks))
+    assert [(c.index, c.text, c.finish_reason) for c in parsed.choices] == [
+        (0, "Aa", "stop"), (1, "B", "stop"), (2, "C", "length")]
+    streamed = sse_events(run_stream(CompletionsPresenter(REQUEST_ID, MODEL, request), chunks[:4]))
+    assert [data["choices"][0]["index"] for _, data in streamed[:-1]] == [0, 0, 2, 1]
+
+
 def test_completions_collect_joins_text_and_logprobs() -> None:
     def lp(token: str, offset: int) -> dict[str, object]:
         return {"tokens": [token], "token_logprobs": [-1.0], "top_logprobs": [{token: -1.0}], "text_offset": [offset]}

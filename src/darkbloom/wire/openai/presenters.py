@@ -19,6 +19,7 @@ from typing import Any, Protocol
 
 from darkbloom.wire.openai.chunks import SSE_DONE, MessageBuilder, sse, wants_usage_chunk
 from darkbloom.wire.openai.errors import ApiError
+from darkbloom.wire.openai.legacy import completion_prompts
 from darkbloom.wire.openai.shaping import ChunkShaper, TokenCounts, usage_dict, with_cost
 
 
@@ -112,36 +113,49 @@ def _with_content(delta: Any) -> None:
 
 
 class CompletionsPresenter(_OpenAIStream):
-    """Legacy `text_completion` objects, streamed (same SSE rules as chat) or whole. Whole, the text
-    is joined and the legacy logprobs lists (`tokens`, `token_logprobs`, `top_logprobs`,
-    `text_offset`) are concatenated."""
-
-    _LOGPROB_LISTS = ("tokens", "token_logprobs", "top_logprobs", "text_offset")
+    """Legacy `text_completion` objects, streamed (same SSE rules as chat; a batch's chunks carry each
+    prompt's `index`) or whole: one choice per prompt, in order, its text joined and its legacy logprobs
+    lists (`tokens`, `token_logprobs`, `top_logprobs`, `text_offset`) concatenated."""
 
     def __init__(self, request_id: str, model: str, request: dict[str, Any]) -> None:
         super().__init__(ChunkShaper(api_id("cmpl-", request_id), model, "text_completion"), request)
+        self.choices = [_CompletionChoice() for _ in completion_prompts(request)]
+
+    def collect(self, chunk: dict[str, Any]) -> None:
+        for choice in chunk.get("choices") or ():
+            index = choice.get("index", 0)
+            if isinstance(index, int) and 0 <= index < len(self.choices):
+                self.choices[index].add(choice)
+
+    def response(self, usage: TokenCounts, cost_micro_usd: int | None = None) -> dict[str, Any]:
+        return {"id": self.shaper.request_id, "object": "text_completion", "created": self.shaper.created,
+                "model": self.shaper.model, "choices": [c.whole(i) for i, c in enumerate(self.choices)],
+                "usage": usage_dict(usage, cost_micro_usd)}
+
+
+class _CompletionChoice:
+    _LOGPROB_LISTS = ("tokens", "token_logprobs", "top_logprobs", "text_offset")
+
+    def __init__(self) -> None:
         self.text: list[str] = []
         self.logprobs: dict[str, list[Any]] | None = None
         self.finish_reason: str | None = None
 
-    def collect(self, chunk: dict[str, Any]) -> None:
-        for choice in chunk.get("choices") or ():
-            if isinstance(choice.get("text"), str):
-                self.text.append(choice["text"])
-            logprobs = choice.get("logprobs")
-            if isinstance(logprobs, dict):
-                merged = self.logprobs if self.logprobs is not None else {k: [] for k in self._LOGPROB_LISTS}
-                for key in self._LOGPROB_LISTS:
-                    merged[key].extend(logprobs.get(key) or ())
-                self.logprobs = merged
-            if choice.get("finish_reason"):
-                self.finish_reason = choice["finish_reason"]
+    def add(self, choice: dict[str, Any]) -> None:
+        if isinstance(choice.get("text"), str):
+            self.text.append(choice["text"])
+        logprobs = choice.get("logprobs")
+        if isinstance(logprobs, dict):
+            merged = self.logprobs if self.logprobs is not None else {k: [] for k in self._LOGPROB_LISTS}
+            for key in self._LOGPROB_LISTS:
+                merged[key].extend(logprobs.get(key) or ())
+            self.logprobs = merged
+        if choice.get("finish_reason"):
+            self.finish_reason = choice["finish_reason"]
 
-    def response(self, usage: TokenCounts, cost_micro_usd: int | None = None) -> dict[str, Any]:
-        choice = {"index": 0, "text": "".join(self.text), "logprobs": self.logprobs,
-                  "finish_reason": self.finish_reason or "stop"}
-        return {"id": self.shaper.request_id, "object": "text_completion", "created": self.shaper.created,
-                "model": self.shaper.model, "choices": [choice], "usage": usage_dict(usage, cost_micro_usd)}
+    def whole(self, index: int) -> dict[str, Any]:
+        return {"index": index, "text": "".join(self.text), "logprobs": self.logprobs,
+                "finish_reason": self.finish_reason or "stop"}
 
 
 def float32_base64(vector: list[float]) -> str:
