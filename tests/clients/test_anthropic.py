@@ -1,5 +1,6 @@
 """The anthropic SDK against the coordinator's /v1/messages (the key in `x-api-key`, as the SDK sends
-it): plain, streamed, a forced tool use, and its error classes with Anthropic's error envelope."""
+it): plain, streamed, a forced tool use, `messages.count_tokens`, and its error classes with
+Anthropic's error envelope."""
 
 from __future__ import annotations
 
@@ -25,6 +26,21 @@ def test_messages_create(stack: Stack) -> None:
     assert message.content and message.content[0].type == "text" and isinstance(message.content[0].text, str)
     assert message.stop_reason in ("end_turn", "max_tokens")
     assert message.usage.input_tokens > 0 and message.usage.output_tokens > 0
+
+
+@cell(CLIENT, "messages")
+def test_count_tokens_and_the_cache_fields(stack: Stack) -> None:
+    client = sdk(stack)
+    counted = client.messages.count_tokens(model=MODEL, system="Answer briefly.", messages=ASK)
+    assert counted.input_tokens > 0
+    longer = client.messages.count_tokens(model=MODEL, system="Answer briefly.", messages=[
+        {"role": "user", "content": PROMPT + " Then name another one, and say why."}])
+    assert longer.input_tokens > counted.input_tokens
+    message = client.messages.create(model=MODEL, max_tokens=4, messages=ASK)
+    assert (message.usage.cache_read_input_tokens, message.usage.cache_creation_input_tokens) == (0, 0)
+    with pytest.raises(anthropic.NotFoundError) as caught:
+        client.messages.count_tokens(model="no-such-model", messages=ASK)
+    assert caught.value.body["type"] == "error" and caught.value.body["error"]["type"] == "not_found_error"
 
 
 @cell(CLIENT, "messages-stream")

@@ -1,6 +1,7 @@
 """LangChain's ChatOpenAI: invoke, stream (with `stream_usage`), `with_structured_output` (its default
 method, json_schema), `bind_tools` with a named `tool_choice`, the Responses API
-(`use_responses_api=True`), and the openai error classes it raises."""
+(`use_responses_api=True`), and the openai error classes it raises; its `OpenAI` LLM (legacy
+completions), whose `.batch()` and `.generate()` send a list of prompts in one request."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ import openai
 import pytest
 from langchain_core.messages import AIMessage
 from langchain_core.tools import tool
-from langchain_openai import ChatOpenAI
+from langchain_openai import ChatOpenAI, OpenAI
 
 from tests.clients.support import MODEL, PROMPT, WEATHER_PROMPT, WEATHER_SCHEMA, Colour, Stack, cell, errors, valid
 
@@ -74,6 +75,20 @@ def test_bind_tools_streamed(stack: Stack) -> None:
     for chunk in chunks[1:]:
         whole = whole + chunk
     forced_call(AIMessage(content="", tool_calls=whole.tool_calls))
+
+
+@cell(CLIENT, "completions")
+def test_completions_llm_batch_and_generate(stack: Stack) -> None:
+    completions = OpenAI(model=MODEL, base_url=stack.api_url, api_key=stack.key, max_tokens=8, max_retries=0,
+                         temperature=0)
+    answers = completions.batch(["Once upon a time", "The sky is", "Roses are"])
+    assert len(answers) == 3 and all(isinstance(answer, str) for answer in answers)
+    result = completions.generate(["One, two,", "Once upon a time"])
+    assert [len(generation) for generation in result.generations] == [1, 1]
+    assert result.generations[1][0].text == answers[0]  # each prompt its own choice, in order
+    usage = (result.llm_output or {})["token_usage"]
+    assert usage["prompt_tokens"] > 0 and 0 < usage["completion_tokens"] <= 16
+    assert isinstance(completions.invoke("The sky is"), str)
 
 
 @cell(CLIENT, "responses")

@@ -10,7 +10,8 @@ from typing import Any, AsyncIterator
 
 import pytest
 
-from darkbloom.provider.backends.base import BackendError, UsageMeter, open_stream
+from darkbloom.provider.backends.base import BackendError, UsageMeter
+from darkbloom.provider.backends.streams import open_stream
 from darkbloom.provider.backends.llama_cpp import LlamaCppBackend
 from darkbloom.wire.protocol import CAPABILITIES
 from tests.support.recording_backend import RecordingLlamaCppBackend
@@ -177,3 +178,34 @@ async def test_an_api_the_backend_lacks_is_400(backend: LlamaCppBackend) -> None
     with pytest.raises(BackendError) as info:
         open_stream(ChatOnly(), "embeddings", MODEL, {"input": "x"})  # type: ignore[arg-type]
     assert (info.value.status_code, info.value.param) == (400, "model")
+
+
+async def test_a_batch_of_prompts_runs_each_in_turn_with_its_index_and_summed_usage(
+        backend: LlamaCppBackend) -> None:
+    prompts = [STORY, "The capital of France is", [1, 2, 3]]
+    singles = [await collect(backend, "completions", {"prompt": p, "max_tokens": 6, "temperature": 0})
+               for p in prompts]
+    *chunks, final = await collect(backend, "completions", {"prompt": prompts, "max_tokens": 6, "temperature": 0})
+    indices = [c["choices"][0]["index"] for c in chunks]
+    assert indices == sorted(indices) and set(indices) == {0, 1, 2}
+    for index, single in enumerate(singles):
+        text = "".join(c["choices"][0]["text"] for c in chunks if c["choices"][0]["index"] == index)
+        assert text == "".join(c["choices"][0]["text"] for c in single[:-1])
+    assert final["choices"] == [] and final["object"] == "text_completion"
+    for field in ("prompt_tokens", "completion_tokens"):
+        assert final["usage"][field] == sum(single[-1]["usage"][field] for single in singles)
+
+
+async def test_a_stopped_batch_reports_what_all_its_prompts_used(backend: RecordingLlamaCppBackend) -> None:
+    meter = UsageMeter()
+    stream = open_stream(backend, "completions", MODEL, {"prompt": ["Hello", STORY], "max_tokens": 300,
+                                                         "temperature": 0}, meter)
+    async for chunk in stream:
+        if chunk["choices"][0]["index"] == 1:
+            break
+    await stream.aclose()
+    assert await meter.stopped(10)
+    first, second = backend.recent[-2:]
+    assert second.cancelled and not first.cancelled
+    assert meter.prompt_tokens == first.prompt_tokens + second.prompt_tokens
+    assert meter.completion_tokens == first.completion_tokens + second.completion_tokens

@@ -30,7 +30,8 @@ async def answer(conn: Conn, request_id: str, api: str, body: dict[str, Any]) ->
 async def test_models_advertise_their_capabilities(harness: Harness) -> None:
     _, register = await harness.connect()
     [model] = register.models
-    assert set(model.capabilities) == {"tools", "structured_output", "logprobs", "completions", "embeddings"}
+    assert set(model.capabilities) == {"tools", "structured_output", "logprobs", "completions", "completion_batches",
+                                       "embeddings"}
 
 
 def test_a_vision_model_also_advertises_images(harness: Harness) -> None:

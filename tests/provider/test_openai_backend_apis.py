@@ -12,7 +12,8 @@ import httpx
 import pytest
 
 from darkbloom.provider.backends import create_backend
-from darkbloom.provider.backends.base import TEXT_MODEL_CAPABILITIES, BackendError, UsageMeter, open_stream
+from darkbloom.provider.backends.base import TEXT_MODEL_CAPABILITIES, BackendError, UsageMeter
+from darkbloom.provider.backends.streams import open_stream
 from darkbloom.provider.backends.openai_upstream import OpenAIUpstreamBackend
 from darkbloom.provider.config import ConfigError, load_config
 from darkbloom.paths import provider_config_path

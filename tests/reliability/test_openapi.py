@@ -72,7 +72,7 @@ def test_every_error_is_the_envelope(document: dict[str, Any]) -> None:
         for status, response in op["responses"].items():
             if int(status) < 400 or (path, status) == ("/readyz", "503"):  # readiness answers its own shape
                 continue
-            envelope = "AnthropicError" if path == "/v1/messages" else "Error"  # each API its own envelope
+            envelope = "AnthropicError" if path.startswith("/v1/messages") else "Error"  # each API its own envelope
             assert response["content"] == {"application/json": {"schema": {"$ref": f"#/components/schemas/{envelope}"}}}, \
                 (method, path, status)
             assert "error.code" in response["description"], (method, path, status)

@@ -10,7 +10,8 @@ import anthropic.types as at
 import pytest
 from pydantic import TypeAdapter
 
-from darkbloom.wire.openai.anthropic_messages import MessagesPresenter, anthropic_error_body, messages_to_chat
+from darkbloom.wire.openai.anthropic_messages import (MessagesPresenter, anthropic_error_body, messages_prompt,
+                                                      messages_to_chat)
 from darkbloom.wire.openai.errors import ApiError
 from tests.wire.node_chunks import chat, run_collect, run_stream, sse_events, text_chunks, tool_chunks
 
@@ -123,12 +124,22 @@ def test_refusals_name_their_param(change: dict[str, Any], param: str) -> None:
     assert anthropic_error_body(caught.value)["error"]["type"] == "invalid_request_error"
 
 
+def test_the_prompt_part_needs_no_max_tokens_and_is_what_the_request_sends() -> None:
+    body = {"model": MODEL, "system": "Be brief.", "messages": HI,
+            "tools": [{"name": "f", "input_schema": {"type": "object"}}], "temperature": 0.5}
+    prompt = messages_prompt(body)
+    assert set(prompt) == {"model", "messages", "tools"} and prompt["messages"][0]["role"] == "system"
+    assert {k: v for k, v in messages_to_chat({**body, "max_tokens": 8}).items()
+            if k in prompt} == prompt
+
+
 def test_message_with_text() -> None:
     body = run_collect(MessagesPresenter("msg_abc", MODEL, {}), text_chunks("Hel", "lo"))
     message = at.Message.model_validate(body)
     assert message.id == "msg_abc" and message.model == MODEL and message.stop_reason == "end_turn"
     assert [block.type for block in message.content] == ["text"] and body["content"][0]["text"] == "Hello"
     assert (message.usage.input_tokens, message.usage.output_tokens) == (7, 5) and message.stop_sequence is None
+    assert (message.usage.cache_read_input_tokens, message.usage.cache_creation_input_tokens) == (0, 0)
 
 
 @pytest.mark.parametrize("finish, reason", [("length", "max_tokens"), ("content_filter", "refusal")])
@@ -178,9 +189,10 @@ def test_streamed_text_event_sequence() -> None:
     assert [name for name, _ in events] == [
         "message_start", "ping", "content_block_start", "content_block_delta", "content_block_delta",
         "content_block_stop", "message_delta", "message_stop"]
-    assert events[0][1]["message"]["usage"] == {"input_tokens": 0, "output_tokens": 0}
+    no_cache = {"cache_creation_input_tokens": 0, "cache_read_input_tokens": 0}
+    assert events[0][1]["message"]["usage"] == {"input_tokens": 0, "output_tokens": 0, **no_cache}
     assert events[6][1]["delta"]["stop_reason"] == "end_turn"
-    assert events[6][1]["usage"] == {"input_tokens": 7, "output_tokens": 5}
+    assert events[6][1]["usage"] == {"input_tokens": 7, "output_tokens": 5, **no_cache}
     message = accumulate(events)
     assert message.content[0].type == "text" and message.content[0].text == "Hello"
     assert message.stop_reason == "end_turn" and message.usage.output_tokens == 5

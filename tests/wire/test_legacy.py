@@ -7,7 +7,8 @@ from typing import Any
 import pytest
 
 from darkbloom.wire.openai.errors import ApiError
-from darkbloom.wire.openai.legacy import MAX_EMBEDDING_INPUTS, completions_request, embeddings_request
+from darkbloom.wire.openai.legacy import (MAX_EMBEDDING_INPUTS, MAX_PROMPTS, completion_prompts, completions_request,
+                                         embeddings_request)
 
 MODEL = "smollm2-135m"
 
@@ -21,8 +22,11 @@ def refused(translate: Any, body: dict[str, Any]) -> ApiError:
 
 @pytest.mark.parametrize("prompt, sent", [
     ("Once upon", "Once upon"), (["Once upon"], "Once upon"), ([1, 2, 3], [1, 2, 3]), ([[1, 2]], [1, 2]), ("", ""),
+    (["a", "b", "c"], ["a", "b", "c"]), ([[1], [2, 3]], [[1], [2, 3]]), (["a", [1]], ["a", [1]]),
 ])
 def test_completions_prompt_forms(prompt: Any, sent: Any) -> None:
+    assert completion_prompts({"prompt": sent}) == (sent if isinstance(sent, list) and sent and
+                                                    isinstance(sent[0], (str, list)) else [sent])
     body = {"model": MODEL, "prompt": prompt, "max_tokens": 8, "stream": True,
             "stream_options": {"include_usage": True}, "echo": True, "suffix": "end", "logprobs": 2, "seed": 1}
     node = completions_request(body)
@@ -32,7 +36,8 @@ def test_completions_prompt_forms(prompt: Any, sent: Any) -> None:
 
 @pytest.mark.parametrize("change, param", [
     ({"model": ""}, "model"),
-    ({"prompt": ["a", "b"]}, "prompt"),
+    ({"prompt": ["a", 1]}, "prompt"),
+    ({"prompt": ["a", []]}, "prompt"),
     ({"prompt": []}, "prompt"),
     ({"prompt": None}, "prompt"),
     ({"prompt": [1, "a"]}, "prompt"),
@@ -84,3 +89,9 @@ def test_embeddings_refusals_name_their_param(change: dict[str, Any], param: str
 
 def test_embeddings_dimensions_null_is_absent() -> None:
     assert embeddings_request({"model": MODEL, "input": "x", "dimensions": None}) == {"model": MODEL, "input": "x"}
+
+
+def test_a_list_of_prompts_is_at_most_max_prompts() -> None:
+    assert len(completion_prompts(completions_request({"model": MODEL, "prompt": ["x"] * MAX_PROMPTS}))) == MAX_PROMPTS
+    error = refused(completions_request, {"model": MODEL, "prompt": ["x"] * (MAX_PROMPTS + 1)})
+    assert (error.code, error.param) == ("too_many_prompts", "prompt") and str(MAX_PROMPTS) in error.message

@@ -45,6 +45,17 @@ def test_chat_stream_has_our_id_and_model_and_usage_only_on_request(include_usag
     assert "".join(c.choices[0].delta.content or "" for c in chunks) == "Hello"
 
 
+def test_chat_stream_opens_with_role_and_empty_content_as_openai_does() -> None:
+    presenter = ChatPresenter(REQUEST_ID, MODEL, {"model": MODEL, "stream": True})
+    events = sse_events(run_stream(presenter, [chat({"role": "assistant"}), chat({"content": "Hi"}), chat({}, "stop")]))
+    assert events[0][1]["choices"][0]["delta"] == {"role": "assistant", "content": ""}
+    assert events[1][1]["choices"][0]["delta"] == {"content": "Hi"}
+    call = {"index": 0, "id": "call_1", "type": "function", "function": {"name": "f", "arguments": "{}"}}
+    opening = chat({"role": "assistant", "tool_calls": [call]})
+    calls = sse_events(run_stream(ChatPresenter(REQUEST_ID, MODEL, {}), [opening, chat({}, "tool_calls")]))
+    assert calls[0][1]["choices"][0]["delta"] == {"role": "assistant", "content": None, "tool_calls": [call]}
+
+
 def test_chat_stream_error_is_one_error_event_and_no_done() -> None:
     presenter = ChatPresenter(REQUEST_ID, MODEL, {"model": MODEL, "stream": True})
     parts = presenter.stream_start() + presenter.stream_chunk(chat({"content": "Hi"}))
@@ -112,6 +123,21 @@ def test_completions_stream(include_usage: bool) -> None:
         assert chunks[-1].choices == [] and chunks[-1].usage is not None and chunks[-1].usage.total_tokens == 12
         chunks = chunks[:-1]
     assert [c.choices[0].text for c in chunks] == [" upon", " a"] and chunks[-1].choices[0].finish_reason == "length"
+
+
+def test_a_batch_of_prompts_answers_one_choice_per_prompt_in_order() -> None:
+    def at(index: int, text: str, finish: str | None = None) -> dict[str, object]:
+        chunk = completion(text, finish)
+        chunk["choices"][0]["index"] = index
+        return chunk
+
+    request = {"model": MODEL, "prompt": ["a", "b", "c"]}
+    chunks = [at(0, "A"), at(0, "a", "stop"), at(2, "C", "length"), at(1, "B", "stop"), at(7, "stray")]
+    parsed = oai.Completion.model_validate(run_collect(CompletionsPresenter(REQUEST_ID, MODEL, request), chunks))
+    assert [(c.index, c.text, c.finish_reason) for c in parsed.choices] == [
+        (0, "Aa", "stop"), (1, "B", "stop"), (2, "C", "length")]
+    streamed = sse_events(run_stream(CompletionsPresenter(REQUEST_ID, MODEL, request), chunks[:4]))
+    assert [data["choices"][0]["index"] for _, data in streamed[:-1]] == [0, 0, 2, 1]
 
 
 def test_completions_collect_joins_text_and_logprobs() -> None:

@@ -22,6 +22,7 @@ from typing import Any, AsyncIterator
 
 from darkbloom.wire import crypto
 from darkbloom.wire import protocol
+from darkbloom.wire.openai.legacy import completion_prompts
 from darkbloom.wire.token_bounds import prompt_token_bound
 from darkbloom.provider.backends import Backend, BackendError, open_stream
 from darkbloom.provider.backends.base import UsageMeter, chunk_usage, is_usage_chunk
@@ -40,7 +41,7 @@ class Job:
     task: asyncio.Task[None] | None = field(default=None, repr=False)
     settling: asyncio.Task[None] | None = field(default=None, repr=False)  # after a cancel: the usage report
     cancelled: bool = False  # once set, nothing more is sent for this request but the usage report on cancel
-    max_tokens: int | None = None  # what the coordinator asked for: the most this node ever reports
+    max_tokens: int | None = None  # what the coordinator asked for (× a batch's prompts): the most this node reports
     api: protocol.Api = "chat"
     body: dict[str, Any] | None = field(default=None, repr=False)  # for the prompt bound, once reported
 
@@ -146,6 +147,8 @@ class FleetRequests:
             max_tokens = body.get("max_tokens")
             job.api, job.body = frame.api, body
             job.max_tokens = max_tokens if isinstance(max_tokens, int) and not isinstance(max_tokens, bool) else None
+            if job.max_tokens is not None and frame.api == "completions":  # max_tokens is each prompt's
+                job.max_tokens *= len(completion_prompts(body))
             # an embeddings body has no max_tokens: nothing to hold the report to but the backend's count
             relayed = await self._relay(job, sealer, open_stream(self.backend, frame.api, model_id, body, job.meter))
             usage = job.report(relayed.prompt_tokens, relayed.completion_tokens)

@@ -41,10 +41,13 @@ def register_frame(config: ProviderConfig, home: Path, identity: crypto.NodeIden
 
 
 def with_capabilities(models: list[protocol.ModelInfo], backend: Backend) -> list[protocol.ModelInfo]:
-    """Each model with the capabilities its backend serves it with (images also for a vision model)."""
+    """Each model with the capabilities its backend serves it with (images also for a vision model;
+    completion batches wherever completions are, as the node runs a batch's prompts itself)."""
     out = []
     for info in models:
         names = set(backend.capabilities(info.id)) | ({"images"} if info.is_vision else set())
+        if "completions" in names:
+            names.add("completion_batches")
         out.append(info.model_copy(update={"capabilities": sorted(names & protocol.CAPABILITIES)}))
     return out
 

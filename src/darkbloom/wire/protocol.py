@@ -38,8 +38,10 @@ PROVIDER_WS_PATH = "/ws/provider"
 # the node APIs a sealed body may be for: `chat` (also what Responses and Messages become), `completions`, `embeddings`
 Api = Literal["chat", "completions", "embeddings"]
 
-# what a model may advertise in `ModelInfo.capabilities` beyond plain chat (`images` also from `is_vision`)
-CAPABILITIES = frozenset({"tools", "structured_output", "logprobs", "completions", "embeddings", "images"})
+# what a model may advertise in `ModelInfo.capabilities` beyond plain chat (`images` also from `is_vision`;
+# `completion_batches`: a legacy completions body whose `prompt` is a list of several, one choice each)
+CAPABILITIES = frozenset({"tools", "structured_output", "logprobs", "completions", "completion_batches", "embeddings",
+                          "images"})
 
 # `InferenceError.code` values the coordinator passes on to the client.
 PROVIDER_ERROR_CODES = frozenset({"context_length_exceeded"})

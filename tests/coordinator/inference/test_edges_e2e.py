@@ -206,6 +206,86 @@ async def test_anthropic_messages_take_x_api_key_and_answer_in_anthropics_envelo
     await raw.close()
 
 
+async def test_a_list_of_prompts_is_one_request_with_a_choice_per_prompt(coord: Coordinator, account: Account) -> None:
+    model = _new_model(coord)
+    without = await _provider(coord, model, ALL)
+    body = {"model": model, "prompt": ["One", "Two", "Three"], "max_tokens": 5}
+    refused = await _post(coord, "/completions", body, account.headers())
+    assert refused.status_code == 400 and refused.json()["error"]["code"] == "model_capability_unsupported"
+    assert refused.json()["error"]["param"] == "prompt" and not without.seen_requests
+    await without.close()
+    raw = await _provider(coord, model, (*ALL, "completion_batches"))
+    too_many = await _post(coord, "/completions", {**body, "prompt": ["x"] * 33}, account.headers())
+    assert too_many.status_code == 400 and too_many.json()["error"]["code"] == "too_many_prompts"
+    before = balance(coord, account)
+    for stream in (False, True):
+        request = asyncio.create_task(_post(coord, "/completions", {**body, "stream": stream}, account.headers()))
+        frame, forwarded = await asyncio.wait_for(raw.next_request(), 10)
+        assert frame.api == "completions" and forwarded["prompt"] == body["prompt"] and forwarded["max_tokens"] == 5
+        for index in (0, 1, 2):
+            await raw.send_data(frame, {"object": "text_completion", "choices": [
+                {"index": index, "text": f" {index}", "logprobs": None, "finish_reason": "length"}]})
+        await raw.send_complete(frame, 9, 15)  # every prompt's max_tokens: the batch's output bound
+        response = await request
+        assert response.status_code == 200, response.text
+        row = await _usage_row(coord, account, response.headers["x-request-id"])
+        assert (row["prompt_tokens"], row["completion_tokens"]) == (9, 15) and row["cost_micro_usd"] > 0
+        if stream:
+            chunks = [json.loads(line[6:]) for line in response.text.splitlines()
+                      if line.startswith("data: ") and line != "data: [DONE]"]
+            assert [(c["choices"][0]["index"], c["choices"][0]["text"]) for c in chunks] == [
+                (0, " 0"), (1, " 1"), (2, " 2")]
+        else:
+            answer = response.json()
+            assert [(c["index"], c["text"]) for c in answer["choices"]] == [(0, " 0"), (1, " 1"), (2, " 2")]
+            assert answer["usage"]["cost_micro_usd"] == row["cost_micro_usd"] == int(
+                response.headers["x-darkbloom-cost-micro-usd"])
+        before -= row["cost_micro_usd"]
+        assert balance(coord, account) == before
+    await raw.close()
+
+
+async def test_count_tokens_is_the_context_estimate_unbilled_and_in_anthropics_envelope(
+        coord: Coordinator, account: Account) -> None:
+    model = _new_model(coord)
+    before = balance(coord, account)
+    body = {"model": model, "system": "Be brief.", "messages": HELLO}
+    counted = await _post(coord, "/messages/count_tokens", body, {"x-api-key": account.api_key})
+    assert counted.status_code == 200, counted.text
+    chat = {"messages": [{"role": "system", "content": "Be brief."}, *HELLO]}
+    expected = -(-(len(json.dumps(chat, separators=(",", ":"))) + 16) // 4)  # the context check's estimate
+    assert counted.json() == {"input_tokens": expected}
+    longer = await _post(coord, "/messages/count_tokens", {**body, "messages": [{"role": "user", "content": "hi " * 50}]},
+                         account.headers())
+    assert longer.json()["input_tokens"] > expected
+    rows = httpx.get(coord.api_url + "/payments/usage", headers=account.headers()).json()["data"]
+    assert balance(coord, account) == before and not any(row["model"] == model for row in rows)
+    await _assert_anthropic_refusals(coord, [
+        ("/messages/count_tokens", body, {"x-api-key": "dk-wrong"}, 401, "authentication_error"),
+        ("/messages/count_tokens", {"model": model}, {"x-api-key": account.api_key}, 400, "invalid_request_error"),
+        ("/messages/count_tokens", {**body, "model": "no-such"}, account.headers(), 404, "not_found_error")])
+
+
+async def _assert_anthropic_refusals(coord: Coordinator,
+                                     cases: list[tuple[str, dict[str, Any], dict[str, str], int, str]]) -> None:
+    for path, sent, headers, status, kind in cases:
+        refused = await _post(coord, path, sent, headers)
+        assert refused.status_code == status, (path, refused.text)
+        assert refused.json() == {"type": "error", "error": {"type": kind, "message": refused.json()["error"]["message"]}}
+
+
+async def test_every_messages_path_answers_in_anthropics_envelope(coord: Coordinator, account: Account) -> None:
+    body = {"model": "no-such", "max_tokens": 4, "messages": HELLO}
+    await _assert_anthropic_refusals(coord, [
+        ("/messages/batches", body, {"x-api-key": account.api_key}, 404, "not_found_error"),
+        ("/messages/batches", body, {}, 404, "not_found_error"),
+        ("/messages", body, {"x-api-key": "dk-wrong"}, 401, "authentication_error"),
+        ("/messages", {**body, "pad": "x" * (9 << 20)}, {"x-api-key": account.api_key}, 413, "request_too_large")])
+    wrong_method = httpx.get(coord.api_url + "/messages", headers=account.headers())
+    assert wrong_method.status_code == 405 and wrong_method.json()["type"] == "error"
+    assert (await _post(coord, "/messagesx", body, account.headers())).json()["error"]["type"] == "not_found"
+
+
 async def test_responses_stream_ends_with_response_completed(coord: Coordinator, account: Account) -> None:
     model = _new_model(coord)
     raw = await _provider(coord, model, ALL)

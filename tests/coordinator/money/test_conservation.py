@@ -104,7 +104,7 @@ async def one_request(client: httpx.AsyncClient, base: str, spender: Spender, rn
                 if not line.startswith("data: "):
                     continue
                 outcome.events.append(line[6:])
-                if outcome.walk_away and '"content"' in line:
+                if outcome.walk_away and '"content"' in line and '"content":""' not in line:
                     outcome.disconnected = True
                     return  # leaving the block closes the connection mid-stream
             outcome.done = outcome.events[-1:] == ["[DONE]"]

@@ -250,7 +250,7 @@ async def test_translation_errors_never_take_a_slot() -> None:
                 ("/v1/responses", {"model": MODEL, "input": "Hi", "previous_response_id": "resp_1"},
                  "previous_response_id"),
                 ("/v1/responses", {"model": MODEL, "input": "Hi", "tools": [{"type": "web_search"}]}, "tools"),
-                ("/v1/completions", {"model": MODEL, "prompt": ["a", "b"]}, "prompt"),
+                ("/v1/completions", {"model": MODEL, "prompt": ["a"] * 33}, "prompt"),
                 ("/v1/embeddings", {"model": MODEL, "input": "x", "dimensions": 8}, "dimensions"),
                 ("/v1/embeddings", {"model": "other", "input": "x"}, "model")):
             response = await http.post(path, headers=AUTH, json=body)

@@ -14,6 +14,7 @@ from darkbloom.coordinator.identity.auth_cache import Grant, key_subject, machin
 from darkbloom.coordinator.identity.caller import Caller, CallerKind
 from darkbloom.coordinator.services import Services, get_services
 from darkbloom.wire.openai.errors import ApiError, unauthorized
+from darkbloom.wire.openai.handlers import speaks_anthropic
 from darkbloom.wire.crypto import constant_time_equal, token_hash
 from darkbloom.store import console_sessions, devices, keys
 
@@ -62,14 +63,10 @@ async def _load_grant(engine: AsyncEngine, kind: CallerKind, digest: str) -> Gra
                      (machine_subject(owner[1]),)) if owner else None
 
 
-# Anthropic's clients send the key as `x-api-key`; the Messages API takes it there too (docs/api.md "Authentication").
-X_API_KEY_PATHS = frozenset({"/v1/messages"})
-
-
 async def require_caller(request: Request, services: Services = Depends(get_services)) -> Caller:
     """Any authenticated account: API key, console session or device token."""
     token = bearer_token(request)
-    anthropic = request.url.path in X_API_KEY_PATHS
+    anthropic = speaks_anthropic(request.url.path)  # its key may come as `x-api-key` (docs/api.md "Authentication")
     if token is None and anthropic:
         token = request.headers.get("x-api-key", "").strip() or None
     caller = await resolve_token(services, token) if token else None

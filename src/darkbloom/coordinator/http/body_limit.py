@@ -1,13 +1,12 @@
-"""Reject request bodies over the limit (413 request_too_large) before anything reads them whole."""
+"""Reject request bodies over the limit (413 request_too_large, in the path's API's envelope) before
+anything reads them whole."""
 
 from __future__ import annotations
 
-import json
-
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from darkbloom.wire.openai.body import too_large_message
-from darkbloom.wire.openai.errors import error_body
+from darkbloom.wire.openai.body import request_too_large
+from darkbloom.wire.openai.handlers import path_error_response
 
 
 class _TooLarge(Exception):
@@ -28,7 +27,7 @@ class BodyLimitMiddleware:
             # The HTTP parser delivers exactly Content-Length bytes, so a declared length within
             # the limit needs no counting on the way in (the common case: every SDK declares it).
             if declared > self.max_bytes:
-                await _reject(send, self.max_bytes)
+                await _reject(scope, receive, send, self.max_bytes)
             else:
                 await self.app(scope, receive, send)
             return
@@ -57,7 +56,7 @@ class BodyLimitMiddleware:
             await self.app(scope, limited_receive, tracking_send)
         except _TooLarge:
             if not started:
-                await _reject(send, self.max_bytes)
+                await _reject(scope, receive, send, self.max_bytes)
 
 
 def _framing(headers: list[tuple[bytes, bytes]]) -> tuple[int | None, bool]:
@@ -71,8 +70,5 @@ def _framing(headers: list[tuple[bytes, bytes]]) -> tuple[int | None, bool]:
     return declared, chunked
 
 
-async def _reject(send: Send, max_bytes: int) -> None:
-    body = json.dumps(error_body("request_too_large", too_large_message(max_bytes))).encode()
-    await send({"type": "http.response.start", "status": 413,
-                "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]})
-    await send({"type": "http.response.body", "body": body})
+async def _reject(scope: Scope, receive: Receive, send: Send, max_bytes: int) -> None:
+    await path_error_response(scope["path"], request_too_large(max_bytes))(scope, receive, send)

@@ -1,4 +1,4 @@
-"""Exception handlers: every error the HTTP layer can raise answers with the OpenAI envelope (the
+"""Exception handlers: every error the HTTP layer can raise answers in its API's envelope (the
 shared handlers of ``wire.openai`` plus the coordinator's own: request validation, database errors)."""
 
 from __future__ import annotations
@@ -7,14 +7,15 @@ from typing import Any
 
 from fastapi import Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse
+from starlette.responses import Response
 from sqlalchemy.exc import DBAPIError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from darkbloom.wire.openai.errors import ApiError, error_body, invalid_request, retry_headers
-from darkbloom.wire.openai.handlers import api_error_handler, http_error_handler
+from darkbloom.wire.openai.errors import ApiError, invalid_request
+from darkbloom.wire.openai.handlers import api_error_handler, error_response, http_error_handler
 
-async def _validation_handler(_request: Request, exc: Exception) -> JSONResponse:
+
+async def _validation_handler(request: Request, exc: Exception) -> Response:
     assert isinstance(exc, RequestValidationError)
     first = exc.errors()[0] if exc.errors() else {}
     loc = [str(p) for p in first.get("loc", ()) if p not in ("body", "query", "path")]
@@ -23,18 +24,17 @@ async def _validation_handler(_request: Request, exc: Exception) -> JSONResponse
     if first.get("type") == "json_invalid":
         message = "The request body is not valid JSON."
         param = None
-    return JSONResponse(error_body("invalid_request_error", message, param=param), status_code=400,
-                        headers=retry_headers(400))
+    return error_response(request, invalid_request(message, param=param))
 
 
 _PG_CHARACTER_NOT_IN_REPERTOIRE = "22021"  # e.g. a NUL character, which Postgres text cannot hold
 NUL_MESSAGE = "Text in the request must not contain NUL (\\u0000) characters."
 
 
-async def _database_error_handler(_request: Request, exc: Exception) -> JSONResponse:
+async def _database_error_handler(request: Request, exc: Exception) -> Response:
     assert isinstance(exc, DBAPIError)
     if getattr(exc.orig, "sqlstate", None) == _PG_CHARACTER_NOT_IN_REPERTOIRE:
-        return invalid_request(NUL_MESSAGE).response()
+        return error_response(request, invalid_request(NUL_MESSAGE))
     raise exc
 
 

@@ -17,6 +17,7 @@ from darkbloom.coordinator.inference.chat_validation import chat_needs, validate
 from darkbloom.wire.openai.body import parse_json_object
 from darkbloom.wire.openai.edges import Edge
 from darkbloom.wire.openai.errors import invalid_request
+from darkbloom.wire.openai.legacy import completion_prompts
 from darkbloom.wire.openai.presenters import Presenter
 from darkbloom.wire.protocol import Api
 from darkbloom.wire.schema_bounds import repetition_problem
@@ -30,7 +31,8 @@ class InferenceCall:
     model: str
     stream: bool
     needs: frozenset[str]    # capabilities beyond plain chat (wire.protocol.CAPABILITIES)
-    max_tokens: int | None   # the output bound the caller asked for, if any
+    max_tokens: int | None   # the output bound the caller asked for, if any (each choice's)
+    choices: int = 1         # the answer's choices: a legacy completions batch has one per prompt
 
     @property
     def api(self) -> Api:
@@ -41,11 +43,11 @@ class InferenceCall:
 
     def for_provider(self, provider_model_id: str, max_tokens: int) -> bytes:
         """The body the provider receives: its own model id, always streamed, output bounded by
-        what admission reserved for."""
+        what admission reserved for (``max_tokens``, shared evenly by the choices)."""
         if self.api == "embeddings":
             forwarded = dict(self.body, model=provider_model_id)
         else:
-            forwarded = dict(self.body, model=provider_model_id, stream=True, max_tokens=max_tokens)
+            forwarded = dict(self.body, model=provider_model_id, stream=True, max_tokens=max_tokens // self.choices)
             forwarded.pop("stream_options", None)
             forwarded.pop("max_completion_tokens", None)
         return json.dumps(forwarded, separators=(",", ":")).encode()
@@ -63,11 +65,14 @@ def parse_call(raw: bytes, edge: Edge) -> InferenceCall:
         raise invalid_request("'stream' must be a boolean.", param="stream")
     body = edge.to_node(request)
     check_schema_bounds(edge, request)
+    choices = 1
     if edge.api == "chat":
         validate_chat_body(body)
         needs = chat_needs(body)
     elif edge.api == "completions":
-        needs = frozenset({"completions"}) | _completion_logprobs(body)
+        choices = len(completion_prompts(body))
+        batch = frozenset({"completion_batches"}) if choices > 1 else frozenset()
+        needs = frozenset({"completions"}) | batch | _completion_logprobs(body)
     else:
         needs = frozenset({"embeddings"})
     max_tokens = None
@@ -77,7 +82,7 @@ def parse_call(raw: bytes, edge: Edge) -> InferenceCall:
                 max_tokens = body[field]
                 break
     return InferenceCall(edge=edge, request=request, body=body, model=model.strip(), stream=stream, needs=needs,
-                         max_tokens=max_tokens)
+                         max_tokens=max_tokens, choices=choices)
 
 
 def _completion_logprobs(body: dict[str, Any]) -> frozenset[str]:

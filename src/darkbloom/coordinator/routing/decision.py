@@ -11,7 +11,8 @@ from darkbloom.wire.catalog import CatalogModel
 
 
 _NEED_NAMES = {"tools": "tools", "structured_output": "structured output (response_format)",
-               "logprobs": "logprobs", "completions": "legacy completions", "embeddings": "embeddings",
+               "logprobs": "logprobs", "completions": "legacy completions",
+               "completion_batches": "a list of prompts in one request", "embeddings": "embeddings",
                "images": "images"}
 
 

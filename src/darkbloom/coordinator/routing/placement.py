@@ -124,7 +124,7 @@ async def _place(services: Services, decision: RouteDecision, policy: Policy) ->
 
 
 _NEED_PARAMS = {"tools": "tools", "structured_output": "response_format", "logprobs": "logprobs",
-                "completions": "model", "embeddings": "model", "images": "messages"}
+                "completions": "model", "completion_batches": "prompt", "embeddings": "model", "images": "messages"}
 
 
 async def unserved_error(services: Services, decision: RouteDecision, failure: ApiError) -> ApiError:

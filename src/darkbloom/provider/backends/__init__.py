@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import os
 
-from darkbloom.provider.backends.base import Backend, BackendError, open_stream
+from darkbloom.provider.backends.base import Backend, BackendError
+from darkbloom.provider.backends.streams import open_stream
 from darkbloom.provider.config import ConfigError, ProviderConfig, resolve_model_path
 from darkbloom.provider.memory_fit import memory_budget
 

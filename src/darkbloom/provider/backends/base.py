@@ -7,7 +7,7 @@ import time
 import uuid
 from typing import Any, AsyncIterator, Callable, Protocol, runtime_checkable
 
-from darkbloom.wire.protocol import Api, Usage
+from darkbloom.wire.protocol import Usage
 
 # What a node serves beyond plain chat (names from `wire.protocol.CAPABILITIES`).
 TEXT_MODEL_CAPABILITIES = frozenset({"tools", "structured_output", "logprobs", "completions", "embeddings"})
@@ -107,19 +107,6 @@ class Backend(Protocol):
     def capabilities(self, model_id: str) -> frozenset[str]:
         """What `model_id` serves here beyond plain chat (`wire.protocol.CAPABILITIES` names)."""
         ...
-
-
-_STREAMS = {"chat": "stream_chat", "completions": "stream_completion", "embeddings": "stream_embeddings"}
-
-
-def open_stream(backend: Backend, api: Api, model_id: str, body: dict[str, Any],
-                meter: UsageMeter | None = None) -> AsyncIterator[dict[str, Any]]:
-    """The backend's stream for `api` (the node API a sealed body asks for)."""
-    method = getattr(backend, _STREAMS.get(api, ""), None)
-    if method is None:
-        raise BackendError(400, f"this node does not serve the {api} API", param="model")
-    stream: AsyncIterator[dict[str, Any]] = method(model_id, body, meter)
-    return stream
 
 
 def new_completion_id(prefix: str = "chatcmpl") -> str:

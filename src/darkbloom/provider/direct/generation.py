@@ -21,7 +21,8 @@ from darkbloom.wire.openai.presenters import Presenter
 from darkbloom.wire.openai.streaming import EventStreamResponse
 from darkbloom.wire.protocol import Api, Usage
 from darkbloom.provider.backends import Backend, BackendError
-from darkbloom.provider.backends.base import UsageMeter, chunk_usage, is_usage_chunk, open_stream
+from darkbloom.provider.backends.base import UsageMeter, chunk_usage, is_usage_chunk
+from darkbloom.provider.backends.streams import open_stream
 from darkbloom.provider.direct.errors import from_backend, node_failed
 from darkbloom.provider.slots import Slots
 

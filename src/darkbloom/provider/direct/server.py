@@ -31,10 +31,10 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 from darkbloom.wire import crypto
 from darkbloom.wire.openai.body import DEFAULT_MAX_BODY_BYTES, read_json_object
-from darkbloom.wire.openai.anthropic_messages import anthropic_error_body
 from darkbloom.wire.openai.edges import EDGES, Edge
-from darkbloom.wire.openai.errors import ApiError, invalid_request, retry_headers, unauthorized
-from darkbloom.wire.openai.handlers import ANTHROPIC_PATHS, api_error_handler, error_response, http_error_handler
+from darkbloom.wire.openai.errors import ApiError, invalid_request, unauthorized
+from darkbloom.wire.openai.handlers import (api_error_handler, error_response, http_error_handler,
+                                            path_error_response, speaks_anthropic)
 from darkbloom.provider.backends import Backend, BackendError
 from darkbloom.provider.direct.errors import from_backend, model_not_found, node_failed
 from darkbloom.provider.direct.generation import Generation, generation_response
@@ -70,15 +70,11 @@ class _BearerAuth:
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "http" and scope["path"] != "/health":
             headers = Headers(scope=scope)
-            anthropic = scope["path"] in ANTHROPIC_PATHS
+            anthropic = speaks_anthropic(scope["path"])
             api_key = headers.get("x-api-key", "").strip() if anthropic else ""
             message = self._refusal(f"Bearer {api_key}" if api_key else headers.get("authorization", ""))
             if message:
-                error = unauthorized(message)
-                response = (JSONResponse(anthropic_error_body(error), status_code=401,
-                                         headers=retry_headers(401, error.headers)) if anthropic
-                            else error.response())
-                await response(scope, receive, send)
+                await path_error_response(scope["path"], unauthorized(message))(scope, receive, send)
                 return
         await self.app(scope, receive, send)
 

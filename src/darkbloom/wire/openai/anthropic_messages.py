@@ -13,7 +13,8 @@ controls are accepted and not forwarded.
 In the answer, text becomes a `text` block, each tool call a `tool_use` block (`input` the parsed
 arguments; `{}` when they are not a JSON object). The prompt's token count is known only at the
 end: `message_start` says `input_tokens: 0` and `message_delta.usage` carries the real
-`input_tokens` and `output_tokens`. A node's `stop` is `end_turn` (a node does not say whether a
+`input_tokens` and `output_tokens`. Every usage object has `cache_creation_input_tokens` and
+`cache_read_input_tokens`, 0 while there is no prompt caching. A node's `stop` is `end_turn` (a node does not say whether a
 stop sequence ended the text, so `stop_sequence` stays null).
 """
 
@@ -32,34 +33,43 @@ _SKIPPED_BLOCKS = frozenset({"thinking", "redacted_thinking"})  # a reasoning mo
 
 
 def messages_to_chat(body: dict[str, Any]) -> dict[str, Any]:
-    model = check_model(body)
+    check_model(body)
     max_tokens = body.get("max_tokens")
     if not isinstance(max_tokens, int) or isinstance(max_tokens, bool) or max_tokens < 1:
         raise invalid_request("max_tokens is required: a positive integer.", param="max_tokens")
-    messages = _system(body.get("system"))
-    raw = body.get("messages")
-    if not isinstance(raw, list) or not raw:
-        raise invalid_request("messages must be a non-empty array of messages.", param="messages")
-    for index, message in enumerate(raw):
-        messages += _message(message, f"messages[{index}]")
-    chat: dict[str, Any] = {"model": model, "messages": messages, "max_tokens": max_tokens}
-    tools = body.get("tools")
-    if tools is not None:
-        chat["tools"] = _tools(tools)
-    if body.get("tool_choice") is not None:
-        chat.update(_tool_choice(body["tool_choice"]))
+    chat = messages_prompt(body)
+    chat["max_tokens"] = max_tokens
     stop = body.get("stop_sequences")
     if stop is not None:
         if not isinstance(stop, list) or not all(isinstance(s, str) for s in stop):
             raise invalid_request("stop_sequences must be an array of strings.", param="stop_sequences")
         if stop:
             chat["stop"] = stop
-    response_format = _output_format(body.get("output_config"))
-    if response_format is not None:
-        chat["response_format"] = response_format
     for field in ("temperature", "top_p", "top_k", "stream"):
         if body.get(field) is not None:
             chat[field] = body[field]
+    return chat
+
+
+def messages_prompt(body: dict[str, Any]) -> dict[str, Any]:
+    """What of a Messages request the model reads, as chat: `model`, `messages` (the system prompt
+    first), `tools`, `tool_choice` and `response_format` — the part `count_tokens` counts."""
+    model = check_model(body)
+    messages = _system(body.get("system"))
+    raw = body.get("messages")
+    if not isinstance(raw, list) or not raw:
+        raise invalid_request("messages must be a non-empty array of messages.", param="messages")
+    for index, message in enumerate(raw):
+        messages += _message(message, f"messages[{index}]")
+    chat: dict[str, Any] = {"model": model, "messages": messages}
+    tools = body.get("tools")
+    if tools is not None:
+        chat["tools"] = _tools(tools)
+    if body.get("tool_choice") is not None:
+        chat.update(_tool_choice(body["tool_choice"]))
+    response_format = _output_format(body.get("output_config"))
+    if response_format is not None:
+        chat["response_format"] = response_format
     return chat
 
 
@@ -227,8 +237,10 @@ def _parsed_input(arguments: str) -> dict[str, Any]:
     return value if isinstance(value, dict) else {}
 
 
-def _usage(usage: TokenCounts, cost_micro_usd: int | None) -> dict[str, Any]:
-    return with_cost({"input_tokens": usage.prompt_tokens, "output_tokens": usage.completion_tokens}, cost_micro_usd)
+def _usage(input_tokens: int, output_tokens: int, cost_micro_usd: int | None = None) -> dict[str, Any]:
+    """Anthropic's usage object; nothing is cached yet, so no input is ever read from or written to a cache."""
+    return with_cost({"input_tokens": input_tokens, "cache_creation_input_tokens": 0, "cache_read_input_tokens": 0,
+                      "output_tokens": output_tokens}, cost_micro_usd)
 
 
 class MessagesPresenter:
@@ -300,7 +312,7 @@ class MessagesPresenter:
 
     def stream_start(self) -> list[bytes]:
         message = {"id": self.id, "type": "message", "role": "assistant", "model": self.model, "content": [],
-                   "stop_reason": None, "stop_sequence": None, "usage": {"input_tokens": 0, "output_tokens": 0}}
+                   "stop_reason": None, "stop_sequence": None, "usage": _usage(0, 0)}
         return [sse_event("message_start", {"type": "message_start", "message": message}),
                 sse_event("ping", {"type": "ping"})]
 
@@ -309,7 +321,7 @@ class MessagesPresenter:
 
     def stream_end(self, usage: TokenCounts, cost_micro_usd: int | None = None) -> list[bytes]:
         delta = {"type": "message_delta", "delta": {"stop_reason": self._stop_reason(), "stop_sequence": None},
-                 "usage": _usage(usage, cost_micro_usd)}
+                 "usage": _usage(usage.prompt_tokens, usage.completion_tokens, cost_micro_usd)}
         return self._close() + [sse_event("message_delta", delta), sse_event("message_stop", {"type": "message_stop"})]
 
     def stream_error(self, error: ApiError) -> list[bytes]:
@@ -321,7 +333,7 @@ class MessagesPresenter:
     def response(self, usage: TokenCounts, cost_micro_usd: int | None = None) -> dict[str, Any]:
         return {"id": self.id, "type": "message", "role": "assistant", "model": self.model,
                 "content": self._content(), "stop_reason": self._stop_reason(), "stop_sequence": None,
-                "usage": _usage(usage, cost_micro_usd)}
+                "usage": _usage(usage.prompt_tokens, usage.completion_tokens, cost_micro_usd)}
 
     def error_body(self, error: ApiError) -> dict[str, Any]:
         return anthropic_error_body(error)

@@ -1,6 +1,9 @@
-"""Starlette exception handlers that answer with the OpenAI error envelope."""
+"""Starlette exception handlers, and the one place that picks an error's envelope: Anthropic's for
+the Messages API (`/v1/messages` and every path under it), OpenAI's everywhere else."""
 
 from __future__ import annotations
+
+from typing import Any
 
 from starlette.exceptions import HTTPException
 from starlette.requests import Request
@@ -14,18 +17,30 @@ _ROUTING_ERRORS = {
     405: ("method_not_allowed", "Method {method} is not allowed on {path}."),
 }
 
+ANTHROPIC_ROOT = "/v1/messages"
 
-# Paths that answer errors in Anthropic's envelope rather than OpenAI's (coordinator and direct mode).
-ANTHROPIC_PATHS = frozenset({"/v1/messages"})
+
+def speaks_anthropic(path: str) -> bool:
+    """Whether ``path`` belongs to Anthropic's Messages API (coordinator and direct mode): its errors
+    go in Anthropic's envelope and its key may come as ``x-api-key``, as Anthropic's clients send it."""
+    return path == ANTHROPIC_ROOT or path.startswith(ANTHROPIC_ROOT + "/")
+
+
+def error_envelope(path: str, error: ApiError) -> dict[str, Any]:
+    return anthropic_error_body(error) if speaks_anthropic(path) else error.body()
+
+
+def path_error_response(path: str, error: ApiError, request_id: str | None = None) -> JSONResponse:
+    """The error answered on ``path`` in that API's envelope (also usable as a raw ASGI answer)."""
+    headers = {**error.headers, "X-Request-Id": request_id} if request_id else error.headers
+    return JSONResponse(error_envelope(path, error), status_code=error.status,
+                        headers=retry_headers(error.status, headers))
 
 
 def error_response(request: Request, error: ApiError) -> Response:
     """The error in the envelope of the API the request was for, with the request's id when it got
     one (``request.state.request_id``: an inference request past authentication)."""
-    request_id = getattr(request.state, "request_id", None)
-    headers = {**error.headers, "X-Request-Id": request_id} if request_id else error.headers
-    body = anthropic_error_body(error) if request.url.path in ANTHROPIC_PATHS else error.body()
-    return JSONResponse(body, status_code=error.status, headers=retry_headers(error.status, headers))
+    return path_error_response(request.url.path, error, getattr(request.state, "request_id", None))
 
 
 async def api_error_handler(request: Request, exc: Exception) -> Response:

@@ -9,10 +9,11 @@ from __future__ import annotations
 
 from typing import Any
 
-from darkbloom.wire.openai.errors import invalid_request
+from darkbloom.wire.openai.errors import ApiError, invalid_request
 from darkbloom.wire.openai.parameters import check_model, check_sampling, check_stream
 
 MAX_EMBEDDING_INPUTS = 2048  # OpenAI's own limit on one request's inputs
+MAX_PROMPTS = 32  # prompts in one legacy completions request (each is generated in turn on one node slot)
 
 LEGACY_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions without max_tokens
 
@@ -26,12 +27,13 @@ def _is_token_list(value: Any) -> bool:
 
 
 def completions_request(body: dict[str, Any]) -> dict[str, Any]:
-    """A legacy completions body, checked: one prompt (a string, a list of one string, or token ids),
-    one choice (`n` 1, `best_of` at most 1), numbers in range. Unknown fields pass through."""
+    """A legacy completions body, checked: its prompt (a string or token ids; a list of one of them
+    is that one; a list of up to MAX_PROMPTS of them is a batch, answered with one choice per prompt),
+    one choice per prompt (`n` 1, `best_of` at most 1), numbers in range. Unknown fields pass through."""
     check_model(body)
     check_stream(body)
     node = {key: value for key, value in body.items() if key not in ("stream", "stream_options")}
-    node["prompt"] = _one_prompt(body.get("prompt"))
+    node["prompt"] = _prompt(body.get("prompt"))
     for field in ("n", "best_of"):
         value = body.get(field)
         if value is None:
@@ -61,16 +63,24 @@ def completions_request(body: dict[str, Any]) -> dict[str, Any]:
     return node
 
 
-def _one_prompt(prompt: Any) -> str | list[int]:
+def _prompt(prompt: Any) -> str | list[int] | list[str | list[int]]:
     if isinstance(prompt, str) or _is_token_list(prompt):
         return prompt
-    if isinstance(prompt, list) and len(prompt) == 1 and (isinstance(prompt[0], str) or _is_token_list(prompt[0])):
-        return prompt[0]
-    if isinstance(prompt, list) and len(prompt) > 1 and all(isinstance(p, (str, list)) for p in prompt):
-        raise invalid_request("Only one prompt per request is supported: send a string, not a list of several.",
-                              param="prompt")
-    raise invalid_request("'prompt' must be a string, a list of one string, or a list of token ids.",
-                          param="prompt")
+    if isinstance(prompt, list) and prompt and all(isinstance(p, str) or _is_token_list(p) for p in prompt):
+        if len(prompt) > MAX_PROMPTS:
+            raise ApiError(400, "invalid_request_error", f"'prompt' holds {len(prompt)} prompts; at most "
+                           f"{MAX_PROMPTS} fit in one request: send the rest in another.", code="too_many_prompts",
+                           param="prompt")
+        return prompt[0] if len(prompt) == 1 else prompt
+    raise invalid_request("'prompt' must be a string, a list of token ids, or a list of strings or token-id "
+                          "lists (one choice each).", param="prompt")
+
+
+def completion_prompts(body: dict[str, Any]) -> list[Any]:
+    """The prompts of a checked legacy completions body (`completions_request`'s): one, or the batch
+    a list of several is (a list of token ids is one prompt)."""
+    prompt = body.get("prompt")
+    return list(prompt) if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)) else [prompt]
 
 
 def embeddings_request(body: dict[str, Any]) -> dict[str, Any]:

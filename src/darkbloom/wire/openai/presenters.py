@@ -19,6 +19,7 @@ from typing import Any, Protocol
 
 from darkbloom.wire.openai.chunks import SSE_DONE, MessageBuilder, sse, wants_usage_chunk
 from darkbloom.wire.openai.errors import ApiError
+from darkbloom.wire.openai.legacy import completion_prompts
 from darkbloom.wire.openai.shaping import ChunkShaper, TokenCounts, usage_dict, with_cost
 
 
@@ -83,13 +84,19 @@ class _OpenAIStream:
 
 
 class ChatPresenter(_OpenAIStream):
-    """`chat.completion` and its chunks: our id and model on every chunk, the `choices: []` usage
+    """`chat.completion` and its chunks: our id and model on every chunk, `content` beside the
+    opening `role`, the `choices: []` usage
     chunk only on `stream_options.include_usage`, one `data: [DONE]`; an in-band failure is one
     `data: {"error": …}` event and no `[DONE]`."""
 
     def __init__(self, request_id: str, model: str, request: dict[str, Any]) -> None:
         super().__init__(ChunkShaper(request_id, model), request)
         self.message = MessageBuilder()
+
+    def stream_chunk(self, chunk: dict[str, Any]) -> list[bytes]:
+        for choice in chunk.get("choices") or ():
+            _with_content(choice.get("delta"))
+        return super().stream_chunk(chunk)
 
     def collect(self, chunk: dict[str, Any]) -> None:
         self.message.add(chunk)
@@ -98,37 +105,57 @@ class ChatPresenter(_OpenAIStream):
         return self.shaper.completion(self.message, usage, cost_micro_usd)
 
 
-class CompletionsPresenter(_OpenAIStream):
-    """Legacy `text_completion` objects, streamed (same SSE rules as chat) or whole. Whole, the text
-    is joined and the legacy logprobs lists (`tokens`, `token_logprobs`, `top_logprobs`,
-    `text_offset`) are concatenated."""
+def _with_content(delta: Any) -> None:
+    """A delta opening the message (`role`) carries `content` as OpenAI's does: `""`, or null beside
+    tool calls; clients read it from the first chunk on."""
+    if isinstance(delta, dict) and "role" in delta and "content" not in delta:
+        delta["content"] = None if delta.get("tool_calls") or delta.get("function_call") else ""
 
-    _LOGPROB_LISTS = ("tokens", "token_logprobs", "top_logprobs", "text_offset")
+
+class CompletionsPresenter(_OpenAIStream):
+    """Legacy `text_completion` objects, streamed (same SSE rules as chat; a batch's chunks carry each
+    prompt's `index`) or whole: one choice per prompt, in order, its text joined and its legacy logprobs
+    lists (`tokens`, `token_logprobs`, `top_logprobs`, `text_offset`) concatenated."""
 
     def __init__(self, request_id: str, model: str, request: dict[str, Any]) -> None:
         super().__init__(ChunkShaper(api_id("cmpl-", request_id), model, "text_completion"), request)
+        self.choices = [_CompletionChoice() for _ in completion_prompts(request)]
+
+    def collect(self, chunk: dict[str, Any]) -> None:
+        for choice in chunk.get("choices") or ():
+            index = choice.get("index", 0)
+            if isinstance(index, int) and 0 <= index < len(self.choices):
+                self.choices[index].add(choice)
+
+    def response(self, usage: TokenCounts, cost_micro_usd: int | None = None) -> dict[str, Any]:
+        return {"id": self.shaper.request_id, "object": "text_completion", "created": self.shaper.created,
+                "model": self.shaper.model, "choices": [c.whole(i) for i, c in enumerate(self.choices)],
+                "usage": usage_dict(usage, cost_micro_usd)}
+
+
+class _CompletionChoice:
+    _LOGPROB_LISTS = ("tokens", "token_logprobs", "top_logprobs", "text_offset")
+
+    def __init__(self) -> None:
         self.text: list[str] = []
         self.logprobs: dict[str, list[Any]] | None = None
         self.finish_reason: str | None = None
 
-    def collect(self, chunk: dict[str, Any]) -> None:
-        for choice in chunk.get("choices") or ():
-            if isinstance(choice.get("text"), str):
-                self.text.append(choice["text"])
-            logprobs = choice.get("logprobs")
-            if isinstance(logprobs, dict):
-                merged = self.logprobs if self.logprobs is not None else {k: [] for k in self._LOGPROB_LISTS}
-                for key in self._LOGPROB_LISTS:
-                    merged[key].extend(logprobs.get(key) or ())
-                self.logprobs = merged
-            if choice.get("finish_reason"):
-                self.finish_reason = choice["finish_reason"]
+    def add(self, choice: dict[str, Any]) -> None:
+        if isinstance(choice.get("text"), str):
+            self.text.append(choice["text"])
+        logprobs = choice.get("logprobs")
+        if isinstance(logprobs, dict):
+            merged = self.logprobs if self.logprobs is not None else {k: [] for k in self._LOGPROB_LISTS}
+            for key in self._LOGPROB_LISTS:
+                merged[key].extend(logprobs.get(key) or ())
+            self.logprobs = merged
+        if choice.get("finish_reason"):
+            self.finish_reason = choice["finish_reason"]
 
-    def response(self, usage: TokenCounts, cost_micro_usd: int | None = None) -> dict[str, Any]:
-        choice = {"index": 0, "text": "".join(self.text), "logprobs": self.logprobs,
-                  "finish_reason": self.finish_reason or "stop"}
-        return {"id": self.shaper.request_id, "object": "text_completion", "created": self.shaper.created,
-                "model": self.shaper.model, "choices": [choice], "usage": usage_dict(usage, cost_micro_usd)}
+    def whole(self, index: int) -> dict[str, Any]:
+        return {"index": index, "text": "".join(self.text), "logprobs": self.logprobs,
+                "finish_reason": self.finish_reason or "stop"}
 
 
 def float32_base64(vector: list[float]) -> str:

@@ -47,8 +47,11 @@ INFERENCE_SCHEMAS: dict[str, Schema] = {
                            "Anthropic's events: `message_start`, `content_block_*`, `message_delta` (its `usage` "
                            "has `cost_micro_usd`), "
                            "`message_stop`; `error` after a failure."),
+    "MessageTokensCount": obj({"input_tokens": {"type": "integer", "minimum": 0}}, ("input_tokens",),
+                              description="The coordinator's estimate of the prompt's tokens (the one its "
+                                          "context check uses), not an exact tokenizer count."),
     "AnthropicError": obj({"type": {"const": "error"}, "error": obj({"type": STRING, "message": STRING})},
-                          description="The error envelope of POST /v1/messages."),
+                          description="The error envelope of /v1/messages and every path under it."),
     "CompletionRequest": {**obj({"model": _MODEL, "prompt": {"anyOf": [STRING, {"type": "array"}]},
                                  "max_tokens": {"type": ["integer", "null"], "minimum": 1, "default": 16}},
                                 ("model", "prompt")), "additionalProperties": True,
@@ -88,6 +91,16 @@ INFERENCE_OPERATIONS: dict[tuple[str, str], Operation] = {
     ("post", "/v1/messages"): _operation(
         "Create a message (Anthropic Messages)", "MessageRequest", "Message", "MessageEvent",
         "Anthropic Messages, its events and its error envelope; the key may come as `x-api-key`.",
+        error_schema="AnthropicError"),
+    ("post", "/v1/messages/count_tokens"): Operation(
+        "inference", "Count a message's input tokens (Anthropic Messages)", auth="caller",
+        body={"application/json": "MessageRequest"}, route_headers=("X-Darkbloom-Route",),
+        errors={400: ("invalid_request_error",), 403: ("model_not_allowed",), 404: ("model_not_found",)},
+        answers={200: Answer("`{\"input_tokens\": N}`: the coordinator's estimate.",
+                             {"application/json": "MessageTokensCount"})},
+        description="The input tokens of a Messages request (`max_tokens` not needed), as the coordinator "
+                    "estimates them for its context check — no node is asked. Not billed, not rate-limited, "
+                    "no usage row. The key may come as `x-api-key`; errors are in Anthropic's envelope.",
         error_schema="AnthropicError"),
     ("post", "/v1/completions"): _operation(
         "Create a completion (legacy)", "CompletionRequest", "Completion", "CompletionEvent",

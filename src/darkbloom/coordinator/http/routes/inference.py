@@ -1,6 +1,6 @@
 """Inference routes — chat completions, the Responses API, Anthropic Messages, legacy completions,
 embeddings — one handler that hands each request to ``inference.serving.serve`` (``wire.openai.edges``
-says how each API translates); and the model list."""
+says how each API translates); Anthropic's token count; and the model list."""
 
 from __future__ import annotations
 
@@ -13,6 +13,7 @@ from darkbloom.coordinator.http.auth import require_caller
 from darkbloom.coordinator.http.sealed_body import Unsealed, is_sealed, unseal
 from darkbloom.coordinator.identity.caller import Caller
 from darkbloom.coordinator.inference.serving import serve
+from darkbloom.coordinator.inference.token_count import count_input_tokens
 from darkbloom.coordinator.routing.model_views import list_models, model_entry, owned_models
 from darkbloom.coordinator.routing.decision import ShareGrant
 from darkbloom.coordinator.routing.policy import Policy, resolve_policy
@@ -60,6 +61,12 @@ class _Body:
 
     def answered(self, response: StreamingResponse | JSONResponse) -> StreamingResponse | JSONResponse:
         return self._unsealed.seal_response(response) if self._unsealed else response
+
+
+@router.post("/v1/messages/count_tokens")
+async def count_tokens(request: Request, caller: Caller = Depends(require_caller),
+                       services: Services = Depends(get_services)) -> dict[str, int]:
+    return count_input_tokens(services, caller, request.headers, await request.body())
 
 
 @router.get("/v1/models")

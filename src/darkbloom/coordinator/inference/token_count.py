@@ -1,0 +1,27 @@
+"""Counting a Messages request's input tokens without serving it (`POST /v1/messages/count_tokens`,
+docs/api.md "Counting tokens").
+
+The count is the coordinator's own estimate of the prompt — the one its context check uses
+(``money.estimation.prompt_estimate`` of the translated chat prompt's bound) — not a tokenizer's
+exact figure: no node is asked. Nothing is billed, rate-limited or written to the usage history; the
+model must be one the caller may use (404 / 403 as for the request itself)."""
+
+from __future__ import annotations
+
+from starlette.datastructures import Headers
+
+from darkbloom.coordinator.identity.caller import Caller
+from darkbloom.coordinator.money.estimation import prompt_estimate
+from darkbloom.coordinator.routing.placement import resolve_model
+from darkbloom.coordinator.routing.policy import resolve_policy
+from darkbloom.coordinator.services import Services
+from darkbloom.wire.openai.anthropic_messages import messages_prompt
+from darkbloom.wire.openai.body import parse_json_object
+from darkbloom.wire.token_bounds import prompt_token_bound
+
+
+def count_input_tokens(services: Services, caller: Caller, headers: Headers, raw: bytes) -> dict[str, int]:
+    """Anthropic's answer, ``{"input_tokens": N}``, for the Messages body ``raw``."""
+    prompt = messages_prompt(parse_json_object(raw))
+    resolve_model(services, caller, prompt["model"], resolve_policy(headers, caller, with_pin=False))
+    return {"input_tokens": prompt_estimate(prompt_token_bound("chat", prompt))}
