@@ -347,3 +347,12 @@ def test_a_json_schema_format_is_echoed_whole() -> None:
     body = run_collect(ResponsesPresenter("resp_abc", MODEL, {"model": MODEL, "input": "Hi", "text": {"format": fmt}}),
                        text_chunks("{}"))
     assert body["text"] == {"format": {**fmt, "description": None, "strict": False}}
+
+
+def test_a_null_field_is_echoed_as_its_default() -> None:
+    request = {"model": MODEL, "input": "Hi", "parallel_tool_calls": None, "tool_choice": None, "metadata": None,
+               "temperature": None, "top_logprobs": None, "text": None}
+    body = check_response(run_collect(ResponsesPresenter("resp_abc", MODEL, request), text_chunks("Hi")))
+    assert (body["parallel_tool_calls"], body["tool_choice"], body["metadata"], body["temperature"],
+            body["top_logprobs"], body["text"]) == (True, "auto", {}, CHAT_SAMPLING_DEFAULTS["temperature"], 0,
+                                                    {"format": {"type": "text"}})

@@ -44,7 +44,7 @@ def echo(request: dict[str, Any]) -> dict[str, Any]:
     return {
         "instructions": request.get("instructions"), "max_output_tokens": request.get("max_output_tokens"),
         "max_tool_calls": request.get("max_tool_calls"), "metadata": request.get("metadata") or {},
-        "parallel_tool_calls": request.get("parallel_tool_calls", True),
+        "parallel_tool_calls": request.get("parallel_tool_calls") is not False,
         **chat_sampling(request),
         "top_logprobs": request.get("top_logprobs") or 0,
         "tool_choice": request.get("tool_choice") or "auto", "tools": _tools(request.get("tools")),
