@@ -58,8 +58,8 @@ def test_metrics_has_latency_histograms_after_a_registration_and_requests(api: A
     before = api.get("/metrics").text
     provider = ThreadedRaw(api.coordinator.base_url, token, answer="hi")  # returns once registered
     try:
-        assert api.post("/v1/chat/completions", json=body, headers={**key, "X-Darkbloom-Route": "self"}
-                        ).status_code == 200
+        plain = api.post("/v1/chat/completions", json=body, headers={**key, "X-Darkbloom-Route": "self"})
+        assert plain.status_code == 200, plain.text
         streamed = api.post("/v1/chat/completions", json={**body, "stream": True},
                             headers={**key, "X-Darkbloom-Route": "self"})
         assert streamed.status_code == 200 and "[DONE]" in streamed.text
