@@ -15,7 +15,7 @@ import argparse
 import json
 import sys
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "tests" / "clients" / ".results.json"
@@ -79,14 +79,19 @@ LLAMACPP_INTRO = ("The cases of llama.cpp's own server tests (`tools/server/test
                   "and why).\n")
 
 
-def llamacpp_section(found: dict[tuple[str, str], list[dict[str, Any]]]) -> list[str]:
+def section(title: str, intro: str, columns: list[str], rows: Callable[[Notes], list[list[str]]]) -> list[str]:
+    """A table of its own under ``title``: ``rows(notes)`` gives each row's cells, its notes follow."""
     notes = Notes()
-    out = ["## llama.cpp's server test suite\n", LLAMACPP_INTRO, "| llama.cpp test file | cases | result |",
-           "|---|---|---|"]
-    for feature, label in LLAMACPP_FILES:
-        tests = found.get((LLAMACPP_CLIENT, feature))
-        out.append(f"| {label} | {len(tests or [])} | {notes.mark(tests)} |")
+    out = [f"## {title}\n", intro, "| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
+    out += ["| " + " | ".join(cells) + " |" for cells in rows(notes)]
     return out + ([""] + notes.lines + [""] if notes.lines else [""])
+
+
+def llamacpp_section(found: dict[tuple[str, str], list[dict[str, Any]]]) -> list[str]:
+    return section("llama.cpp's server test suite", LLAMACPP_INTRO, ["llama.cpp test file", "cases", "result"],
+                   lambda notes: [[label, str(len(found.get((LLAMACPP_CLIENT, feature)) or [])),
+                                   notes.mark(found.get((LLAMACPP_CLIENT, feature)))]
+                                  for feature, label in LLAMACPP_FILES])
 
 
 INTRO = """# Compatibility with real clients
@@ -173,27 +178,22 @@ def render(results: dict[str, Any]) -> str:
         out.append(f"| {label} | {version} | " + " | ".join(marks) + " |")
     matrix_notes = notes.lines
     out += [""] + matrix_notes + [""] if matrix_notes else [""]
-    notes = Notes()
-    out.append("## The same requests through `X-Darkbloom-Route: self`\n")
-    out.append("Sent by the node's owner (openai-python, and the anthropic SDK for messages): the response "
-               "says `X-Darkbloom-Billing: free` and `X-Darkbloom-Routed: owned`, the owner's balance does not "
-               "move, and the request's usage row has `cost_micro_usd: 0`, `self_routed: true`.\n")
-    out.append("| request | free and owned |")
-    out.append("|---|---|")
-    for feature, label in SELF_ROUTE:
-        out.append(f"| {label} | {notes.mark(found.get(('self-route', feature)))} |")
-    out += [""] + notes.lines + [""] if notes.lines else [""]
-    notes = Notes()
-    out.append("## Open Responses compliance suite\n")
-    out.append("The seven cases of the Open Responses specification's compliance runner, sent as it sends them "
-               "(raw HTTP, the same bodies) to `POST /v1/responses`: every response object and every streamed "
-               "event is validated against the specification's JSON schemas (version 2026-04-24, vendored in "
-               "`tests/support/open_responses_spec/`), then the case's own checks run.\n")
-    out.append("| case | result |")
-    out.append("|---|---|")
-    for case, label in OPEN_RESPONSES:
-        out.append(f"| {label} (`{case}`) | {notes.mark(found.get(('open-responses', case)), ('open-responses', case))} |")
-    out += [""] + notes.lines + [""] if notes.lines else [""]
+    out += section("The same requests through `X-Darkbloom-Route: self`",
+                   "Sent by the node's owner (openai-python, and the anthropic SDK for messages): the response "
+                   "says `X-Darkbloom-Billing: free` and `X-Darkbloom-Routed: owned`, the owner's balance does not "
+                   "move, and the request's usage row has `cost_micro_usd: 0`, `self_routed: true`.\n",
+                   ["request", "free and owned"],
+                   lambda notes: [[label, notes.mark(found.get(("self-route", feature)))]
+                                  for feature, label in SELF_ROUTE])
+    out += section("Open Responses compliance suite",
+                   "The seven cases of the Open Responses specification's compliance runner, sent as it sends "
+                   "them (raw HTTP, the same bodies) to `POST /v1/responses`: every response object and every "
+                   "streamed event is validated against the specification's JSON schemas (version 2026-04-24, "
+                   "vendored in `tests/support/open_responses_spec/`), then the case's own checks run.\n",
+                   ["case", "result"],
+                   lambda notes: [[f"{label} (`{case}`)", notes.mark(found.get(("open-responses", case)),
+                                                                     ("open-responses", case))]
+                                  for case, label in OPEN_RESPONSES])
     out += llamacpp_section(found)
     out.append(WHAT)
     run = results.get("full_run", {})

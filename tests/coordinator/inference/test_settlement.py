@@ -83,6 +83,14 @@ class World:
         await self.provider.next_request()
         return run
 
+    async def served(self, life: RequestLifecycle) -> None:
+        """Dispatch the request and let the provider answer it in full (one chunk, then complete)."""
+        run = await self.dispatched(life)
+        self.provider.reply(life.request_id)
+        self.provider.complete(life.request_id)
+        pending, completed = await run
+        await pending.collect(completed, ChatPresenter(life.request_id, MODEL.id, {}), DEADLINES)
+
     async def assert_refunded(self, request_id: str) -> None:
         """The reservation went back and every rate charge but the request itself."""
         assert await self.reservation_state(request_id) == "refunded"
@@ -128,11 +136,7 @@ async def test_refused_gives_back_every_rate_charge(world: World) -> None:
 async def test_success_settles_and_frees_the_slot(world: World) -> None:
     life = world.lifecycle("req-ok")
     async with life:
-        run = await world.dispatched(life)
-        world.provider.reply("req-ok")
-        world.provider.complete("req-ok")  # 3 prompt + 1 completion tokens
-        pending, completed = await run
-        await pending.collect(completed, ChatPresenter("req-ok", MODEL.id, {}), DEADLINES)
+        await world.served(life)  # 3 prompt + 1 completion tokens
         assert world.provider.session.active == 1
     assert world.provider.session.active == 0
     assert await world.reservation_state("req-ok") == "settled"
@@ -148,11 +152,7 @@ async def test_finish_settles_once_and_gives_the_usage_rows_cost(world: World) -
     charged, and neither a second ``finish`` nor the lifecycle's exit settles again."""
     life = world.lifecycle("req-cost")
     async with life:
-        run = await world.dispatched(life)
-        world.provider.reply("req-cost")
-        world.provider.complete("req-cost")
-        pending, completed = await run
-        await pending.collect(completed, ChatPresenter("req-cost", MODEL.id, {}), DEADLINES)
+        await world.served(life)
         cost = await life.finish("ok")
         rows = await world.usage_rows("req-cost")  # committed before the answer is made
         assert len(rows) == 1 and cost == rows[0]["cost_micro_usd"] > 0
@@ -180,11 +180,7 @@ async def test_a_settlement_whose_reply_was_lost_still_gives_the_rows_cost(
     monkeypatch.setattr(billing, "settle_bill", commit_then_fail)
     life = world.lifecycle("req-lost-reply")
     async with life:
-        run = await world.dispatched(life)
-        world.provider.reply("req-lost-reply")
-        world.provider.complete("req-lost-reply")
-        pending, completed = await run
-        await pending.collect(completed, ChatPresenter("req-lost-reply", MODEL.id, {}), DEADLINES)
+        await world.served(life)
         cost = await life.finish("ok")
     rows = await world.usage_rows("req-lost-reply")
     assert calls == 2 and len(rows) == 1 and cost == rows[0]["cost_micro_usd"] > 0
