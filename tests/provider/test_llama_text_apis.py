@@ -209,3 +209,21 @@ async def test_a_stopped_batch_reports_what_all_its_prompts_used(backend: Record
     assert second.cancelled and not first.cancelled
     assert meter.prompt_tokens == first.prompt_tokens + second.prompt_tokens
     assert meter.completion_tokens == first.completion_tokens + second.completion_tokens
+
+
+async def test_a_batch_whose_later_prompt_overflows_fails_after_the_earlier_ones(
+        backend: RecordingLlamaCppBackend) -> None:
+    """A prompt the node refuses part-way through a batch ends the stream with its error (the chunks
+    already sent stay sent, as with any failure after the first content); the meter keeps what the
+    prompts before it used, and nothing more is generated."""
+    meter, before = UsageMeter(), len(backend.recent)
+    sent: list[dict[str, Any]] = []
+    body = {"prompt": [STORY, "word " * 600, "The capital of France is"], "max_tokens": 6, "temperature": 0}
+    with pytest.raises(BackendError) as info:
+        async for chunk in open_stream(backend, "completions", MODEL, body, meter):
+            sent.append(chunk)
+    assert (info.value.status_code, info.value.code) == (400, "context_length_exceeded")
+    assert sent and {c["choices"][0]["index"] for c in sent} == {0}
+    first, *refused = backend.recent[before:]  # the refused one may still be on its way back; the third never ran
+    assert len(refused) <= 1 and all((r.prompt_tokens, r.completion_tokens) == (0, 0) for r in refused)
+    assert (meter.prompt_tokens, meter.completion_tokens) == (first.prompt_tokens, first.completion_tokens) != (0, 0)
