@@ -35,7 +35,7 @@ async def _batch(backend: Backend, model_id: str, body: dict[str, Any],
     prompt_tokens = completion_tokens = 0
     last: dict[str, Any] = {}
     for index, prompt in enumerate(completion_prompts(body)):
-        part = _PartMeter(whole, prompt_tokens, completion_tokens)
+        part = _PartMeter(whole)
         stream = backend.stream_completion(model_id, dict(body, prompt=prompt), part)
         async with contextlib.aclosing(stream):  # type: ignore[type-var]
             async for chunk in stream:
@@ -54,11 +54,11 @@ async def _batch(backend: Backend, model_id: str, body: dict[str, Any],
 
 
 class _PartMeter(UsageMeter):
-    """One prompt's meter: what its backend writes lands in the batch's meter, after the counts of the
-    prompts before it; waiting for the generation to stop is the batch meter's."""
+    """One prompt's meter: what its backend writes lands in the batch's meter, on top of what that held
+    when the prompt began (the prompts before it); waiting for the generation to stop is the batch meter's."""
 
-    def __init__(self, whole: UsageMeter, prompt_before: int, completion_before: int) -> None:
-        self._whole, self._before = whole, (prompt_before, completion_before)
+    def __init__(self, whole: UsageMeter) -> None:
+        self._whole, self._before = whole, (whole.prompt_tokens, whole.completion_tokens)
         super().__init__()
 
     @property  # type: ignore[override]

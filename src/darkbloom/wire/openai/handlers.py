@@ -3,8 +3,6 @@ the Messages API (`/v1/messages` and every path under it), OpenAI's everywhere e
 
 from __future__ import annotations
 
-from typing import Any
-
 from starlette.exceptions import HTTPException
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
@@ -26,14 +24,11 @@ def speaks_anthropic(path: str) -> bool:
     return path == ANTHROPIC_ROOT or path.startswith(ANTHROPIC_ROOT + "/")
 
 
-def error_envelope(path: str, error: ApiError) -> dict[str, Any]:
-    return anthropic_error_body(error) if speaks_anthropic(path) else error.body()
-
-
 def path_error_response(path: str, error: ApiError, request_id: str | None = None) -> JSONResponse:
     """The error answered on ``path`` in that API's envelope (also usable as a raw ASGI answer)."""
     headers = {**error.headers, "X-Request-Id": request_id} if request_id else error.headers
-    return JSONResponse(error_envelope(path, error), status_code=error.status,
+    body = anthropic_error_body(error) if speaks_anthropic(path) else error.body()
+    return JSONResponse(body, status_code=error.status,
                         headers=retry_headers(error.status, headers))
 
 
