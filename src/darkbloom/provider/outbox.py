@@ -18,7 +18,6 @@ item); any other chunk too large for one frame fails its request (502) instead o
 from __future__ import annotations
 
 import asyncio
-import json
 from dataclasses import dataclass
 from typing import Any, Iterator, Protocol
 
@@ -26,7 +25,7 @@ from pydantic import BaseModel
 from websockets.asyncio.client import ClientConnection
 
 from darkbloom.provider.backends.base import BackendError
-from darkbloom.wire import crypto, protocol
+from darkbloom.wire import crypto, json_codec, protocol
 
 COALESCE_BYTES = 64 * 1024  # plaintext of chunks merged into one frame, at most (a larger chunk goes alone)
 COALESCE_CHUNKS = 1024  # and at most this many chunks
@@ -62,7 +61,7 @@ class Outbox:
         is a list over SPLIT_BYTES; BackendError 502 when it cannot fit a frame)."""
         if self.closed or request.cancelled:
             return
-        text = _dumps(chunk)
+        text = json_codec.dumps_text(chunk)
         texts = _split(chunk) if len(text) > SPLIT_BYTES else [text]
         if any(protocol.sealed_frame_bytes(len(part)) > protocol.MAX_FRAME_BYTES for part in texts):
             raise BackendError(502, "the backend sent a chunk too large to relay")
@@ -109,25 +108,21 @@ def _frames(waiting: list[tuple[_Request | None, str] | _Chunk], merge: bool) ->
             request_id=item.request.request_id, encrypted_data=item.sealer.seal(plaintext.encode())))
 
 
-def _dumps(value: Any) -> str:
-    return json.dumps(value, separators=(",", ":"))
-
-
 def _split(chunk: dict[str, Any]) -> list[str]:
     """A list chunk as several of the same shape, each with as many of its `data` items as fit in
     SPLIT_BYTES (at least one); any other chunk as it is."""
     data = chunk.get("data")
     if chunk.get("object") != "list" or not isinstance(data, list) or len(data) < 2:
-        return [_dumps(chunk)]
+        return [json_codec.dumps_text(chunk)]
     parts: list[list[Any]] = [[]]
     size = 0
-    for item, item_size in ((item, len(_dumps(item)) + 1) for item in data):
+    for item, item_size in ((item, len(json_codec.dumps_text(item)) + 1) for item in data):
         if parts[-1] and size + item_size > SPLIT_BYTES:
             parts.append([])
             size = 0
         parts[-1].append(item)
         size += item_size
-    return [_dumps(dict(chunk, data=part)) for part in parts]
+    return [json_codec.dumps_text(dict(chunk, data=part)) for part in parts]
 
 
 def closed_outbox() -> Outbox:

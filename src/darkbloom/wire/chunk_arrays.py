@@ -10,28 +10,21 @@ chunks cannot hold more) is refused unparsed; 800,000 ``{}`` would hold the loop
 
 from __future__ import annotations
 
-import json
 from typing import Any
 
-import orjson
+from darkbloom.wire import json_codec
 
 MAX_CHUNKS_PER_FRAME = 4096
 MAX_CONTAINERS_PER_FRAME = 16 * MAX_CHUNKS_PER_FRAME
 
 
 def response_chunks(plaintext: bytes) -> list[dict[str, Any]]:
-    """The OpenAI chunks a frame carries (ValueError when it carries anything else). orjson reads
-    it (a tenth of stdlib's time); what orjson refuses and stdlib takes (NaN, a BOM, lone surrogate
-    escapes) opens through stdlib. (orjson reads an integer past 64 bits as a float: no chunk field
-    is one.)"""
+    """The OpenAI chunks a frame carries (ValueError when it carries anything else)."""
     containers = plaintext.count(b"{") + plaintext.count(b"[")
     if containers > MAX_CONTAINERS_PER_FRAME:
         raise ValueError(f"{containers} JSON objects and arrays, over the {MAX_CONTAINERS_PER_FRAME} one frame "
                          "may carry")
-    try:
-        data = orjson.loads(plaintext)
-    except orjson.JSONDecodeError:
-        data = json.loads(plaintext)
+    data = json_codec.loads(plaintext)
     chunks = data if isinstance(data, list) else [data]
     if len(chunks) > MAX_CHUNKS_PER_FRAME:
         raise ValueError(f"an array of {len(chunks)} chunks, over the {MAX_CHUNKS_PER_FRAME} one frame may carry")

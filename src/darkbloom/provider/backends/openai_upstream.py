@@ -44,6 +44,7 @@ import certifi
 from darkbloom.provider.backends.base import (TEXT_MODEL_CAPABILITIES, BackendError, UsageMeter,
                                               new_completion_id, usage_chunk)
 from darkbloom.provider.backends.upstream_stream import sse_chunks, upstream_error
+from darkbloom.wire import json_codec
 
 log = logging.getLogger(__name__)
 KEEPALIVE_EXPIRY = 4.0  # seconds an idle connection is kept: under uvicorn's 5 s (vLLM, llama.cpp's server)
@@ -83,7 +84,8 @@ class OpenAIUpstreamBackend:
         tls = ssl.create_default_context(cafile=certifi.where())
         connector = aiohttp.TCPConnector(limit=self.max_concurrency, keepalive_timeout=KEEPALIVE_EXPIRY, ssl=tls)
         self._proxy = proxy_for(self.url)
-        self._client = aiohttp.ClientSession(connector=connector, timeout=self._timeout, headers=self._headers)
+        self._client = aiohttp.ClientSession(connector=connector, timeout=self._timeout, headers=self._headers,
+                                             json_serialize=json_codec.dumps_text)
 
     async def close(self) -> None:
         if self._client is not None:

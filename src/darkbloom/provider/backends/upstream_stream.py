@@ -15,6 +15,7 @@ from typing import Any, AsyncIterator
 import aiohttp
 
 from darkbloom.provider.backends.base import BackendError
+from darkbloom.wire import json_codec
 from darkbloom.wire.protocol import PROVIDER_ERROR_CODES
 
 END_OF_BODY_BYTES = 4096  # what may follow [DONE] before the connection is dropped instead
@@ -32,7 +33,7 @@ async def sse_chunks(response: aiohttp.ClientResponse) -> AsyncIterator[dict[str
             await _read_to_the_end(response.content)
             return
         try:
-            chunk = json.loads(data)
+            chunk = json_codec.loads(data)
         except ValueError:
             raise BackendError(502, "upstream sent an event that is not JSON") from None
         if not isinstance(chunk, dict):

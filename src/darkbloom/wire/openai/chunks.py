@@ -3,8 +3,9 @@ what counts as content, the SSE framing, and assembling a non-streaming answer f
 
 from __future__ import annotations
 
-import json
 from typing import Any
+
+from darkbloom.wire import json_codec
 
 SSE_DONE = b"data: [DONE]\n\n"
 
@@ -38,7 +39,7 @@ def wants_usage_chunk(body: dict[str, Any]) -> bool:
 
 
 def sse(data: dict[str, Any]) -> bytes:
-    return b"data: " + json.dumps(data, separators=(",", ":")).encode() + b"\n\n"
+    return b"data: " + json_codec.dumps(data) + b"\n\n"
 
 
 def sse_event(kind: str, data: dict[str, Any]) -> bytes:
