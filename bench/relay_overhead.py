@@ -21,6 +21,7 @@ from __future__ import annotations
 import argparse
 import os
 import platform
+import re
 import statistics
 import subprocess
 import sys
@@ -44,6 +45,13 @@ def process_cpu(pid: int) -> float:
     """CPU seconds (user + system, all threads) of ``pid`` so far."""
     fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def loop_sleeps(pid: int) -> int:
+    """How often the main thread of ``pid`` (its event loop) has gone to sleep so far: its voluntary
+    context switches. Per request, how many times the loop woke for it (fewer when events batch)."""
+    status = Path(f"/proc/{pid}/task/{pid}/status").read_text()
+    return int(re.search(r"^voluntary_ctxt_switches:\s+(\d+)", status, re.M).group(1))  # type: ignore[union-attr]
 
 
 def machine() -> str:

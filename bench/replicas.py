@@ -42,7 +42,7 @@ import httpx
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from bench.relay_overhead import machine, process_cpu, tree_state  # noqa: E402
+from bench.relay_overhead import loop_sleeps, machine, process_cpu, tree_state  # noqa: E402
 from bench.relay_stack import BODY, MODEL, check, profile, write_catalog  # noqa: E402
 from bench.wrk_load import WrkResult, WrkTarget, run_wrk, wrk_binary  # noqa: E402
 from tests.support.accounts import Account, create_account, login_node  # noqa: E402
@@ -66,9 +66,14 @@ class Bench:
     lbs: list[Process] = field(default_factory=list)
 
     def cpu(self) -> dict[str, float]:
-        """CPU seconds so far: all replicas together, all nodes together."""
+        """CPU seconds so far: all replicas together, all nodes together; the replicas' loop wakeups."""
         return {"coordinators": sum(process_cpu(c.process.proc.pid) for c in self.replicas),
-                "nodes": sum(process_cpu(n.proc.pid) for n in self.nodes)}
+                "nodes": sum(process_cpu(n.proc.pid) for n in self.nodes),
+                "wakeups": sum(loop_sleeps(c.process.proc.pid) for c in self.replicas)}
+
+    def crossed(self) -> float:
+        """Attempts sent to a session another replica holds, so far, all replicas together."""
+        return sum(metric(c, "darkbloom_fabric_remote_requests_total") for c in self.replicas)
 
     def target(self, name: str, base_url: str, mode: str) -> WrkTarget:
         body = {**BODY, "stream": True} if mode == "stream" else BODY
@@ -158,10 +163,12 @@ def start_lb(root: Path, replicas: list[Coordinator], count: int) -> tuple[Proce
 
 
 def measure(bench: Bench, target: WrkTarget, conc: int, duration: float) -> tuple[WrkResult, dict[str, float]]:
-    before = bench.cpu()
+    crossed, before = bench.crossed(), bench.cpu()  # the scrape before the CPU count: not in it
     result = run_wrk(target, target.script(bench.scripts), conc, duration)
     after = bench.cpu()
     per_request = {k: 1e3 * (after[k] - before[k]) / max(result.requests, 1) for k in before}
+    per_request["wakeups"] = (after["wakeups"] - before["wakeups"]) / max(result.requests, 1)
+    per_request["crossed"] = (bench.crossed() - crossed) / max(result.requests, 1)
     print(f"  {target.name:18} c={conc:<3} {result.rps:8.1f} req/s  p50 {result.p50_ms:8.2f} ms  "
           f"p99 {result.p99_ms:8.2f} ms  errors {result.errors}", file=sys.stderr, flush=True)
     return result, per_request
@@ -231,11 +238,14 @@ def part_b(bench: Bench, nodes: int, duration: float, warmup: float, concurrenci
         lb.stop()
         bench.lbs.remove(lb)
     lines = ["| replicas behind HAProxy | sessions held (A / B / C) | mode | c | req/s | × 1 replica | p50 ms | p99 ms "
-             "| coordinators CPU ms/req | nodes CPU ms/req | errors |", "|---" * 11 + "|"]
-    base = {(mode, conc): r.rps for count, _, mode, conc, r, _ in rows if count == 1}
+             "| crossed NATS | coordinators CPU ms/req | × 1 replica | coordinator loop wakeups/req | nodes CPU ms/req "
+             "| errors |", "|---" * 14 + "|"]
+    base = {(mode, conc): (r.rps, cpu["coordinators"]) for count, _, mode, conc, r, cpu in rows if count == 1}
     for count, spread, mode, conc, r, cpu in sorted(rows, key=lambda x: (x[2], x[3], x[0])):
-        lines.append(f"| {count} | {spread} | {mode} | {conc} | {r.rps:,.0f} | {r.rps / base[(mode, conc)]:.2f}× | "
-                     f"{r.p50_ms:.1f} | {r.p99_ms:.1f} | {cpu['coordinators']:.2f} | {cpu['nodes']:.2f} | {r.errors} |")
+        rps_1, cpu_1 = base[(mode, conc)]
+        lines.append(f"| {count} | {spread} | {mode} | {conc} | {r.rps:,.0f} | {r.rps / rps_1:.2f}× | "
+                     f"{r.p50_ms:.1f} | {r.p99_ms:.1f} | {100 * cpu['crossed']:.0f} % | {cpu['coordinators']:.2f} | "
+                     f"{cpu['coordinators'] / cpu_1:.2f}× | {cpu['wakeups']:.1f} | {cpu['nodes']:.2f} | {r.errors} |")
     return "\n".join(lines) + "\n"
 
 

@@ -53,6 +53,13 @@ def world(tmp_path_factory: pytest.TempPathFactory) -> Iterator[World]:
                 raw.close()
 
 
+def remote_requests(coord: Coordinator) -> float:
+    """The replica's count of attempts it sent to a session another replica holds."""
+    metrics = httpx.get(coord.base_url + "/metrics", timeout=10).text
+    return next((float(line.split()[1]) for line in metrics.splitlines()
+                 if line.startswith("darkbloom_fabric_remote_requests_total ")), 0.0)
+
+
 def chat(coord: Coordinator, token: str, headers: dict[str, str] | None = None, **fields: object) -> httpx.Response:
     return httpx.post(coord.api_url + "/chat/completions", json={**BODY, **fields},
                       headers={"Authorization": f"Bearer {token}", **(headers or {})}, timeout=60)
@@ -97,6 +104,7 @@ def test_paid_request_served_through_another_replica(world: World) -> None:
     payer = create_account(world.b, credit_micro_usd=10_000_000)
     wait_until(lambda: any(m["id"] == MODEL for m in get(world.b, "/models", payer.api_key).json()["data"]),
                timeout=20, what="the model listed on B")
+    crossed = {coord.base_url: remote_requests(coord) for coord in (world.a, world.b)}
     response = chat(world.b, payer.api_key)
     assert response.status_code == 200, response.text
     assert response.json()["choices"][0]["message"]["content"] == "from replica A"
@@ -111,6 +119,8 @@ def test_paid_request_served_through_another_replica(world: World) -> None:
     assert "from replica A" in "".join(json.loads(e)["choices"][0]["delta"].get("content") or ""
                                        for e in events[:-1] if json.loads(e)["choices"])
     assert set(public.requests) == {response.headers["x-request-id"], streamed.headers["x-request-id"]}
+    assert remote_requests(world.b) - crossed[world.b.base_url] == 2  # both sent to A's session
+    assert remote_requests(world.a) == crossed[world.a.base_url]
     rows = usage(world.a, payer)  # settled by B, read through A: one database
     assert {r["request_id"] for r in rows} == set(public.requests)
     costs = [int(str(r["cost_micro_usd"])) for r in rows]

@@ -193,6 +193,25 @@ async def test_placement_takes_a_session_held_here_when_it_ranks_as_well() -> No
     assert {select_idle_or_free(registry, public, settings_, idle_only=True) for _ in range(50)} == {here.session}
 
 
+async def test_placement_takes_a_session_held_here_that_is_as_good_though_a_little_busier() -> None:
+    """A NATS hop costs both replicas CPU: a session held here is taken while it is at most a quarter
+    of its capacity busier and four fifths as fast; past either, the other replica's."""
+    view, registry, _ = view_of_b(nats_url="nats://127.0.0.1:4222")
+    here = SimProvider(max_concurrency=8, decode_tps=85.0)
+    registry.add(here.session)
+    there = SimProvider(max_concurrency=8, decode_tps=100.0)
+    announce(view, there)
+    settings_ = view.services.settings
+    public = RouteDecision(model=MODEL)
+    here.set_active(2)  # 2/8 busier, 85 % of the speed: as good
+    assert {select(registry, public, settings_) for _ in range(20)} == {here.session}
+    here.set_active(3)  # 3/8 busier: the other replica's
+    assert select(registry, public, settings_) is registry.get(there.session.id)
+    here.set_active(0)
+    announce(view, there, decode_tps=200.0)  # here is 40 % of its speed: the other replica's
+    assert select(registry, public, settings_) is registry.get(there.session.id)
+
+
 def test_deltas_kept_while_a_view_comes_are_bounded(monkeypatch: pytest.MonkeyPatch) -> None:
     from darkbloom.coordinator.fabric import view as view_module
     monkeypatch.setattr(view_module, "MAX_WAITING", 3)

@@ -19,6 +19,8 @@ import logging
 import secrets
 from typing import Any, Callable
 
+from prometheus_client import Counter
+
 from darkbloom.coordinator.fabric import messages
 from darkbloom.coordinator.fabric.authentication import Opened, refuse
 from darkbloom.coordinator.fabric.connection import Connection
@@ -31,6 +33,8 @@ from darkbloom.wire.protocol import Cancel, Envelope, Usage, dump
 log = logging.getLogger("darkbloom.fabric")
 CLAIM_TIMEOUT = 2.0  # seconds for the holder to answer a claim; after it, the slot counts as busy
 LOOKS_FULL_FOR = 1.0  # seconds a refused stand-in looks full, unless its holder announces it sooner
+REMOTE_REQUESTS = Counter("darkbloom_fabric_remote_requests",
+                          "Attempts this replica admitted and sent to a session another replica holds")
 
 
 class RemoteLink:
@@ -108,6 +112,7 @@ class Outbound:
     def send_request(self, link: RemoteLink, request_id: str, ticket: str, frame_json: str) -> None:
         self._placed[ticket] = (link, request_id)
         self._known.add(ticket)
+        REMOTE_REQUESTS.inc()
         for part in messages.hold_parts("request", frame_json.encode(), self.connection.max_payload, t=ticket,
                                         s=link.session.id, r=request_id, f=self.subjects.replica):
             self.connection.post(self.subjects.hold(link.holder), part, link.holder)

@@ -18,8 +18,10 @@ tally (fleet/insight.py): the sessions it turned away, by gate, and the one it c
 out from those what each machine that advertised the model was passed over for.
 
 With replicas (``--nats-url``), a session this replica holds is taken over another replica's when it
-ranks as well: its request then makes no NATS hop. Another replica's session is taken only when it
-ranks strictly better (less loaded, or faster).
+is as good (``as_good_here``): its request then makes no NATS hop, which costs both replicas CPU and
+the request a round trip. Another replica's session is taken only when it is clearly better: it has
+the model loaded and the one here does not, or the one here is busier by more than LOCAL_LOAD_SLACK
+of its capacity, or slower than LOCAL_SPEED_SHARE of its speed.
 """
 
 from __future__ import annotations
@@ -73,6 +75,8 @@ class Survey:
 Order = Callable[[FreeOrder], Iterator[Ties]]
 Rank = Callable[[ProviderSession], tuple[bool, float, float]]  # what ``Order`` sorts by: lower is better
 _PROBES = 8  # random draws within a rank before it is walked whole
+LOCAL_LOAD_SLACK = 0.25
+LOCAL_SPEED_SHARE = 0.8
 # What loading a model the node does not have in memory costs before its first token: reading the
 # GGUF at about 1 GB/s (an SSD read, page-in and, on a Mac, the Metal buffers; a fast NVMe does
 # better, a SATA disk worse) plus a constant for the context, the KV cache and the first prefill.
@@ -202,7 +206,7 @@ def select_idle_or_free(registry: Registry, decision: RouteDecision, settings: C
 def _pick(registry: Registry, decision: RouteDecision, settings: CoordinatorSettings, order: Order, rank: Rank,
           owner: str | None, skip_owned: bool, now: float, counting: bool = False) -> Optional[ProviderSession]:
     """The first usable session of the view in ``order``; with replicas, one held here when it ranks
-    as well as another replica's that came first. ``counting``: the request's first public selection,
+    as well as another replica's that came first, or is as good (``as_good_here``). ``counting``: the request's first public selection,
     told to the view's tally."""
     view = _view(registry, decision, settings, owner)
     tally = view.tally if counting else None
@@ -212,10 +216,22 @@ def _pick(registry: Registry, decision: RouteDecision, settings: CoordinatorSett
     if found is not None and settings.nats_url is not None and registry.held(found.id) is None:
         here = _first(order(_view(registry, decision, settings, owner, held_here=True).free), decision, settings,
                       now, skip_owned)
-        found = here if here is not None and rank(here) <= rank(found) else found
+        if here is not None and (rank(here) <= rank(found) or as_good_here(here, found, decision.names)):
+            found = here
     if found is not None and tally is not None:
         tally.chosen(found)
     return found
+
+
+def as_good_here(here: ProviderSession, there: ProviderSession, names: tuple[str, ...]) -> bool:
+    """Whether a session this replica holds serves about as well as another replica's: the model
+    loaded if that one has it, its share of capacity in use at most LOCAL_LOAD_SLACK higher, and
+    at least LOCAL_SPEED_SHARE of its measured speed."""
+    if there.has_loaded(names) and not here.has_loaded(names):
+        return False
+    if here.active / here.max_concurrency > there.active / there.max_concurrency + LOCAL_LOAD_SLACK:
+        return False
+    return speed_of(here) >= LOCAL_SPEED_SHARE * speed_of(there)
 
 
 def any_eligible(registry: Registry, decision: RouteDecision, settings: CoordinatorSettings) -> bool:
