@@ -1,0 +1,44 @@
+"""JSON on the relay's path: what orjson refuses, the standard library takes, so an upstream's odd
+but valid-for-Python chunk is relayed, never a failed request; what is written is always JSON."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+
+from darkbloom.wire import json_codec
+
+
+@pytest.mark.parametrize("raw, expected", [
+    (b'{"a": 1}', {"a": 1}),
+    (b'\xef\xbb\xbf{"a": 1}', {"a": 1}),  # a BOM
+    (b'"\\ud800"', "\ud800"),  # a lone surrogate escape
+    (b'{"big": 1e400}', {"big": math.inf}),  # past a double
+])
+def test_loads_takes_what_the_standard_library_takes(raw: bytes, expected: object) -> None:
+    assert json_codec.loads(raw) == expected
+
+
+def test_loads_takes_nan_and_refuses_what_is_not_json() -> None:
+    assert math.isnan(json_codec.loads(b'{"x": NaN}')["x"])
+    with pytest.raises(ValueError):
+        json_codec.loads(b'{"x": ')
+
+
+@pytest.mark.parametrize("value", [
+    {"n": 2 ** 70},  # past 64 bits
+    {1: "a non-string key"},
+    {"text": "a lone \ud800 surrogate"},
+    {"text": "héllo ✓", "n": [1, 2.5, None, True]},
+])
+def test_dumps_writes_json_the_standard_library_reads_back(value: object) -> None:
+    text = json_codec.dumps_text(value)
+    assert json_codec.dumps(value) == text.encode()  # valid UTF-8: it seals and sends as it is
+    assert json.loads(text) == json.loads(json.dumps(value))
+
+
+def test_both_ways_write_compact_json() -> None:
+    assert json_codec.dumps_text({"a": [1, "é"]}) == '{"a":[1,"é"]}'
+    assert json_codec.dumps_text({1: [1, "\ud800"]}) == '{"1":[1,"\\ud800"]}'  # the standard library's way
