@@ -42,3 +42,8 @@ def test_dumps_writes_json_the_standard_library_reads_back(value: object) -> Non
 def test_both_ways_write_compact_json() -> None:
     assert json_codec.dumps_text({"a": [1, "é"]}) == '{"a":[1,"é"]}'
     assert json_codec.dumps_text({1: [1, "\ud800"]}) == '{"1":[1,"\\ud800"]}'  # the standard library's way
+
+
+def test_what_is_not_a_json_number_is_written_as_null() -> None:
+    """A -inf logprob went out as ``-Infinity``, which JSON parsers refuse."""
+    assert json_codec.dumps_text({"logprob": -math.inf, "x": math.nan}) == '{"logprob":null,"x":null}'

@@ -1,12 +1,13 @@
-"""JSON on the relay's path — the chunks a node reads from its upstream and seals, the events and
-answers the coordinator writes — through orjson (several times faster than the standard library),
-with the standard library taking whatever orjson refuses, so no input fails for the speed:
+"""JSON on the relay's path — the chunks a node reads from its upstream, seals and the coordinator
+opens, the SSE events the coordinator and direct mode write — through orjson (several times faster
+than the standard library), with the standard library taking whatever orjson refuses, so no input
+fails for the speed:
 
 - reading, orjson refuses NaN and Infinity, a BOM, lone surrogate escapes and numbers past a double,
   which ``json.loads`` takes (it also reads an integer past 64 bits as a float: no chunk field is one);
 - writing, orjson refuses integers past 64 bits, keys that are not strings and strings holding lone
-  surrogates, which ``json.dumps`` writes; it writes NaN as ``null`` where the standard library
-  writes the non-JSON ``NaN``.
+  surrogates, which ``json.dumps`` writes; it writes NaN and infinities as ``null`` where the
+  standard library writes the non-JSON ``NaN`` and ``Infinity`` (which most clients cannot read).
 
 Both write compact JSON, orjson with non-ASCII characters as themselves (UTF-8), the standard
 library with ``\\u`` escapes. Consumer bodies are not read here: their parser

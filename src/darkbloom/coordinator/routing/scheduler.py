@@ -206,8 +206,8 @@ def select_idle_or_free(registry: Registry, decision: RouteDecision, settings: C
 def _pick(registry: Registry, decision: RouteDecision, settings: CoordinatorSettings, order: Order, rank: Rank,
           owner: str | None, skip_owned: bool, now: float, counting: bool = False) -> Optional[ProviderSession]:
     """The first usable session of the view in ``order``; with replicas, one held here when it ranks
-    as well as another replica's that came first, or is as good (``as_good_here``). ``counting``: the request's first public selection,
-    told to the view's tally."""
+    as well as another replica's that came first or is as good (``as_good_here``). ``counting``: the
+    request's first public selection, told to the view's tally."""
     view = _view(registry, decision, settings, owner)
     tally = view.tally if counting else None
     if tally is not None:
