@@ -187,6 +187,16 @@ async def test_a_chunk_too_large_for_any_frame_fails_its_request() -> None:
         outbox.send_chunk(Request("r2"), sealer_for(crypto.ReplyKey()), vectors(1, 400_000))
 
 
+async def test_frame_sizes_are_counted_in_bytes_not_characters() -> None:
+    """Non-ASCII text is written as UTF-8: 4 million "é" are 8 MB, too large for a frame although
+    fewer characters than a frame holds."""
+    text = "é" * 4_000_000
+    assert protocol.sealed_frame_bytes(len(text)) < protocol.MAX_FRAME_BYTES
+    with pytest.raises(BackendError) as info:
+        merging().send_chunk(Request("r1"), sealer_for(crypto.ReplyKey()), chunk(text))
+    assert info.value.status_code == 502
+
+
 async def test_no_more_than_coalesce_chunks_share_a_frame() -> None:
     outbox, socket, reply = merging(), Socket(), crypto.ReplyKey()
     request = Request("r1")

@@ -41,7 +41,7 @@ class _Request(Protocol):
 class _Chunk:
     request: _Request
     sealer: crypto.Sealer
-    text: str  # the chunk's compact JSON
+    data: bytes  # the chunk's compact JSON, UTF-8: every size here is of these bytes
 
 
 class Outbox:
@@ -61,11 +61,11 @@ class Outbox:
         is a list over SPLIT_BYTES; BackendError 502 when it cannot fit a frame)."""
         if self.closed or request.cancelled:
             return
-        text = json_codec.dumps_text(chunk)
-        texts = _split(chunk) if len(text) > SPLIT_BYTES else [text]
-        if any(protocol.sealed_frame_bytes(len(part)) > protocol.MAX_FRAME_BYTES for part in texts):
+        data = json_codec.dumps(chunk)
+        parts = _split(chunk) if len(data) > SPLIT_BYTES else [data]
+        if any(protocol.sealed_frame_bytes(len(part)) > protocol.MAX_FRAME_BYTES for part in parts):
             raise BackendError(502, "the backend sent a chunk too large to relay")
-        for part in texts:
+        for part in parts:
             self._queue.put_nowait(_Chunk(request, sealer, part))
 
     def close(self) -> None:
@@ -94,35 +94,35 @@ def _frames(waiting: list[tuple[_Request | None, str] | _Chunk], merge: bool) ->
             continue
         if item.request.cancelled:
             continue
-        texts, size = [item.text], len(item.text)
-        while merge and index < len(waiting) and len(texts) < COALESCE_CHUNKS:
+        parts, size = [item.data], len(item.data)
+        while merge and index < len(waiting) and len(parts) < COALESCE_CHUNKS:
             after = waiting[index]
             if not (isinstance(after, _Chunk) and after.request is item.request
-                    and size + len(after.text) <= COALESCE_BYTES):
+                    and size + len(after.data) <= COALESCE_BYTES):
                 break
-            texts.append(after.text)
-            size += len(after.text)
+            parts.append(after.data)
+            size += len(after.data)
             index += 1
-        plaintext = texts[0] if len(texts) == 1 else "[" + ",".join(texts) + "]"
+        plaintext = parts[0] if len(parts) == 1 else b"[" + b",".join(parts) + b"]"
         yield protocol.dump(protocol.InferenceResponseChunk(
-            request_id=item.request.request_id, encrypted_data=item.sealer.seal(plaintext.encode())))
+            request_id=item.request.request_id, encrypted_data=item.sealer.seal(plaintext)))
 
 
-def _split(chunk: dict[str, Any]) -> list[str]:
+def _split(chunk: dict[str, Any]) -> list[bytes]:
     """A list chunk as several of the same shape, each with as many of its `data` items as fit in
     SPLIT_BYTES (at least one); any other chunk as it is."""
     data = chunk.get("data")
     if chunk.get("object") != "list" or not isinstance(data, list) or len(data) < 2:
-        return [json_codec.dumps_text(chunk)]
+        return [json_codec.dumps(chunk)]
     parts: list[list[Any]] = [[]]
     size = 0
-    for item, item_size in ((item, len(json_codec.dumps_text(item)) + 1) for item in data):
+    for item, item_size in ((item, len(json_codec.dumps(item)) + 1) for item in data):
         if parts[-1] and size + item_size > SPLIT_BYTES:
             parts.append([])
             size = 0
         parts[-1].append(item)
         size += item_size
-    return [json_codec.dumps_text(dict(chunk, data=part)) for part in parts]
+    return [json_codec.dumps(dict(chunk, data=part)) for part in parts]
 
 
 def closed_outbox() -> Outbox:
