@@ -73,7 +73,7 @@ class Bench:
 
     def crossed(self) -> float:
         """Attempts sent to a session another replica holds, so far, all replicas together."""
-        return sum(metric(c, "darkbloom_fabric_remote_requests_total") for c in self.replicas)
+        return sum(c.metric("darkbloom_fabric_remote_requests_total") for c in self.replicas)
 
     def target(self, name: str, base_url: str, mode: str) -> WrkTarget:
         body = {**BODY, "stream": True} if mode == "stream" else BODY
@@ -102,7 +102,7 @@ class Bench:
 
     def spread(self, count: int) -> str:
         """Sessions each replica holds: all sessions minus the ones it sees as another replica's."""
-        held = [count - int(metric(c, "darkbloom_fabric_remote_sessions")) for c in self.replicas]
+        held = [count - int(c.metric("darkbloom_fabric_remote_sessions")) for c in self.replicas]
         return " / ".join(f"{chr(65 + i)} {h}" for i, h in enumerate(held))
 
     def stop(self) -> None:
@@ -116,12 +116,6 @@ def online(coord: Coordinator, account: Account) -> int:
     response = httpx.get(coord.api_url + "/me/providers", headers=account.headers(), timeout=10)
     response.raise_for_status()
     return sum(1 for m in response.json()["data"] if m["online"])
-
-
-def metric(coord: Coordinator, name: str) -> float:
-    text = httpx.get(coord.base_url + "/metrics", timeout=10).text
-    found = re.search(rf"^{re.escape(name)} (\S+)$", text, re.M)
-    return float(found.group(1)) if found else 0.0
 
 
 def replicas_heard(coord: Coordinator) -> int:

@@ -19,13 +19,14 @@ import pytest
 
 from tests.support.accounts import Account, balance, create_account
 from tests.support.hostile import (
-    balance_settles_at, crash_on_request, crashed_counter, new_model, registered, usage_ids)
+    balance_settles_at, crash_on_request, new_model, registered, usage_ids)
 from tests.support.processes import Coordinator, sqlite_coordinator
 
 pytestmark = pytest.mark.e2e
 
 SECRET = "/home/provider/secret.gguf user=bob " + secrets.token_hex(4)
 HELLO = [{"role": "user", "content": "hi"}]
+CRASHED = "darkbloom_requests_crashed_providers_total"
 
 
 @pytest.fixture(scope="module")
@@ -80,7 +81,7 @@ async def test_a_request_that_crashes_its_nodes_reaches_two_of_three_and_fails_b
     model = new_model(coord)
     providers = [await registered(coord, model) for _ in range(3)]
     crashes = [asyncio.create_task(crash_on_request(raw)) for raw in providers]
-    before, counted = balance(coord, account), crashed_counter(coord)
+    before, counted = balance(coord, account), coord.metric(CRASHED)
     async with httpx.AsyncClient(timeout=30) as http:
         response = await _post(coord, account, "/chat/completions", {"model": model, "messages": HELLO}, http)
     for task in crashes:
@@ -99,7 +100,7 @@ async def test_a_request_that_crashes_its_nodes_reaches_two_of_three_and_fails_b
     request_id = response.headers["x-request-id"]
     await balance_settles_at(coord, account, before)
     assert request_id not in usage_ids(coord, account)
-    assert crashed_counter(coord) == counted + 1
+    assert coord.metric(CRASHED) == counted + 1
     for raw in providers:
         await raw.close()
 

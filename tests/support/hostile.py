@@ -61,13 +61,6 @@ async def crash_on_request(raw: RawProvider) -> str:
     return request.request_id
 
 
-def crashed_counter(coord: Coordinator) -> float:
-    for line in httpx.get(coord.base_url + "/metrics").text.splitlines():
-        if line.startswith("darkbloom_requests_crashed_providers_total "):
-            return float(line.split()[1])
-    return 0.0
-
-
 _HEALTH_LOOP = """
 import sys, time, httpx
 with httpx.Client(timeout=60) as http:

@@ -107,6 +107,11 @@ class Coordinator:
     def admin(self) -> dict[str, str]:
         return {"Authorization": f"Bearer {self.admin_token}"}
 
+    def metric(self, name: str) -> float:
+        """The value of the unlabelled sample ``name`` on /metrics (0 before it is first counted)."""
+        found = re.search(rf"^{re.escape(name)} (\S+)$", httpx.get(self.base_url + "/metrics", timeout=10).text, re.M)
+        return float(found.group(1)) if found else 0.0
+
     def stop(self) -> None:
         self.process.stop()
 

@@ -25,6 +25,7 @@ pytestmark = [pytest.mark.e2e, pytest.mark.postgres]
 MODEL = "smollm2-135m"
 BODY = {"model": MODEL, "messages": [{"role": "user", "content": "Say something."}], "max_tokens": 16}
 SELF = {"X-Darkbloom-Route": "self"}
+REMOTE_REQUESTS = "darkbloom_fabric_remote_requests_total"  # attempts sent to another replica's session
 
 
 @dataclass
@@ -51,13 +52,6 @@ def world(tmp_path_factory: pytest.TempPathFactory) -> Iterator[World]:
         finally:
             for raw in w.raws:
                 raw.close()
-
-
-def remote_requests(coord: Coordinator) -> float:
-    """The replica's count of attempts it sent to a session another replica holds."""
-    metrics = httpx.get(coord.base_url + "/metrics", timeout=10).text
-    return next((float(line.split()[1]) for line in metrics.splitlines()
-                 if line.startswith("darkbloom_fabric_remote_requests_total ")), 0.0)
 
 
 def chat(coord: Coordinator, token: str, headers: dict[str, str] | None = None, **fields: object) -> httpx.Response:
@@ -104,7 +98,7 @@ def test_paid_request_served_through_another_replica(world: World) -> None:
     payer = create_account(world.b, credit_micro_usd=10_000_000)
     wait_until(lambda: any(m["id"] == MODEL for m in get(world.b, "/models", payer.api_key).json()["data"]),
                timeout=20, what="the model listed on B")
-    crossed = {coord.base_url: remote_requests(coord) for coord in (world.a, world.b)}
+    crossed = {coord.base_url: coord.metric(REMOTE_REQUESTS) for coord in (world.a, world.b)}
     response = chat(world.b, payer.api_key)
     assert response.status_code == 200, response.text
     assert response.json()["choices"][0]["message"]["content"] == "from replica A"
@@ -119,8 +113,8 @@ def test_paid_request_served_through_another_replica(world: World) -> None:
     assert "from replica A" in "".join(json.loads(e)["choices"][0]["delta"].get("content") or ""
                                        for e in events[:-1] if json.loads(e)["choices"])
     assert set(public.requests) == {response.headers["x-request-id"], streamed.headers["x-request-id"]}
-    assert remote_requests(world.b) - crossed[world.b.base_url] == 2  # both sent to A's session
-    assert remote_requests(world.a) == crossed[world.a.base_url]
+    assert world.b.metric(REMOTE_REQUESTS) - crossed[world.b.base_url] == 2  # both sent to A's session
+    assert world.a.metric(REMOTE_REQUESTS) == crossed[world.a.base_url]
     rows = usage(world.a, payer)  # settled by B, read through A: one database
     assert {r["request_id"] for r in rows} == set(public.requests)
     costs = [int(str(r["cost_micro_usd"])) for r in rows]
