@@ -41,17 +41,22 @@ def _use(services: Services, catalog: Catalog) -> None:
 
 async def follow_catalog(services: Services, interval: float = FOLLOW_SECONDS) -> None:
     """Take up a catalog another replica stored (a shared Postgres database; a SQLite file has one
-    coordinator, whose own PUT already applied it)."""
+    coordinator, whose own PUT already applied it). A read during which this replica took up a catalog
+    of its own (a PUT) is dropped: it may have begun before that catalog was stored, and would put
+    the old one back until the next read."""
     if services.engine.dialect.name != "postgresql":
         return
     while True:
         await asyncio.sleep(interval)
+        in_force = services.settings.catalog
         try:
             async with services.engine.connect() as conn:
                 stored = await stored_settings.get(conn, _NAME)
         except Exception as exc:  # noqa: BLE001 - the database is away: keep the catalog in force, retry
             log.warning("cannot read the stored catalog: %s", exc)
             continue
-        if stored is not None and stored != services.settings.catalog.model_dump():
+        if services.settings.catalog is not in_force:
+            continue
+        if stored is not None and stored != in_force.model_dump():
             _use(services, Catalog.model_validate(stored))
             log.info("took up the catalog another replica stored (%d models)", len(services.settings.catalog.models))
