@@ -205,6 +205,33 @@ async def test_exclusive_usage_rows_go_through_the_writer(services: Services,
     await check_ledger_consistency(services.engine)
 
 
+async def test_on_sqlite_only_a_batch_of_reservations_commits_without_waiting_for_the_disk(
+        services: Services) -> None:
+    """docs/billing.md "The ledger writer": a reservation batch commits at ``synchronous=NORMAL``; a
+    settlement, a refund, or any batch holding one, at ``FULL`` (synced before its callers hear)."""
+    if services.engine.dialect.name != "sqlite":
+        pytest.skip("the SQLite ledger's own connection")
+    account = await new_account(services, credit=100_000)
+    statements: list[str] = []
+    backend = services.ledger._backend_now()
+    backend._connect().set_trace_callback(statements.append)  # type: ignore[attr-defined]
+
+    first, second = await together(billing.reserve(services, "s-1", account, None, 1_000),
+                                   billing.reserve(services, "s-2", account, None, 1_000))
+    await settle_paid(services, first, PRICED, USAGE, served(None))
+    third, _ = await together(billing.reserve(services, "s-3", account, None, 1_000),
+                              billing.refund(services, second))  # one batch: it waits for the disk
+    fourth = await billing.reserve(services, "s-4", account, None, 1_000)
+    await billing.refund(services, third)
+    await billing.refund(services, fourth)
+
+    levels = [s.removeprefix("PRAGMA synchronous=") if s.startswith("PRAGMA") else s
+              for s in statements if s.startswith(("PRAGMA synchronous", "COMMIT"))]
+    assert levels == ["NORMAL", "COMMIT", "FULL", "COMMIT", "COMMIT", "NORMAL", "COMMIT", "FULL", "COMMIT",
+                      "COMMIT"]
+    await check_ledger_consistency(services.engine)
+
+
 async def test_two_writers_on_one_database_cross_without_deadlock(make_services: MakeServices) -> None:
     """Two coordinator processes' writers (own engines, own instance ids): X pays Y on one while Y
     pays X on the other, both paying the platform, with reservations in between."""

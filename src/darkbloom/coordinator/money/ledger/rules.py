@@ -65,6 +65,15 @@ class Refund:
 Step = Union[Reserve, Settle, Refund]
 
 
+def must_reach_disk(steps: Iterable[Step]) -> bool:
+    """Whether a batch's commit must be on disk before its callers hear of it: every batch but one of
+    reservations only. A reservation that a system crash rolls back is one that never held anything —
+    what a restart's reconciliation makes of an open one anyway, since the crash ended its request —
+    and the settlement or refund that closes it waits for the disk, which takes the reservation there
+    with it (SQLite's write-ahead log is written in order)."""
+    return not all(isinstance(step, Reserve) for step in steps)
+
+
 @dataclass(frozen=True)
 class Settled:
     cost: int                # collected from the caller

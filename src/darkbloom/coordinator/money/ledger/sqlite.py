@@ -1,7 +1,12 @@
 """The ledger writer's SQLite side: one call into the writer's own thread applies a whole batch —
 ``BEGIN IMMEDIATE``, point reads of the rows it touches, ``rules.plan``, ``executemany`` writes,
 ``COMMIT`` — with prepared statements straight on a ``sqlite3`` connection (no SQLAlchemy, no hop
-back to the event loop between statements). SQLite serialises writers, so the lock order is moot."""
+back to the event loop between statements). SQLite serialises writers, so the lock order is moot.
+
+A batch of reservations only commits without waiting for the disk (``synchronous=NORMAL``: safe from
+the process crashing, not from the system; ``rules.must_reach_disk`` says why that is enough); every
+other batch is synced before its callers hear of it (``FULL``), so a settlement is on disk before the
+answer that reports its cost goes out."""
 
 from __future__ import annotations
 
@@ -27,6 +32,7 @@ class SqliteLedger:
     def __init__(self, path: str) -> None:
         self._path = path
         self._conn: sqlite3.Connection | None = None
+        self._synchronous = ""  # the connection's level now: FULL or NORMAL
         self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ledger-writer")
 
     async def apply(self, steps: list[Step]) -> list[Any]:
@@ -40,6 +46,7 @@ class SqliteLedger:
         if self._conn is not None:
             self._conn.close()
             self._conn = None
+            self._synchronous = ""
 
     def _connect(self) -> sqlite3.Connection:
         if self._conn is None:
@@ -53,6 +60,10 @@ class SqliteLedger:
 
     def _apply(self, steps: list[Step]) -> list[Any]:
         conn = self._connect()
+        synchronous = "FULL" if rules.must_reach_disk(steps) else "NORMAL"
+        if synchronous != self._synchronous:  # outside a transaction, where SQLite takes it
+            conn.execute(f"PRAGMA synchronous={synchronous}")
+            self._synchronous = synchronous
         try:
             conn.execute("BEGIN IMMEDIATE")
             state = _read(conn, steps)
