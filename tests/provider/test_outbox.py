@@ -5,14 +5,15 @@ cancelled request's queued frames never go."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, AsyncIterator
 
 import pytest
 
 from darkbloom.provider.backends.base import BackendError
-from darkbloom.provider.outbox import COALESCE_BYTES, COALESCE_CHUNKS, SPLIT_BYTES, Outbox
+from darkbloom.provider.outbox import COALESCE_BYTES, COALESCE_CHUNKS, SPLIT_BYTES, BatchedWrites, Outbox
 from darkbloom.wire.chunk_arrays import response_chunks
 from darkbloom.wire import crypto, protocol
 
@@ -24,16 +25,29 @@ class Request:
 
 
 class Socket:
-    """Stands in for the connection: records what is sent; can hold the writer inside a send."""
+    """Stands in for the connection and its protocol: records the frames each write carries; can hold
+    the writer as it writes (as websockets' ``send_context`` waits for a full buffer to drain)."""
 
     def __init__(self) -> None:
-        self.sent: list[Any] = []
+        self.writes: list[list[Any]] = []
         self.gate: asyncio.Event | None = None
+        self.protocol = self
+        self._queued: list[Any] = []
 
-    async def send(self, text: str) -> None:
-        self.sent.append(protocol.parse_provider_frame(text))
+    def send_text(self, data: bytes) -> None:
+        self._queued.append(protocol.parse_provider_frame(data.decode()))
+
+    @contextlib.asynccontextmanager
+    async def send_context(self) -> AsyncIterator[None]:
+        yield
+        self.writes.append(self._queued)
+        self._queued = []
         if self.gate is not None:
             await self.gate.wait()
+
+    @property
+    def sent(self) -> list[Any]:
+        return [frame for write in self.writes for frame in write]
 
 
 def chunk(text: str) -> dict[str, Any]:
@@ -82,6 +96,54 @@ async def test_waiting_chunks_of_a_request_leave_as_one_frame_in_order() -> None
     assert opened(reply_b, socket.sent[2]) == ["other"]
     # a lone chunk is sealed as the object itself, as a node that never merges would send it
     assert isinstance(json.loads(reply_a.open(socket.sent[3].encrypted_data)), dict)
+
+
+async def test_the_frames_waiting_together_leave_in_one_write() -> None:
+    """A request's last chunk and its `inference_complete` share a turn: one write, so the coordinator
+    wakes once for both."""
+    outbox, socket = Outbox(), Socket()
+    request, reply = Request("a"), crypto.ReplyKey()
+    outbox.send(protocol.InferenceAccepted(request_id="a"), request)
+    await drain(outbox, socket)
+    outbox.send_chunk(request, sealer_for(reply), chunk("last"))
+    outbox.send(protocol.InferenceComplete(request_id="a", usage=protocol.Usage(prompt_tokens=1,
+                                                                                completion_tokens=1)), request)
+    await drain(outbox, socket)
+    assert [[type(frame).__name__ for frame in write] for write in socket.writes] == [
+        ["InferenceAccepted"], ["InferenceResponseChunk", "InferenceComplete"]]
+
+
+class _Transport:
+    def __init__(self) -> None:
+        self.calls: list[tuple[str, list[bytes]]] = []
+
+    def writelines(self, data: list[bytes]) -> None:
+        self.calls.append(("writelines", list(data)))
+
+    def can_write_eof(self) -> bool:
+        return True
+
+    def write_eof(self) -> None:
+        self.calls.append(("write_eof", []))
+
+
+class _Protocol:
+    def __init__(self, data: list[bytes]) -> None:
+        self.data = data
+
+    def data_to_send(self) -> list[bytes]:
+        return self.data
+
+
+def test_a_connection_writes_what_its_protocol_queued_in_one_call_and_then_half_closes() -> None:
+    connection = BatchedWrites.__new__(BatchedWrites)  # send_data needs only its transport and protocol
+    transport = connection.transport = _Transport()  # type: ignore[assignment]
+    connection.protocol = _Protocol([b"frame one", b"frame two"])  # type: ignore[assignment]
+    connection.send_data()
+    connection.protocol = _Protocol([b"close frame", b""])  # type: ignore[assignment]  # b"": end of the stream
+    connection.send_data()
+    assert transport.calls == [("writelines", [b"frame one", b"frame two"]), ("writelines", [b"close frame"]),
+                               ("write_eof", [])]
 
 
 async def test_a_chunk_sent_while_the_writer_is_idle_goes_alone() -> None:

@@ -18,6 +18,7 @@ item); any other chunk too large for one frame fails its request (502) instead o
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from dataclasses import dataclass
 from typing import Any, Iterator, Protocol
 
@@ -72,12 +73,31 @@ class Outbox:
         self.closed = True
 
     async def write_to(self, ws: ClientConnection) -> None:
+        """Send what is queued, turn by turn: the frames of one turn go to the protocol together and
+        leave in one write (``BatchedWrites``), so the coordinator wakes once for them — a request's
+        last chunk and its `inference_complete` usually share a turn."""
         while True:
             waiting = [await self._queue.get()]
             while not self._queue.empty():
                 waiting.append(self._queue.get_nowait())
-            for text in _frames(waiting, self.merge_chunks):
-                await ws.send(text)
+            async with ws.send_context():  # websockets' own way to queue frames, then write them
+                for text in _frames(waiting, self.merge_chunks):
+                    ws.protocol.send_text(text.encode())
+
+
+class BatchedWrites(ClientConnection):
+    """The node's connection to its coordinator: what the protocol has queued leaves in one system
+    call (the transport's ``writelines``) instead of one write per frame."""
+
+    def send_data(self) -> None:
+        data = self.protocol.data_to_send()
+        frames = [piece for piece in data if piece]
+        if frames:
+            self.transport.writelines(frames)
+        if len(frames) < len(data) and self.transport.can_write_eof():
+            # b"": half-close after the close frame, as websockets' own send_data does
+            with contextlib.suppress(Exception):  # uvloop may raise RuntimeError here
+                self.transport.write_eof()
 
 
 def _frames(waiting: list[tuple[_Request | None, str] | _Chunk], merge: bool) -> Iterator[str]:
