@@ -13,7 +13,8 @@ from typing import Any, AsyncIterator
 import pytest
 
 from darkbloom.provider.backends.base import BackendError
-from darkbloom.provider.outbox import COALESCE_BYTES, COALESCE_CHUNKS, SPLIT_BYTES, BatchedWrites, Outbox
+from darkbloom.provider.outbox import (COALESCE_BYTES, COALESCE_CHUNKS, SPLIT_BYTES, WRITE_BYTES, BatchedWrites,
+                                      Outbox)
 from darkbloom.wire.chunk_arrays import response_chunks
 from darkbloom.wire import crypto, protocol
 
@@ -44,6 +45,10 @@ class Socket:
         self._queued = []
         if self.gate is not None:
             await self.gate.wait()
+
+    async def send(self, text: str) -> None:  # websockets' one-frame send: a write of its own
+        async with self.send_context():
+            self.send_text(text.encode())
 
     @property
     def sent(self) -> list[Any]:
@@ -113,18 +118,44 @@ async def test_the_frames_waiting_together_leave_in_one_write() -> None:
         ["InferenceAccepted"], ["InferenceResponseChunk", "InferenceComplete"]]
 
 
+async def test_a_turn_leaves_in_writes_of_about_write_bytes_and_a_cancel_between_them_drops_the_rest() -> None:
+    """Past WRITE_BYTES the writer waits for the socket to drain before it makes the next frames, as it
+    did between frames: a request cancelled meanwhile sends nothing more."""
+    outbox, socket = Outbox(), Socket()
+    kept, dropped = Request("kept"), Request("dropped")
+    reply = crypto.ReplyKey()
+    big = chunk("x" * (WRITE_BYTES // 2))
+    for _ in range(3):
+        outbox.send_chunk(dropped, sealer_for(reply), big)
+    outbox.send_chunk(kept, sealer_for(reply), chunk("small"))
+    socket.gate = asyncio.Event()
+    writer = asyncio.create_task(outbox.write_to(socket))  # type: ignore[arg-type]
+    for _ in range(3):
+        await asyncio.sleep(0)  # the first write (two frames) went; the writer waits for the drain
+    dropped.cancelled = True
+    socket.gate.set()
+    for _ in range(5):
+        await asyncio.sleep(0)
+    writer.cancel()
+    assert [[frame.request_id for frame in write] for write in socket.writes] == [["dropped", "dropped"], ["kept"]]
+
+
 class _Transport:
-    def __init__(self) -> None:
+    def __init__(self, tls: bool = False) -> None:
         self.calls: list[tuple[str, list[bytes]]] = []
+        self.tls = tls
 
     def writelines(self, data: list[bytes]) -> None:
         self.calls.append(("writelines", list(data)))
 
     def can_write_eof(self) -> bool:
-        return True
+        return not self.tls
 
     def write_eof(self) -> None:
         self.calls.append(("write_eof", []))
+
+    def close(self) -> None:
+        self.calls.append(("close", []))
 
 
 class _Protocol:
@@ -144,6 +175,10 @@ def test_a_connection_writes_what_its_protocol_queued_in_one_call_and_then_half_
     connection.send_data()
     assert transport.calls == [("writelines", [b"frame one", b"frame two"]), ("writelines", [b"close frame"]),
                                ("write_eof", [])]
+    tls = connection.transport = _Transport(tls=True)  # type: ignore[assignment]  # no half-close over TLS
+    connection.protocol = _Protocol([b"close frame", b""])  # type: ignore[assignment]
+    connection.send_data()
+    assert tls.calls == [("writelines", [b"close frame"]), ("close", [])]
 
 
 async def test_a_chunk_sent_while_the_writer_is_idle_goes_alone() -> None:

@@ -31,6 +31,7 @@ from darkbloom.wire import crypto, json_codec, protocol
 COALESCE_BYTES = 64 * 1024  # plaintext of chunks merged into one frame, at most (a larger chunk goes alone)
 COALESCE_CHUNKS = 1024  # and at most this many chunks
 SPLIT_BYTES = 1024 * 1024  # a list chunk over this is sent as several, each with part of its data
+WRITE_BYTES = 64 * 1024  # frames written at once before the writer waits for the socket to drain
 
 
 class _Request(Protocol):
@@ -73,16 +74,19 @@ class Outbox:
         self.closed = True
 
     async def write_to(self, ws: ClientConnection) -> None:
-        """Send what is queued, turn by turn: the frames of one turn go to the protocol together and
-        leave in one write (``BatchedWrites``), so the coordinator wakes once for them — a request's
-        last chunk and its `inference_complete` usually share a turn."""
+        """Send what is queued, turn by turn. The frames of a turn go to the protocol in batches of
+        about WRITE_BYTES, each leaving in one write (``BatchedWrites``) — a request's last chunk and
+        its `inference_complete` usually share one, and the coordinator wakes once for them — and the
+        writer waits for the socket to drain after each, before it makes the next batch's frames."""
         while True:
             waiting = [await self._queue.get()]
             while not self._queue.empty():
                 waiting.append(self._queue.get_nowait())
-            async with ws.send_context():  # websockets' own way to queue frames, then write them
-                for text in _frames(waiting, self.merge_chunks):
-                    ws.protocol.send_text(text.encode())
+            frames = _frames(waiting, self.merge_chunks)
+            while batch := _take(frames, WRITE_BYTES):
+                async with ws.send_context():  # websockets' own way to queue frames, then write them
+                    for data in batch:
+                        ws.protocol.send_text(data)
 
 
 class BatchedWrites(ClientConnection):
@@ -94,15 +98,30 @@ class BatchedWrites(ClientConnection):
         frames = [piece for piece in data if piece]
         if frames:
             self.transport.writelines(frames)
-        if len(frames) < len(data) and self.transport.can_write_eof():
-            # b"": half-close after the close frame, as websockets' own send_data does
+        if len(frames) < len(data):  # b"": the end of the stream, handled as websockets' own send_data does
+            if not self.transport.can_write_eof():
+                self.transport.close()  # TLS
+                return
             with contextlib.suppress(Exception):  # uvloop may raise RuntimeError here
                 self.transport.write_eof()
 
 
+def _take(frames: Iterator[str], limit: int) -> list[bytes]:
+    """The next frames, made now, until they hold ``limit`` bytes (at least one frame)."""
+    batch: list[bytes] = []
+    size = 0
+    for text in frames:
+        batch.append(text.encode())
+        size += len(batch[-1])
+        if size >= limit:
+            break
+    return batch
+
+
 def _frames(waiting: list[tuple[_Request | None, str] | _Chunk], merge: bool) -> Iterator[str]:
-    """The frames for what was waiting, in order, each made just before it goes (so a request cancelled
-    meanwhile sends nothing more): adjacent chunks of one request merged."""
+    """The frames for what was waiting, in order, made as the writer takes them (``_take``: batch by
+    batch, so a request cancelled while the writer waits for the socket sends nothing more): adjacent
+    chunks of one request merged."""
     index = 0
     while index < len(waiting):
         item = waiting[index]

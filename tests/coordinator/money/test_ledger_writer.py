@@ -222,11 +222,12 @@ async def test_on_sqlite_only_a_batch_of_reservations_commits_without_waiting_fo
     third, _ = await together(billing.reserve(services, "s-3", account, None, 1_000),
                               billing.refund(services, second))  # one batch: it waits for the disk
     fourth = await billing.reserve(services, "s-4", account, None, 1_000)
+    assert backend._connect().execute("PRAGMA synchronous").fetchone() == (1,)  # type: ignore[attr-defined]  # NORMAL
     await billing.refund(services, third)
     await billing.refund(services, fourth)
 
     levels = [s.removeprefix("PRAGMA synchronous=") if s.startswith("PRAGMA") else s
-              for s in statements if s.startswith(("PRAGMA synchronous", "COMMIT"))]
+              for s in statements if s.startswith(("PRAGMA synchronous=", "COMMIT"))]
     assert levels == ["NORMAL", "COMMIT", "FULL", "COMMIT", "COMMIT", "NORMAL", "COMMIT", "FULL", "COMMIT",
                       "COMMIT"]
     await check_ledger_consistency(services.engine)
