@@ -107,7 +107,7 @@ class BatchedWrites(ClientConnection):
 
 
 def _take(frames: Iterator[str], limit: int) -> list[bytes]:
-    """The next frames, made now, until they hold ``limit`` bytes (at least one frame)."""
+    """The next frames, made now, until they hold ``limit`` bytes (at least one while any is left)."""
     batch: list[bytes] = []
     size = 0
     for text in frames:
