@@ -34,14 +34,13 @@ Counters = tuple[int, int, int]  # user ticks, system ticks, voluntary context s
 
 
 def counters(pid: int) -> Counters:
-    user = system = sleeps = 0
-    for task in Path(f"/proc/{pid}/task").iterdir():
-        fields = (task / "stat").read_text().rsplit(")", 1)[1].split()
-        status = (task / "status").read_text()
-        user += int(fields[11])
-        system += int(fields[12])
-        sleeps += int(re.search(r"^voluntary_ctxt_switches:\s+(\d+)", status, re.M).group(1))  # type: ignore[union-attr]
-    return user, system, sleeps
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()  # CPU of all its threads
+    return int(fields[11]), int(fields[12]), sum(map(_sleeps, Path(f"/proc/{pid}/task").iterdir()))
+
+
+def _sleeps(task: Path) -> int:
+    found = re.search(r"^voluntary_ctxt_switches:\s+(\d+)", (task / "status").read_text(), re.M)
+    return int(found.group(1)) if found else 0
 
 
 def main() -> None:
