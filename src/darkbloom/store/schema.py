@@ -201,8 +201,9 @@ share_days = Table(
 )
 
 # machine insight (migration 0008): per machine and UTC hour, counters every replica adds to in batches
-# (coordinator/fleet/insight.py): "passed_over:<reason>", "slots_busy" / "slots_total" (summed samples of
-# active slots and capacity), "tps:<bucket>" (samples of the decode speed, 10 % wide buckets)
+# (coordinator/fleet/insight.py): "passed_over:<reason>", "busy_slot_ms" / "slot_ms" (milliseconds times
+# active slots, and times slots, while online), "tps_ms:<bucket>" (milliseconds at a decode speed, 10 % wide
+# buckets). Rows named "slots_busy", "slots_total", "tps:<bucket>" (samples, before) are no longer read.
 
 machine_insight = Table(
     "machine_insight", metadata,

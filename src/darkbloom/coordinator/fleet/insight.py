@@ -17,7 +17,12 @@ the model:
 - a lasting gate (``trust_floor``, ``private_only``, ``runtime_unverified``, ``unverified_weights``,
   ``capability``): requests selected since the last flush while it was outside the view, the gate
   read at the flush (at most ``insight_interval`` seconds late) — one pass over the model's
-  advertisers per flush, not per request.
+  advertisers per flush that follows requests, not per request, and none while nothing was asked.
+
+How busy and how fast (``MachineInsight``) is time, not samples: what a session held here has is
+counted over each span in which it held still, when the span ends. An idle fleet costs nothing per
+machine per flush (at 10,000 idle sessions, sampling each of them every flush was half of the
+coordinator's idle CPU, bench/RESULTS.md).
 
 Every replica counts the selections it makes and adds its counts to the database (one transaction per
 flush, ``INSERT … ON CONFLICT DO UPDATE value = value + n``), so the figures are the fleet's sum with
@@ -30,8 +35,9 @@ import asyncio
 import logging
 import math
 import time
-from collections import Counter
-from typing import Callable, Iterable, Protocol
+from collections import Counter, OrderedDict
+from dataclasses import dataclass
+from typing import Callable, Iterable, Iterator, Protocol
 
 from sqlalchemy.ext.asyncio import AsyncEngine
 
@@ -107,6 +113,11 @@ class ViewTally:
         self._settle(session)
         self._since.pop(session, None)
 
+    @property
+    def unsettled(self) -> bool:
+        """Whether requests were selected since the last flush (without, a flush has nothing to count)."""
+        return self.requests != self._attributed
+
     def flush(self, advertisers: Iterable[ProviderSession]) -> None:
         """Settle every member, and charge the requests since the last flush to the advertisers outside
         the view, by the lasting gate each fails now."""
@@ -149,26 +160,71 @@ def tps_of_bucket(bucket: int) -> float:
 
 
 class _Fleet(Protocol):
-    """What the flusher reads of the registry (fleet/registry.py, which builds on this module)."""
+    """What the insight reads of the registry (fleet/registry.py, which builds on this module)."""
 
     passed_over: PassedOver
+    listeners: list[Callable[[ProviderSession], None]]
 
     def settle_tallies(self) -> None: ...
 
-    def held_here(self) -> list[ProviderSession]: ...
+    def for_machine(self, machine_id: str) -> set[ProviderSession]: ...
+
+
+@dataclass(slots=True)
+class _Meter:
+    """A session's state since ``since`` (wall-clock seconds), up to which its time is counted."""
+
+    machine_id: str
+    since: float
+    busy: int        # active slots
+    slots: int       # max_concurrency
+    tps: int | None  # the decode speed's bucket; None before it is measured
+
+    def same(self, other: "_Meter") -> bool:
+        return (self.machine_id, self.busy, self.slots, self.tps) == (other.machine_id, other.busy, other.slots,
+                                                                      other.tps)
+
+
+def _meter_of(session: ProviderSession, now: float) -> _Meter | None:
+    if not session.online or not session.machine_id:
+        return None
+    tps = session.decode_tps
+    return _Meter(session.machine_id, now, session.active, session.max_concurrency,
+                  tps_bucket(tps) if tps == tps and tps > 0 else None)
+
+
+def _hours(start: float, end: float) -> Iterator[tuple[int, float]]:
+    """(hour, seconds) of the span [start, end) in each UTC hour it covers."""
+    while start < end:
+        hour = hour_of(start)
+        stop = min(end, hour + 3600)
+        yield hour, stop - start
+        start = stop
 
 
 class MachineInsight:
-    """Every ``interval`` seconds: settle the views' tallies, sample the sessions held here (active
-    slots, capacity, decode speed), and add it all to ``machine_insight`` in one transaction. A batch
-    that fails is kept and added to the next."""
+    """Time, not samples: what a session held here had (busy slots, slots, decode speed) is counted in
+    milliseconds over the spans it held still, each span added when it ends — when the session
+    changes (a slot claimed or freed, a new speed, offline) — so a request costs a few additions and
+    an idle session nothing until it is counted. Every ``interval`` seconds the busy sessions'
+    time so far and the idle sessions not counted for ``IDLE_COUNT`` seconds are added, with the
+    views' tallies, to ``machine_insight`` in one transaction: the work follows the traffic and a
+    fraction of the fleet per interval, never a pass over it. A batch that fails is kept and added
+    to the next."""
 
-    def __init__(self, registry: _Fleet, engine: AsyncEngine, interval: float) -> None:
+    IDLE_COUNT = 300.0  # seconds an idle session's time waits at most before it is added
+
+    def __init__(self, registry: _Fleet, engine: AsyncEngine, interval: float,
+                 clock: Callable[[], float] = time.time) -> None:
         self._registry = registry
         self._engine = engine
         self.interval = interval
+        self._clock = clock
         self._pending: Counter[tuple[str, int, str]] = Counter()
+        self._meters: OrderedDict[ProviderSession, _Meter] = OrderedDict()  # least recently counted first
+        self._busy: set[ProviderSession] = set()
         self._task: asyncio.Task[None] | None = None
+        registry.listeners.append(self.changed)
 
     def start(self) -> None:
         self._task = asyncio.get_running_loop().create_task(self._run(), name="machine-insight")
@@ -179,34 +235,67 @@ class MachineInsight:
             await asyncio.gather(self._task, return_exceptions=True)
             self._task = None
         try:
-            await self.flush(sample=False)
+            await self.flush(everything=True)
         except Exception:  # noqa: BLE001 - the process is stopping; say what is lost
             log.exception("could not record the machine insight of the last %g s", self.interval)
 
-    def collect(self, now: float, sample: bool = True) -> None:
+    def changed(self, session: ProviderSession) -> None:
+        """A session held here changed (the registry's listener): end its span if what is counted changed."""
+        now = self._clock()
+        meter = self._meters.get(session)
+        fresh = _meter_of(session, now)
+        if meter is not None and fresh is not None and meter.same(fresh):
+            return
+        self._count(session, now, fresh)
+
+    def _count(self, session: ProviderSession, now: float, fresh: _Meter | None) -> None:
+        """Add the session's span up to ``now`` and start the next with ``fresh`` (None: not counted)."""
+        meter = self._meters.pop(session, None)
+        if meter is not None:
+            for hour, seconds in _hours(meter.since, now):
+                pending, key = self._pending, (meter.machine_id, hour)
+                pending[(*key, "slot_ms")] += 1000 * seconds * meter.slots
+                if meter.busy:
+                    pending[(*key, "busy_slot_ms")] += 1000 * seconds * meter.busy
+                if meter.tps is not None:
+                    pending[(*key, f"tps_ms:{meter.tps}")] += 1000 * seconds
+        if fresh is None:
+            self._busy.discard(session)
+            return
+        self._meters[session] = fresh
+        if fresh.busy:
+            self._busy.add(session)
+        else:
+            self._busy.discard(session)
+
+    def collect(self, now: float, machine_id: str | None = None, everything: bool = False) -> None:
+        """Bring the pending counts up to ``now``: the tallies, the busy sessions' time, the idle sessions'
+        not counted for ``IDLE_COUNT`` (or the sessions of ``machine_id``, or every session)."""
         hour = hour_of(now)
         registry = self._registry
         registry.settle_tallies()
-        for (machine_id, reason), n in registry.passed_over.take().items():
-            self._pending[(machine_id, hour, f"passed_over:{reason}")] += n
-        if not sample:
-            return
-        for session in registry.held_here():
-            if not session.machine_id or not session.online:
-                continue
-            self._pending[(session.machine_id, hour, "slots_busy")] += session.active
-            self._pending[(session.machine_id, hour, "slots_total")] += session.max_concurrency
-            if session.decode_tps == session.decode_tps and session.decode_tps > 0:
-                self._pending[(session.machine_id, hour, f"tps:{tps_bucket(session.decode_tps)}")] += 1
+        for (machine, reason), n in registry.passed_over.take().items():
+            self._pending[(machine, hour, f"passed_over:{reason}")] += n
+        due = list(self._meters) if everything else list(self._busy)
+        if machine_id is not None:
+            due += [s for s in registry.for_machine(machine_id) if s in self._meters]
+        for session in due:
+            self._count(session, now, _meter_of(session, now))
+        while self._meters:
+            session, meter = next(iter(self._meters.items()))
+            if meter.since > now - self.IDLE_COUNT:
+                break
+            self._count(session, now, _meter_of(session, now))
 
-    async def flush(self, sample: bool = True, now: float | None = None) -> None:
-        self.collect(time.time() if now is None else now, sample)
+    async def flush(self, machine_id: str | None = None, everything: bool = False) -> None:
+        """Collect (see ``collect``) and add what is pending in one transaction."""
+        self.collect(self._clock(), machine_id, everything)
         if not self._pending:
             return
         batch, self._pending = self._pending, Counter()
         try:
             async with self._engine.begin() as conn:
-                await insight.add(conn, batch)
+                await insight.add(conn, {key: round(value) for key, value in batch.items()})
         except BaseException:
             self._pending.update(batch)
             raise

@@ -116,14 +116,15 @@ MAX_STATS_HOURS = 24 * 30
 async def machine_stats(services: Services, account_id: str, machine_id: str, hours: int) -> dict[str, Any]:
     """What the owner's machine did over the last ``hours`` hours (docs/api.md "Machine stats"): its
     usage rows by route and hour, and the insight counters every replica adds to (this replica's are
-    written first, so its own counts are current; another's are at most ``insight_interval`` late)."""
+    written first, with the machine's time so far, so its own counts are current; another's are at most
+    ``insight_interval`` late, and a machine's idle time there at most ``MachineInsight.IDLE_COUNT``)."""
     if not 1 <= hours <= MAX_STATS_HOURS:
         raise invalid_request(f"'hours' must be a whole number from 1 to {MAX_STATS_HOURS}.", param="hours")
     async with services.engine.connect() as conn:
         row = await machines.get(conn, machine_id)
     if row is None or row["account_id"] != account_id or row["unlinked_at"] is not None:
         raise machine_not_found()
-    await services.insight.flush(sample=False)
+    await services.insight.flush(machine_id=machine_id)
     first = hour_of(time.time()) - (hours - 1) * 3600
     async with services.engine.connect() as conn:
         by_hour = await insight.machine_hours(conn, machine_id, first)
@@ -139,19 +140,21 @@ async def machine_stats(services: Services, account_id: str, machine_id: str, ho
         prompt += int(r["prompt_tokens"] or 0)
         completion += int(r["completion_tokens"] or 0)
         earnings += int(r["payout"] or 0)
-    busy, total = counters.get("slots_busy", 0), counters.get("slots_total", 0)
+    busy, total = counters.get("busy_slot_ms", 0), counters.get("slot_ms", 0)
     return {
         "hours": hours, "requests": {**requests}, "prompt_tokens": prompt, "completion_tokens": completion,
         "earnings_micro_usd": earnings,
         "busy_fraction": round(busy / total, 4) if total else None,
-        "decode_tps_p50": _median_tps({int(name[4:]): n for name, n in counters.items() if name.startswith("tps:")}),
+        "decode_tps_p50": _median_tps({int(name[len("tps_ms:"):]): n for name, n in counters.items()
+                                       if name.startswith("tps_ms:")}),
         "passed_over": {reason: counters.get(f"passed_over:{reason}", 0) for reason in PASSED_OVER_REASONS},
         "hourly": [{"hour": hour, **counts} for hour, counts in hourly.items()],
     }
 
 
 def _median_tps(buckets: dict[int, int]) -> float | None:
-    """The middle sample's bucket (as its decode speed), or None without samples."""
+    """The bucket (as its decode speed) the machine spent the middle millisecond of its measured time in,
+    or None before it was measured."""
     total = sum(buckets.values())
     seen = 0
     for bucket in sorted(buckets):

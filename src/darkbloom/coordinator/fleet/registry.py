@@ -106,7 +106,7 @@ class Registry:
         self._liveness: list[tuple[float, int, ProviderSession]] = []
         self._pushed = itertools.count()
         # told of every change to a session held here (added, removed, disowned, a watched field): the
-        # replica fabric's announcer, when there is one
+        # machine insight's meter, and the replica fabric's announcer when there is one
         self.listeners: list[Callable[[ProviderSession], None]] = []
 
     def __len__(self) -> int:
@@ -277,7 +277,7 @@ class Registry:
     def settle_tallies(self) -> None:
         """Bring ``passed_over`` up to date from every public view that counts (a flush of insight)."""
         for view in self._views.values():
-            if view.tally is not None:
+            if view.tally is not None and view.tally.unsettled:
                 view.tally.flush(self.serving(view.names))
 
     def close_views(self) -> None:
