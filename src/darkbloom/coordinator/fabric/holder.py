@@ -14,7 +14,6 @@ admitter goes silent, or when a claim was never used.
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import time
 from dataclasses import dataclass, field
@@ -30,6 +29,7 @@ from darkbloom.coordinator.fleet.session import ProviderSession
 from darkbloom.coordinator.fleet.slots import Slot
 from darkbloom.coordinator.fleet.trust import UNTRUSTED
 from darkbloom.coordinator.services import Services
+from darkbloom.wire import json_codec
 from darkbloom.wire.protocol import (MAX_REQUEST_FRAME_BYTES, Cancel, Envelope, FrameError, InferenceRequest,
                                      Usage, dump, parse_coordinator_frame)
 
@@ -117,7 +117,7 @@ class Holder:
 
     async def on_claim(self, opened: Opened, msg: Any) -> None:
         try:
-            ask = json.loads(opened.body)
+            ask = json_codec.loads(opened.body)
             session_id, ticket, claimant = str(ask["session"]), str(ask["ticket"]), ask["from"]
         except (ValueError, KeyError, TypeError):
             refuse("malformed", "a malformed claim from %s", opened.sender)

@@ -9,13 +9,13 @@ is ever in a message, because the replica that admitted a request is the only on
 
 from __future__ import annotations
 
-import json
 import logging
 import time
 from typing import Any
 
 from darkbloom.coordinator.fabric.authentication import refuse
 from darkbloom.coordinator.fleet.session import ProviderSession
+from darkbloom.wire import json_codec
 from darkbloom.wire.crypto import b64e
 from darkbloom.wire.protocol import Envelope, ModelInfo, Register, Usage
 
@@ -73,7 +73,7 @@ def loaded_of(announced: dict[str, Any], models: list[ModelInfo]) -> frozenset[s
 
 
 def encoded(value: Any) -> bytes:
-    return json.dumps(value, separators=(",", ":")).encode()
+    return json_codec.dumps(value)
 
 
 def alive(replica: str, seq: int, count: int) -> bytes:
@@ -150,7 +150,7 @@ def view(replica: str, seq: int, number: int, sessions: list[bytes], room: int) 
 
 
 def hold_message(kind: str, payload: bytes = b"", **header: Any) -> bytes:
-    return json.dumps({"k": kind, **header}, separators=(",", ":")).encode() + b"\n" + payload
+    return json_codec.dumps({"k": kind, **header}) + b"\n" + payload
 
 
 def hold_parts(kind: str, payload: bytes, max_payload: int, **header: Any) -> list[bytes]:
@@ -230,7 +230,7 @@ def read_hold(data: bytes) -> tuple[dict[str, Any], bytes]:
 
 def json_object(data: bytes) -> dict[str, Any]:
     """A message's JSON object (ValueError for anything else)."""
-    body = json.loads(data)
+    body = json_codec.loads(data)
     if not isinstance(body, dict):
         raise ValueError("a fabric message is a JSON object")
     return body
@@ -246,7 +246,7 @@ def back_batch(items: list[bytes]) -> bytes:
 
 def back_items(body: bytes) -> list[dict[str, Any]]:
     """The items of a message back (a JSON array of objects; ValueError for anything else)."""
-    items = json.loads(body)
+    items = json_codec.loads(body)
     if not isinstance(items, list) or not all(isinstance(item, dict) for item in items):
         raise ValueError("a message back is a JSON array of objects")
     return items
@@ -258,21 +258,21 @@ def back_chunk(envelope: Envelope) -> bytes:
 
 def back_complete(usage: Usage, account_id: str | None) -> bytes:
     """The provider's usage, with the owner of the session that served it read on the holder now."""
-    return json.dumps({"k": "complete", "usage": usage.model_dump(), "account_id": account_id}).encode()
+    return json_codec.dumps({"k": "complete", "usage": usage.model_dump(), "account_id": account_id})
 
 
 def back_error(status: int, message: str, param: str | None, code: str | None) -> bytes:
-    return json.dumps({"k": "error", "status": status, "message": message, "param": param, "code": code}).encode()
+    return json_codec.dumps({"k": "error", "status": status, "message": message, "param": param, "code": code})
 
 
 def back_gone(why: str = "gone") -> bytes:
     """The session disconnected (``gone``), or had no free slot for an unconfirmed claim (``busy``)."""
-    return json.dumps({"k": why}).encode()
+    return json_codec.dumps({"k": why})
 
 
 def claim_request(session_id: str, ticket: str, replica: str) -> bytes:
-    return json.dumps({"session": session_id, "ticket": ticket, "from": replica}).encode()
+    return json_codec.dumps({"session": session_id, "ticket": ticket, "from": replica})
 
 
 def claim_reply(ok: bool, why: str = "") -> bytes:
-    return json.dumps({"ok": ok, "why": why}).encode()
+    return json_codec.dumps({"ok": ok, "why": why})

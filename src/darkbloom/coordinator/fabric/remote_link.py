@@ -14,7 +14,6 @@ one loop turn as one message (a JSON array of them).
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import secrets
 from typing import Any, Callable
@@ -28,6 +27,7 @@ from darkbloom.coordinator.fabric.subjects import Subjects
 from darkbloom.coordinator.fleet import session_lifecycle, slots
 from darkbloom.coordinator.fleet.registry import Registry
 from darkbloom.coordinator.fleet.session import ProviderSession
+from darkbloom.wire import json_codec
 from darkbloom.wire.protocol import Cancel, Envelope, Usage, dump
 
 log = logging.getLogger("darkbloom.fabric")
@@ -123,7 +123,7 @@ class Outbound:
 
     def send_frame(self, link: RemoteLink, frame_json: str) -> None:
         """A trust status, for the holder to apply; no other frame is passed."""
-        kind = json.loads(frame_json).get("type")
+        kind = json_codec.loads(frame_json).get("type")
         if kind != "trust_status":
             log.debug("not passing a %s frame to replica %s", kind, link.holder)
             return
