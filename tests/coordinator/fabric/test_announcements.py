@@ -4,11 +4,13 @@ needs, never one bigger. Counted in messages and bytes on an in-memory NATS (``i
 
 from __future__ import annotations
 
+import asyncio
 import time
 
 from prometheus_client import REGISTRY
 
 from darkbloom.coordinator.fabric import messages
+from darkbloom.coordinator.fabric.advertiser import FLUSH_DELAY
 from darkbloom.coordinator.fabric.connection import PROOF_ROOM
 from tests.coordinator.fabric.inprocess import SMALL, Bus, Replica, Sent, make_replica
 
@@ -249,3 +251,19 @@ def test_an_announcement_reads_back_as_it_was_written_in_any_script() -> None:
     assert len(delta) == 1
     body = messages.json_object(delta[0])
     assert body["sessions"] == [announced, unusual] and body["gone"] == ["prov_3"] and body["seq"] == 7
+
+
+async def test_a_change_of_load_alone_waits_longer_than_any_other_change(bus: Bus) -> None:
+    a, _b = await in_step(bus)
+    advertiser, loop = a.fabric.advertiser, asyncio.get_running_loop()
+    session = next(iter(a.registry.held_here()))
+    slot = a.registry.slots.claim(session)  # load only: leaves within LOAD_DELAY
+    assert advertiser._flush_at is not None
+    assert advertiser._flush_at.when() - loop.time() > FLUSH_DELAY
+    session.draining = True  # a fact: the delta already waiting leaves within FLUSH_DELAY
+    assert advertiser._flush_at.when() - loop.time() <= FLUSH_DELAY
+    await bus.settle()
+    slot.release()
+    assert advertiser._flush_at.when() - loop.time() > FLUSH_DELAY
+    await bus.settle()
+    assert advertiser._flush_at is None
