@@ -4,6 +4,8 @@ returns is the machine's time up to the read."""
 
 from __future__ import annotations
 
+import asyncio
+
 import pytest
 from sqlalchemy.ext.asyncio import AsyncEngine
 
@@ -131,3 +133,36 @@ async def test_a_failed_write_is_kept_for_the_next(engine: AsyncEngine, monkeypa
     clock.now += 10
     await meter.flush()
     assert await _counters(engine, "mach_a") == {"slot_ms": 20_000, "busy_slot_ms": 20_000}
+
+
+async def test_stopping_waits_for_a_write_under_way_rather_than_cancelling_it(
+        engine: AsyncEngine, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A transaction cancelled mid-statement can stay open on the server and hold the rows the last
+    write at shutdown needs: the flusher's stop lets a write under way end first."""
+    registry = Registry()
+    meter = MachineInsight(registry, engine, interval=0.01)
+    [node] = fleet(registry, 1, machine="mach_a")
+    node.set_active(1)  # busy: counted at every flush
+    entered, release = asyncio.Event(), asyncio.Event()
+    writes: list[str] = []
+    real_add = insight.add
+
+    async def slow(conn: object, counts: dict) -> None:
+        entered.set()
+        try:
+            await release.wait()
+        except asyncio.CancelledError:
+            writes.append("cancelled")
+            raise
+        await real_add(conn, counts)  # type: ignore[arg-type]
+        writes.append("done")
+    monkeypatch.setattr(insight, "add", slow)
+    meter.start()
+    await asyncio.wait_for(entered.wait(), 5)
+    closing = asyncio.ensure_future(meter.close())
+    await asyncio.sleep(0.05)
+    assert not closing.done()  # waiting for the write, not cancelling it
+    release.set()
+    await asyncio.wait_for(closing, 5)
+    assert writes and "cancelled" not in writes
+    assert (await _counters(engine, "mach_a"))["slot_ms"] > 0

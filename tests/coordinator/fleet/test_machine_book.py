@@ -244,3 +244,38 @@ async def test_shutdown_writes_what_is_still_marked(database_url: str, engine: A
     assert services.registry.get(session.id) is None  # the lifespan closed it
     stored = await row(engine, machine_id)
     assert (stored["name"], stored["trust_level"]) == ("desk", "untrusted") and stored["last_seen"] is not None
+
+
+async def test_stopping_waits_for_a_write_under_way_rather_than_cancelling_it(
+        engine: AsyncEngine, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A transaction cancelled mid-statement can stay open on the server, holding the rows the last
+    write at shutdown needs (a shutdown that hung until the process was killed)."""
+    from darkbloom.coordinator.fleet.machine_book import MachineBook
+
+    _account, [machine_id] = await linked(engine, 1)
+    book = MachineBook(engine, interval=0.01)
+    entered, release = asyncio.Event(), asyncio.Event()
+    writes: list[str] = []
+    real = machines.record_seen
+
+    async def slow(conn: Any, batch: Any) -> None:
+        entered.set()
+        try:
+            await release.wait()
+        except asyncio.CancelledError:
+            writes.append("cancelled")
+            raise
+        await real(conn, batch)
+        writes.append("done")
+    monkeypatch.setattr(machines, "record_seen", slow)
+    book.start()
+    book.mark(machine_id, machines.Seen(last_seen=1_800_000_000, models=["m"], trust_level="none", private_only=False))
+    await asyncio.wait_for(entered.wait(), 5)
+    closing = asyncio.ensure_future(book.close())
+    await asyncio.sleep(0.05)
+    assert not closing.done()
+    release.set()
+    await asyncio.wait_for(closing, 5)
+    assert writes == ["done"]
+    async with engine.connect() as conn:
+        assert (await machines.get(conn, machine_id))["last_seen"] == 1_800_000_000

@@ -224,6 +224,7 @@ class MachineInsight:
         self._meters: OrderedDict[ProviderSession, _Meter] = OrderedDict()  # least recently counted first
         self._busy: set[ProviderSession] = set()
         self._task: asyncio.Task[None] | None = None
+        self._round: asyncio.Future[None] | None = None  # the periodic write last started
         registry.listeners.append(self.changed)
 
     def start(self) -> None:
@@ -234,6 +235,8 @@ class MachineInsight:
             self._task.cancel()
             await asyncio.gather(self._task, return_exceptions=True)
             self._task = None
+        if self._round is not None:  # a write under way ends as it would have (as the machine book's)
+            await asyncio.gather(self._round, return_exceptions=True)
         try:
             await self.flush(everything=True)
         except Exception:  # noqa: BLE001 - the process is stopping; say what is lost
@@ -301,9 +304,14 @@ class MachineInsight:
             raise
 
     async def _run(self) -> None:
+        """Each round's write is shielded from the flusher's stop, as the machine book's (machine_book.py)."""
         while True:
             await asyncio.sleep(self.interval)
-            try:
-                await self.flush()
-            except Exception as exc:  # noqa: BLE001 - kept; the next round adds it
-                log.warning("could not record machine insight (%r); retrying in %g s", exc, self.interval)
+            self._round = asyncio.ensure_future(self._flush_round())
+            await asyncio.shield(self._round)
+
+    async def _flush_round(self) -> None:
+        try:
+            await self.flush()
+        except Exception as exc:  # noqa: BLE001 - kept; the next round adds it
+            log.warning("could not record machine insight (%r); retrying in %g s", exc, self.interval)

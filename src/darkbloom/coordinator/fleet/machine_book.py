@@ -34,6 +34,7 @@ class MachineBook:
         self._lock = asyncio.Lock()  # one batch at a time: an older one never lands after a newer one
         self._marked = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
+        self._round: asyncio.Future[None] | None = None  # the periodic write last started
         self.flushes = 0  # committed batches and the rows they carried
         self.rows = 0
 
@@ -63,6 +64,8 @@ class MachineBook:
             self._task.cancel()
             await asyncio.gather(self._task, return_exceptions=True)
             self._task = None
+        if self._round is not None:  # a write under way ends as it would have (see _run)
+            await asyncio.gather(self._round, return_exceptions=True)
         try:
             await self.flush()
         except Exception:  # noqa: BLE001 - the process is stopping; say what is lost
@@ -90,12 +93,19 @@ class MachineBook:
             self.rows += len(batch)
 
     async def _run(self) -> None:
+        """Each round's write runs as a task of its own, shielded: stopping the flusher never cancels a
+        transaction mid-statement (asyncpg can then leave it open on the server, holding the rows the
+        last write at shutdown waits for)."""
         while True:
             await self._marked.wait()
             await asyncio.sleep(self.interval)
             self._marked.clear()
-            try:
-                await self.flush()
-            except Exception as exc:  # noqa: BLE001 - kept marked; the next round retries it
-                log.warning("could not record %d machines (%r); retrying in %g s", len(self._dirty), exc,
-                            self.interval)
+            self._round = asyncio.ensure_future(self._flush_round())
+            await asyncio.shield(self._round)
+
+    async def _flush_round(self) -> None:
+        try:
+            await self.flush()
+        except Exception as exc:  # noqa: BLE001 - kept marked; the next round retries it
+            log.warning("could not record %d machines (%r); retrying in %g s", len(self._dirty), exc,
+                        self.interval)
