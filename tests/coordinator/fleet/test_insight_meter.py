@@ -13,6 +13,7 @@ from darkbloom.coordinator.fleet.insight import MachineInsight, hour_of, tps_buc
 from darkbloom.coordinator.fleet.registry import Registry
 from darkbloom.store import insight
 from tests.coordinator.routing.sim import SimProvider, fleet
+from tests.support.held_write import HeldWrite
 
 START = 1_800_000_000.0 + 600  # ten minutes into an hour
 
@@ -143,26 +144,14 @@ async def test_stopping_waits_for_a_write_under_way_rather_than_cancelling_it(
     meter = MachineInsight(registry, engine, interval=0.01)
     [node] = fleet(registry, 1, machine="mach_a")
     node.set_active(1)  # busy: counted at every flush
-    entered, release = asyncio.Event(), asyncio.Event()
-    writes: list[str] = []
-    real_add = insight.add
-
-    async def slow(conn: object, counts: dict) -> None:
-        entered.set()
-        try:
-            await release.wait()
-        except asyncio.CancelledError:
-            writes.append("cancelled")
-            raise
-        await real_add(conn, counts)  # type: ignore[arg-type]
-        writes.append("done")
-    monkeypatch.setattr(insight, "add", slow)
+    held = HeldWrite(insight.add)
+    monkeypatch.setattr(insight, "add", held)
     meter.start()
-    await asyncio.wait_for(entered.wait(), 5)
+    await asyncio.wait_for(held.entered.wait(), 5)
     closing = asyncio.ensure_future(meter.close())
     await asyncio.sleep(0.05)
     assert not closing.done()  # waiting for the write, not cancelling it
-    release.set()
+    held.release.set()
     await asyncio.wait_for(closing, 5)
-    assert writes and "cancelled" not in writes
+    assert held.outcomes and "cancelled" not in held.outcomes
     assert (await _counters(engine, "mach_a"))["slot_ms"] > 0

@@ -17,6 +17,7 @@ from sqlalchemy.ext.asyncio import AsyncEngine
 from darkbloom.coordinator.app import create_app
 from darkbloom.coordinator.fleet import session_lifecycle
 from darkbloom.coordinator.fleet.enrollment import load_or_create_ca
+from darkbloom.coordinator.fleet.machine_book import MachineBook
 from darkbloom.coordinator.fleet.machines import enroll_machine, linked_machines
 from darkbloom.coordinator.fleet.registry import Registry
 from darkbloom.coordinator.fleet.session import ProviderSession
@@ -25,6 +26,7 @@ from darkbloom.store import accounts, machines
 from darkbloom.wire.openai.errors import ApiError
 from darkbloom.wire.protocol import Heartbeat
 from tests.coordinator.routing.sim import SimProvider, settings
+from tests.support.held_write import HeldWrite
 
 
 def services_on(engine: AsyncEngine, **fields: Any) -> Services:
@@ -250,32 +252,18 @@ async def test_stopping_waits_for_a_write_under_way_rather_than_cancelling_it(
         engine: AsyncEngine, monkeypatch: pytest.MonkeyPatch) -> None:
     """A transaction cancelled mid-statement can stay open on the server, holding the rows the last
     write at shutdown needs (a shutdown that hung until the process was killed)."""
-    from darkbloom.coordinator.fleet.machine_book import MachineBook
-
     _account, [machine_id] = await linked(engine, 1)
     book = MachineBook(engine, interval=0.01)
-    entered, release = asyncio.Event(), asyncio.Event()
-    writes: list[str] = []
-    real = machines.record_seen
-
-    async def slow(conn: Any, batch: Any) -> None:
-        entered.set()
-        try:
-            await release.wait()
-        except asyncio.CancelledError:
-            writes.append("cancelled")
-            raise
-        await real(conn, batch)
-        writes.append("done")
-    monkeypatch.setattr(machines, "record_seen", slow)
+    held = HeldWrite(machines.record_seen)
+    monkeypatch.setattr(machines, "record_seen", held)
     book.start()
     book.mark(machine_id, machines.Seen(last_seen=1_800_000_000, models=["m"], trust_level="none", private_only=False))
-    await asyncio.wait_for(entered.wait(), 5)
+    await asyncio.wait_for(held.entered.wait(), 5)
     closing = asyncio.ensure_future(book.close())
     await asyncio.sleep(0.05)
     assert not closing.done()
-    release.set()
+    held.release.set()
     await asyncio.wait_for(closing, 5)
-    assert writes == ["done"]
+    assert held.outcomes == ["done"]
     async with engine.connect() as conn:
         assert (await machines.get(conn, machine_id))["last_seen"] == 1_800_000_000

@@ -4,9 +4,9 @@
   that left, coalesced (at most one burst per ``FLUSH_DELAY``), numbered ``seq`` 1, 2, … with no gap:
   a replica that misses one knows it did. Most changes are only load — a slot claimed or freed, two
   per request, and a new decode speed — and every other replica reads each delta, so a change of load
-  alone waits up to ``LOAD_DELAY`` (50 ms: the coordinators' CPU per request at k = 3 fell 10–18 %
-  against 5 ms, bench/replicas.py), any other change (a session added, gone, its trust, owner or loaded
-  models) at most ``FLUSH_DELAY``. A load that old is safe to route on: the holder checks each claim
+  alone waits up to ``LOAD_DELAY`` (50 ms: under load a quarter as many fleet messages as with 5 ms,
+  bench/RESULTS.md), any other change (a session added, gone, its trust, owner or loaded models) at
+  most ``FLUSH_DELAY``, so the others see a new session at once. A load that old is safe to route on: the holder checks each claim
   against the session as it is now (``holder.Holder._claim``) and refuses a busy one.
 - **Alive** on ``<prefix>.fleet`` every ``--replica-heartbeat``: the number of the last delta and how
   many sessions this replica lists, so a replica that missed a delta or went wrong notices it and
