@@ -246,7 +246,8 @@ def test_an_announcement_reads_back_as_it_was_written_in_any_script() -> None:
     announced = {"id": "prov_1", "name": "Küche — 台所 🍳", "decode_tps": 12.5, "active": 2}
     encoded = messages.encoded(announced)
     assert "台所".encode() in encoded  # UTF-8 as it is, not \\u escapes: what max_payload counts is the text
-    unusual = {"id": "prov_2", "name": "台所", "seed": 2**70}  # past 64 bits: written by the standard library
+    # (every integer an announcement carries fits 64 bits: orjson would read one past that as a float)
+    unusual = {"id": "prov_2", "name": "台所", "size_bytes": 2**63 - 1}
     delta = messages.deltas("rep_a", 7, [encoded, messages.encoded(unusual)], ["prov_3"], 10_000)
     assert len(delta) == 1
     body = messages.json_object(delta[0])

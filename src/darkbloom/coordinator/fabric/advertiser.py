@@ -6,8 +6,10 @@
   per request, and a new decode speed — and every other replica reads each delta, so a change of load
   alone waits up to ``LOAD_DELAY`` (50 ms: under load a quarter as many fleet messages as with 5 ms,
   bench/RESULTS.md), any other change (a session added, gone, its trust, owner or loaded models) at
-  most ``FLUSH_DELAY``, so the others see a new session at once. A load that old is safe to route on: the holder checks each claim
-  against the session as it is now (``holder.Holder._claim``) and refuses a busy one.
+  most ``FLUSH_DELAY``, so the others see a new session at once. A load that old is safe to route on:
+  the holder checks each claim against the session as it is now (``holder.Holder._claim``) and
+  refuses a busy one; a slot freed is seen up to 50 ms late, so another replica's choice may be that
+  much out of date.
 - **Alive** on ``<prefix>.fleet`` every ``--replica-heartbeat``: the number of the last delta and how
   many sessions this replica lists, so a replica that missed a delta or went wrong notices it and
   asks; a few dozen bytes however many sessions there are.
@@ -63,6 +65,8 @@ class Advertiser:
         registry.listeners.append(self._changed)
 
     def _changed(self, session: ProviderSession) -> None:
+        if session.id not in self.announced and not self._listed(session):
+            return  # never announced and not announceable now: nothing to tell
         self._dirty[session.id] = session
         loop = asyncio.get_running_loop()
         load_only = self._facts.get(session.id) == _facts(session)

@@ -41,6 +41,7 @@ from typing import Callable, Iterable, Iterator, Protocol
 
 from sqlalchemy.ext.asyncio import AsyncEngine
 
+from darkbloom.coordinator.fleet.machine_book import finish_write
 from darkbloom.coordinator.fleet.session import ProviderSession
 from darkbloom.store import insight
 
@@ -236,7 +237,7 @@ class MachineInsight:
             await asyncio.gather(self._task, return_exceptions=True)
             self._task = None
         if self._round is not None:  # a write under way ends as it would have (as the machine book's)
-            await asyncio.gather(self._round, return_exceptions=True)
+            await finish_write(self._round)
         try:
             await self.flush(everything=True)
         except Exception:  # noqa: BLE001 - the process is stopping; say what is lost
@@ -286,8 +287,8 @@ class MachineInsight:
             self._count(session, now, _meter_of(session, now))
         while self._meters:
             session, meter = next(iter(self._meters.items()))
-            if meter.since > now - self.IDLE_COUNT:
-                break
+            if meter.since >= now - self.IDLE_COUNT:
+                break  # (a session counted now goes back with ``since == now``: the loop always ends)
             self._count(session, now, _meter_of(session, now))
 
     async def flush(self, machine_id: str | None = None, everything: bool = False) -> None:

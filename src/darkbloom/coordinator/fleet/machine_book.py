@@ -25,6 +25,14 @@ from darkbloom.store.machines import Seen
 log = logging.getLogger("darkbloom.machines")
 
 
+async def finish_write(write: asyncio.Future[None], patience: float = 30.0) -> None:
+    """Let a flusher's write under way end (see ``MachineBook._run``); one stuck past ``patience``
+    seconds is cancelled, so stopping stays bounded. The machine insight's flusher stops the same way."""
+    if not (await asyncio.wait({write}, timeout=patience))[0]:
+        write.cancel()
+        await asyncio.gather(write, return_exceptions=True)
+
+
 class MachineBook:
     def __init__(self, engine: AsyncEngine | None, interval: float) -> None:
         self._engine = engine
@@ -65,7 +73,7 @@ class MachineBook:
             await asyncio.gather(self._task, return_exceptions=True)
             self._task = None
         if self._round is not None:  # a write under way ends as it would have (see _run)
-            await asyncio.gather(self._round, return_exceptions=True)
+            await finish_write(self._round)
         try:
             await self.flush()
         except Exception:  # noqa: BLE001 - the process is stopping; say what is lost
