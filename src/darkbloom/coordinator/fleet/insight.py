@@ -31,7 +31,6 @@ or without Redis.
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import math
 import time
@@ -41,7 +40,7 @@ from typing import Callable, Iterable, Iterator, Protocol
 
 from sqlalchemy.ext.asyncio import AsyncEngine
 
-from darkbloom.coordinator.fleet.machine_book import finish_write
+from darkbloom.coordinator.fleet.flusher import Flusher
 from darkbloom.coordinator.fleet.session import ProviderSession
 from darkbloom.store import insight
 
@@ -219,29 +218,19 @@ class MachineInsight:
                  clock: Callable[[], float] = time.time) -> None:
         self._registry = registry
         self._engine = engine
-        self.interval = interval
         self._clock = clock
         self._pending: Counter[tuple[str, int, str]] = Counter()
         self._meters: OrderedDict[ProviderSession, _Meter] = OrderedDict()  # least recently counted first
         self._busy: set[ProviderSession] = set()
-        self._task: asyncio.Task[None] | None = None
-        self._round: asyncio.Future[None] | None = None  # the periodic write last started
+        self._flusher = Flusher("machine-insight", self.flush, interval, log=log, what=lambda: "machine insight",
+                                last_write=lambda: self.flush(everything=True))
         registry.listeners.append(self.changed)
 
     def start(self) -> None:
-        self._task = asyncio.get_running_loop().create_task(self._run(), name="machine-insight")
+        self._flusher.start()
 
     async def close(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            await asyncio.gather(self._task, return_exceptions=True)
-            self._task = None
-        if self._round is not None:  # a write under way ends as it would have (as the machine book's)
-            await finish_write(self._round)
-        try:
-            await self.flush(everything=True)
-        except Exception:  # noqa: BLE001 - the process is stopping; say what is lost
-            log.exception("could not record the machine insight of the last %g s", self.interval)
+        await self._flusher.close()
 
     def changed(self, session: ProviderSession) -> None:
         """A session held here changed (the registry's listener): end its span if what is counted changed."""
@@ -303,16 +292,3 @@ class MachineInsight:
         except BaseException:
             self._pending.update(batch)
             raise
-
-    async def _run(self) -> None:
-        """Each round's write is shielded from the flusher's stop, as the machine book's (machine_book.py)."""
-        while True:
-            await asyncio.sleep(self.interval)
-            self._round = asyncio.ensure_future(self._flush_round())
-            await asyncio.shield(self._round)
-
-    async def _flush_round(self) -> None:
-        try:
-            await self.flush()
-        except Exception as exc:  # noqa: BLE001 - kept; the next round adds it
-            log.warning("could not record machine insight (%r); retrying in %g s", exc, self.interval)
