@@ -13,10 +13,15 @@ streaming. Two tables, one run:
     first k replicas (deploy/haproxy.cfg with the other `server` lines left out); ``--nodes`` nodes
     connect through it (leastconn: spread over the k replicas) and the consumer calls it (round
     robin). Selection prefers a session the admitting replica holds when it ranks as well as
-    another replica's (since issue 21; before, (k-1)/k of the requests crossed NATS).
+    another replica's (since issue 21; before, (k-1)/k of the requests crossed NATS). At the same c,
+    each of k replicas carries a k-th of the load, and a coordinator's CPU per request falls with its
+    load (more events per loop wake, more steps per ledger transaction), so the table also compares
+    with one replica at c/k connections ("× 1 replica at c/k", when that c was measured: run
+    ``--concurrency 5,16,48``): what replication itself costs a request.
 
 ``--profile DIR`` then samples the two replicas of a cross-replica request (B admitting, A holding)
-with py-spy while wrk keeps the cross path at c=64, non-streaming (bench/profile_summary.py).
+with py-spy while wrk keeps the cross path at c=64, non-streaming, and in (b) replica A at k = 1 and
+k = 3 while wrk keeps the load balancer at c=16, non-streaming (bench/profile_summary.py).
 
 Run: .venv/bin/python bench/replicas.py [--duration S] [--nodes N] [--profile DIR]
 (or `make bench-replicas BENCH_ARGS="--profile /tmp/prof"`). Everything listens on 127.0.0.1; every
@@ -212,8 +217,9 @@ def part_a(bench: Bench, duration: float, warmup: float, profile_dir: Path | Non
     return text
 
 
-def part_b(bench: Bench, nodes: int, duration: float, warmup: float, concurrencies: list[int]) -> str:
-    rows = []
+def part_b(bench: Bench, nodes: int, duration: float, warmup: float, concurrencies: list[int],
+           profile_dir: Path | None = None, profile_seconds: float = 5.0) -> str:
+    rows, profiles = [], []
     for count in (1, 2, 3):
         lb, url = start_lb(bench.root, bench.replicas, count)
         bench.lbs.append(lb)
@@ -228,19 +234,34 @@ def part_b(bench: Bench, nodes: int, duration: float, warmup: float, concurrenci
             for conc in concurrencies:
                 result, cpu = measure(bench, target, conc, duration)
                 rows.append((count, spread, mode, conc, result, cpu))
+            if profile_dir is not None and mode == "plain" and count in (1, 3):
+                profiles.append(f"\n#### replica A with {count} replica(s) behind HAProxy, plain, c=16\n\n"
+                                + profile(target, bench.scripts, {"A": bench.replicas[0].process}, profile_seconds,
+                                          profile_dir / f"b{count}", 16))
         bench.stop_nodes()
         lb.stop()
         bench.lbs.remove(lb)
     lines = ["| replicas behind HAProxy | sessions held (A / B / C) | mode | c | req/s | × 1 replica | p50 ms | p99 ms "
-             "| crossed NATS | coordinators CPU ms/req | × 1 replica | coordinator loop wakeups/req | nodes CPU ms/req "
-             "| errors |", "|---" * 14 + "|"]
+             "| crossed NATS | coordinators CPU ms/req | × 1 replica | × 1 replica at c/k | coordinator loop wakeups/req "
+             "| nodes CPU ms/req | errors |", "|---" * 15 + "|"]
     base = {(mode, conc): (r.rps, cpu["coordinators"]) for count, _, mode, conc, r, cpu in rows if count == 1}
     for count, spread, mode, conc, r, cpu in sorted(rows, key=lambda x: (x[2], x[3], x[0])):
         rps_1, cpu_1 = base[(mode, conc)]
+        same_load = _per_replica_base(base, mode, conc / count) if count > 1 else None
+        at_load = f"{cpu['coordinators'] / same_load:.2f}×" if same_load else "—"
         lines.append(f"| {count} | {spread} | {mode} | {conc} | {r.rps:,.0f} | {r.rps / rps_1:.2f}× | "
                      f"{r.p50_ms:.1f} | {r.p99_ms:.1f} | {100 * cpu['crossed']:.0f} % | {cpu['coordinators']:.2f} | "
-                     f"{cpu['coordinators'] / cpu_1:.2f}× | {cpu['wakeups']:.1f} | {cpu['nodes']:.2f} | {r.errors} |")
-    return "\n".join(lines) + "\n"
+                     f"{cpu['coordinators'] / cpu_1:.2f}× | {at_load} | {cpu['wakeups']:.1f} | {cpu['nodes']:.2f} | "
+                     f"{r.errors} |")
+    return "\n".join(lines + profiles) + "\n"
+
+
+def _per_replica_base(base: dict[tuple[str, int], tuple[float, float]], mode: str, per_replica: float) -> float | None:
+    """One replica's coordinator CPU per request at the load each of k replicas carries (c/k connections,
+    within 10 %), when that concurrency was measured: what a replica would pay alone at its own load."""
+    near = [(abs(conc - per_replica), cpu) for (m, conc), (_, cpu) in base.items()
+            if m == mode and abs(conc - per_replica) <= 0.1 * per_replica]
+    return min(near)[1] if near else None
 
 
 def main() -> None:
@@ -250,7 +271,8 @@ def main() -> None:
     parser.add_argument("--nodes", type=int, default=3, help="nodes behind the load balancer in (b)")
     parser.add_argument("--concurrency", default="16,64", help="(b): comma-separated connections per cell")
     parser.add_argument("--skip", default="", help="a, b or a,b: parts to leave out")
-    parser.add_argument("--profile", type=Path, default=None, help="directory for py-spy profiles (cross, c=64)")
+    parser.add_argument("--profile", type=Path, default=None,
+                        help="directory for py-spy profiles: (a) the cross path at c=64; (b) replica A at k = 1 and 3")
     parser.add_argument("--profile-seconds", type=float, default=5.0, help="seconds per py-spy pass (two passes)")
     args = parser.parse_args()
     wrk_binary()
@@ -287,7 +309,8 @@ def main() -> None:
                 print(f"(b) throughput with 1, 2, 3 replicas behind HAProxy, {args.nodes} nodes through it:\n",
                       flush=True)
                 print(part_b(bench, args.nodes, args.duration, args.warmup,
-                             [int(c) for c in args.concurrency.split(",")]), flush=True)
+                             [int(c) for c in args.concurrency.split(",")], args.profile, args.profile_seconds),
+                      flush=True)
             print(f"1-min load {os.getloadavg()[0]:.2f} after; {time.monotonic() - started:.0f} s in all", flush=True)
             bench.stop()
     finally:

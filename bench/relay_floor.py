@@ -1,0 +1,190 @@
+"""The floor under the relay's latency at c=1: the same two hops with nothing of ours on them.
+
+A request through Darkbloom crosses two Python processes: the coordinator (uvicorn with httptools and
+uvloop, the provider socket on `SmallFrameWebSocketProtocol`) and the node (a `websockets` client that
+streams from its upstream with aiohttp). This bench runs that shape bare — a raw ASGI app that hands
+each POST body to the one connected "node" over the WebSocket and answers with what comes back, and a
+node that streams the body from the fixed-response upstream (bench/fixed_upstream.py) and sends the
+answer back in one frame — with no authentication, billing, placement, encryption, validation or
+logging. Side by side in one run with the upstream called directly and with the real stack
+(bench/relay_stack.py, self-route and paid): what the real relay adds over the floor is the cost of
+what Darkbloom does per request; what the floor adds over direct is the two hops themselves on this
+machine, which no change to Darkbloom's own code can take away.
+
+Run: .venv/bin/python bench/relay_floor.py [--seconds 5] [--rounds 3]
+Everything listens on 127.0.0.1; every wrk run is bounded by --seconds.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import statistics
+import sys
+import tempfile
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from bench.relay_c1 import counters  # noqa: E402
+from bench.relay_overhead import machine, tree_state  # noqa: E402
+from bench.relay_stack import BODY, start_stack  # noqa: E402
+from bench.wrk_load import WrkTarget, run_wrk  # noqa: E402
+from tests.support.processes import free_port, spawn, start_fixed_upstream, wait_until  # noqa: E402
+
+
+def serve_floor_coordinator(port: int) -> None:
+    """The bare coordinator: POST → the node's socket → the answer; GET / says whether a node is on."""
+    import uvicorn
+
+    from darkbloom.coordinator.websocket_protocol import SmallFrameWebSocketProtocol
+
+    waiting: dict[int, asyncio.Future[bytes]] = {}
+    sockets: list = []
+    counter = iter(range(1 << 62))
+
+    async def app(scope: dict, receive, send) -> None:  # type: ignore[no-untyped-def]
+        if scope["type"] == "lifespan":
+            await receive()  # lifespan.startup
+            await send({"type": "lifespan.startup.complete"})
+            await receive()  # lifespan.shutdown
+            await send({"type": "lifespan.shutdown.complete"})
+        elif scope["type"] == "websocket":
+            await receive()  # websocket.connect
+            await send({"type": "websocket.accept"})
+            sockets.append(send)
+            while (message := await receive())["type"] == "websocket.receive":
+                text = message["text"]
+                request_id, _, answer = text.partition(" ")
+                future = waiting.pop(int(request_id), None)
+                if future is not None and not future.done():
+                    future.set_result(answer.encode())
+            sockets.remove(send)
+        elif scope["method"] == "GET":
+            await send({"type": "http.response.start", "status": 200 if sockets else 503, "headers": []})
+            await send({"type": "http.response.body", "body": b""})
+        else:
+            body, more = b"", True
+            while more:
+                message = await receive()
+                body += message.get("body", b"")
+                more = message.get("more_body", False)
+            request_id = next(counter)
+            future = waiting[request_id] = asyncio.get_running_loop().create_future()
+            await sockets[0]({"type": "websocket.send", "text": f"{request_id} {body.decode()}"})
+            answer = await future
+            await send({"type": "http.response.start", "status": 200,
+                        "headers": [(b"content-type", b"application/json"),
+                                    (b"content-length", str(len(answer)).encode())]})
+            await send({"type": "http.response.body", "body": answer})
+
+    uvicorn.run(app, host="127.0.0.1", port=port, log_level="warning", access_log=False, ws_ping_interval=None,
+                ws=SmallFrameWebSocketProtocol, lifespan="on")
+
+
+def serve_floor_node(coordinator_ws: str, upstream_url: str) -> None:
+    """The bare node: each frame's body streamed from the upstream, the chunks back in one frame."""
+    import aiohttp
+    import uvloop
+    import websockets
+
+    async def main() -> None:
+        async with aiohttp.ClientSession() as client, websockets.connect(coordinator_ws) as socket:
+            async def serve(request_id: str, body: str) -> None:
+                call = {**json.loads(body), "stream": True}
+                chunks = []
+                async with client.post(upstream_url + "/v1/chat/completions", json=call) as response:
+                    async for line in response.content:
+                        if line.startswith(b"data: {"):
+                            chunks.append(json.loads(line[6:]))
+                await socket.send(f"{request_id} {json.dumps(chunks)}")
+
+            tasks = set()
+            async for frame in socket:
+                request_id, _, body = str(frame).partition(" ")
+                task = asyncio.create_task(serve(request_id, body))
+                tasks.add(task)
+                task.add_done_callback(tasks.discard)
+
+    uvloop.run(main())
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--seconds", type=float, default=5.0)
+    parser.add_argument("--rounds", type=int, default=3)
+    args = parser.parse_args()
+    root = Path(tempfile.mkdtemp(prefix="darkbloom-floor-"))
+    upstream, upstream_url = start_fixed_upstream(root / "upstream")
+    port = free_port()
+    me = [sys.executable, str(Path(__file__).resolve())]
+    coordinator = spawn([*me, "--floor-coordinator", str(port)], root / "floor", "coordinator.log")
+    node = stack = None
+    try:
+        wait_until(lambda: _status(f"http://127.0.0.1:{port}/") == 503, timeout=60, what="the floor's coordinator")
+        node = spawn([*me, "--floor-node", f"ws://127.0.0.1:{port}/ws", upstream_url], root / "floor", "node.log")
+        wait_until(lambda: _status(f"http://127.0.0.1:{port}/") == 200, timeout=30, what="the floor's node")
+        stack = start_stack(root, "", None, upstream_url)
+        targets = {"direct": WrkTarget("direct", upstream_url + "/v1/chat/completions", BODY, {}),
+                   "floor": WrkTarget("floor", f"http://127.0.0.1:{port}/v1/chat/completions", BODY, {}),
+                   **{name: target for name, target in stack.targets("plain").items()}}
+        scripts = {name: target.script(root) for name, target in targets.items()}
+        for name, target in targets.items():
+            run_wrk(target, scripts[name], 1, 1)  # warm up
+        pids = {"floor": (coordinator.proc.pid, node.proc.pid),
+                **{name: (stack.coord.process.proc.pid, stack.node.proc.pid) for name in stack.targets("plain")}}
+        p50s: dict[str, list[float]] = {name: [] for name in targets}
+        cpu: dict[str, list[tuple[float, float]]] = {name: [] for name in pids}  # ms per request
+        tick_ms = 1000 / os.sysconf("SC_CLK_TCK")
+        for round_index in range(args.rounds):
+            order = list(targets) if round_index % 2 == 0 else list(reversed(targets))
+            for name in order:
+                before = [counters(pid) for pid in pids.get(name, ())]
+                result = run_wrk(targets[name], scripts[name], 1, args.seconds)
+                after = [counters(pid) for pid in pids.get(name, ())]
+                if result.errors:
+                    raise SystemExit(f"{name}: {result.errors} errors")
+                p50s[name].append(result.p50_ms)
+                if name in cpu:
+                    used = [sum(a[:2]) - sum(b[:2]) for a, b in zip(after, before)]
+                    cpu[name].append((used[0] * tick_ms / result.requests, used[1] * tick_ms / result.requests))
+        print(f"# relay floor — {machine()} — {tree_state()}")
+        print(f"# wrk -t1 -c1, {args.seconds:g} s per cell, {args.rounds} rounds (odd rounds in reverse order); "
+              "median (min–max)\n")
+        direct = statistics.median(p50s["direct"])
+        floor = statistics.median(p50s["floor"])
+        print("| path | c=1 p50 ms | added over direct, ms | added over the floor, ms | coordinator CPU ms/req | "
+              "node CPU ms/req |\n|---|---|---|---|---|---|")
+        for name, values in p50s.items():
+            median = statistics.median(values)
+            over_floor = f"{median - floor:.2f}" if name not in ("direct", "floor") else ""
+            spent = [f"{statistics.median(c[i] for c in cpu[name]):.2f}" if name in cpu else "" for i in (0, 1)]
+            print(f"| {name} | {median:.2f} ({min(values):.2f}–{max(values):.2f}) | "
+                  f"{median - direct:.2f} | {over_floor} | {spent[0]} | {spent[1]} |")
+    finally:
+        for process in (node, coordinator, upstream):
+            if process is not None:
+                process.stop()
+        if stack is not None:
+            stack.stop()
+
+
+def _status(url: str) -> int:
+    import httpx
+
+    try:
+        return httpx.get(url, timeout=1).status_code
+    except httpx.HTTPError:
+        return 0
+
+
+if __name__ == "__main__":
+    if sys.argv[1:2] == ["--floor-coordinator"]:
+        serve_floor_coordinator(int(sys.argv[2]))
+    elif sys.argv[1:2] == ["--floor-node"]:
+        serve_floor_node(sys.argv[2], sys.argv[3])
+    else:
+        main()
