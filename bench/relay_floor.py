@@ -6,7 +6,8 @@ streams from its upstream with aiohttp). This bench runs that shape bare — a r
 each POST body to the one connected "node" over the WebSocket and answers with what comes back, and a
 node that streams the body from the fixed-response upstream (bench/fixed_upstream.py) and sends the
 answer back in one frame — with no authentication, billing, placement, encryption, validation or
-logging. Side by side in one run with the upstream called directly and with the real stack
+logging; and the same coordinator as two FastAPI routes (``floor-fastapi``: what the framework alone
+adds to a request). Side by side in one run with the upstream called directly and with the real stack
 (bench/relay_stack.py, self-route and paid): what the real relay adds over the floor is the cost of
 what Darkbloom does per request; what the floor adds over direct is the two hops themselves on this
 machine, which no change to Darkbloom's own code can take away.
@@ -33,11 +34,17 @@ from bench.relay_c1 import counters  # noqa: E402
 from bench.relay_overhead import machine, tree_state  # noqa: E402
 from bench.relay_stack import BODY, start_stack  # noqa: E402
 from bench.wrk_load import WrkTarget, run_wrk  # noqa: E402
-from tests.support.processes import free_port, spawn, start_fixed_upstream, wait_until  # noqa: E402
+from tests.support.processes import Process, free_port, spawn, start_fixed_upstream, wait_until  # noqa: E402
+
+from fastapi import FastAPI, Request, Response, WebSocket, WebSocketDisconnect  # noqa: E402  (the routes' annotations resolve here)
+
+FRAMEWORKS = ("asgi", "fastapi")
 
 
-def serve_floor_coordinator(port: int) -> None:
-    """The bare coordinator: POST → the node's socket → the answer; GET / says whether a node is on."""
+def serve_floor_coordinator(port: int, framework: str) -> None:
+    """The bare coordinator: POST → the node's socket → the answer; GET / says whether a node is on.
+    ``framework``: "asgi" (a raw ASGI app) or "fastapi" (the same as FastAPI routes: what the framework
+    alone adds to a request)."""
     import uvicorn
 
     from darkbloom.coordinator.websocket_protocol import SmallFrameWebSocketProtocol
@@ -46,7 +53,19 @@ def serve_floor_coordinator(port: int) -> None:
     sockets: list = []
     counter = iter(range(1 << 62))
 
-    async def app(scope: dict, receive, send) -> None:  # type: ignore[no-untyped-def]
+    def answered(text: str) -> None:
+        request_id, _, answer = text.partition(" ")
+        future = waiting.pop(int(request_id), None)
+        if future is not None and not future.done():
+            future.set_result(answer.encode())
+
+    async def relay(body: bytes, send_text) -> bytes:  # type: ignore[no-untyped-def]
+        request_id = next(counter)
+        future = waiting[request_id] = asyncio.get_running_loop().create_future()
+        await send_text(f"{request_id} {body.decode()}")
+        return await future
+
+    async def raw(scope: dict, receive, send) -> None:  # type: ignore[no-untyped-def]
         if scope["type"] == "lifespan":
             await receive()  # lifespan.startup
             await send({"type": "lifespan.startup.complete"})
@@ -55,14 +74,14 @@ def serve_floor_coordinator(port: int) -> None:
         elif scope["type"] == "websocket":
             await receive()  # websocket.connect
             await send({"type": "websocket.accept"})
-            sockets.append(send)
+
+            async def send_text(text: str) -> None:
+                await send({"type": "websocket.send", "text": text})
+
+            sockets.append(send_text)
             while (message := await receive())["type"] == "websocket.receive":
-                text = message["text"]
-                request_id, _, answer = text.partition(" ")
-                future = waiting.pop(int(request_id), None)
-                if future is not None and not future.done():
-                    future.set_result(answer.encode())
-            sockets.remove(send)
+                answered(message["text"])
+            sockets.remove(send_text)
         elif scope["method"] == "GET":
             await send({"type": "http.response.start", "status": 200 if sockets else 503, "headers": []})
             await send({"type": "http.response.body", "body": b""})
@@ -72,14 +91,33 @@ def serve_floor_coordinator(port: int) -> None:
                 message = await receive()
                 body += message.get("body", b"")
                 more = message.get("more_body", False)
-            request_id = next(counter)
-            future = waiting[request_id] = asyncio.get_running_loop().create_future()
-            await sockets[0]({"type": "websocket.send", "text": f"{request_id} {body.decode()}"})
-            answer = await future
+            answer = await relay(body, sockets[0])
             await send({"type": "http.response.start", "status": 200,
                         "headers": [(b"content-type", b"application/json"),
                                     (b"content-length", str(len(answer)).encode())]})
             await send({"type": "http.response.body", "body": answer})
+
+    app = raw
+    if framework == "fastapi":
+        app = FastAPI()
+
+        @app.get("/")
+        async def status() -> Response:
+            return Response(status_code=200 if sockets else 503)
+
+        @app.post("/v1/chat/completions")
+        async def chat(request: Request) -> Response:
+            return Response(await relay(await request.body(), sockets[0]), media_type="application/json")
+
+        @app.websocket("/ws")
+        async def node_socket(socket: WebSocket) -> None:
+            await socket.accept()
+            sockets.append(socket.send_text)
+            try:
+                while True:
+                    answered(await socket.receive_text())
+            except WebSocketDisconnect:
+                sockets.remove(socket.send_text)
 
     uvicorn.run(app, host="127.0.0.1", port=port, log_level="warning", access_log=False, ws_ping_interval=None,
                 ws=SmallFrameWebSocketProtocol, lifespan="on")
@@ -119,22 +157,33 @@ def main() -> None:
     args = parser.parse_args()
     root = Path(tempfile.mkdtemp(prefix="darkbloom-floor-"))
     upstream, upstream_url = start_fixed_upstream(root / "upstream")
-    port = free_port()
     me = [sys.executable, str(Path(__file__).resolve())]
-    coordinator = spawn([*me, "--floor-coordinator", str(port)], root / "floor", "coordinator.log")
-    node = stack = None
+    floors: dict[str, tuple[Process, Process | None, int]] = {}
+    stack = None
     try:
-        wait_until(lambda: _status(f"http://127.0.0.1:{port}/") == 503, timeout=60, what="the floor's coordinator")
-        node = spawn([*me, "--floor-node", f"ws://127.0.0.1:{port}/ws", upstream_url], root / "floor", "node.log")
-        wait_until(lambda: _status(f"http://127.0.0.1:{port}/") == 200, timeout=30, what="the floor's node")
+        for framework in FRAMEWORKS:
+            port = free_port()
+            coordinator = spawn([*me, "--floor-coordinator", str(port), framework], root / framework,
+                                "coordinator.log")
+            floors[framework] = (coordinator, None, port)
+            wait_until(lambda: _status(f"http://127.0.0.1:{port}/") == 503, timeout=60,
+                       what=f"the {framework} floor's coordinator")
+            node = spawn([*me, "--floor-node", f"ws://127.0.0.1:{port}/ws", upstream_url], root / framework,
+                         "node.log")
+            floors[framework] = (coordinator, node, port)
+            wait_until(lambda: _status(f"http://127.0.0.1:{port}/") == 200, timeout=30,
+                       what=f"the {framework} floor's node")
         stack = start_stack(root, "", None, upstream_url)
         targets = {"direct": WrkTarget("direct", upstream_url + "/v1/chat/completions", BODY, {}),
-                   "floor": WrkTarget("floor", f"http://127.0.0.1:{port}/v1/chat/completions", BODY, {}),
+                   **{f"floor-{framework}": WrkTarget(f"floor-{framework}",
+                                                      f"http://127.0.0.1:{port}/v1/chat/completions", BODY, {})
+                      for framework, (_, _, port) in floors.items()},
                    **{name: target for name, target in stack.targets("plain").items()}}
         scripts = {name: target.script(root) for name, target in targets.items()}
         for name, target in targets.items():
             run_wrk(target, scripts[name], 1, 1)  # warm up
-        pids = {"floor": (coordinator.proc.pid, node.proc.pid),
+        pids = {**{f"floor-{framework}": (coordinator.proc.pid, node.proc.pid)  # type: ignore[union-attr]
+                   for framework, (coordinator, node, _) in floors.items()},
                 **{name: (stack.coord.process.proc.pid, stack.node.proc.pid) for name in stack.targets("plain")}}
         p50s: dict[str, list[float]] = {name: [] for name in targets}
         cpu: dict[str, list[tuple[float, float]]] = {name: [] for name in pids}  # ms per request
@@ -155,19 +204,21 @@ def main() -> None:
         print(f"# wrk -t1 -c1, {args.seconds:g} s per cell, {args.rounds} rounds (odd rounds in reverse order); "
               "median (min–max)\n")
         direct = statistics.median(p50s["direct"])
-        floor = statistics.median(p50s["floor"])
+        floor = statistics.median(p50s["floor-asgi"])
         print("| path | c=1 p50 ms | added over direct, ms | added over the floor, ms | coordinator CPU ms/req | "
               "node CPU ms/req |\n|---|---|---|---|---|---|")
         for name, values in p50s.items():
             median = statistics.median(values)
-            over_floor = f"{median - floor:.2f}" if name not in ("direct", "floor") else ""
+            over_floor = f"{median - floor:.2f}" if name not in ("direct", "floor-asgi") else ""
             spent = [f"{statistics.median(c[i] for c in cpu[name]):.2f}" if name in cpu else "" for i in (0, 1)]
             print(f"| {name} | {median:.2f} ({min(values):.2f}–{max(values):.2f}) | "
                   f"{median - direct:.2f} | {over_floor} | {spent[0]} | {spent[1]} |")
     finally:
-        for process in (node, coordinator, upstream):
-            if process is not None:
-                process.stop()
+        for coordinator, node, _ in floors.values():
+            for process in (node, coordinator):
+                if process is not None:
+                    process.stop()
+        upstream.stop()
         if stack is not None:
             stack.stop()
 
@@ -183,7 +234,7 @@ def _status(url: str) -> int:
 
 if __name__ == "__main__":
     if sys.argv[1:2] == ["--floor-coordinator"]:
-        serve_floor_coordinator(int(sys.argv[2]))
+        serve_floor_coordinator(int(sys.argv[2]), sys.argv[3])
     elif sys.argv[1:2] == ["--floor-node"]:
         serve_floor_node(sys.argv[2], sys.argv[3])
     else:

@@ -274,6 +274,9 @@ def main() -> None:
     parser.add_argument("--profile", type=Path, default=None,
                         help="directory for py-spy profiles: (a) the cross path at c=64; (b) replica A at k = 1 and 3")
     parser.add_argument("--profile-seconds", type=float, default=5.0, help="seconds per py-spy pass (two passes)")
+    parser.add_argument("--upstream-delay", type=float, default=0.0,
+                        help="seconds the fixed upstream waits before each content chunk (a model's pace: the "
+                             "nodes' measured speeds then differ by what a real fleet's would, not by the bench's noise)")
     args = parser.parse_args()
     wrk_binary()
     haproxy_binary()
@@ -282,7 +285,7 @@ def main() -> None:
     scripts.mkdir()
     started = time.monotonic()
     print(f"starting the fixed-response upstream and three replicas under {root}…", file=sys.stderr, flush=True)
-    upstream, upstream_url = start_fixed_upstream(root / "upstream")
+    upstream, upstream_url = start_fixed_upstream(root / "upstream", "--delay", str(args.upstream_delay))
     bench: Bench | None = None
     try:
         with postgres_database() as database_url:
@@ -300,7 +303,7 @@ def main() -> None:
             print(f"# replicas — {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())} — {machine()} "
                   f"(`nproc` {os.cpu_count()}, `uname -m` {os.uname().machine})\n"
                   f"# {tree_state()}\n# three replicas on Postgres + Redis + NATS (default --replica-heartbeat 1 s),"
-                  f" wrk -t1, {args.duration:g} s per cell, 1-min load {os.getloadavg()[0]:.2f} before\n", flush=True)
+                  f" wrk -t1, {args.duration:g} s per cell, upstream delay {args.upstream_delay:g} s per chunk, 1-min load {os.getloadavg()[0]:.2f} before\n", flush=True)
             skip = set(args.skip.split(","))
             if "a" not in skip:
                 print("(a) cross-replica vs same-replica:\n", flush=True)

@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import pytest
+from alembic import command
 from alembic.autogenerate import compare_metadata
 from alembic.config import Config
 from alembic.migration import MigrationContext
@@ -106,3 +108,28 @@ def test_replicas_migrating_a_fresh_postgres_at_once_take_turns() -> None:
 
     with postgres_database() as url:
         assert asyncio.run(together(url)) == [_head_revision()]
+
+
+async def test_migration_0009_deletes_the_sampling_meters_insight_rows_and_keeps_the_others(
+        database_url: str) -> None:
+    engine = create_engine(database_url)
+    try:
+        async with engine.begin() as conn:
+            await conn.run_sync(lambda c: _upgrade_to(c, "0008"))
+            for name in ("slots_busy", "slots_total", "tps:12", "slot_ms", "busy_slot_ms", "tps_ms:12",
+                         "passed_over:busy"):
+                await conn.execute(text("INSERT INTO machine_insight (machine_id, hour, name, value) "
+                                        "VALUES ('mach_a', 3600, :name, 1)"), {"name": name})
+        await migrate(engine)
+        async with engine.connect() as conn:
+            names = set((await conn.execute(text("SELECT name FROM machine_insight"))).scalars())
+        assert names == {"slot_ms", "busy_slot_ms", "tps_ms:12", "passed_over:busy"}
+    finally:
+        await engine.dispose()
+
+
+def _upgrade_to(connection: Any, revision: str) -> None:
+    config = Config()
+    config.set_main_option("script_location", str(Path(store_db.__file__).parent / "migrations"))
+    config.attributes["connection"] = connection
+    command.upgrade(config, revision)

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Any, AsyncIterator, Mapping
 
-from sqlalchemy import func, select
+from sqlalchemy import delete, func, select
 from sqlalchemy.ext.asyncio import AsyncConnection
 
 from darkbloom.store.schema import machine_insight, usage_records
@@ -26,6 +26,12 @@ async def add(conn: AsyncConnection, counts: Mapping[tuple[str, int, str], int])
     await conn.execute(statement.on_conflict_do_update(
         index_elements=["machine_id", "hour", "name"],
         set_={"value": machine_insight.c.value + statement.excluded.value}), rows)
+
+
+async def prune(conn: AsyncConnection, before: int) -> int:
+    """Delete the counters of the hours before ``before``; how many rows went."""
+    result = await conn.execute(delete(machine_insight).where(machine_insight.c.hour < before))
+    return int(result.rowcount or 0)
 
 
 async def counters(conn: AsyncConnection, machine_id: str, since: int) -> dict[str, int]:

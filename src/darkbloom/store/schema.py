@@ -203,7 +203,8 @@ share_days = Table(
 # machine insight (migration 0008): per machine and UTC hour, counters every replica adds to in batches
 # (coordinator/fleet/insight.py): "passed_over:<reason>", "busy_slot_ms" / "slot_ms" (milliseconds times
 # active slots, and times slots, while online), "tps_ms:<bucket>" (milliseconds at a decode speed, 10 % wide
-# buckets). Rows named "slots_busy", "slots_total", "tps:<bucket>" (samples, before) are no longer read.
+# buckets). Hours older than the stats' longest window are deleted hourly (migration 0009: the index by hour,
+# and the sampling meter's rows, "slots_busy", "slots_total", "tps:<bucket>", deleted).
 
 machine_insight = Table(
     "machine_insight", metadata,
@@ -211,4 +212,5 @@ machine_insight = Table(
     Column("hour", BigInteger, primary_key=True),         # Unix seconds of the hour's start
     Column("name", String(48), primary_key=True),
     Column("value", BigInteger, nullable=False),
+    Index("ix_machine_insight_hour", "hour"),
 )

@@ -9,7 +9,7 @@ import asyncio
 import pytest
 from sqlalchemy.ext.asyncio import AsyncEngine
 
-from darkbloom.coordinator.fleet.insight import MachineInsight, hour_of, tps_bucket
+from darkbloom.coordinator.fleet.insight import KEPT_HOURS, MachineInsight, hour_of, tps_bucket
 from darkbloom.coordinator.fleet.registry import Registry
 from darkbloom.store import insight
 from tests.coordinator.routing.sim import SimProvider, fleet
@@ -155,3 +155,24 @@ async def test_stopping_waits_for_a_write_under_way_rather_than_cancelling_it(
     await asyncio.wait_for(closing, 5)
     assert held.outcomes and "cancelled" not in held.outcomes
     assert (await _counters(engine, "mach_a"))["slot_ms"] > 0
+
+
+async def test_counters_older_than_the_longest_stats_window_are_deleted_once_an_hour(engine: AsyncEngine) -> None:
+    """The table follows the fleet, not its age: the first write of each hour deletes the hours no
+    stats read can reach (``hours`` ≤ KEPT_HOURS), and keeps the oldest one it can."""
+    registry, meter, clock = _metered(engine)
+    now_hour = hour_of(START)
+    oldest_read = now_hour - (KEPT_HOURS - 1) * 3600
+    async with engine.begin() as conn:
+        await insight.add(conn, {("mach_a", oldest_read - 3600, "slot_ms"): 1, ("mach_a", oldest_read, "slot_ms"): 2,
+                                 ("mach_a", now_hour, "slot_ms"): 3})
+    await meter.flush()  # nothing pending, but the first write of the hour
+    assert await _counters(engine, "mach_a") == {"slot_ms": 2 + 3}
+    async with engine.begin() as conn:
+        await insight.add(conn, {("mach_a", oldest_read - 7200, "slot_ms"): 4})
+    clock.now += 60
+    await meter.flush()  # the same hour: not again
+    assert await _counters(engine, "mach_a") == {"slot_ms": 4 + 2 + 3}
+    clock.now += 3600
+    await meter.flush()  # the next hour: the hour that was the oldest readable goes too
+    assert await _counters(engine, "mach_a") == {"slot_ms": 3}

@@ -55,6 +55,7 @@ _BY_GATE = {"unverified_weights": "unverified_weights", "untrusted": "trust_floo
             "capability_unsupported": "capability", "context_length": "context_length", "no_free_slot": "busy",
             "another_machine_chosen": "another_machine_chosen"}
 TPS_BUCKET = 1.1  # decode speed samples in buckets 10 % wide
+KEPT_HOURS = 24 * 30  # the machine stats' longest window: the counters of older hours are deleted
 
 
 def reason_for(gate: str, session: ProviderSession) -> str | None:
@@ -210,7 +211,8 @@ class MachineInsight:
     time so far and the idle sessions not counted for ``IDLE_COUNT`` seconds are added, with the
     views' tallies, to ``machine_insight`` in one transaction: the work follows the traffic and a
     fraction of the fleet per interval, never a pass over it. A batch that fails is kept and added
-    to the next."""
+    to the next. The first write of each hour also deletes the counters older than ``KEPT_HOURS``
+    (every replica does; the later ones find nothing), so the table follows the fleet, not its age."""
 
     IDLE_COUNT = 300.0  # seconds an idle session's time waits at most before it is added
 
@@ -222,6 +224,7 @@ class MachineInsight:
         self._pending: Counter[tuple[str, int, str]] = Counter()
         self._meters: OrderedDict[ProviderSession, _Meter] = OrderedDict()  # least recently counted first
         self._busy: set[ProviderSession] = set()
+        self._pruned_hour: int | None = None  # the hour whose older counters were last deleted
         self._flusher = Flusher("machine-insight", self.flush, interval, log=log, what=lambda: "machine insight",
                                 last_write=lambda: self.flush(everything=True))
         registry.listeners.append(self.changed)
@@ -281,14 +284,20 @@ class MachineInsight:
             self._count(session, now, _meter_of(session, now))
 
     async def flush(self, machine_id: str | None = None, everything: bool = False) -> None:
-        """Collect (see ``collect``) and add what is pending in one transaction."""
-        self.collect(self._clock(), machine_id, everything)
-        if not self._pending:
+        """Collect (see ``collect``) and add what is pending in one transaction, with the deletion of
+        hours past ``KEPT_HOURS`` in the first of each hour."""
+        now = self._clock()
+        self.collect(now, machine_id, everything)
+        hour = hour_of(now)
+        if not self._pending and hour == self._pruned_hour:
             return
         batch, self._pending = self._pending, Counter()
         try:
             async with self._engine.begin() as conn:
                 await insight.add(conn, {key: round(value) for key, value in batch.items()})
+                if hour != self._pruned_hour:
+                    await insight.prune(conn, hour - (KEPT_HOURS - 1) * 3600)
         except BaseException:
             self._pending.update(batch)
             raise
+        self._pruned_hour = hour

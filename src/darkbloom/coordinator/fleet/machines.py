@@ -9,7 +9,7 @@ from typing import Any
 
 from darkbloom.coordinator.fleet import session_lifecycle
 from darkbloom.coordinator.fleet.enrollment import CertificateError, load_or_create_ca
-from darkbloom.coordinator.fleet.insight import PASSED_OVER_REASONS, hour_of, tps_of_bucket
+from darkbloom.coordinator.fleet.insight import KEPT_HOURS, PASSED_OVER_REASONS, hour_of, tps_of_bucket
 from darkbloom.coordinator.routing.selfroute import machine_not_found
 from darkbloom.wire.openai.errors import ApiError, invalid_request
 from darkbloom.coordinator.fleet.session import ProviderSession
@@ -110,7 +110,7 @@ async def enroll_machine(services: Services, machine_id: str) -> dict[str, Any]:
     return {"machine_id": machine_id, "trust_level": "hardware", "certificate": certificate}
 
 
-MAX_STATS_HOURS = 24 * 30
+MAX_STATS_HOURS = KEPT_HOURS  # what the machine insight keeps
 
 
 async def machine_stats(services: Services, account_id: str, machine_id: str, hours: int) -> dict[str, Any]:
