@@ -23,6 +23,8 @@ streaming. Two tables, one run:
 with py-spy while wrk keeps the cross path at c=64, non-streaming, and in (b) replica A at k = 1 and
 k = 3 while wrk keeps the load balancer at c=16, non-streaming (bench/profile_summary.py).
 
+``--upstream-delay S`` paces the fixed upstream like a model (S seconds before each content chunk).
+
 Run: .venv/bin/python bench/replicas.py [--duration S] [--nodes N] [--profile DIR]
 (or `make bench-replicas BENCH_ARGS="--profile /tmp/prof"`). Everything listens on 127.0.0.1; every
 wrk run is bounded by --duration; the whole run takes about 3–4 minutes with the defaults. Record the
@@ -303,7 +305,8 @@ def main() -> None:
             print(f"# replicas — {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())} — {machine()} "
                   f"(`nproc` {os.cpu_count()}, `uname -m` {os.uname().machine})\n"
                   f"# {tree_state()}\n# three replicas on Postgres + Redis + NATS (default --replica-heartbeat 1 s),"
-                  f" wrk -t1, {args.duration:g} s per cell, upstream delay {args.upstream_delay:g} s per chunk, 1-min load {os.getloadavg()[0]:.2f} before\n", flush=True)
+                  f" wrk -t1, {args.duration:g} s per cell, upstream delay {args.upstream_delay:g} s per chunk,"
+                  f" 1-min load {os.getloadavg()[0]:.2f} before\n", flush=True)
             skip = set(args.skip.split(","))
             if "a" not in skip:
                 print("(a) cross-replica vs same-replica:\n", flush=True)
