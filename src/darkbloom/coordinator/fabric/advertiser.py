@@ -42,11 +42,6 @@ FLUSH_DELAY = 0.005  # seconds: changes within it leave together (a burst of reg
 LOAD_DELAY = 0.05  # seconds a change of load alone may wait (see the module)
 
 
-def _facts(session: ProviderSession) -> tuple[object, ...]:
-    """What an announcement says of a session besides its load (active slots, decode speed)."""
-    return (session.online, session.account_id, session.machine_id, session.trust_level, session.untrusted_reason,
-            session.runtime_verified, session.draining, session.challenge_passed_at, session.loaded_models)
-
 
 class Advertiser:
     def __init__(self, registry: Registry, connection: Connection, subjects: Subjects, heartbeat: float) -> None:
@@ -69,7 +64,7 @@ class Advertiser:
             return  # never announced and not announceable now: nothing to tell
         self._dirty[session.id] = session
         loop = asyncio.get_running_loop()
-        load_only = self._facts.get(session.id) == _facts(session)
+        load_only = self._facts.get(session.id) == messages.facts_of(session)
         due = loop.time() + (LOAD_DELAY if load_only else FLUSH_DELAY)
         if self._flush_at is not None and self._flush_at.when() <= due:
             return
@@ -99,7 +94,7 @@ class Advertiser:
                 announced = None
             if announced is not None:
                 self.announced[session.id] = session
-                self._facts[session.id] = _facts(session)
+                self._facts[session.id] = messages.facts_of(session)
                 changed.append(announced)
             else:
                 self._facts.pop(session.id, None)

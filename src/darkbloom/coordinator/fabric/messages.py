@@ -50,6 +50,14 @@ def announcement(session: ProviderSession, now: float | None = None) -> dict[str
     }
 
 
+def facts_of(session: ProviderSession) -> tuple[object, ...]:
+    """What ``announcement`` says of a session that can change, besides its load (active slots, decode
+    speed): the advertiser sends a change of these at once and a change of load alone later. Its
+    registration is not here: it does not change while the session lives."""
+    return (session.online, session.account_id, session.machine_id, session.trust_level, session.untrusted_reason,
+            session.runtime_verified, session.draining, session.challenge_passed_at, session.loaded_models)
+
+
 def registration_of(announced: dict[str, Any]) -> Register:
     """The registration a stand-in carries: the announced facts only (no token, no attestation)."""
     return Register(models=[ModelInfo.model_validate(m) for m in announced["models"]],

@@ -35,7 +35,7 @@ import logging
 import math
 import time
 from collections import Counter, OrderedDict
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable, Iterable, Iterator, Protocol
 
 from sqlalchemy.ext.asyncio import AsyncEngine
@@ -173,17 +173,14 @@ class _Fleet(Protocol):
 
 @dataclass(slots=True)
 class _Meter:
-    """A session's state since ``since`` (wall-clock seconds), up to which its time is counted."""
+    """A session's state since ``since`` (wall-clock seconds), up to which its time is counted; two
+    meters are equal when the state is, whatever their ``since``."""
 
     machine_id: str
-    since: float
+    since: float = field(compare=False)
     busy: int        # active slots
     slots: int       # max_concurrency
     tps: int | None  # the decode speed's bucket; None before it is measured
-
-    def same(self, other: "_Meter") -> bool:
-        return (self.machine_id, self.busy, self.slots, self.tps) == (other.machine_id, other.busy, other.slots,
-                                                                      other.tps)
 
 
 def _meter_of(session: ProviderSession, now: float) -> _Meter | None:
@@ -240,7 +237,7 @@ class MachineInsight:
         now = self._clock()
         meter = self._meters.get(session)
         fresh = _meter_of(session, now)
-        if meter is not None and fresh is not None and meter.same(fresh):
+        if meter is not None and meter == fresh:
             return
         self._count(session, now, fresh)
 
