@@ -11,10 +11,9 @@ import secrets
 import signal
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Generator
+from typing import Any
 
 import httpx
-import uvicorn
 from rich.console import Console
 
 from darkbloom.wire.catalog import BUNDLED_MODEL_ID
@@ -26,14 +25,6 @@ from darkbloom.paths import auth_token_path
 
 DEMO_EMAIL = "demo@darkbloom.local"
 DEMO_CREDIT_MICRO_USD = 10_000_000  # $10
-
-
-class _EmbeddedServer(uvicorn.Server):
-    """uvicorn without its own signal handling: the demo owns Ctrl-C."""
-
-    @contextlib.contextmanager
-    def capture_signals(self) -> Generator[None, None, None]:
-        yield
 
 
 @dataclass
@@ -60,7 +51,7 @@ async def _demo(home: Path, port: int, out: Console) -> None:
     settings = CoordinatorSettings(port=port, database_url=f"sqlite+aiosqlite:///{home / 'coordinator.db'}",
                                    admin_token=admin_token, min_trust="none")
     base_url = settings.base_url
-    server = build_server(settings, _EmbeddedServer, log_level="warning")
+    server = build_server(settings, log_level="warning", own_signals=False)  # the demo owns Ctrl-C
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):

@@ -265,7 +265,7 @@ def _terminate_listeners(node: Node) -> None:
 
     import asyncpg
 
-    from darkbloom.coordinator.identity.auth_invalidation import APPLICATION_NAME
+    from darkbloom.store.notices import APPLICATION_NAME
 
     async def terminate() -> int:
         conn = await asyncpg.connect(node.coordinator.database_url.replace("postgresql+asyncpg://", "postgresql://"))

@@ -27,9 +27,9 @@ from darkbloom.coordinator.http.sealed_body import load_or_create_key
 from darkbloom.coordinator.identity import auth_invalidation
 from darkbloom.coordinator.money import reconciliation
 from darkbloom.coordinator.money.ratelimit import create_rate_limiter
-from darkbloom.coordinator.routing.live_catalog import follow_catalog, load_catalog
+from darkbloom.coordinator.routing import live_catalog
 from darkbloom.coordinator.services import Services
-from darkbloom.store import create_engine, migrate
+from darkbloom.store import create_engine, migrate, notices
 
 log = logging.getLogger("darkbloom.coordinator")
 
@@ -42,15 +42,18 @@ def create_app(settings: CoordinatorSettings) -> FastAPI:
         services = Services(settings=settings, engine=engine, registry=Registry(),
                             rate_limiter=create_rate_limiter(settings.redis_url))
         app.state.services = services
-        await load_catalog(services)
+        await live_catalog.load_catalog(services)
         services.consumer_key = await load_or_create_key(engine)
         await reconciliation.register_instance(services)
         await reconciliation.reconcile_abandoned(services)
         background = [asyncio.create_task(session_lifecycle.evict_silent(services)),
                       asyncio.create_task(reconciliation.heartbeat_forever(services)),
-                      asyncio.create_task(services.queues.drain_forever()),
-                      asyncio.create_task(follow_catalog(services))]
-        background.append(auth_invalidation.start(services))  # cross-process auth changes (Postgres)
+                      asyncio.create_task(services.queues.drain_forever())]
+        if engine.dialect.name == "postgresql":  # other coordinators may share the database
+            listener = notices.Listener(engine)
+            auth_invalidation.subscribe(services, listener)
+            live_catalog.subscribe(services, listener)
+            background.append(asyncio.create_task(listener.run()))
         services.machine_book.start()
         services.insight.start()
         if settings.nats_url:

@@ -10,12 +10,12 @@ import uvicorn
 from darkbloom.coordinator.app import create_app
 from darkbloom.coordinator.config import CoordinatorSettings
 from darkbloom.coordinator.websocket_protocol import SmallFrameWebSocketProtocol
+from darkbloom.http_server import Server
 from darkbloom.logs import configure_logging
 from darkbloom.wire.protocol import SOCKET_MESSAGE_LIMIT
 
 
-def build_server(settings: CoordinatorSettings, server_class: type[uvicorn.Server] = uvicorn.Server,
-                 log_level: str = "info") -> uvicorn.Server:
+def build_server(settings: CoordinatorSettings, log_level: str = "info", own_signals: bool = True) -> Server:
     config = uvicorn.Config(create_app(settings), host=settings.host, port=settings.port,
                             log_level=log_level, access_log=False, ws_max_size=SOCKET_MESSAGE_LIMIT,
                             ws_ping_interval=None, timeout_graceful_shutdown=5, lifespan="on",
@@ -25,7 +25,7 @@ def build_server(settings: CoordinatorSettings, server_class: type[uvicorn.Serve
     # it again (a full collection of it held the loop ~0.2 s whenever a burst of chunks set one off)
     gc.collect()
     gc.freeze()
-    return server_class(config)
+    return Server(config, own_signals=own_signals)
 
 
 def _no_line_per_socket(record: logging.LogRecord) -> bool:

@@ -1,19 +1,26 @@
-"""A catalog stored through one replica (PUT /v1/admin/catalog) is taken up by the others: they read
-the stored one every few seconds (routing/live_catalog.py), so a weight pin or a price change does
-not stop at the replica that received it."""
+"""A catalog stored through one replica (PUT /v1/admin/catalog) is taken up by the others: the store
+is announced on Postgres (store/notices.py) and each other replica reads the stored one when told
+and whenever its listener starts listening (routing/live_catalog.py), so a weight pin or a price
+change does not stop at the replica that received it — and nothing polls the database meanwhile."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import time
 from pathlib import Path
 from types import SimpleNamespace
-from typing import AsyncIterator
+from typing import AsyncIterator, Callable
 
 import httpx
 import pytest
 
+from darkbloom.coordinator.config import CoordinatorSettings
+from darkbloom.coordinator.fleet.registry import Registry
+from darkbloom.coordinator.money.ratelimit import MemoryRateLimiter
 from darkbloom.coordinator.routing import live_catalog
+from darkbloom.coordinator.services import Services
+from darkbloom.store import create_engine, migrate, notices
 from darkbloom.wire.catalog import Catalog, CatalogModel
 from tests.support.processes import wait_until
 from tests.support.replicas import replica_set
@@ -34,10 +41,55 @@ def test_a_catalog_put_on_one_replica_reaches_the_other(tmp_path: Path) -> None:
         wait_until(on_b, timeout=30, interval=0.2, what="the catalog on the other replica")
 
 
+async def test_a_catalog_stored_here_is_taken_up_there_when_announced(postgres_url: str) -> None:
+    here, there = await _services(postgres_url), await _services(postgres_url)
+    listener = notices.Listener(there.engine)
+    live_catalog.subscribe(there, listener)
+    task = asyncio.create_task(listener.run())
+    try:
+        await _eventually(lambda: listener.listening)
+        new = Catalog(models=[CatalogModel(id="smollm2-135m", input_price=7, output_price=11)])
+        await live_catalog.store_catalog(here, new)
+        await _eventually(lambda: there.settings.catalog == new)
+    finally:
+        task.cancel()
+        await here.engine.dispose()
+        await there.engine.dispose()
+
+
+async def test_a_catalog_stored_while_not_listening_is_read_when_listening_starts(postgres_url: str) -> None:
+    here, there = await _services(postgres_url), await _services(postgres_url)
+    new = Catalog(models=[CatalogModel(id="smollm2-135m", input_price=3, output_price=5)])
+    await live_catalog.store_catalog(here, new)  # no listener yet: this notice reaches nobody
+    listener = notices.Listener(there.engine)
+    live_catalog.subscribe(there, listener)
+    task = asyncio.create_task(listener.run())
+    try:
+        await _eventually(lambda: there.settings.catalog == new)
+    finally:
+        task.cancel()
+        await here.engine.dispose()
+        await there.engine.dispose()
+
+
+async def _services(database_url: str) -> Services:
+    engine = create_engine(database_url)
+    await migrate(engine)
+    return Services(settings=CoordinatorSettings(database_url=database_url), engine=engine,
+                    registry=Registry(), rate_limiter=MemoryRateLimiter())
+
+
+async def _eventually(predicate: Callable[[], bool], timeout: float = 10) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        assert time.monotonic() < deadline, "timed out"
+        await asyncio.sleep(0.01)
+
+
 async def test_a_read_that_began_before_this_replicas_own_put_does_not_put_the_old_catalog_back(
         monkeypatch: pytest.MonkeyPatch) -> None:
     """The follower reads the stored catalog (the old one); this replica's PUT stores and takes up a new
-    one before that read returns: the old one must not come back until the next read."""
+    one before that read returns: the old one must not come back (the PUT's own notice reads again)."""
     old = Catalog(models=[CatalogModel(id="smollm2-135m", input_price=1, output_price=1)])
     new = Catalog(models=[CatalogModel(id="smollm2-135m", input_price=7, output_price=11)])
     services = SimpleNamespace(engine=_PostgresLike(), settings=SimpleNamespace(catalog=old),
@@ -52,14 +104,13 @@ async def test_a_read_that_began_before_this_replicas_own_put_does_not_put_the_o
             seen, stored[0] = stored[0], new.model_dump()
             live_catalog._use(services, new)  # type: ignore[arg-type]
             return seen
-        if reads == 3:
-            raise asyncio.CancelledError
         return stored[0]
 
     monkeypatch.setattr(live_catalog.stored_settings, "get", read_then_put)
-    with pytest.raises(asyncio.CancelledError):
-        await live_catalog.follow_catalog(services, interval=0)  # type: ignore[arg-type]
-    assert services.settings.catalog is new and reads == 3
+    await live_catalog.follow_once(services)  # type: ignore[arg-type]
+    assert services.settings.catalog is new and reads == 1
+    await live_catalog.follow_once(services)  # type: ignore[arg-type]
+    assert services.settings.catalog is new and reads == 2
 
 
 class _PostgresLike:

@@ -1,5 +1,5 @@
 """How changes reach the AuthCache: the local drop of ``changing()`` (SQLite and Postgres), and on
-Postgres the NOTIFY that another coordinator's Listener receives, on a real database."""
+Postgres the NOTIFY that another coordinator's notice listener receives, on a real database."""
 
 from __future__ import annotations
 
@@ -14,10 +14,10 @@ from darkbloom.coordinator.config import CoordinatorSettings
 from darkbloom.coordinator.fleet.registry import Registry
 from darkbloom.coordinator.identity import auth_invalidation
 from darkbloom.coordinator.identity.auth_cache import AuthCache, Grant, key_subject
-from darkbloom.coordinator.identity.auth_invalidation import Listener, changing
+from darkbloom.coordinator.identity.auth_invalidation import changing
 from darkbloom.coordinator.money.ratelimit import MemoryRateLimiter
 from darkbloom.coordinator.services import Services
-from darkbloom.store import create_engine, migrate
+from darkbloom.store import create_engine, migrate, notices
 
 
 async def _services(database_url: str) -> Services:
@@ -91,19 +91,22 @@ async def test_changing_drops_them_also_when_it_rolls_back(services: Services) -
     assert len(services.auth_cache) == 0
 
 
-async def test_on_sqlite_nothing_listens_and_the_cache_stays_on(sqlite_url: str) -> None:
-    services = await _services(sqlite_url)
-    try:
-        task = auth_invalidation.start(services)
-        await task
-        assert services.auth_cache.caching
-    finally:
-        await services.engine.dispose()
+def _listening(services: Services, **options: float) -> notices.Listener:
+    """The notice listener a coordinator on Postgres runs, with the auth cache subscribed (app.py)."""
+    listener = notices.Listener(services.engine, **options)
+    auth_invalidation.subscribe(services, listener)
+    return listener
+
+
+async def test_the_cache_stores_nothing_before_the_listener_listens(two: tuple[Services, Services]) -> None:
+    _, there = two
+    _listening(there)
+    assert not there.auth_cache.caching
 
 
 async def test_a_committed_change_reaches_the_other_coordinator(two: tuple[Services, Services]) -> None:
     here, there = two
-    listener = Listener(there.engine, there.auth_cache)
+    listener = _listening(there)
     task = asyncio.create_task(listener.run())
     try:
         await _eventually(lambda: listener.listening, timeout=10)
@@ -119,7 +122,7 @@ async def test_a_committed_change_reaches_the_other_coordinator(two: tuple[Servi
 
 async def test_a_rolled_back_change_sends_no_notice(two: tuple[Services, Services]) -> None:
     here, there = two
-    listener = Listener(there.engine, there.auth_cache)
+    listener = _listening(there)
     task = asyncio.create_task(listener.run())
     try:
         await _eventually(lambda: listener.listening, timeout=10)
@@ -138,7 +141,7 @@ async def test_a_rolled_back_change_sends_no_notice(two: tuple[Services, Service
 
 async def test_a_lost_listener_suspends_the_cache_until_it_listens_again(two: tuple[Services, Services]) -> None:
     here, there = two
-    listener = Listener(there.engine, there.auth_cache, reconnect_first=0.05)
+    listener = _listening(there, reconnect_first=0.05)
     task = asyncio.create_task(listener.run())
     try:
         await _eventually(lambda: listener.listening, timeout=10)
@@ -147,7 +150,7 @@ async def test_a_lost_listener_suspends_the_cache_until_it_listens_again(two: tu
             await conn.execute(text(
                 "SELECT pg_terminate_backend(pid) FROM pg_stat_activity "
                 "WHERE datname = current_database() AND application_name = :name"),
-                {"name": auth_invalidation.APPLICATION_NAME})
+                {"name": notices.APPLICATION_NAME})
             await conn.commit()
         await _eventually(lambda: not there.auth_cache.caching, timeout=5)
         assert len(there.auth_cache) == 0

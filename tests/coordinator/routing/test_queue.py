@@ -217,6 +217,33 @@ async def test_the_tick_places_waiters_when_a_session_registers() -> None:
     assert placement.session is newcomer.session
 
 
+async def test_the_tick_sleeps_while_nothing_waits_and_wakes_when_a_request_queues(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """An idle coordinator does not wake four times a second for empty queues."""
+    monkeypatch.setattr(queueing, "DRAIN_TICK", 0.001)
+    registry = Registry()
+    fleet(registry, 1, active=1)
+    q = queues(registry)
+    drains = 0
+    drain = q.drain
+
+    def counted() -> None:
+        nonlocal drains
+        drains += 1
+        drain()
+
+    monkeypatch.setattr(q, "drain", counted)
+    async with ticking(q):
+        for _ in range(20):
+            await asyncio.sleep(0.002)  # twenty ticks' worth with nothing queued
+        assert drains == 0
+        waiter = await enqueue(q, decision())
+        drains_on_arrival = drains  # place() drains once itself
+        newcomer, = fleet(registry, 1)
+        placement = await asyncio.wait_for(waiter, 10)  # only the tick can place it
+        assert drains > drains_on_arrival and placement.session is newcomer.session
+
+
 async def test_the_tick_places_waiters_when_trust_changes() -> None:
     registry = Registry()
     _busy, = fleet(registry, 1, active=1)

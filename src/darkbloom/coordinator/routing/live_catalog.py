@@ -1,8 +1,8 @@
 """The live catalog: the --catalog file when given, else the last one stored by the admin API,
-else the built-in default. PUT /v1/admin/catalog stores it so restarts and replicas agree: every
-replica on a shared database reads the stored one every ``FOLLOW_SECONDS`` and takes it up when it
-changed (one small read; a catalog changes rarely and a few seconds' lag is harmless, so no
-channel of its own)."""
+else the built-in default. PUT /v1/admin/catalog stores it so restarts and replicas agree: on a
+shared (Postgres) database the store announces itself (``store.notices``), and every other replica
+reads the stored catalog when told, and whenever its listener starts listening (again), since a
+notice may have been missed meanwhile."""
 
 from __future__ import annotations
 
@@ -11,10 +11,10 @@ import logging
 
 from darkbloom.wire.catalog import Catalog
 from darkbloom.coordinator.services import Services
-from darkbloom.store import stored_settings
+from darkbloom.store import notices, stored_settings
 
 _NAME = "catalog"
-FOLLOW_SECONDS = 2.0
+CHANNEL = "darkbloom_catalog"
 log = logging.getLogger("darkbloom.catalog")
 
 
@@ -31,6 +31,7 @@ async def load_catalog(services: Services) -> None:
 async def store_catalog(services: Services, catalog: Catalog) -> None:
     async with services.engine.begin() as conn:
         await stored_settings.put(conn, _NAME, catalog.model_dump())
+        await notices.notify(conn, CHANNEL)
     _use(services, catalog)
 
 
@@ -39,24 +40,48 @@ def _use(services: Services, catalog: Catalog) -> None:
     services.registry.close_views()  # what they admit may differ now (a weight_hash pin, aliases)
 
 
-async def follow_catalog(services: Services, interval: float = FOLLOW_SECONDS) -> None:
-    """Take up a catalog another replica stored (a shared Postgres database; a SQLite file has one
-    coordinator, whose own PUT already applied it). A read during which this replica took up a catalog
-    of its own (a PUT) is dropped: it may have begun before that catalog was stored, and would put
-    the old one back until the next read."""
-    if services.engine.dialect.name != "postgresql":
+def subscribe(services: Services, listener: notices.Listener) -> None:
+    """Take up a catalog another replica stored, when it says so (a SQLite file has one coordinator,
+    whose own PUT already applied it)."""
+    follower = _Follower(services)
+    listener.subscribe(notices.Subscription(CHANNEL, lambda _payload: follower.read(),
+                                            lambda up: follower.read() if up else None))
+
+
+class _Follower:
+    """One read at a time; a notice during a read asks for one more after it."""
+
+    def __init__(self, services: Services) -> None:
+        self.services = services
+        self._reading: asyncio.Task[None] | None = None
+        self._again = False
+
+    def read(self) -> None:
+        if self._reading is not None and not self._reading.done():
+            self._again = True
+            return
+        self._reading = asyncio.get_running_loop().create_task(self._read_until_current())
+
+    async def _read_until_current(self) -> None:
+        self._again = True
+        while self._again:
+            self._again = False
+            await follow_once(self.services)
+
+
+async def follow_once(services: Services) -> None:
+    """Read the stored catalog and take it up when it differs. A read during which this replica took
+    up a catalog of its own (a PUT) is dropped: it may have begun before that catalog was stored, and
+    would put the old one back (that PUT's own notice brings a read after it)."""
+    in_force = services.settings.catalog
+    try:
+        async with services.engine.connect() as conn:
+            stored = await stored_settings.get(conn, _NAME)
+    except Exception as exc:  # noqa: BLE001 - the database is away: keep the catalog in force
+        log.warning("cannot read the stored catalog: %s", exc)
         return
-    while True:
-        await asyncio.sleep(interval)
-        in_force = services.settings.catalog
-        try:
-            async with services.engine.connect() as conn:
-                stored = await stored_settings.get(conn, _NAME)
-        except Exception as exc:  # noqa: BLE001 - the database is away: keep the catalog in force, retry
-            log.warning("cannot read the stored catalog: %s", exc)
-            continue
-        if services.settings.catalog is not in_force:
-            continue
-        if stored is not None and stored != in_force.model_dump():
-            _use(services, Catalog.model_validate(stored))
-            log.info("took up the catalog another replica stored (%d models)", len(services.settings.catalog.models))
+    if services.settings.catalog is not in_force:
+        return
+    if stored is not None and stored != in_force.model_dump():
+        _use(services, Catalog.model_validate(stored))
+        log.info("took up the catalog another replica stored (%d models)", len(services.settings.catalog.models))

@@ -2,8 +2,8 @@
 
 A waiter keeps its own ``RouteDecision``; each drain re-evaluates every waiter in arrival order
 with its own rules, and a waiter that cannot be placed keeps its place. Drains run whenever a
-slot is released (the queues listen on the registry's slots) and on a short tick, which also
-covers new registrations, heartbeats and trust changes.
+slot is released (the queues listen on the registry's slots) and, while anything waits, on a short
+tick, which also covers new registrations, heartbeats and trust changes.
 
 Placing and draining select from the registry's views (``scheduler.select``); the full survey runs
 only when a refusal's ``survey`` is read (the Self-Route pre-flight reads it, over the owner's sessions),
@@ -75,6 +75,7 @@ class RequestQueues:
         self._queues: dict[str, deque[_Waiter]] = {}
         self._recent_wait: dict[str, float] = {}
         self._draining = False
+        self._someone_waits = asyncio.Event()
         registry.slots.on_release(self.drain)
 
     def depth(self, model_id: str) -> int:
@@ -93,6 +94,7 @@ class RequestQueues:
             raise QueueRefused("queue_full", self._retry_after(decision.model.id), self._surveyor(decision))
         waiter = _Waiter(decision, asyncio.get_running_loop().create_future())
         queue.append(waiter)
+        self._someone_waits.set()
         self.drain()
         try:
             # not wait_for: on Python 3.11 it swallows a cancel that races with the placement and
@@ -135,6 +137,9 @@ class RequestQueues:
 
     async def drain_forever(self) -> None:
         while True:
+            if not self._queues:
+                self._someone_waits.clear()
+                await self._someone_waits.wait()
             await asyncio.sleep(DRAIN_TICK)
             self.drain()
 

@@ -9,17 +9,16 @@ Binding a non-loopback address (`--bind 0.0.0.0`) is allowed only because of tha
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import errno
 import ipaddress
 import logging
 import os
 import socket
 from pathlib import Path
-from typing import Iterator
 
 import uvicorn
 
+from darkbloom.http_server import Server
 from darkbloom.wire import local_files
 from darkbloom.paths import local_discovery_path, local_token_path
 from darkbloom.provider.backends import Backend
@@ -32,12 +31,6 @@ log = logging.getLogger(__name__)
 
 class LocalEndpointError(Exception):
     """Direct mode cannot start; the message says what to change."""
-
-
-class _Server(uvicorn.Server):
-    @contextlib.contextmanager
-    def capture_signals(self) -> Iterator[None]:
-        yield  # the node owns SIGINT / SIGTERM and stops us itself
 
 
 def is_loopback(host: str) -> bool:
@@ -56,7 +49,7 @@ class LocalEndpoint:
         self.host = ""
         self.port = 0
         self._socket: socket.socket | None = None
-        self._server: _Server | None = None
+        self._server: Server | None = None
         self._task: asyncio.Task[None] | None = None
 
     @property
@@ -87,7 +80,7 @@ class LocalEndpoint:
                          max_body_bytes=self.config.max_body_bytes)
         config = uvicorn.Config(app, log_config=None, access_log=False, lifespan="off", server_header=False,
                                 timeout_graceful_shutdown=3)
-        self._server = _Server(config)
+        self._server = Server(config, own_signals=False)  # the node owns SIGINT / SIGTERM
         self._task = asyncio.create_task(self._server.serve(sockets=[self._socket]), name="direct-mode")
         while not self._server.started:
             if self._task.done():

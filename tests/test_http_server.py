@@ -1,0 +1,48 @@
+"""The uvicorn server of every listener (src/darkbloom/http_server.py): a tick a second, and a stop
+asked from another thread or by the embedding program ends it without waiting for a tick."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import uvicorn
+
+from darkbloom.http_server import Server
+
+
+async def _app(scope: dict, receive: object, send: object) -> None:  # a do-nothing ASGI app
+    if scope["type"] == "lifespan":
+        return
+
+
+class _Counting(Server):
+    def __init__(self, config: uvicorn.Config) -> None:
+        super().__init__(config, own_signals=False)
+        self.ticks: list[int] = []
+
+    async def on_tick(self, counter: int) -> bool:
+        self.ticks.append(counter)
+        return await super().on_tick(counter)
+
+
+def test_a_stop_asked_from_another_thread_ends_the_server_and_every_tick_refreshes_the_date() -> None:
+    server = _Counting(uvicorn.Config(_app, host="127.0.0.1", port=0, lifespan="off", log_config=None))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    while not server.started and thread.is_alive():
+        time.sleep(0.01)
+    assert server.started
+    server.should_exit = True
+    thread.join(timeout=30)
+    assert not thread.is_alive(), "the server did not stop"
+    assert server.ticks and all(counter % 10 == 0 for counter in server.ticks)  # uvicorn's once-a-second branch
+
+
+def test_the_embedding_program_keeps_its_signals() -> None:
+    import signal
+
+    before = signal.getsignal(signal.SIGTERM)
+    server = Server(uvicorn.Config(_app), own_signals=False)
+    with server.capture_signals():
+        assert signal.getsignal(signal.SIGTERM) is before
