@@ -226,20 +226,44 @@ async def test_a_publish_that_fails_is_counted(bus: Bus) -> None:
     assert failed("nats_error") == before + 1
 
 
-async def test_a_passed_challenge_is_announced(bus: Bus) -> None:
+async def test_a_passed_challenge_is_announced_and_renewals_leave_together_with_the_heartbeat(bus: Bus) -> None:
     """Stand-ins are not refreshed every second any more: a passed challenge is a change like any other,
-    or after ``--challenge-freshness`` every stand-in would fail the challenge gate."""
+    or after ``--challenge-freshness`` every stand-in would fail the challenge gate. A renewal of a pass
+    that stays fresh for longer than a heartbeat waits for it, with every other renewal of that second."""
     a, b = await in_step(bus, size=3)
-    session = a.add(1, challenge_age=200.0)[0].session  # its last challenge passed 200 s ago
+    first = a.add(1, challenge_age=None)[0].session  # registered, no challenge passed yet
+    renewing = a.add(2, challenge_age=200.0)  # their last challenge passed 200 s ago
     await bus.settle()
-    stand_in = b.registry.get(session.id)
-    assert stand_in is not None and stand_in.challenge_passed_at is not None
-    before = stand_in.challenge_passed_at
     mark = len(bus.sent)
-    session.challenge_passed_at = time.monotonic()  # the next round passed now
+    first.challenge_passed_at = time.monotonic()  # a first pass: the others must know at once
+    await bus.settle()
+    assert [(s.kind, [x["id"] for x in s.body["sessions"]]) for s in bus.since(mark)] == [("delta", [first.id])]
+    assert b.registry.get(first.id).challenge_passed_at is not None  # type: ignore[union-attr]
+
+    stand_ins = [b.registry.get(sim.id) for sim in renewing]
+    before = [s.challenge_passed_at for s in stand_ins]  # type: ignore[union-attr]
+    mark = len(bus.sent)
+    for sim in renewing:
+        sim.session.challenge_passed_at = time.monotonic()  # the next round passed now
+    await bus.settle()
+    assert bus.since(mark) == []  # nothing until the heartbeat
+    a.fabric.advertiser.alive()
+    await bus.settle()
+    sent = [(s.kind, sorted(x["id"] for x in s.body.get("sessions", []))) for s in bus.since(mark)]
+    assert sent == [("delta", sorted(sim.id for sim in renewing)), ("alive", [])]
+    assert all(s.challenge_passed_at - was > 150 for s, was in zip(stand_ins, before))  # type: ignore[union-attr,operator]
+
+
+async def test_a_renewal_of_a_pass_about_to_go_stale_is_announced_at_once(bus: Bus) -> None:
+    a, b = await in_step(bus, size=3)
+    advertiser = a.fabric.advertiser
+    # fresh for one heartbeat more: a stand-in left with it could fail the gate before the next delta
+    session = a.add(1, challenge_age=advertiser.challenge_freshness - advertiser.heartbeat)[0].session
+    await bus.settle()
+    mark = len(bus.sent)
+    session.challenge_passed_at = time.monotonic()
     await bus.settle()
     assert [(s.kind, [x["id"] for x in s.body["sessions"]]) for s in bus.since(mark)] == [("delta", [session.id])]
-    assert stand_in.challenge_passed_at - before > 150
 
 
 def test_an_announcement_reads_back_as_it_was_written_in_any_script() -> None:

@@ -112,6 +112,7 @@ class Holder:
         self.subjects = subjects
         self.hosted: dict[str, Hosted] = {}
         self.split_frames = messages.SplitFrames(MAX_BUFFERED)
+        self._to_reap = asyncio.Event()  # set when a claim or a split frame is kept: the reaper wakes
 
     # claims
 
@@ -138,6 +139,7 @@ class Holder:
         if session.untrusted_reason is not None or session.draining or not session.has_free_slot:
             return False, "busy"
         self.hosted[ticket] = Hosted(ticket, admitter, self.services.registry.slots.claim(session))
+        self._to_reap.set()
         return True, ""
 
     def end(self, hosted: Hosted) -> None:
@@ -172,6 +174,8 @@ class Holder:
                 refuse("impersonation", "replica %s sent a request for replica %s", sender, header.get("f"))
                 return
             frame = self.split_frames.add(sender, header, payload)
+            if frame is None and len(self.split_frames):
+                self._to_reap.set()
             if frame is not None:
                 self._request(header, frame)
         elif kind == "release":
@@ -273,6 +277,9 @@ class Holder:
         unused_after = settings.first_content_timeout + 5
         longest = settings.request_timeout + settings.cancel_grace + 5
         while True:
+            if not self.hosted and not len(self.split_frames):
+                self._to_reap.clear()
+                await self._to_reap.wait()  # an idle replica does not wake for nothing
             await asyncio.sleep(REAP_EVERY)
             now = time.monotonic()
             self.split_frames.reap(now - unused_after)  # split frames whose last parts never came

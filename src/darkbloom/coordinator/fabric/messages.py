@@ -53,9 +53,15 @@ def announcement(session: ProviderSession, now: float | None = None) -> dict[str
 def facts_of(session: ProviderSession) -> tuple[object, ...]:
     """What ``announcement`` says of a session that can change, besides its load (active slots, decode
     speed): the advertiser sends a change of these at once and a change of load alone later. Its
-    registration is not here: it does not change while the session lives."""
+    registration is not here: it does not change while the session lives. The last pass of a
+    challenge comes last (``renewed_only``)."""
     return (session.online, session.account_id, session.machine_id, session.trust_level, session.untrusted_reason,
-            session.runtime_verified, session.draining, session.challenge_passed_at, session.loaded_models)
+            session.runtime_verified, session.draining, session.loaded_models, session.challenge_passed_at)
+
+
+def renewed_only(before: tuple[object, ...], after: tuple[object, ...]) -> bool:
+    """Whether the one change between two ``facts_of`` is a challenge passed again (not a first pass)."""
+    return before[:-1] == after[:-1] and before[-1] is not None and after[-1] is not None
 
 
 def registration_of(announced: dict[str, Any]) -> Register:

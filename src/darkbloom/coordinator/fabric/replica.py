@@ -42,7 +42,8 @@ class Fabric:
         self.holder = Holder(services, self.connection, self.subjects)
         self.view = FleetView(services, self.outbound, self.holder.admitter_gone)
         self.outbound.on_session_gone = self.view.drop
-        self.advertiser = Advertiser(services.registry, self.connection, self.subjects, settings.replica_heartbeat)
+        self.advertiser = Advertiser(services.registry, self.connection, self.subjects, settings.replica_heartbeat,
+                                     settings.challenge_freshness)
         self.view.on_sync_asked = self.advertiser.asked
         self.view.on_forget = self.advertiser.forget
         self.connection.on_up(self.view.ask_everyone)

@@ -308,9 +308,11 @@ class FleetView:
         self._count()
 
     async def watch_forever(self) -> None:
+        """Wakes when the replica heard least lately would be silent too long (with none: every timeout)."""
         settings = self.services.settings
         while True:
-            await asyncio.sleep(settings.replica_heartbeat / 2)
+            oldest = min((heard.heard_at for heard in self.heard.values()), default=time.monotonic())
+            await asyncio.sleep(max(oldest + settings.replica_timeout - time.monotonic(), 0) + 0.01)
             deadline = time.monotonic() - settings.replica_timeout
             for replica, heard in list(self.heard.items()):
                 if heard.heard_at < deadline:
