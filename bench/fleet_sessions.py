@@ -3,7 +3,8 @@
 Each session is a real WebSocket connection speaking the real protocol (darkbloom.wire): it sends
 `register` with its identity keys and a fresh signed attestation, answers every attestation challenge (the
 first is part of registration), heartbeats like a node (every ``heartbeat_interval_secs``, from a
-random phase), and when the connection is lost reconnects with the node's own policy
+random phase), pings as a node does (``reconnect.KEEPALIVE``), and when the connection is lost
+reconnects with the node's own policy
 (``darkbloom.provider.reconnect.ReconnectPolicy``: a restart spread over a window, refusals backed
 off exponentially with full jitter, reset by a registration). A few sessions answer inference requests with one short fixed chunk; the others
 advertise a model nobody asks for.
@@ -31,7 +32,7 @@ from websockets.asyncio.client import ClientConnection, connect
 from websockets.exceptions import ConnectionClosed, InvalidHandshake, InvalidStatus
 
 from darkbloom.provider.config import ProviderConfig
-from darkbloom.provider.reconnect import TRY_AGAIN_LATER, ReconnectPolicy
+from darkbloom.provider.reconnect import KEEPALIVE, TRY_AGAIN_LATER, ReconnectPolicy
 from darkbloom.wire.crypto import NodeIdentity, Sealer, challenge_message
 from darkbloom.wire.protocol import (
     MAX_REQUEST_FRAME_BYTES,
@@ -112,7 +113,7 @@ class Session:
         started = time.monotonic()
         try:
             self.ws = await connect(self.spec.url, max_size=MAX_REQUEST_FRAME_BYTES, compression=None,
-                                    open_timeout=OPEN_TIMEOUT, close_timeout=2, proxy=None)
+                                    open_timeout=OPEN_TIMEOUT, close_timeout=2, proxy=None, **KEEPALIVE)
         except TimeoutError:
             tally.failures["connect timeout"] += 1
             return False, None
