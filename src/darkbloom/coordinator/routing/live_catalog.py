@@ -77,7 +77,8 @@ async def follow_once(services: Services) -> None:
     try:
         async with services.engine.connect() as conn:
             stored = await stored_settings.get(conn, _NAME)
-    except Exception as exc:  # noqa: BLE001 - the database is away: keep the catalog in force
+    except Exception as exc:  # noqa: BLE001 - the database is away: keep the catalog in force (when it is
+        # back the listener, which lost it too, listens again and that reads it)
         log.warning("cannot read the stored catalog: %s", exc)
         return
     if services.settings.catalog is not in_force:
