@@ -2,12 +2,18 @@
 
 uvicorn's own loop wakes ten times a second to refresh its ``Date`` header and to look for a stop, so
 an idle coordinator, or an idle node on someone's laptop, woke ten times a second for nothing. This
-one ticks once a second (the header's resolution) and wakes at once when told to stop."""
+one ticks once a second (the header's resolution) and wakes at once when told to stop.
+
+A stopping server first freezes what it holds out of the cyclic garbage collector's reach: closing
+10,000 node sockets allocates enough to set off full collections, each a walk over every session's
+objects, none of which the collector would free before the process ends anyway."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import gc
+import socket
 from typing import Iterator
 
 import uvicorn
@@ -43,6 +49,10 @@ class Server(uvicorn.Server):
                 yield
         else:
             yield
+
+    async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
+        gc.freeze()
+        await super().shutdown(sockets)
 
     async def main_loop(self) -> None:
         self._loop, self._wake = asyncio.get_running_loop(), asyncio.Event()

@@ -69,7 +69,7 @@ class Advertiser:
             return  # never announced and not announceable now: nothing to tell
         self._dirty[session.id] = session
         told, facts = self._facts.get(session.id), messages.facts_of(session)
-        if told is not None and told != facts and messages.renewed_only(told, facts) and self._fresh(cast(float, told[-1])):
+        if told is not None and messages.renewed_only(told, facts) and self._fresh_for_now(told):
             return  # the next heartbeat flushes it
         loop = asyncio.get_running_loop()
         due = loop.time() + (LOAD_DELAY if told == facts else FLUSH_DELAY)
@@ -79,8 +79,9 @@ class Advertiser:
             self._flush_at.cancel()
         self._flush_at = loop.call_at(due, self.flush)
 
-    def _fresh(self, passed_at: float) -> bool:
-        """Whether the others may go on routing on a pass announced at ``passed_at`` for two heartbeats more."""
+    def _fresh_for_now(self, told: tuple[object, ...]) -> bool:
+        """Whether the challenge pass the others were told of stays fresh for two heartbeats more."""
+        passed_at = cast(float, told[-1])
         return time.monotonic() - passed_at < self.challenge_freshness - 2 * self.heartbeat
 
     def _listed(self, session: ProviderSession) -> bool:

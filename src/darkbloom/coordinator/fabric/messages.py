@@ -61,7 +61,7 @@ def facts_of(session: ProviderSession) -> tuple[object, ...]:
 
 def renewed_only(before: tuple[object, ...], after: tuple[object, ...]) -> bool:
     """Whether the one change between two ``facts_of`` is a challenge passed again (not a first pass)."""
-    return before[:-1] == after[:-1] and before[-1] is not None and after[-1] is not None
+    return before[:-1] == after[:-1] and before[-1] is not None and after[-1] not in (None, before[-1])
 
 
 def registration_of(announced: dict[str, Any]) -> Register:
