@@ -4,9 +4,11 @@ uvicorn's own loop wakes ten times a second to refresh its ``Date`` header and t
 an idle coordinator, or an idle node on someone's laptop, woke ten times a second for nothing. This
 one ticks once a second (the header's resolution) and wakes at once when told to stop.
 
-A stopping server first freezes what it holds out of the cyclic garbage collector's reach: closing
-10,000 node sockets allocates enough to set off full collections, each a walk over every session's
-objects, none of which the collector would free before the process ends anyway."""
+A server stopped by a signal (the process is ending) first freezes what it holds out of the cyclic
+garbage collector's reach: closing 10,000 node sockets allocates enough to set off full collections,
+each a walk over every session's objects, none of which the collector would free before the process
+ends anyway. (One stopped otherwise — a test's, the demo's, direct mode's — may leave a process that
+goes on: it does not.)"""
 
 from __future__ import annotations
 
@@ -51,7 +53,8 @@ class Server(uvicorn.Server):
             yield
 
     async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
-        gc.freeze()
+        if self._captured_signals:  # SIGINT / SIGTERM: the process ends with this server
+            gc.freeze()
         await super().shutdown(sockets)
 
     async def main_loop(self) -> None:
