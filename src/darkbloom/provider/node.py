@@ -39,7 +39,7 @@ from darkbloom.provider.direct.endpoint import LocalEndpoint
 from darkbloom.provider.fleet_requests import FleetRequests
 from darkbloom.provider.models import describe_models
 from darkbloom.provider.outbox import BatchedWrites, Outbox, closed_outbox
-from darkbloom.provider.reconnect import KEEPALIVE, ReconnectPolicy, limit_unacknowledged
+from darkbloom.provider.reconnect import KEEPALIVE, ReconnectPolicy
 from darkbloom.provider.registration import register_frame, save_certificate, version
 from darkbloom.provider.slots import Slots
 from darkbloom.provider.state import NodeState, write_state
@@ -145,7 +145,6 @@ class ProviderNode:
         async with connect(url, max_size=protocol.MAX_REQUEST_FRAME_BYTES, compression=None, open_timeout=15,
                            close_timeout=5, user_agent_header=f"darkbloom-provider/{version()}",
                            create_connection=BatchedWrites, **KEEPALIVE) as ws:
-            limit_unacknowledged(ws.transport.get_extra_info("socket"))
             log.info("connected to %s", url)
             outbox = self._outbox = Outbox()
             assert self.identity is not None

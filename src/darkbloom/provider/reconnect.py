@@ -17,18 +17,18 @@ time out (docs/protocol.md "Reconnecting"). So, from how the last connection end
 - a registration resets the backoff.
 
 And when a connection is dead although nothing closed it (a network that went away, a laptop that
-slept, a coordinator that hangs): the node's heartbeats (every 5 s) are data the coordinator's host
-must acknowledge, so on Linux the kernel drops a connection whose data stays unacknowledged for
-``UNACKNOWLEDGED_LIMIT`` (``TCP_USER_TIMEOUT``); end to end, through any proxy, the node pings the
-coordinator every ``PING_EVERY`` and drops a connection whose pong has not come ``PING_TIMEOUT``
-later. Each ping costs the coordinator a wake and a write per node, which at 10,000 idle nodes was a
-third of its idle CPU with websockets' default of one every 20 s (bench/RESULTS.md): hence a minute.
+slept, a coordinator that hangs): the node pings the coordinator every ``PING_EVERY`` and drops a
+connection whose pong has not come ``PING_TIMEOUT`` later (websockets' keepalive), so such a
+connection is given up within 80 s. Each ping costs the coordinator a wake and a write per node,
+which at 10,000 idle nodes was a third of its idle CPU with websockets' default of one every 20 s
+(bench/RESULTS.md): hence a minute. (Not the kernel's ``TCP_USER_TIMEOUT``: it also aborts a
+connection whose peer keeps its receive window shut that long, which the coordinator does on purpose
+while a slow consumer catches up.)
 """
 
 from __future__ import annotations
 
 import random
-import socket
 import time
 from dataclasses import dataclass, field
 from typing import Any, Callable
@@ -39,21 +39,7 @@ TRY_AGAIN_LATER = 1013
 _STOPPING = frozenset({GOING_AWAY, SERVICE_RESTART})
 PING_EVERY = 60.0  # seconds
 PING_TIMEOUT = 20.0
-UNACKNOWLEDGED_LIMIT = 30.0  # seconds: the coordinator's heartbeat timeout, after which it has let go too
 KEEPALIVE: dict[str, Any] = {"ping_interval": PING_EVERY, "ping_timeout": PING_TIMEOUT}  # for websockets' connect
-
-
-def limit_unacknowledged(sock: Any) -> bool:
-    """Drop ``sock``'s connection when what it sent stays unacknowledged for ``UNACKNOWLEDGED_LIMIT``
-    (Linux; elsewhere the pings alone notice). Whether the option is set."""
-    option = getattr(socket, "TCP_USER_TIMEOUT", None)
-    if option is None or sock is None:
-        return False
-    try:
-        sock.setsockopt(socket.IPPROTO_TCP, option, int(UNACKNOWLEDGED_LIMIT * 1000))
-    except OSError:
-        return False
-    return True
 
 
 @dataclass
