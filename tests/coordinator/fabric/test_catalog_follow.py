@@ -42,32 +42,40 @@ def test_a_catalog_put_on_one_replica_reaches_the_other(tmp_path: Path) -> None:
 
 
 async def test_a_catalog_stored_here_is_taken_up_there_when_announced(postgres_url: str) -> None:
-    here, there = await _services(postgres_url), await _services(postgres_url)
-    listener = notices.Listener(there.engine)
-    live_catalog.subscribe(there, listener)
-    task = asyncio.create_task(listener.run())
-    try:
+    new = Catalog(models=[CatalogModel(id="smollm2-135m", input_price=7, output_price=11)])
+    async with _two_replicas(postgres_url) as (here, there, start_listening):
+        listener = start_listening()
         await _eventually(lambda: listener.listening)
-        new = Catalog(models=[CatalogModel(id="smollm2-135m", input_price=7, output_price=11)])
         await live_catalog.store_catalog(here, new)
         await _eventually(lambda: there.settings.catalog == new)
-    finally:
-        task.cancel()
-        await here.engine.dispose()
-        await there.engine.dispose()
 
 
 async def test_a_catalog_stored_while_not_listening_is_read_when_listening_starts(postgres_url: str) -> None:
-    here, there = await _services(postgres_url), await _services(postgres_url)
     new = Catalog(models=[CatalogModel(id="smollm2-135m", input_price=3, output_price=5)])
-    await live_catalog.store_catalog(here, new)  # no listener yet: this notice reaches nobody
-    listener = notices.Listener(there.engine)
-    live_catalog.subscribe(there, listener)
-    task = asyncio.create_task(listener.run())
-    try:
+    async with _two_replicas(postgres_url) as (here, there, start_listening):
+        await live_catalog.store_catalog(here, new)  # no listener yet: this notice reaches nobody
+        start_listening()
         await _eventually(lambda: there.settings.catalog == new)
+
+
+@contextlib.asynccontextmanager
+async def _two_replicas(database_url: str) -> AsyncIterator[
+        tuple[Services, Services, Callable[[], notices.Listener]]]:
+    """Two coordinators' services on one database, and a way to start the second's catalog listener."""
+    here, there = await _services(database_url), await _services(database_url)
+    tasks: list[asyncio.Task[None]] = []
+
+    def start_listening() -> notices.Listener:
+        listener = notices.Listener(there.engine)
+        live_catalog.subscribe(there, listener)
+        tasks.append(asyncio.create_task(listener.run()))
+        return listener
+
+    try:
+        yield here, there, start_listening
     finally:
-        task.cancel()
+        for task in tasks:
+            task.cancel()
         await here.engine.dispose()
         await there.engine.dispose()
 

@@ -69,7 +69,8 @@ class Advertiser:
             return  # never announced and not announceable now: nothing to tell
         self._dirty[session.id] = session
         told, facts = self._facts.get(session.id), messages.facts_of(session)
-        if told is not None and messages.renewed_only(told, facts) and self._fresh_for_now(told):
+        if (told is not None and told != facts  # (a change of load alone, the usual one, stops here)
+                and messages.renewed_only(told, facts) and self._fresh_for_now(told)):
             return  # the next heartbeat flushes it
         loop = asyncio.get_running_loop()
         due = loop.time() + (LOAD_DELAY if told == facts else FLUSH_DELAY)
