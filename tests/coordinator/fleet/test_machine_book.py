@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import pytest
-from sqlalchemy import event
+from sqlalchemy import event, update
 from sqlalchemy.ext.asyncio import AsyncEngine
 
 from darkbloom.coordinator.app import create_app
@@ -23,6 +23,8 @@ from darkbloom.coordinator.fleet.registry import Registry
 from darkbloom.coordinator.fleet.session import ProviderSession
 from darkbloom.coordinator.services import Services
 from darkbloom.store import accounts, machines
+from darkbloom.store.machines import Seen
+from darkbloom.store.schema import machines as machines_table
 from darkbloom.wire.openai.errors import ApiError
 from darkbloom.wire.protocol import Heartbeat
 from tests.coordinator.routing.sim import SimProvider, settings
@@ -114,10 +116,17 @@ async def test_database_work_follows_the_flushes_not_the_fleet(engine: AsyncEngi
     small, small_flushes, small_rows = await fleet_bookkeeping(engine, 10)
     large, large_flushes, large_rows = await fleet_bookkeeping(engine, 200)
     assert small_flushes == large_flushes == 5  # registration, three heartbeat rounds, the disconnections
-    assert len(small.statements) == len(large.statements) == small_flushes
     assert small.transactions == large.transactions == small_flushes
-    assert all(s.lstrip().upper().startswith("UPDATE MACHINES") for s in small.statements + large.statements)
-    assert (small_rows, large_rows) == (5 * 10, 5 * 200)  # every machine in every batch, one statement each
+    # registration marks every machine; a heartbeat that says nothing new, and a disconnection of a machine
+    # whose session said nothing new since, touch its last seen time alone; a distrusted one is marked
+    assert [_kind(s) for s in small.statements] == [_kind(s) for s in large.statements] \
+        == ["mark", "touch", "touch", "touch", "mark", "touch"]
+    assert (small_rows, large_rows) == (5 * 10, 5 * 200)  # every machine in every batch
+
+
+def _kind(statement: str) -> str:
+    assert statement.lstrip().upper().startswith("UPDATE MACHINES"), statement
+    return "mark" if "trust_level" in statement else "touch"
 
 
 async def test_rows_are_what_the_sessions_said_right_after_a_flush(engine: AsyncEngine) -> None:
@@ -142,7 +151,7 @@ async def test_rows_are_what_the_sessions_said_right_after_a_flush(engine: Async
     stored = await row(engine, kept)
     assert (stored["name"], stored["trust_level"]) == ("desk", "self_signed")
     assert stored["last_seen"] >= registered_at
-    assert services.machine_book.pending(kept) is None and services.machine_book.pending(distrusted) is None
+    assert not services.machine_book.pending(kept) and not services.machine_book.pending(distrusted)
 
 
 async def test_listings_show_what_is_marked_before_it_is_written(engine: AsyncEngine) -> None:
@@ -218,13 +227,13 @@ async def test_a_failed_batch_is_retried_and_a_newer_mark_wins(engine: AsyncEngi
     session_lifecycle.complete_registration(services, session)
     with pytest.raises(ConnectionError):
         await book.flush()
-    assert book.pending(machine_id) is not None and book.flushes == 0  # kept for the next round
+    assert book.pending(machine_id) and book.flushes == 0  # kept for the next round
 
     session_lifecycle.distrust(session, "a test said so", services)  # newer than the failed batch
     caplog.set_level(logging.WARNING, "darkbloom.machines")
     book.start()
     try:
-        while book.pending(machine_id) is not None:
+        while book.pending(machine_id):
             await asyncio.sleep(0.01)
     finally:
         await book.close()
@@ -267,3 +276,71 @@ async def test_stopping_waits_for_a_write_under_way_rather_than_cancelling_it(
     assert held.outcomes == ["done"]
     async with engine.connect() as conn:
         assert (await machines.get(conn, machine_id))["last_seen"] == 1_800_000_000
+
+
+async def test_unchanged_heartbeats_wait_for_the_next_mark(engine: AsyncEngine) -> None:
+    """A heartbeat the reader has just judged mutes its repeats until the machine is due to be marked
+    again, so the one delivered after the mute marks it (and one that marks it mutes a whole period)."""
+    services = services_on(engine)
+    account_id, [machine_id] = await linked(engine, 1)
+    session = session_of(account_id, machine_id)
+    session_lifecycle.complete_registration(services, session)
+    every = session_lifecycle.MACHINE_SEEN_EVERY
+    assert every - 1 < session_lifecycle.unchanged_heartbeats_idle_for(session) <= every
+    session.machine_seen_at -= every - 20  # marked 40 s ago: due in 20
+    assert 19 < session_lifecycle.unchanged_heartbeats_idle_for(session) <= 20
+    session.machine_seen_at -= 20  # due now: this heartbeat marks it
+    assert session_lifecycle.unchanged_heartbeats_idle_for(session) == every
+    seen_before = session.machine_seen_at
+    session_lifecycle.on_heartbeat(services, session, Heartbeat())
+    assert session.machine_seen_at > seen_before
+    assert every - 1 < session_lifecycle.unchanged_heartbeats_idle_for(session) <= every
+
+
+async def test_a_touch_writes_the_last_seen_time_alone(engine: AsyncEngine) -> None:
+    """A touch moves only ``last_seen`` (what another writer set meanwhile stays), readers see it before it
+    is written, and a touch of a machine whose mark is still pending moves that mark's time instead."""
+    book = MachineBook(engine, interval=60)
+    account_id, [touched, marked] = await linked(engine, 2)
+    seen = Seen(last_seen=1_000, models=["m"], trust_level="self_signed", private_only=False, name="desk")
+    book.mark(touched, seen)
+    await book.flush()
+    async with engine.begin() as conn:  # another replica's write, after ours
+        await conn.execute(update(machines_table).where(machines_table.c.id == touched).values(
+            trust_level="hardware"))
+    book.touch(touched, 2_000)
+    assert book.pending(touched)
+    listed = book.current(await row(engine, touched))
+    assert (listed["last_seen"], listed["trust_level"]) == (2_000, "hardware")
+    book.mark(marked, seen)
+    book.touch(marked, 3_000)  # before the mark was written
+    await book.flush()
+    assert not book.pending(touched) and not book.pending(marked)
+    stored, other = await row(engine, touched), await row(engine, marked)
+    assert (stored["last_seen"], stored["trust_level"], stored["models"], stored["name"]) \
+        == (2_000, "hardware", ["m"], "desk")
+    assert (other["last_seen"], other["trust_level"], other["name"]) == (3_000, "self_signed", "desk")
+
+
+async def test_a_failed_touch_is_kept_and_a_newer_one_wins(engine: AsyncEngine, monkeypatch: pytest.MonkeyPatch) -> None:
+    book = MachineBook(engine, interval=60)
+    account_id, [kept, overtaken] = await linked(engine, 2)
+    for machine_id in (kept, overtaken):
+        book.mark(machine_id, Seen(last_seen=1_000, models=[], trust_level="none", private_only=False))
+    await book.flush()
+    write = machines.record_last_seen
+
+    async def failing(conn: Any, last_seen: Any) -> None:
+        monkeypatch.setattr(machines, "record_last_seen", write)
+        raise ConnectionError("database gone")
+
+    monkeypatch.setattr(machines, "record_last_seen", failing)
+    book.touch(kept, 2_000)
+    book.touch(overtaken, 2_000)
+    with pytest.raises(ConnectionError):
+        await book.flush()
+    assert book.pending(kept) and book.pending(overtaken)
+    assert book.current(await row(engine, kept))["last_seen"] == 2_000
+    book.touch(overtaken, 3_000)
+    await book.flush()
+    assert [(await row(engine, m))["last_seen"] for m in (kept, overtaken)] == [2_000, 3_000]

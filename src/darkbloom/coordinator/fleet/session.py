@@ -15,6 +15,7 @@ from typing import Any, Callable, Iterable, Protocol
 
 from nacl.public import PublicKey
 
+from darkbloom.store.machines import Seen
 from darkbloom.wire.protocol import Envelope, Register, Usage
 
 # what the registry's views of free sessions depend on (and the replica fabric announces): setting one
@@ -106,7 +107,8 @@ class ProviderSession:
     challenge_passed_at: float | None = None  # monotonic time of the last passed attestation challenge
     decode_tps: float = 0.0                  # measured completion tokens per second (EWMA)
     draining: bool = False                   # finishing in-flight work before it closes; takes nothing new
-    machine_seen_at: float = 0.0
+    machine_seen_at: float = 0.0             # monotonic time it last marked its machine (fleet/machine_book.py)
+    machine_marked: Seen | None = None       # what that mark said
     _watch: Callable[["ProviderSession", str], None] | None = field(default=None, init=False, repr=False)
 
     def __post_init__(self) -> None:

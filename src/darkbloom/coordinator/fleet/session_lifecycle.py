@@ -22,7 +22,7 @@ import asyncio
 import logging
 import time
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from prometheus_client import Histogram
 
@@ -164,6 +164,14 @@ def on_heartbeat(services: Services, session: ProviderSession, frame: Heartbeat)
         _record_machine(services, session)
 
 
+def unchanged_heartbeats_idle_for(session: ProviderSession) -> float:
+    """Seconds for which heartbeats identical to one about to reach ``on_heartbeat`` tell it nothing
+    (their arrival still counts for liveness): until the machine is next due to be marked seen, a
+    whole ``MACHINE_SEEN_EVERY`` when this heartbeat is the one that marks it."""
+    due_in = session.machine_seen_at + MACHINE_SEEN_EVERY - time.monotonic()
+    return due_in if due_in > 0 else MACHINE_SEEN_EVERY
+
+
 @dataclass(eq=False)
 class _Outstanding:
     challenge: AttestationChallenge
@@ -243,11 +251,14 @@ def _record_machine(services: Services, session: ProviderSession) -> None:
     """Mark the machine with what its session says now; the machine book writes it with its next batch."""
     if session.machine_id is None:
         return
-    session.machine_seen_at = time.monotonic()
-    services.machine_book.mark(session.machine_id, Seen(
-        last_seen=int(time.time()), models=sorted(session.advertised_models), trust_level=effective_trust(session),
-        private_only=session.private_only, name=session.registration.name or None,
-        identity_key=session.registration.identity_key or None))
+    seen = Seen(last_seen=int(time.time()), models=sorted(session.advertised_models),
+                trust_level=effective_trust(session), private_only=session.private_only,
+                name=session.registration.name or None, identity_key=session.registration.identity_key or None)
+    if session.machine_marked is not None and replace(session.machine_marked, last_seen=seen.last_seen) == seen:
+        services.machine_book.touch(session.machine_id, seen.last_seen)  # still there, nothing else new
+    else:
+        services.machine_book.mark(session.machine_id, seen)
+    session.machine_seen_at, session.machine_marked = time.monotonic(), seen
 
 
 async def evict_silent(services: Services) -> None:

@@ -44,7 +44,6 @@ POLICY_VIOLATION = 1008
 MESSAGE_TOO_BIG = 1009  # the socket's own limit (SOCKET_MESSAGE_LIMIT) closed it
 REGISTER_TIMEOUT = 30.0
 MAX_UNREAD_CHUNKS = 2 * MAX_CHUNKS_PER_FRAME
-HEARTBEAT_MUTE = 25.0  # s; under MACHINE_SEEN_EVERY, so on_heartbeat still marks the machine every minute
 _REQUEST_ID = re.compile(r'"request_id"\s*:\s*"([^"\\]{1,256})"')
 
 
@@ -158,7 +157,8 @@ async def _receive(websocket: WebSocket, strikes: _Strikes) -> object:
         else:
             if isinstance(frame, Heartbeat) and isinstance(raw, str) and strikes.session is not None:
                 # for a while its repeats only refresh liveness (the socket's protocol holds them back)
-                mute_repeats(websocket, raw, HEARTBEAT_MUTE, strikes.session.heard)
+                mute_repeats(websocket, raw, session_lifecycle.unchanged_heartbeats_idle_for(strikes.session),
+                             strikes.session.heard)
             return frame
 
 
