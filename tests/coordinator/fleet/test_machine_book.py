@@ -344,3 +344,22 @@ async def test_a_failed_touch_is_kept_and_a_newer_one_wins(engine: AsyncEngine, 
     book.touch(overtaken, 3_000)
     await book.flush()
     assert [(await row(engine, m))["last_seen"] for m in (kept, overtaken)] == [2_000, 3_000]
+
+
+async def test_readers_see_a_touch_made_while_a_mark_is_written(engine: AsyncEngine,
+                                                                monkeypatch: pytest.MonkeyPatch) -> None:
+    book = MachineBook(engine, interval=60)
+    account_id, [machine_id] = await linked(engine, 1)
+    held = HeldWrite(machines.record_seen)
+    monkeypatch.setattr(machines, "record_seen", held)
+    book.mark(machine_id, Seen(last_seen=1_000, models=["m"], trust_level="self_signed", private_only=False))
+    writing = asyncio.ensure_future(book.flush())
+    await asyncio.wait_for(held.entered.wait(), 5)
+    book.touch(machine_id, 2_000)  # after the batch left: the next one carries it
+    listed = book.current(await row(engine, machine_id))
+    assert (listed["last_seen"], listed["trust_level"], listed["models"]) == (2_000, "self_signed", ["m"])
+    held.release.set()
+    await asyncio.wait_for(writing, 5)
+    assert book.pending(machine_id)
+    await book.flush()
+    assert (await row(engine, machine_id))["last_seen"] == 2_000

@@ -64,12 +64,15 @@ class MachineBook:
         """A stored machines row with what is marked for it and not committed yet laid over it."""
         machine_id = row["id"]
         seen = self._dirty.get(machine_id) or self._writing.get(machine_id)
-        if seen is None:
+        if seen is not None:
+            row = {**row, "last_seen": seen.last_seen, "models": seen.models, "trust_level": seen.trust_level,
+                   "private_only": seen.private_only, "name": seen.name or row["name"],
+                   "identity_key": seen.identity_key or row["identity_key"]}
+        if machine_id not in self._dirty:  # else a touch went into that mark; a touch now is newer than a write
             last_seen = self._touched.get(machine_id) or self._writing_touched.get(machine_id)
-            return row if last_seen is None else {**row, "last_seen": last_seen}
-        return {**row, "last_seen": seen.last_seen, "models": seen.models, "trust_level": seen.trust_level,
-                "private_only": seen.private_only, "name": seen.name or row["name"],
-                "identity_key": seen.identity_key or row["identity_key"]}
+            if last_seen is not None:
+                row = {**row, "last_seen": last_seen}
+        return row
 
     def start(self) -> None:
         self._flusher.start()
