@@ -3,7 +3,8 @@ identity key), written in batches rather than a transaction per session per even
 
 Callers ``mark`` a machine with what its session now says, or only ``touch`` its last seen time when
 nothing else changed since the session's last mark (a connected machine is marked once a minute);
-marks coalesce per machine (the latest wins; a touch only moves a pending mark's time). A ``Flusher`` (``fleet/flusher.py``) writes every marked machine in ONE transaction at most
+marks coalesce per machine (the latest wins; a touch only moves a pending mark's time). A
+``Flusher`` (``fleet/flusher.py``) writes every marked and touched machine in ONE transaction at most
 every ``machine_flush_interval`` seconds, and ``close`` writes what is left. A batch that fails is
 logged and kept for the next round (a newer mark of the same machine wins over it), so nothing is
 lost and no socket ever waits on the database.
