@@ -363,3 +363,30 @@ async def test_readers_see_a_touch_made_while_a_mark_is_written(engine: AsyncEng
     assert book.pending(machine_id)
     await book.flush()
     assert (await row(engine, machine_id))["last_seen"] == 2_000
+
+
+async def test_a_failed_mark_takes_the_time_of_a_touch_made_during_its_write(
+        engine: AsyncEngine, monkeypatch: pytest.MonkeyPatch) -> None:
+    book = MachineBook(engine, interval=60)
+    account_id, [machine_id] = await linked(engine, 1)
+    write, entered, release = machines.record_seen, asyncio.Event(), asyncio.Event()
+
+    async def failing(conn: Any, seen: Any) -> None:
+        entered.set()
+        await release.wait()
+        raise ConnectionError("database gone")
+
+    monkeypatch.setattr(machines, "record_seen", failing)
+    book.mark(machine_id, Seen(last_seen=1_000, models=["m"], trust_level="self_signed", private_only=False))
+    writing = asyncio.ensure_future(book.flush())
+    await asyncio.wait_for(entered.wait(), 5)
+    book.touch(machine_id, 2_000)
+    release.set()
+    with pytest.raises(ConnectionError):
+        await writing
+    assert book.current(await row(engine, machine_id))["last_seen"] == 2_000  # the mark kept, with the newer time
+    monkeypatch.setattr(machines, "record_seen", write)
+    await book.flush()
+    stored = await row(engine, machine_id)
+    assert (stored["last_seen"], stored["trust_level"], stored["models"]) == (2_000, "self_signed", ["m"])
+    assert not book.pending(machine_id)
