@@ -32,7 +32,6 @@ import asyncio
 import itertools
 import logging
 import time
-from typing import cast
 
 from darkbloom.coordinator.fabric import messages
 from darkbloom.coordinator.fabric.connection import Connection
@@ -82,8 +81,8 @@ class Advertiser:
 
     def _fresh_for_now(self, told: tuple[object, ...]) -> bool:
         """Whether the challenge pass the others were told of stays fresh for two heartbeats more."""
-        passed_at = cast(float, told[-1])
-        return time.monotonic() - passed_at < self.challenge_freshness - 2 * self.heartbeat
+        passed_at = messages.passed_at(told)
+        return passed_at is not None and time.monotonic() - passed_at < self.challenge_freshness - 2 * self.heartbeat
 
     def _listed(self, session: ProviderSession) -> bool:
         """Online here, and its chunks prove they come from its node (only then can they cross NATS)."""

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import Any
+from typing import Any, cast
 
 from darkbloom.coordinator.fabric.authentication import refuse
 from darkbloom.coordinator.fleet.session import ProviderSession
@@ -59,9 +59,15 @@ def facts_of(session: ProviderSession) -> tuple[object, ...]:
             session.runtime_verified, session.draining, session.loaded_models, session.challenge_passed_at)
 
 
+def passed_at(facts: tuple[object, ...]) -> float | None:
+    """The last pass of a challenge that ``facts_of`` says (monotonic), None before the first."""
+    return cast("float | None", facts[-1])
+
+
 def renewed_only(before: tuple[object, ...], after: tuple[object, ...]) -> bool:
     """Whether the one change between two ``facts_of`` is a challenge passed again (not a first pass)."""
-    return before[:-1] == after[:-1] and before[-1] is not None and after[-1] not in (None, before[-1])
+    renewed_from, renewed_at = passed_at(before), passed_at(after)
+    return before[:-1] == after[:-1] and renewed_from is not None and renewed_at not in (None, renewed_from)
 
 
 def registration_of(announced: dict[str, Any]) -> Register:
