@@ -212,6 +212,26 @@ async def test_placement_takes_a_session_held_here_that_is_as_good_though_a_litt
     assert select(registry, public, settings_) is registry.get(there.session.id)
 
 
+async def test_placement_weighs_a_faster_session_elsewhere_by_the_decoding_it_saves() -> None:
+    """Slower here than four fifths of the speed there: the other replica's when that costs the answer
+    (its max_tokens at the two speeds) more than LOCAL_DECODE_SLACK, else still the session here."""
+    view, registry, _ = view_of_b(nats_url="nats://127.0.0.1:4222")
+    here = SimProvider(max_concurrency=8, decode_tps=24_000.0)  # an instant upstream, measured over ~1 ms
+    registry.add(here.session)
+    there = SimProvider(max_concurrency=8, decode_tps=40_000.0)
+    announce(view, there)
+    settings_ = view.services.settings
+    short = RouteDecision(model=MODEL, output_tokens=16)  # 0.7 ms against 0.4 ms: not worth the hop
+    assert {select(registry, short, settings_) for _ in range(20)} == {here.session}
+    long = RouteDecision(model=MODEL, output_tokens=4096)  # 171 ms against 102 ms
+    assert select(registry, long, settings_) is registry.get(there.session.id)
+    unknown = RouteDecision(model=MODEL)  # no bound to weigh: the speeds alone
+    assert select(registry, unknown, settings_) is registry.get(there.session.id)
+    here.session.decode_tps = 40.0
+    announce(view, there, decode_tps=100.0)  # a model's speeds: 16 tokens 400 ms against 160 ms
+    assert select(registry, short, settings_) is registry.get(there.session.id)
+
+
 def test_deltas_kept_while_a_view_comes_are_bounded(monkeypatch: pytest.MonkeyPatch) -> None:
     from darkbloom.coordinator.fabric import view as view_module
     monkeypatch.setattr(view_module, "MAX_WAITING", 3)

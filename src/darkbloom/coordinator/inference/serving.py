@@ -65,7 +65,8 @@ async def serve(edge: Edge, request: Request, caller: Caller, services: Services
             model = placement.resolve_model(services, caller, call.model, policy)
             prompt_bound, output_bound = prompt_token_bound(call), output_token_bound(call, model)
             decision = placement.decide(services, policy, model, needs=call.needs, grants=grants,
-                                        context_needed=context_needed(call, prompt_bound, output_bound))
+                                        context_needed=context_needed(call, prompt_bound, output_bound),
+                                        output_tokens=output_bound)
             placement.check_context(services, decision)  # before anything is taken
             policy = await _admit(life, policy, decision, prompt_bound, output_bound)
             admitted_at = time.monotonic()

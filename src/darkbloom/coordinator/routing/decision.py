@@ -54,6 +54,7 @@ class RouteDecision:
     pinned: str | None = None             # an owned mach_… or prov_… id (exclusive only)
     excluded: set[str] = field(default_factory=set)  # sessions that already failed this request
     context_needed: int = 0               # tokens of context the request may take (0: not checked)
+    output_tokens: int = 0                # the most tokens its answer may take (0: not known)
     # shared routing (docs/sharing.md): the shares whose machines it may use after the owner's own,
     # and those it may not because today's allowance is used up
     shares: tuple[ShareGrant, ...] = ()

@@ -21,7 +21,10 @@ With replicas (``--nats-url``), a session this replica holds is taken over anoth
 is as good (``as_good_here``): its request then makes no NATS hop, which costs both replicas CPU and
 the request a round trip. Another replica's session is taken only when it is clearly better: it has
 the model loaded and the one here does not, or the one here is busier by more than LOCAL_LOAD_SLACK
-of its capacity, or slower than LOCAL_SPEED_SHARE of its speed.
+of its capacity, or slower than LOCAL_SPEED_SHARE of its speed where that costs the request's answer
+(its ``max_tokens`` at the two measured speeds) more than LOCAL_DECODE_SLACK of decoding. Speeds
+that far apart in ratio but not in time are those of very fast sessions, measured over a few
+milliseconds each: their difference is mostly noise, and less than the hop costs.
 """
 
 from __future__ import annotations
@@ -77,6 +80,7 @@ Rank = Callable[[ProviderSession], tuple[bool, float, float]]  # what ``Order`` 
 _PROBES = 8  # random draws within a rank before it is walked whole
 LOCAL_LOAD_SLACK = 0.25
 LOCAL_SPEED_SHARE = 0.8
+LOCAL_DECODE_SLACK = 0.01  # seconds of decoding a session elsewhere must save to be worth the hop
 # What loading a model the node does not have in memory costs before its first token: reading the
 # GGUF at about 1 GB/s (an SSD read, page-in and, on a Mac, the Metal buffers; a fast NVMe does
 # better, a SATA disk worse) plus a constant for the context, the KV cache and the first prefill.
@@ -216,22 +220,27 @@ def _pick(registry: Registry, decision: RouteDecision, settings: CoordinatorSett
     if found is not None and settings.nats_url is not None and registry.held(found.id) is None:
         here = _first(order(_view(registry, decision, settings, owner, held_here=True).free), decision, settings,
                       now, skip_owned)
-        if here is not None and (rank(here) <= rank(found) or as_good_here(here, found, decision.names)):
+        if here is not None and (rank(here) <= rank(found) or as_good_here(here, found, decision)):
             found = here
     if found is not None and tally is not None:
         tally.chosen(found)
     return found
 
 
-def as_good_here(here: ProviderSession, there: ProviderSession, names: tuple[str, ...]) -> bool:
+def as_good_here(here: ProviderSession, there: ProviderSession, decision: RouteDecision) -> bool:
     """Whether a session this replica holds serves about as well as another replica's: the model
     loaded if that one has it, its share of capacity in use at most LOCAL_LOAD_SLACK higher, and
-    at least LOCAL_SPEED_SHARE of its measured speed."""
-    if there.has_loaded(names) and not here.has_loaded(names):
+    at least LOCAL_SPEED_SHARE of its measured speed — or, when slower than that, slower by at most
+    LOCAL_DECODE_SLACK over the request's ``output_tokens``."""
+    if there.has_loaded(decision.names) and not here.has_loaded(decision.names):
         return False
     if here.active / here.max_concurrency > there.active / there.max_concurrency + LOCAL_LOAD_SLACK:
         return False
-    return speed_of(here) >= LOCAL_SPEED_SHARE * speed_of(there)
+    speed_here, speed_there = speed_of(here), speed_of(there)
+    if speed_here >= LOCAL_SPEED_SHARE * speed_there:
+        return True
+    tokens = decision.output_tokens
+    return speed_here > 0 and tokens > 0 and tokens / speed_here - tokens / speed_there <= LOCAL_DECODE_SLACK
 
 
 def any_eligible(registry: Registry, decision: RouteDecision, settings: CoordinatorSettings) -> bool:
