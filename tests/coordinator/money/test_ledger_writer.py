@@ -205,31 +205,32 @@ async def test_exclusive_usage_rows_go_through_the_writer(services: Services,
     await check_ledger_consistency(services.engine)
 
 
-async def test_on_sqlite_only_a_batch_of_reservations_commits_without_waiting_for_the_disk(
-        services: Services) -> None:
-    """docs/billing.md "The ledger writer": a reservation batch commits at ``synchronous=NORMAL``; a
-    settlement, a refund, or any batch holding one, at ``FULL`` (synced before its callers hear)."""
+async def test_on_sqlite_only_a_batch_that_charges_waits_for_the_disk(services: Services) -> None:
+    """docs/billing.md "The ledger writer": a batch commits at ``synchronous=FULL`` (synced before its
+    callers hear) when it settles a charge, at ``NORMAL`` otherwise — reservations, refunds, and free
+    settlements, whose loss to a system crash the reconciler makes good."""
     if services.engine.dialect.name != "sqlite":
         pytest.skip("the SQLite ledger's own connection")
     account = await new_account(services, credit=100_000)
+    owner = await new_account(services)
     statements: list[str] = []
     backend = services.ledger._backend_now()
     backend._connect().set_trace_callback(statements.append)  # type: ignore[attr-defined]
 
     first, second = await together(billing.reserve(services, "s-1", account, None, 1_000),
                                    billing.reserve(services, "s-2", account, None, 1_000))
-    await settle_paid(services, first, PRICED, USAGE, served(None))
+    await settle_paid(services, first, PRICED, USAGE, served(None))  # a charge: FULL
     third, _ = await together(billing.reserve(services, "s-3", account, None, 1_000),
-                              billing.refund(services, second))  # one batch: it waits for the disk
-    fourth = await billing.reserve(services, "s-4", account, None, 1_000)
+                              billing.refund(services, second))  # nothing charged: NORMAL
+    free = billing.Bill("s-free", owner, None, PRICED, None, self_routed=True)
+    assert await billing.settle_bill(services, free, USAGE, served(owner)) == billing.Settlement(0, 0, 0)
     assert backend._connect().execute("PRAGMA synchronous").fetchone() == (1,)  # type: ignore[attr-defined]  # NORMAL
-    await billing.refund(services, third)
-    await billing.refund(services, fourth)
+    paid, _ = await together(settle_paid(services, third, PRICED, USAGE, served(None)),
+                             billing.reserve(services, "s-4", account, None, 1_000))  # one batch: it waits
 
     levels = [s.removeprefix("PRAGMA synchronous=") if s.startswith("PRAGMA") else s
               for s in statements if s.startswith(("PRAGMA synchronous=", "COMMIT"))]
-    assert levels == ["NORMAL", "COMMIT", "FULL", "COMMIT", "COMMIT", "NORMAL", "COMMIT", "FULL", "COMMIT",
-                      "COMMIT"]
+    assert levels == ["NORMAL", "COMMIT", "FULL", "COMMIT", "NORMAL", "COMMIT", "COMMIT", "FULL", "COMMIT"]
     await check_ledger_consistency(services.engine)
 
 

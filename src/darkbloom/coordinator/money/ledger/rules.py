@@ -66,12 +66,14 @@ Step = Union[Reserve, Settle, Refund]
 
 
 def must_reach_disk(steps: Iterable[Step]) -> bool:
-    """Whether a batch's commit must be on disk before its callers hear of it: every batch but one of
-    reservations only. A reservation that a system crash rolls back is one that never held anything —
-    what a restart's reconciliation makes of an open one anyway, since the crash ended its request —
-    and the settlement or refund that closes it waits for the disk, which takes the reservation there
-    with it (SQLite's write-ahead log is written in order)."""
-    return not all(isinstance(step, Reserve) for step in steps)
+    """Whether a batch's commit must be on disk before its callers hear of it: when it charges a
+    caller (a settlement whose cost is above 0), since the answer that reports the charge follows.
+    Whatever else a system crash rolls back leaves the balances as they would be after the restart's
+    reconciliation: a reservation rolled back never held anything (the crash ended its request); a
+    refund or a free settlement rolled back leaves its reservation open, and the reconciler gives that
+    back; a free request's usage row is its only loss. A batch that does wait for the disk takes every
+    earlier commit there with it (SQLite's write-ahead log is written in order)."""
+    return any(isinstance(step, Settle) and step.cost > 0 for step in steps)
 
 
 @dataclass(frozen=True)

@@ -3,10 +3,10 @@
 ``COMMIT`` — with prepared statements straight on a ``sqlite3`` connection (no SQLAlchemy, no hop
 back to the event loop between statements). SQLite serialises writers, so the lock order is moot.
 
-A batch of reservations only commits without waiting for the disk (``synchronous=NORMAL``: safe from
-the process crashing, not from the system; ``rules.must_reach_disk`` says why that is enough); every
-other batch is synced before its callers hear of it (``FULL``), so a settlement is on disk before the
-answer that reports its cost goes out."""
+A batch that settles a charge is synced before its callers hear of it (``FULL``), so the charge is on
+disk before the answer that reports it goes out; every other batch commits without waiting for the
+disk (``synchronous=NORMAL``: safe from the process crashing, not from the system;
+``rules.must_reach_disk`` says why that is enough)."""
 
 from __future__ import annotations
 
