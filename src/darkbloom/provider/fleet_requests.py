@@ -8,13 +8,15 @@ the tokens used so far in one `inference_complete`, so the coordinator can settl
 That report is the only frame sent for the request after the cancel; every other frame for it is
 dropped, including any already queued for the writer. Logs carry request ids and token counts,
 never prompt or completion text. A served request logs two INFO lines (accepted, complete: what
-operators and the end-to-end tests follow); a refused, failed or cancelled one says so; nothing else
-per request is logged above DEBUG.
+operators and the end-to-end tests follow), each once the loop has run what was ready when it was
+logged (``_log_after_this_turn``): the frame it follows has left by then, and the upstream call has
+gone out; a refused, failed or cancelled one says so; nothing else per request is logged above DEBUG.
 """
 
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import logging
 from dataclasses import dataclass, field
@@ -31,6 +33,12 @@ from darkbloom.provider.outbox import Outbox
 from darkbloom.provider.slots import Slots
 
 log = logging.getLogger(__name__)
+
+
+def _log_after_this_turn(message: str, *args: object) -> None:
+    """An INFO line written after what the loop has ready now — the outbox's writer, woken by the frame
+    just queued, among it — so that writing it does not hold the frame back (~25 µs a line)."""
+    asyncio.get_running_loop().call_soon(functools.partial(log.info, message, *args))
 
 
 @dataclass(eq=False)
@@ -143,7 +151,7 @@ class FleetRequests:
             if model_id not in self.config.model_ids:
                 raise BackendError(404, f"model {model_id!r} is not served by this node", param="model")
             job.outbox.send(protocol.InferenceAccepted(request_id=request_id), job)
-            log.info("request %s accepted for %s (%s)", request_id, model_id, frame.api)
+            _log_after_this_turn("request %s accepted for %s (%s)", request_id, model_id, frame.api)
             max_tokens = body.get("max_tokens")
             job.api, job.body = frame.api, body
             job.max_tokens = max_tokens if isinstance(max_tokens, int) and not isinstance(max_tokens, bool) else None
@@ -153,8 +161,8 @@ class FleetRequests:
             relayed = await self._relay(job, sealer, open_stream(self.backend, frame.api, model_id, body, job.meter))
             usage = job.report(relayed.prompt_tokens, relayed.completion_tokens)
             job.outbox.send(protocol.InferenceComplete(request_id=request_id, usage=usage), job)
-            log.info("request %s complete: %d prompt + %d completion tokens", request_id,
-                     usage.prompt_tokens, usage.completion_tokens)
+            _log_after_this_turn("request %s complete: %d prompt + %d completion tokens", request_id,
+                                 usage.prompt_tokens, usage.completion_tokens)
         except BackendError as exc:
             log.warning("request %s failed with status %d", request_id, exc.status_code)
             # inference_error is not sealed: backends put only sentences of their own in exc.message,

@@ -1,4 +1,5 @@
-"""DisconnectWatch: one watcher per request; a disconnect cancels the awaited work in place."""
+"""DisconnectWatch: one watcher per request, once its work takes a while; a disconnect cancels the
+awaited work in place."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ from typing import Any, AsyncIterator
 import pytest
 from starlette.requests import Request
 
-from darkbloom.coordinator.inference.disconnect import ClientDisconnected, DisconnectWatch
+from darkbloom.coordinator.inference.disconnect import WATCH_AFTER, ClientDisconnected, DisconnectWatch
 
 
 class Client:
@@ -51,10 +52,21 @@ def current_cancelling() -> int:
     return current.cancelling()
 
 
-async def test_work_that_finishes_returns_its_value_and_one_watcher_serves_every_await(
+async def test_work_that_finishes_soon_returns_its_value_and_never_starts_a_watcher(
         client: Client, watch: DisconnectWatch) -> None:
     async def work(value: int) -> int:
         await asyncio.sleep(0)
+        return value
+
+    assert [await watch.until(work(n)) for n in range(3)] == [0, 1, 2]
+    watch.close()
+    await asyncio.sleep(2 * WATCH_AFTER)
+    assert client.receives == 0 and not watch.gone
+
+
+async def test_one_watcher_serves_every_await_of_longer_work(client: Client, watch: DisconnectWatch) -> None:
+    async def work(value: int) -> int:
+        await asyncio.sleep(WATCH_AFTER)
         return value
 
     assert [await watch.until(work(n)) for n in range(3)] == [0, 1, 2]
