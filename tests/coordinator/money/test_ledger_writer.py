@@ -225,8 +225,8 @@ async def test_on_sqlite_only_a_batch_that_charges_waits_for_the_disk(services: 
     free = billing.Bill("s-free", owner, None, PRICED, None, self_routed=True)
     assert await billing.settle_bill(services, free, USAGE, served(owner)) == billing.Settlement(0, 0, 0)
     assert backend._connect().execute("PRAGMA synchronous").fetchone() == (1,)  # type: ignore[attr-defined]  # NORMAL
-    paid, _ = await together(settle_paid(services, third, PRICED, USAGE, served(None)),
-                             billing.reserve(services, "s-4", account, None, 1_000))  # one batch: it waits
+    await together(settle_paid(services, third, PRICED, USAGE, served(None)),
+                   billing.reserve(services, "s-4", account, None, 1_000))  # one batch: it waits
 
     levels = [s.removeprefix("PRAGMA synchronous=") if s.startswith("PRAGMA") else s
               for s in statements if s.startswith(("PRAGMA synchronous=", "COMMIT"))]
