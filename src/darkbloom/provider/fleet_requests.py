@@ -16,7 +16,6 @@ gone out; a refused, failed or cancelled one says so; nothing else per request i
 from __future__ import annotations
 
 import asyncio
-import functools
 import json
 import logging
 from dataclasses import dataclass, field
@@ -38,7 +37,7 @@ log = logging.getLogger(__name__)
 def _log_after_this_turn(message: str, *args: object) -> None:
     """An INFO line written after what the loop has ready now — the outbox's writer, woken by the frame
     just queued, among it — so that writing it does not hold the frame back (~25 µs a line)."""
-    asyncio.get_running_loop().call_soon(functools.partial(log.info, message, *args))
+    asyncio.get_running_loop().call_soon(log.info, message, *args)
 
 
 @dataclass(eq=False)

@@ -28,8 +28,7 @@ class DisconnectWatch:
     def __init__(self, request: Request) -> None:
         self._request = request
         self._watcher: asyncio.Task[None] | None = None
-        self._starting: asyncio.TimerHandle | None = None
-        self._closed = False
+        self._starting: asyncio.TimerHandle | None = None  # the watcher's start, until it is made
         self._waiting: asyncio.Task[Any] | None = None  # the task inside ``until`` now
         self._cancelled_it = False
         self.gone = False
@@ -68,15 +67,13 @@ class DisconnectWatch:
         self.close()  # a streamed answer's own response notices a client that goes away later
 
     def close(self) -> None:
-        self._closed = True
-        if self._starting is not None:
+        if self._starting is not None:  # a cancelled start never runs
             self._starting.cancel()
         if self._watcher is not None:
             self._watcher.cancel()
 
     def _start(self) -> None:
-        if not self._closed:
-            self._watcher = asyncio.create_task(self._watch())
+        self._watcher = asyncio.create_task(self._watch())
 
     async def _watch(self) -> None:
         while (await self._request.receive())["type"] != "http.disconnect":
