@@ -38,11 +38,13 @@ import os
 import re
 import secrets
 import shutil
+import statistics
 import sys
 import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Callable
 
 import httpx
 
@@ -220,42 +222,77 @@ def part_a(bench: Bench, duration: float, warmup: float, profile_dir: Path | Non
 
 
 def part_b(bench: Bench, nodes: int, duration: float, warmup: float, concurrencies: list[int],
-           profile_dir: Path | None = None, profile_seconds: float = 5.0) -> str:
-    rows, profiles = [], []
-    for count in (1, 2, 3):
-        lb, url = start_lb(bench.root, bench.replicas, count)
-        bench.lbs.append(lb)
-        bench.start_nodes(nodes, url, f"b{count}")
-        bench.wait_nodes(nodes, bench.replicas[:count])
-        spread = bench.spread(nodes)
-        print(f"(b) {count} replica(s) behind HAProxy {url}; sessions held: {spread}", file=sys.stderr, flush=True)
-        for mode in MODES:
-            target = bench.target(f"lb{count}", url, mode)
-            check(target, "charged")
-            run_wrk(target, target.script(bench.scripts), 16, warmup)
-            for conc in concurrencies:
-                result, cpu = measure(bench, target, conc, duration)
-                rows.append((count, spread, mode, conc, result, cpu))
-            if profile_dir is not None and mode == "plain" and count in (1, 3):
-                profiles.append(f"\n#### replica A with {count} replica(s) behind HAProxy, plain, c=16\n\n"
-                                + profile(target, bench.scripts, {"A": bench.replicas[0].process}, profile_seconds,
-                                          profile_dir / f"b{count}", 16))
-        bench.stop_nodes()
-        lb.stop()
-        bench.lbs.remove(lb)
+           profile_dir: Path | None = None, profile_seconds: float = 5.0, rounds: int = 1,
+           counts: tuple[int, ...] = (1, 2, 3)) -> str:
+    """The table of (b). With ``rounds`` > 1 every k is measured once per round, the rounds one after
+    the other (k = 1, 2, 3, then again), and each figure is the median over the rounds; a ratio to
+    k = 1 is taken within its round (the machine's minute-to-minute drift cancels) and shown as the
+    median with the rounds' range."""
+    rows: list[tuple[int, int, str, str, int, WrkResult, dict[str, float]]] = []
+    profiles = []
+    for round_ in range(rounds):
+        for count in counts:
+            lb, url = start_lb(bench.root, bench.replicas, count)
+            bench.lbs.append(lb)
+            bench.start_nodes(nodes, url, f"b{count}r{round_}")
+            bench.wait_nodes(nodes, bench.replicas[:count])
+            spread = bench.spread(nodes)
+            print(f"(b) round {round_ + 1} of {rounds}: {count} replica(s) behind HAProxy {url}; sessions held: "
+                  f"{spread}", file=sys.stderr, flush=True)
+            for mode in MODES:
+                target = bench.target(f"lb{count}", url, mode)
+                check(target, "charged")
+                run_wrk(target, target.script(bench.scripts), 16, warmup)
+                for conc in concurrencies:
+                    result, cpu = measure(bench, target, conc, duration)
+                    rows.append((round_, count, spread, mode, conc, result, cpu))
+                if profile_dir is not None and round_ == 0 and mode == "plain" and count in (1, 3):
+                    profiles.append(f"\n#### replica A with {count} replica(s) behind HAProxy, plain, c=16\n\n"
+                                    + profile(target, bench.scripts, {"A": bench.replicas[0].process},
+                                              profile_seconds, profile_dir / f"b{count}", 16))
+            bench.stop_nodes()
+            lb.stop()
+            bench.lbs.remove(lb)
+    return _table_b(rows, rounds) + "".join(profiles) + "\n"
+
+
+def _table_b(rows: list[tuple[int, int, str, str, int, WrkResult, dict[str, float]]], rounds: int) -> str:
     lines = ["| replicas behind HAProxy | sessions held (A / B / C) | mode | c | req/s | × 1 replica | p50 ms | p99 ms "
              "| crossed NATS | coordinators CPU ms/req | × 1 replica | × 1 replica at c/k | coordinator loop wakeups/req "
              "| nodes CPU ms/req | errors |", "|---" * 15 + "|"]
-    base = {(mode, conc): (r.rps, cpu["coordinators"]) for count, _, mode, conc, r, cpu in rows if count == 1}
-    for count, spread, mode, conc, r, cpu in sorted(rows, key=lambda x: (x[2], x[3], x[0])):
-        rps_1, cpu_1 = base[(mode, conc)]
-        same_load = _per_replica_base(base, mode, conc / count) if count > 1 else None
-        at_load = f"{cpu['coordinators'] / same_load:.2f}×" if same_load else "—"
-        lines.append(f"| {count} | {spread} | {mode} | {conc} | {r.rps:,.0f} | {r.rps / rps_1:.2f}× | "
-                     f"{r.p50_ms:.1f} | {r.p99_ms:.1f} | {100 * cpu['crossed']:.0f} % | {cpu['coordinators']:.2f} | "
-                     f"{cpu['coordinators'] / cpu_1:.2f}× | {at_load} | {cpu['wakeups']:.1f} | {cpu['nodes']:.2f} | "
-                     f"{r.errors} |")
-    return "\n".join(lines + profiles) + "\n"
+    cells: dict[tuple[int, str, int], list[tuple[int, str, WrkResult, dict[str, float]]]] = {}
+    for round_, count, spread, mode, conc, result, cpu in rows:
+        cells.setdefault((count, mode, conc), []).append((round_, spread, result, cpu))
+    base = {(mode, conc): {round_: (r.rps, cpu["coordinators"]) for round_, _, r, cpu in runs}
+            for (count, mode, conc), runs in cells.items() if count == 1}
+
+    def ratio(values: list[float]) -> str:
+        middle = f"{statistics.median(values):.2f}×"
+        return middle if len(values) == 1 else f"{middle} ({min(values):.2f}–{max(values):.2f})"
+
+    for (count, mode, conc), runs in sorted(cells.items(), key=lambda item: (item[0][1], item[0][2], item[0][0])):
+        ones = base[(mode, conc)]
+        speed = [r.rps / ones[round_][0] for round_, _, r, _ in runs]
+        cost = [cpu["coordinators"] / ones[round_][1] for round_, _, _, cpu in runs]
+        at_load = []
+        for round_, _, _, cpu in runs:
+            same_load = _per_replica_base({key: per[round_] for key, per in base.items() if round_ in per},
+                                          mode, conc / count) if count > 1 else None
+            if same_load:
+                at_load.append(cpu["coordinators"] / same_load)
+
+        def median(pick: Callable[[WrkResult, dict[str, float]], float]) -> float:
+            return statistics.median(pick(r, cpu) for _, _, r, cpu in runs)
+
+        lines.append(f"| {count} | {runs[0][1]} | {mode} | {conc} | {median(lambda r, _: r.rps):,.0f} | "
+                     f"{ratio(speed)} | {median(lambda r, _: r.p50_ms):.1f} | {median(lambda r, _: r.p99_ms):.1f} | "
+                     f"{100 * median(lambda _, c: c['crossed']):.0f} % | {median(lambda _, c: c['coordinators']):.2f} | "
+                     f"{ratio(cost)} | {ratio(at_load) if at_load else '—'} | "
+                     f"{median(lambda _, c: c['wakeups']):.1f} | {median(lambda _, c: c['nodes']):.2f} | "
+                     f"{sum(r.errors for _, _, r, _ in runs)} |")
+    note = (f"\nMedians over {rounds} rounds; a ratio is taken within its round, shown as the median (range).\n"
+            if rounds > 1 else "")
+    return "\n".join(lines) + "\n" + note
 
 
 def _per_replica_base(base: dict[tuple[str, int], tuple[float, float]], mode: str, per_replica: float) -> float | None:
@@ -273,6 +310,9 @@ def main() -> None:
     parser.add_argument("--nodes", type=int, default=3, help="nodes behind the load balancer in (b)")
     parser.add_argument("--concurrency", default="16,64", help="(b): comma-separated connections per cell")
     parser.add_argument("--skip", default="", help="a, b or a,b: parts to leave out")
+    parser.add_argument("--rounds", type=int, default=1,
+                        help="(b): measure every k this many times, one round after the other; medians are reported")
+    parser.add_argument("--replicas", default="1,2,3", help="(b): the replica counts to measure (1 always among them)")
     parser.add_argument("--profile", type=Path, default=None,
                         help="directory for py-spy profiles: (a) the cross path at c=64; (b) replica A at k = 1 and 3")
     parser.add_argument("--profile-seconds", type=float, default=5.0, help="seconds per py-spy pass (two passes)")
@@ -315,7 +355,8 @@ def main() -> None:
                 print(f"(b) throughput with 1, 2, 3 replicas behind HAProxy, {args.nodes} nodes through it:\n",
                       flush=True)
                 print(part_b(bench, args.nodes, args.duration, args.warmup,
-                             [int(c) for c in args.concurrency.split(",")], args.profile, args.profile_seconds),
+                             [int(c) for c in args.concurrency.split(",")], args.profile, args.profile_seconds,
+                             args.rounds, tuple(sorted({1, *(int(k) for k in args.replicas.split(","))}))),
                       flush=True)
             print(f"1-min load {os.getloadavg()[0]:.2f} after; {time.monotonic() - started:.0f} s in all", flush=True)
             bench.stop()
