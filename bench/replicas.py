@@ -23,6 +23,9 @@ streaming. Two tables, one run:
 with py-spy while wrk keeps the cross path at c=64, non-streaming, and in (b) replica A at k = 1 and
 k = 3 while wrk keeps the load balancer at c=16, non-streaming (bench/profile_summary.py).
 
+``--rounds N`` measures every k of (b) N times, one round after the other, and reports medians (a
+ratio to k = 1 is taken within its round: this VM drifts by tens of per cent between minutes).
+
 ``--upstream-delay S`` paces the fixed upstream like a model (S seconds before each content chunk).
 
 Run: .venv/bin/python bench/replicas.py [--duration S] [--nodes N] [--profile DIR]
