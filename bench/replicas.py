@@ -26,6 +26,10 @@ k = 3 while wrk keeps the load balancer at c=16, non-streaming (bench/profile_su
 ``--rounds N`` measures every k of (b) N times, one round after the other, and reports medians (a
 ratio to k = 1 is taken within its round: this VM drifts by tens of per cent between minutes).
 
+``--accounts N`` (N > 1) has N consumer accounts take turns, request by request, and gives each node
+an owner of its own, as a fleet has many of each; by default one account pays for every request and
+owns every node, so every ledger transaction of every replica touches the same rows.
+
 ``--upstream-delay S`` paces the fixed upstream like a model (S seconds before each content chunk).
 
 Run: .venv/bin/python bench/replicas.py [--duration S] [--nodes N] [--profile DIR]
@@ -76,6 +80,8 @@ class Bench:
     scripts: Path
     nodes: list[Process] = field(default_factory=list)
     lbs: list[Process] = field(default_factory=list)
+    consumers: list[Account] = field(default_factory=list)  # who pays; empty: the nodes' own account
+    providers: list[Account] = field(default_factory=list)  # one per node when set; empty: the account
 
     def cpu(self) -> dict[str, float]:
         """CPU seconds so far: all replicas together, all nodes together; the replicas' loop wakeups."""
@@ -89,27 +95,35 @@ class Bench:
 
     def target(self, name: str, base_url: str, mode: str) -> WrkTarget:
         body = {**BODY, "stream": True} if mode == "stream" else BODY
+        payers = self.consumers or [self.account]
         return WrkTarget(f"{name}-{mode}", base_url + "/v1/chat/completions", body,
-                         {"Authorization": f"Bearer {self.account.api_key}"})
+                         {"Authorization": f"Bearer {payers[0].api_key}"},
+                         tuple(f"Bearer {a.api_key}" for a in payers) if len(payers) > 1 else ())
+
+    def owner(self, n: int) -> Account:
+        return self.providers[n % len(self.providers)] if self.providers else self.account
 
     def start_nodes(self, count: int, coordinator_url: str, tag: str) -> None:
         for n in range(count):
             home = self.root / f"node-{tag}-{n}"
-            login_node(self.replicas[0], home, self.account)  # a device token is valid on every replica
+            login_node(self.replicas[0], home, self.owner(n))  # a device token is valid on every replica
             self.nodes.append(spawn(darkbloom_cmd("serve", "--coordinator", coordinator_url, "--backend", "openai",
                                                   "--upstream-url", self.upstream_url, "--model", MODEL,
                                                   "--max-concurrency", "128"), home, "node.log"))
+
+    def online(self, coord: Coordinator) -> int:
+        return sum(online(coord, owner) for owner in (self.providers or [self.account]))
 
     def stop_nodes(self) -> None:
         for node in self.nodes:
             node.stop()
         self.nodes.clear()
         for coord in self.replicas:
-            wait_until(lambda c=coord: online(c, self.account) == 0, timeout=30, what="nodes gone")  # type: ignore[misc]
+            wait_until(lambda c=coord: self.online(c) == 0, timeout=30, what="nodes gone")  # type: ignore[misc]
 
     def wait_nodes(self, count: int, replicas: list[Coordinator]) -> None:
         for coord in replicas:
-            wait_until(lambda c=coord: online(c, self.account) >= count, timeout=60, interval=0.2,  # type: ignore[misc]
+            wait_until(lambda c=coord: self.online(c) >= count, timeout=60, interval=0.2,  # type: ignore[misc]
                        what=f"{count} node(s) seen by {coord.base_url}")
 
     def spread(self, count: int) -> str:
@@ -315,6 +329,9 @@ def main() -> None:
     parser.add_argument("--skip", default="", help="a, b or a,b: parts to leave out")
     parser.add_argument("--rounds", type=int, default=1,
                         help="(b): measure every k this many times, one round after the other; medians are reported")
+    parser.add_argument("--accounts", type=int, default=1,
+                        help="(b): consumer accounts taking turns, request by request; above 1 each node also has an "
+                             "owner of its own (by default one account pays and owns every node)")
     parser.add_argument("--replicas", default="1,2,3", help="(b): the replica counts to measure (1 always among them)")
     parser.add_argument("--profile", type=Path, default=None,
                         help="directory for py-spy profiles: (a) the cross path at c=64; (b) replica A at k = 1 and 3")
@@ -345,10 +362,15 @@ def main() -> None:
                 wait_until(lambda c=coord: replicas_heard(c) == 3, timeout=30, what="replicas joined")  # type: ignore[misc]
             account = create_account(replicas[0], credit_micro_usd=1_000_000_000)
             bench = Bench(root, replicas, account, upstream_url, scripts)
+            if args.accounts > 1:
+                bench.consumers = [create_account(replicas[0], credit_micro_usd=1_000_000_000)
+                                   for _ in range(args.accounts)]
+                bench.providers = [create_account(replicas[0]) for _ in range(args.nodes)]
             print(f"# replicas — {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())} — {machine()} "
                   f"(`nproc` {os.cpu_count()}, `uname -m` {os.uname().machine})\n"
                   f"# {tree_state()}\n# three replicas on Postgres + Redis + NATS (default --replica-heartbeat 1 s),"
                   f" wrk -t1, {args.duration:g} s per cell, upstream delay {args.upstream_delay:g} s per chunk,"
+                  f" {args.accounts} paying account(s),"
                   f" 1-min load {os.getloadavg()[0]:.2f} before\n", flush=True)
             skip = set(args.skip.split(","))
             if "a" not in skip:

@@ -32,12 +32,21 @@ class WrkTarget:
     url: str
     body: dict[str, object]
     headers: dict[str, str]
+    authorizations: tuple[str, ...] = ()  # Authorization values taken in turn, one per request (several callers)
 
     def script(self, directory: Path) -> Path:
         path = directory / f"{self.name}.lua"
         headers = {"Content-Type": "application/json", **self.headers}
         lines = ['wrk.method = "POST"', f"wrk.body = {_lua_string(json.dumps(self.body))}"]
         lines += [f"wrk.headers[{_lua_string(k)}] = {_lua_string(v)}" for k, v in headers.items()]
+        if self.authorizations:
+            lines += [f"local authorizations = {{{', '.join(map(_lua_string, self.authorizations))}}}",
+                      "local turn = 0",
+                      "request = function()",
+                      "  turn = turn % #authorizations + 1",
+                      '  wrk.headers["Authorization"] = authorizations[turn]',
+                      "  return wrk.format()",
+                      "end"]
         path.write_text("\n".join(lines) + "\n" + _DONE)
         return path
 

@@ -17,6 +17,7 @@ from darkbloom.coordinator.money import billing
 from darkbloom.coordinator.money.ledger import rules
 from darkbloom.coordinator.money.ledger.writer import LedgerUnavailable, LedgerWriter, backend_for
 from darkbloom.coordinator.services import Services
+from darkbloom.store import ledger as ledger_store
 from darkbloom.store.schema import PLATFORM_ACCOUNT_ID, reservations, usage_records
 from darkbloom.wire.openai.errors import ApiError
 from darkbloom.wire.protocol import Usage
@@ -256,6 +257,60 @@ async def test_two_writers_on_one_database_cross_without_deadlock(make_services:
     assert await pockets(two, y) == (1_000_000 - 40 * cost, 40 * (cost - fee))
     assert await pockets(one, PLATFORM_ACCOUNT_ID) == (0, 80 * fee)
     await check_ledger_consistency(one.engine)
+
+
+async def test_on_postgres_the_platform_row_is_held_only_from_a_crediting_write(services: Services) -> None:
+    """docs/billing.md "The ledger writer": every charged settlement credits the platform account, so on
+    Postgres a batch reads it without a lock and adds to it at its write. Another transaction holding
+    that row stops no reservation; a settlement waits for it at the write, and its fee lands on top of
+    what that transaction committed, its entry's ``balance_after`` the running sum. A batch that may
+    also create a key window takes the row at its read instead (the last of its locks)."""
+    if services.engine.dialect.name != "postgresql":
+        pytest.skip("row locks of the Postgres ledger")
+    payer = await new_account(services, credit=100_000)
+    other = await new_account(services, credit=1_000)
+    first = await billing.reserve(services, "pl-1", payer, None, 5_000)
+    async with services.engine.connect() as conn:  # one open transaction: both rows stay locked until it ends
+        await ledger_store.move(conn, other, "balance", -7, "test_move")
+        await ledger_store.move(conn, PLATFORM_ACCOUNT_ID, "withdrawable", 7, "test_move")
+        second = await asyncio.wait_for(billing.reserve(services, "pl-2", payer, None, 1_000), 10)
+        settling = asyncio.ensure_future(settle_paid(services, first, PRICED, USAGE, served(None)))
+        waiting = await _lock_waits(services, until=lambda queries: bool(queries))
+        assert waiting and all(query.lstrip().startswith("WITH") for query in waiting), waiting  # the write
+        assert not settling.done()
+        await conn.commit()
+    settled = await asyncio.wait_for(settling, 10)
+    assert settled is not None and settled.cost > 0
+    assert await pockets(services, PLATFORM_ACCOUNT_ID) == (0, 7 + settled.cost)  # no owner: fee and payout
+
+    # a batch that may create a key window while it credits the platform takes the row at its read, last
+    capped = await new_key(services, payer, limit_micro_usd=50_000)
+    async with services.engine.connect() as conn:
+        await ledger_store.move(conn, other, "balance", -3, "test_move")
+        await ledger_store.move(conn, PLATFORM_ACCOUNT_ID, "withdrawable", 3, "test_move")
+        both = asyncio.ensure_future(together(settle_paid(services, second, PRICED, USAGE, served(None)),
+                                              billing.reserve(services, "pl-3", payer, capped, 1_000)))
+        waiting = await _lock_waits(services, until=lambda queries: bool(queries))
+        assert waiting and all(query.lstrip().startswith("SELECT 'r'") for query in waiting), waiting  # the read
+        await conn.commit()
+    paid, third = await asyncio.wait_for(both, 10)
+    assert await pockets(services, PLATFORM_ACCOUNT_ID) == (0, 7 + settled.cost + 3 + paid.cost)
+    await billing.refund(services, third)
+    await check_ledger_consistency(services.engine)
+
+
+async def _lock_waits(services: Services, until: Any, seconds: float = 10.0) -> list[str]:
+    """The queries of this database's backends waiting for a lock, polled until ``until`` holds."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + seconds
+    while True:
+        async with services.engine.connect() as conn:
+            queries = list((await conn.execute(text(
+                "SELECT query FROM pg_stat_activity WHERE datname = current_database() "
+                "AND wait_event_type = 'Lock'"))).scalars())
+        if until(queries) or loop.time() > deadline:
+            return queries
+        await asyncio.sleep(0.02)
 
 
 async def test_a_dropped_postgres_connection_is_replaced(services: Services) -> None:

@@ -5,7 +5,17 @@ in ONE statement, in the one global lock order (reservations by request id, then
 accounts by id; so two coordinators' batches never deadlock), run ``rules.plan``, then write
 every change in ONE statement (data-modifying CTEs over ``unnest`` arrays). Round trips per batch,
 whatever its size: BEGIN, one read, one write, COMMIT. (The rules stay in Python, shared with
-SQLite; a server-side function would save BEGIN and COMMIT but hold a second copy of them.)"""
+SQLite; a server-side function would save BEGIN and COMMIT but hold a second copy of them.)
+
+The platform account is the exception: every charged settlement of every coordinator credits it (the
+fee, and a payout whose owner is gone) and nothing in a batch checks it, so it is always a batch's
+last lock, and usually taken late: read without a lock, credited by the write as an addition, its row
+held from the write to the commit only, and never by a batch that does not credit it. What other
+transactions added meanwhile shifts its new entries' ``balance_after`` in the same statement. A batch
+that may create a key window while it credits the platform (or, never in service, has it pay) locks
+it at the read instead, still last: two batches creating the same window wait for each other's
+insert, so neither may then be waiting for the platform row while the other holds it. Whoever holds
+the platform row thus waits for no other lock, and no wait closes a cycle."""
 
 from __future__ import annotations
 
@@ -16,10 +26,11 @@ from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
 
 from darkbloom.coordinator.money.ledger import rules
 from darkbloom.coordinator.money.ledger.rules import Changes, State, Step
-from darkbloom.store.schema import FALLBACK_PREFIX
+from darkbloom.store.schema import FALLBACK_PREFIX, PLATFORM_ACCOUNT_ID
 
 # One statement locks and reads everything a batch touches. UNION ALL runs its parts in order, each
-# locking its rows sorted: reservations, then key windows, then accounts — the one global lock order.
+# locking its rows sorted: reservations, then key windows, then accounts, the platform account last — the
+# one global lock order (its row read without a lock when the write will add to it: module docstring).
 # The windows (spend cap and fallback budget) and accounts of the reservations being closed come from
 # those reservations themselves.
 _LOCK = """
@@ -38,12 +49,17 @@ FROM (SELECT * FROM key_spend
 UNION ALL
 SELECT 'a', id, NULL, NULL, balance_micro_usd, withdrawable_micro_usd, NULL, NULL, NULL
 FROM (SELECT * FROM accounts
-      WHERE id = ANY($4::text[])
-         OR id IN (SELECT account_id FROM reservations WHERE request_id = ANY($1::text[]))
+      WHERE (id = ANY($4::text[])
+             OR id IN (SELECT account_id FROM reservations WHERE request_id = ANY($1::text[])))
+        AND id <> $7::text
       ORDER BY id FOR UPDATE OF accounts) a
+UNION ALL
+SELECT 'a', id, NULL, NULL, balance_micro_usd, withdrawable_micro_usd, NULL, NULL, NULL
+FROM (SELECT * FROM accounts WHERE id = $7::text {platform_lock}) p
 UNION ALL
 SELECT 'u', request_id, NULL, NULL, NULL, NULL, NULL, NULL, NULL
 FROM usage_records WHERE request_id = ANY($5::text[])"""
+_LOCK_ALL, _LOCK_BUT_PLATFORM = _LOCK.format(platform_lock="FOR UPDATE"), _LOCK.format(platform_lock="")
 _WRITE = """
 WITH
 a AS (UPDATE accounts AS t SET balance_micro_usd = v.b, withdrawable_micro_usd = v.w
@@ -61,11 +77,19 @@ rn AS (INSERT INTO reservations (request_id, account_id, key_id, amount_micro_us
                    $18::text[], $43::bigint[]) AS v(r, acc, k, m, ws, s, i, fw)),
 rc AS (UPDATE reservations AS t SET status = v.s, closed_at = $32::bigint
        FROM unnest($19::text[], $20::text[]) AS v(r, s) WHERE t.request_id = v.r),
+p AS (UPDATE accounts SET balance_micro_usd = balance_micro_usd + $45::bigint,
+                          withdrawable_micro_usd = withdrawable_micro_usd + $46::bigint
+      WHERE id = $47::text
+      RETURNING balance_micro_usd - $45::bigint AS b, withdrawable_micro_usd - $46::bigint AS w),
+shift AS (SELECT coalesce((SELECT b FROM p), $48::bigint) - $48::bigint AS b,
+                 coalesce((SELECT w FROM p), $49::bigint) - $49::bigint AS w),
 le AS (INSERT INTO ledger_entries (account_id, kind, pocket, amount_micro_usd, balance_after, request_id,
                                    created_at)
-       SELECT v.acc, v.k, v.p, v.m, v.b, v.r, $32::bigint
+       SELECT v.acc, v.k, v.p, v.m,
+              v.b + CASE WHEN v.acc = $47::text THEN CASE WHEN v.p = 'balance' THEN s.b ELSE s.w END ELSE 0 END,
+              v.r, $32::bigint
        FROM unnest($21::text[], $22::text[], $23::text[], $24::bigint[], $25::bigint[], $26::text[])
-            WITH ORDINALITY AS v(acc, k, p, m, b, r, n) ORDER BY v.n),
+            WITH ORDINALITY AS v(acc, k, p, m, b, r, n), shift AS s ORDER BY v.n),
 u AS (INSERT INTO usage_records (request_id, account_id, key_id, model, provider_id, provider_account_id,
                                  prompt_tokens, completion_tokens, cost_micro_usd, platform_fee_micro_usd,
                                  provider_payout_micro_usd, self_routed, routed, created_at, ownership_changed,
@@ -75,7 +99,7 @@ u AS (INSERT INTO usage_records (request_id, account_id, key_id, model, provider
                   $35::bigint[], $36::bigint[], $37::bigint[], $38::bigint[], $39::boolean[], $40::text[],
                   $41::boolean[], $42::text[], $44::text[]) AS v(r, acc, k, m, p, pa, pt, ct, c, f, po, s, ro, oc, sh,
                                                                  mi))
-SELECT 1"""
+SELECT count(*) FROM p"""
 
 
 class PostgresLedger:
@@ -105,12 +129,16 @@ class PostgresLedger:
 
     async def apply(self, steps: list[Step]) -> list[Any]:
         raw = await self._connection()
+        credited = "" if _platform_locked_at_read(steps) else PLATFORM_ACCOUNT_ID
         try:
             async with raw.transaction():
-                state = await _read(raw, steps)
+                state = await _read(raw, steps, credited)
+                read = tuple(state.accounts.get(credited, (0, 0)))
                 results, changes = rules.plan(steps, state, int(time.time()))
                 if not changes.empty():
-                    await raw.execute(_WRITE, *_columns(changes))
+                    added = await raw.fetchval(_WRITE, *_columns(changes, credited, read))
+                    if credited in changes.accounts and not added:
+                        raise LookupError(f"the account {credited} is missing: its credits cannot be written")
         except BaseException:
             if raw.is_closed() or raw.is_in_transaction():
                 await self._discard()  # broken, or a cancelled transaction left half-open
@@ -125,13 +153,27 @@ class PostgresLedger:
             await conn.close()
 
 
-async def _read(raw: Any, steps: list[Step]) -> State:
-    """One round trip: the rows the batch needs, locked (its reservations' own windows and accounts included)."""
+def _platform_locked_at_read(steps: list[Step]) -> bool:
+    """Whether the batch takes the platform row at its read (still its last lock) rather than at its
+    write: when it may create a key window (a reservation against a cap or a fallback budget) and
+    credit the platform (a charged settlement) in one transaction, or has the platform pay."""
+    windowed = any(isinstance(step, rules.Reserve) and (step.cap is not None or step.fallback_cap is not None)
+                   for step in steps)
+    crediting = any(isinstance(step, rules.Settle) and step.cost > 0 for step in steps)
+    paying = any(isinstance(step, (rules.Reserve, rules.Settle)) and step.account_id == PLATFORM_ACCOUNT_ID
+                 for step in steps)
+    return (windowed and crediting) or paying
+
+
+async def _read(raw: Any, steps: list[Step], credited: str) -> State:
+    """One round trip: the rows the batch needs, locked (its reservations' own windows and accounts
+    included, the platform's last) — unless ``credited`` names the platform: then its row is read as
+    it stands."""
     state = State()
     reserving = rules.window_keys(steps, {})
-    rows = await raw.fetch(_LOCK, rules.reservation_ids(steps), [k for k, _ in reserving],
-                           [w for _, w in reserving], rules.account_ids(steps, {}), rules.usage_ids(steps),
-                           FALLBACK_PREFIX)
+    rows = await raw.fetch(_LOCK_BUT_PLATFORM if credited else _LOCK_ALL, rules.reservation_ids(steps),
+                           [k for k, _ in reserving], [w for _, w in reserving], rules.account_ids(steps, {}),
+                           rules.usage_ids(steps), FALLBACK_PREFIX, PLATFORM_ACCOUNT_ID)
     for row in rows:
         part = row["part"]
         if part == "r":
@@ -148,9 +190,11 @@ async def _read(raw: Any, steps: list[Step]) -> State:
     return state
 
 
-def _columns(changes: Changes) -> list[Any]:
-    """The write statement's arguments: one array per column, $1 … $43."""
-    accounts = list(changes.accounts.items())
+def _columns(changes: Changes, credited: str, read: tuple[int, ...]) -> list[Any]:
+    """The write statement's arguments: one array per column, $1 … $44; then what ``credited`` (read
+    as ``read``) gains, as additions, $45 … $49."""
+    accounts = [(k, v) for k, v in changes.accounts.items() if k != credited]
+    gained = changes.accounts.get(credited)
     new = [(k, v) for k, v in changes.windows.items() if k in changes.new_windows]
     old = [(k, v) for k, v in changes.windows.items() if k not in changes.new_windows]
     reservations = list(changes.new_reservations.values())
@@ -177,4 +221,6 @@ def _columns(changes: Changes) -> list[Any]:
         col(usage, lambda u: u[14]), col(usage, lambda u: u[15]),
         col(reservations, lambda r: r.get("fallback_window_start")),
         col(usage, lambda u: u[16]),
+        gained[0] - read[0] if gained else 0, gained[1] - read[1] if gained else 0,
+        credited if gained else "", read[0], read[1],
     ]
