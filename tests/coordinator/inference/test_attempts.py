@@ -46,7 +46,7 @@ async def past_half_budget() -> None:
     attempts, run = start(registry)
     primary = await dispatched(providers)
     backup, = [p for p in providers if p is not primary]
-    await backup.next_request(timeout=5 * BUDGET)
+    await backup.next_request(timeout=25 * BUDGET)  # a bound on a hang (a loaded machine fires timers late)
     run.cancel()
     await asyncio.gather(run, return_exceptions=True)
     await end_as_gone(attempts.life)
