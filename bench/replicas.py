@@ -377,12 +377,12 @@ def main() -> None:
                 print("(a) cross-replica vs same-replica:\n", flush=True)
                 print(part_a(bench, args.duration, args.warmup, args.profile, args.profile_seconds), flush=True)
             if "b" not in skip:
-                print(f"(b) throughput with 1, 2, 3 replicas behind HAProxy, {args.nodes} nodes through it:\n",
-                      flush=True)
+                counts = tuple(sorted({1, *(int(k) for k in args.replicas.split(","))}))
+                print(f"(b) throughput with {', '.join(map(str, counts))} replicas behind HAProxy, {args.nodes} nodes "
+                      f"through it:\n", flush=True)
                 print(part_b(bench, args.nodes, args.duration, args.warmup,
                              [int(c) for c in args.concurrency.split(",")], args.profile, args.profile_seconds,
-                             args.rounds, tuple(sorted({1, *(int(k) for k in args.replicas.split(","))}))),
-                      flush=True)
+                             args.rounds, counts), flush=True)
             print(f"1-min load {os.getloadavg()[0]:.2f} after; {time.monotonic() - started:.0f} s in all", flush=True)
             bench.stop()
     finally:

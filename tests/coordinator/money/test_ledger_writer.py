@@ -275,7 +275,7 @@ async def test_on_postgres_the_platform_row_is_held_only_from_a_crediting_write(
         await ledger_store.move(conn, PLATFORM_ACCOUNT_ID, "withdrawable", 7, "test_move")
         second = await asyncio.wait_for(billing.reserve(services, "pl-2", payer, None, 1_000), 10)
         settling = asyncio.ensure_future(settle_paid(services, first, PRICED, USAGE, served(None)))
-        waiting = await _lock_waits(services, until=lambda queries: bool(queries))
+        waiting = await _lock_waiters(services)
         assert waiting and all(query.lstrip().startswith("WITH") for query in waiting), waiting  # the write
         assert not settling.done()
         await conn.commit()
@@ -290,17 +290,18 @@ async def test_on_postgres_the_platform_row_is_held_only_from_a_crediting_write(
         await ledger_store.move(conn, PLATFORM_ACCOUNT_ID, "withdrawable", 3, "test_move")
         both = asyncio.ensure_future(together(settle_paid(services, second, PRICED, USAGE, served(None)),
                                               billing.reserve(services, "pl-3", payer, capped, 1_000)))
-        waiting = await _lock_waits(services, until=lambda queries: bool(queries))
+        waiting = await _lock_waiters(services)
         assert waiting and all(query.lstrip().startswith("SELECT 'r'") for query in waiting), waiting  # the read
         await conn.commit()
     paid, third = await asyncio.wait_for(both, 10)
+    assert paid is not None and paid.cost > 0
     assert await pockets(services, PLATFORM_ACCOUNT_ID) == (0, 7 + settled.cost + 3 + paid.cost)
     await billing.refund(services, third)
     await check_ledger_consistency(services.engine)
 
 
-async def _lock_waits(services: Services, until: Any, seconds: float = 10.0) -> list[str]:
-    """The queries of this database's backends waiting for a lock, polled until ``until`` holds."""
+async def _lock_waiters(services: Services, seconds: float = 10.0) -> list[str]:
+    """The queries of this database's backends waiting for a lock, polled until there is one."""
     loop = asyncio.get_running_loop()
     deadline = loop.time() + seconds
     while True:
@@ -308,7 +309,7 @@ async def _lock_waits(services: Services, until: Any, seconds: float = 10.0) -> 
             queries = list((await conn.execute(text(
                 "SELECT query FROM pg_stat_activity WHERE datname = current_database() "
                 "AND wait_event_type = 'Lock'"))).scalars())
-        if until(queries) or loop.time() > deadline:
+        if queries or loop.time() > deadline:
             return queries
         await asyncio.sleep(0.02)
 

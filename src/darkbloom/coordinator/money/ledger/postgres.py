@@ -15,7 +15,8 @@ transactions added meanwhile shifts its new entries' ``balance_after`` in the sa
 that may create a key window while it credits the platform (or, never in service, has it pay) locks
 it at the read instead, still last: two batches creating the same window wait for each other's
 insert, so neither may then be waiting for the platform row while the other holds it. Whoever holds
-the platform row thus waits for no other lock, and no wait closes a cycle."""
+the platform row thus waits at most for another batch's insert of a key window, by a batch that never
+waits for the platform row: no wait closes a cycle."""
 
 from __future__ import annotations
 
