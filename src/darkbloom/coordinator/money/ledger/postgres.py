@@ -67,7 +67,8 @@ _LOCK_ALL, _LOCK_BUT_PLATFORM = _LOCK.format(platform_lock="FOR UPDATE"), _LOCK.
 # parameter per column cost asyncpg ~1 µs of encoding each, ~50 µs a batch at 49 of them.
 _WRITE = """
 WITH
-a AS (UPDATE accounts AS t SET balance_micro_usd = v.balance_micro_usd, withdrawable_micro_usd = v.withdrawable_micro_usd
+a AS (UPDATE accounts AS t
+      SET balance_micro_usd = v.balance_micro_usd, withdrawable_micro_usd = v.withdrawable_micro_usd
       FROM json_populate_recordset(NULL::accounts, $1::json) AS v WHERE t.id = v.id),
 kn AS (INSERT INTO key_spend (key_id, window_start, spent_micro_usd, reserved_micro_usd)
        SELECT key_id, window_start, spent_micro_usd, reserved_micro_usd
