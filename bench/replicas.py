@@ -111,7 +111,7 @@ class Bench:
                                                   "--upstream-url", self.upstream_url, "--model", MODEL,
                                                   "--max-concurrency", "128"), home, "node.log"))
 
-    def online(self, coord: Coordinator) -> int:
+    def nodes_online(self, coord: Coordinator) -> int:
         return sum(online(coord, owner) for owner in (self.providers or [self.account]))
 
     def stop_nodes(self) -> None:
@@ -119,11 +119,11 @@ class Bench:
             node.stop()
         self.nodes.clear()
         for coord in self.replicas:
-            wait_until(lambda c=coord: self.online(c) == 0, timeout=30, what="nodes gone")  # type: ignore[misc]
+            wait_until(lambda c=coord: self.nodes_online(c) == 0, timeout=30, what="nodes gone")  # type: ignore[misc]
 
     def wait_nodes(self, count: int, replicas: list[Coordinator]) -> None:
         for coord in replicas:
-            wait_until(lambda c=coord: self.online(c) >= count, timeout=60, interval=0.2,  # type: ignore[misc]
+            wait_until(lambda c=coord: self.nodes_online(c) >= count, timeout=60, interval=0.2,  # type: ignore[misc]
                        what=f"{count} node(s) seen by {coord.base_url}")
 
     def spread(self, count: int) -> str:

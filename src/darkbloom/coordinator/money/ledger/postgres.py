@@ -135,10 +135,11 @@ class PostgresLedger:
 
     async def apply(self, steps: list[Step]) -> list[Any]:
         raw = await self._connection()
-        credited = "" if _platform_locked_at_read(steps) else PLATFORM_ACCOUNT_ID
+        platform_at_read = _platform_locked_at_read(steps)
+        credited = "" if platform_at_read else PLATFORM_ACCOUNT_ID  # the account the write adds to
         try:
             async with raw.transaction():
-                state = await _read(raw, steps, credited)
+                state = await _read(raw, steps, platform_at_read)
                 read = tuple(state.accounts.get(credited, (0, 0)))
                 results, changes = rules.plan(steps, state, int(time.time()))
                 if not changes.empty():
@@ -171,15 +172,14 @@ def _platform_locked_at_read(steps: list[Step]) -> bool:
     return (windowed and crediting) or paying
 
 
-async def _read(raw: Any, steps: list[Step], credited: str) -> State:
+async def _read(raw: Any, steps: list[Step], platform_at_read: bool) -> State:
     """One round trip: the rows the batch needs, locked (its reservations' own windows and accounts
-    included, the platform's last) — unless ``credited`` names the platform: then its row is read as
-    it stands."""
+    included, the platform's last; without ``platform_at_read``, the platform's row read as it stands)."""
     state = State()
     reserving = rules.window_keys(steps, {})
-    rows = await raw.fetch(_LOCK_BUT_PLATFORM if credited else _LOCK_ALL, rules.reservation_ids(steps),
-                           [k for k, _ in reserving], [w for _, w in reserving], rules.account_ids(steps, {}),
-                           rules.usage_ids(steps), FALLBACK_PREFIX, PLATFORM_ACCOUNT_ID)
+    rows = await raw.fetch(_LOCK_ALL if platform_at_read else _LOCK_BUT_PLATFORM,
+                           rules.reservation_ids(steps), [k for k, _ in reserving], [w for _, w in reserving],
+                           rules.account_ids(steps, {}), rules.usage_ids(steps), FALLBACK_PREFIX, PLATFORM_ACCOUNT_ID)
     for row in rows:
         part = row["part"]
         if part == "r":
@@ -194,12 +194,6 @@ async def _read(raw: Any, steps: list[Step], credited: str) -> State:
         else:
             state.used.add(row["id"])
     return state
-
-
-_ENTRY_COLUMNS = ("account_id", "kind", "pocket", "amount_micro_usd", "balance_after", "request_id")
-_USAGE_COLUMNS = ("request_id", "account_id", "key_id", "model", "provider_id", "provider_account_id", "prompt_tokens",
-                  "completion_tokens", "cost_micro_usd", "platform_fee_micro_usd", "provider_payout_micro_usd",
-                  "self_routed", "routed", "created_at", "ownership_changed", "share_id", "machine_id")
 
 
 def _columns(changes: Changes, credited: str, read: tuple[int, ...]) -> list[Any]:
@@ -218,8 +212,8 @@ def _columns(changes: Changes, credited: str, read: tuple[int, ...]) -> list[Any
         windows(True), windows(False),
         dumps_text(list(changes.new_reservations.values())),
         dumps_text([{"request_id": r, "status": status} for r, status in changes.closed.items()]),
-        dumps_text([dict(zip(_ENTRY_COLUMNS, entry)) for entry in changes.entries]),
-        dumps_text([dict(zip(_USAGE_COLUMNS, row)) for row in changes.usage]),
+        dumps_text([dict(zip(rules.ENTRY_COLUMNS, entry)) for entry in changes.entries]),
+        dumps_text([dict(zip(rules.USAGE_COLUMNS, row)) for row in changes.usage]),
         changes.now,
         gained[0] - read[0] if gained else 0, gained[1] - read[1] if gained else 0,
         credited if gained else "", read[0], read[1],

@@ -94,9 +94,16 @@ class State:
     used: set[str] = field(default_factory=set)   # request ids that already have a usage row
 
 
+ENTRY_COLUMNS = ("account_id", "kind", "pocket", "amount_micro_usd", "balance_after", "request_id")
+USAGE_COLUMNS = ("request_id", "account_id", "key_id", "model", "provider_id", "provider_account_id", "prompt_tokens",
+                 "completion_tokens", "cost_micro_usd", "platform_fee_micro_usd", "provider_payout_micro_usd",
+                 "self_routed", "routed", "created_at", "ownership_changed", "share_id", "machine_id")
+
+
 @dataclass
 class Changes:
-    """What ``plan`` leaves to write: final values of the touched rows, and the new rows in order."""
+    """What ``plan`` leaves to write: final values of the touched rows, and the new rows in order
+    (``entries`` and ``usage`` rows hold the columns ENTRY_COLUMNS and USAGE_COLUMNS name)."""
 
     now: int
     accounts: dict[str, list[int]] = field(default_factory=dict)

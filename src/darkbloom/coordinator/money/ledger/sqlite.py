@@ -112,19 +112,17 @@ def _write(conn: sqlite3.Connection, changes: Changes) -> None:
         conn.executemany("UPDATE key_spend SET spent_micro_usd = ?, reserved_micro_usd = ? "
                          "WHERE key_id = ? AND window_start = ?", changed)
     if changes.new_reservations:
-        conn.executemany(f"INSERT INTO reservations ({', '.join(_RESERVATION_COLUMNS)}) "
-                         f"VALUES ({', '.join('?' * len(_RESERVATION_COLUMNS))})",
+        conn.executemany(_insert("reservations", _RESERVATION_COLUMNS),
                          [tuple(r[c] for c in _RESERVATION_COLUMNS) for r in changes.new_reservations.values()])
     if changes.closed:
         conn.executemany("UPDATE reservations SET status = ?, closed_at = ? WHERE request_id = ?",
                          [(status, changes.now, rid) for rid, status in changes.closed.items()])
     if changes.entries:
-        conn.executemany("INSERT INTO ledger_entries (account_id, kind, pocket, amount_micro_usd, balance_after, "
-                         "request_id, created_at) VALUES (?, ?, ?, ?, ?, ?, ?)",
+        conn.executemany(_insert("ledger_entries", (*rules.ENTRY_COLUMNS, "created_at")),
                          [(*entry, changes.now) for entry in changes.entries])
     if changes.usage:
-        conn.executemany("INSERT INTO usage_records (request_id, account_id, key_id, model, provider_id, "
-                         "provider_account_id, prompt_tokens, completion_tokens, cost_micro_usd, "
-                         "platform_fee_micro_usd, provider_payout_micro_usd, self_routed, routed, created_at, "
-                         "ownership_changed, share_id, machine_id) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
-                         changes.usage)
+        conn.executemany(_insert("usage_records", rules.USAGE_COLUMNS), changes.usage)
+
+
+def _insert(table: str, columns: tuple[str, ...]) -> str:
+    return f"INSERT INTO {table} ({', '.join(columns)}) VALUES ({', '.join('?' * len(columns))})"
