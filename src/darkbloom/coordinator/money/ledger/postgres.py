@@ -1,28 +1,32 @@
 """The ledger writer's Postgres side, on the raw asyncpg connection of one pooled engine connection.
 
-A batch is one transaction: lock and read the rows it touches with set-based ``SELECT … FOR UPDATE``
-in ONE statement, in the one global lock order (reservations by request id, then key windows, then
-accounts by id; so two coordinators' batches never deadlock), run ``rules.plan``, then write
-every change in ONE statement (data-modifying CTEs over each table's rows as JSON). Round trips per batch,
-whatever its size: BEGIN, one read, one write, COMMIT. (The rules stay in Python, shared with
-SQLite; a server-side function would save BEGIN and COMMIT but hold a second copy of them.)
+A batch is two statements, in two round trips, with no transaction around them: ONE read of every
+row it touches, from one snapshot and without a lock; ``rules.plan`` on what it read; then ONE write
+(data-modifying CTEs over each table's rows as JSON) that first locks the rows it changes, in the one
+global lock order — reservations by request id, then key windows, then accounts by id, the platform
+account last — and checks them: the reservations it closes still open, the key windows it sets as
+read, and every account it moves able to take the moves without a pocket going below 0. It writes
+nothing unless all hold; a row it creates that exists by then (a reservation, key window or usage
+row) fails it whole. Accounts are moved by addition, each new entry's ``balance_after`` shifted by
+what other transactions moved its account by since the read, so a payer's or a payee's row shared by
+every coordinator is held only from one batch's write to its commit, and a batch of another
+coordinator that moved it meanwhile is no conflict. (Refusals — insufficient funds, a spend cap —
+are decided on the read: a batch may refuse what a moment later it would have taken.)
 
-The platform account is the exception: every charged settlement of every coordinator credits it (the
-fee, and a payout whose owner is gone) and nothing in a batch checks it, so it is always a batch's
-last lock, and usually taken late: read without a lock, credited by the write as an addition, its row
-held from the write to the commit only, and never by a batch that does not credit it. What other
-transactions added meanwhile shifts its new entries' ``balance_after`` in the same statement. A batch
-that may create a key window while it credits the platform (or, never in service, has it pay) locks
-it at the read instead, still last: two batches creating the same window wait for each other's
-insert, so neither may then be waiting for the platform row while the other holds it. Whoever holds
-the platform row thus waits at most for another batch's insert of a key window, by a batch that never
-waits for the platform row: no wait closes a cycle."""
+A batch whose write found a check failing — another coordinator's batch got there first — is done
+again as one transaction: BEGIN, the same read with ``SELECT … FOR UPDATE`` (all but the platform's
+row, which the write locks last), the plan, the same write (its checks then hold), COMMIT. Every
+batch takes all its row locks before it inserts anything, in the same order, so the only waits
+between batches that lock are in that order, and one waiting at an insert (two batches creating one
+key window) waits for a batch past its locks: no wait closes a cycle. (The rules stay in Python,
+shared with SQLite; a server-side function would save a round trip but hold a second copy of them.)"""
 
 from __future__ import annotations
 
 import time
 from typing import Any
 
+import asyncpg
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
 
 from darkbloom.coordinator.money.ledger import rules
@@ -30,15 +34,14 @@ from darkbloom.coordinator.money.ledger.rules import Changes, State, Step
 from darkbloom.store.schema import FALLBACK_PREFIX, PLATFORM_ACCOUNT_ID
 from darkbloom.wire.json_codec import dumps_text
 
-# One statement locks and reads everything a batch touches. UNION ALL runs its parts in order, each
-# locking its rows sorted: reservations, then key windows, then accounts, the platform account last — the
-# one global lock order (its row read without a lock when the write will add to it: module docstring).
-# The windows (spend cap and fallback budget) and accounts of the reservations being closed come from
-# those reservations themselves.
-_LOCK = """
+# One statement reads everything a batch touches: reservations, then key windows, then accounts (the
+# platform's last), each part's rows sorted — under the locks of the locked read, in the one global lock
+# order. The windows (spend cap and fallback budget) and accounts of the reservations being closed come
+# from those reservations themselves. The platform's row is never locked here (module docstring).
+_READ = """
 SELECT 'r' AS part, request_id AS id, account_id, key_id, amount_micro_usd AS n1, window_start AS n2,
        fallback_window_start AS n3, status, instance_id
-FROM (SELECT * FROM reservations WHERE request_id = ANY($1::text[]) ORDER BY request_id FOR UPDATE) r
+FROM (SELECT * FROM reservations WHERE request_id = ANY($1::text[]) ORDER BY request_id {lock}) r
 UNION ALL
 SELECT 'w', NULL, NULL, key_id, window_start, spent_micro_usd, reserved_micro_usd, NULL, NULL
 FROM (SELECT * FROM key_spend
@@ -47,56 +50,73 @@ FROM (SELECT * FROM key_spend
                                        WHERE request_id = ANY($1::text[]) AND window_start IS NOT NULL
                                        UNION SELECT $6::text || key_id, fallback_window_start FROM reservations
                                        WHERE request_id = ANY($1::text[]) AND fallback_window_start IS NOT NULL)
-      ORDER BY key_id, window_start FOR UPDATE OF key_spend) w
+      ORDER BY key_id, window_start {lock}) w
 UNION ALL
 SELECT 'a', id, NULL, NULL, balance_micro_usd, withdrawable_micro_usd, NULL, NULL, NULL
 FROM (SELECT * FROM accounts
-      WHERE (id = ANY($4::text[])
-             OR id IN (SELECT account_id FROM reservations WHERE request_id = ANY($1::text[])))
+      WHERE id IN (SELECT unnest($4::text[])
+                   UNION SELECT account_id FROM reservations WHERE request_id = ANY($1::text[]))
         AND id <> $7::text
-      ORDER BY id FOR UPDATE OF accounts) a
+      ORDER BY id {lock}) a
 UNION ALL
 SELECT 'a', id, NULL, NULL, balance_micro_usd, withdrawable_micro_usd, NULL, NULL, NULL
-FROM (SELECT * FROM accounts WHERE id = $7::text {platform_lock}) p
+FROM accounts WHERE id = $7::text
 UNION ALL
 SELECT 'u', request_id, NULL, NULL, NULL, NULL, NULL, NULL, NULL
 FROM usage_records WHERE request_id = ANY($5::text[])"""
-_LOCK_ALL, _LOCK_BUT_PLATFORM = _LOCK.format(platform_lock="FOR UPDATE"), _LOCK.format(platform_lock="")
-# One statement writes everything. Each table's rows come as one JSON array of objects keyed by column
-# name (json_populate_recordset types them from the table): one parameter per table, where one array
-# parameter per column cost asyncpg ~1 µs of encoding each, ~50 µs a batch at 49 of them.
+_SNAPSHOT, _LOCKED = _READ.format(lock=""), _READ.format(lock="FOR UPDATE")
+# One statement writes everything, each table's rows as one JSON array (one parameter per table, typed
+# by json_populate_recordset from the table, where one array parameter per column cost asyncpg ~1 µs of
+# encoding each). First it locks, in the global order, the rows it changes and checks them: the
+# reservations it closes still open ($8), the windows it sets as read ($9), and each account it moves
+# ($1: what it adds to each pocket, the pockets as read, and the lowest the batch takes each below
+# that) able to take the moves without a pocket going below 0. It writes nothing unless every check
+# holds. Accounts are moved by addition, and a new entry's ``balance_after`` (planned from the read) is
+# shifted by what other transactions moved its account by since the read.
 _WRITE = """
 WITH
+cr AS (SELECT request_id FROM reservations WHERE request_id = ANY($8::text[]) AND status = 'open'
+       ORDER BY request_id FOR UPDATE),
+cw AS (SELECT t.key_id FROM key_spend AS t JOIN json_populate_recordset(NULL::key_spend, $9::json) AS e
+         ON t.key_id = e.key_id AND t.window_start = e.window_start
+            AND t.spent_micro_usd = e.spent_micro_usd AND t.reserved_micro_usd = e.reserved_micro_usd
+       WHERE (SELECT count(*) FROM cr) = cardinality($8::text[])
+       ORDER BY t.key_id, t.window_start FOR UPDATE OF t),
+ca AS (SELECT t.id, t.balance_micro_usd - v.rb AS sb, t.withdrawable_micro_usd - v.rw AS sw,
+              t.balance_micro_usd + v.lb >= 0 AND t.withdrawable_micro_usd + v.lw >= 0 AS fits
+       FROM accounts AS t
+       JOIN json_to_recordset($1::json) AS v(id text, db bigint, dw bigint, rb bigint, rw bigint, lb bigint, lw bigint)
+         ON t.id = v.id
+       WHERE (SELECT count(*) FROM cw) = json_array_length($9::json)
+       ORDER BY t.id = $10::text, t.id FOR UPDATE OF t),
+ok AS (SELECT (SELECT count(*) FROM cr) = cardinality($8::text[])
+              AND (SELECT count(*) FROM cw) = json_array_length($9::json)
+              AND (SELECT count(*) FILTER (WHERE fits) FROM ca) = json_array_length($1::json) AS ok),
 a AS (UPDATE accounts AS t
-      SET balance_micro_usd = v.balance_micro_usd, withdrawable_micro_usd = v.withdrawable_micro_usd
-      FROM json_populate_recordset(NULL::accounts, $1::json) AS v WHERE t.id = v.id),
+      SET balance_micro_usd = t.balance_micro_usd + v.db, withdrawable_micro_usd = t.withdrawable_micro_usd + v.dw
+      FROM json_to_recordset($1::json) AS v(id text, db bigint, dw bigint)
+      WHERE t.id = v.id AND (SELECT ok FROM ok)),
 kn AS (INSERT INTO key_spend (key_id, window_start, spent_micro_usd, reserved_micro_usd)
        SELECT key_id, window_start, spent_micro_usd, reserved_micro_usd
-       FROM json_populate_recordset(NULL::key_spend, $2::json)),
+       FROM json_populate_recordset(NULL::key_spend, $2::json) WHERE (SELECT ok FROM ok)),
 ku AS (UPDATE key_spend AS t SET spent_micro_usd = v.spent_micro_usd, reserved_micro_usd = v.reserved_micro_usd
        FROM json_populate_recordset(NULL::key_spend, $3::json) AS v
-       WHERE t.key_id = v.key_id AND t.window_start = v.window_start),
+       WHERE t.key_id = v.key_id AND t.window_start = v.window_start AND (SELECT ok FROM ok)),
 rn AS (INSERT INTO reservations (request_id, account_id, key_id, amount_micro_usd, window_start, status,
                                  instance_id, created_at, closed_at, fallback_window_start)
        SELECT request_id, account_id, key_id, amount_micro_usd, window_start, status, instance_id, created_at,
               closed_at, fallback_window_start
-       FROM json_populate_recordset(NULL::reservations, $4::json)),
-rc AS (UPDATE reservations AS t SET status = v.status, closed_at = $8::bigint
-       FROM json_populate_recordset(NULL::reservations, $5::json) AS v WHERE t.request_id = v.request_id),
-p AS (UPDATE accounts SET balance_micro_usd = balance_micro_usd + $9::bigint,
-                          withdrawable_micro_usd = withdrawable_micro_usd + $10::bigint
-      WHERE id = $11::text
-      RETURNING balance_micro_usd - $9::bigint AS b, withdrawable_micro_usd - $10::bigint AS w),
-shift AS (SELECT coalesce((SELECT b FROM p), $12::bigint) - $12::bigint AS b,
-                 coalesce((SELECT w FROM p), $13::bigint) - $13::bigint AS w),
+       FROM json_populate_recordset(NULL::reservations, $4::json) WHERE (SELECT ok FROM ok)),
+rc AS (UPDATE reservations AS t SET status = v.status, closed_at = $11::bigint
+       FROM json_populate_recordset(NULL::reservations, $5::json) AS v
+       WHERE t.request_id = v.request_id AND (SELECT ok FROM ok)),
 le AS (INSERT INTO ledger_entries (account_id, kind, pocket, amount_micro_usd, balance_after, request_id,
                                    created_at)
        SELECT v.account_id, v.kind, v.pocket, v.amount_micro_usd,
-              v.balance_after + CASE WHEN v.account_id = $11::text
-                                     THEN CASE WHEN v.pocket = 'balance' THEN s.b ELSE s.w END ELSE 0 END,
-              v.request_id, $8::bigint
-       FROM json_populate_recordset(NULL::ledger_entries, $6::json) WITH ORDINALITY AS v, shift AS s
-       ORDER BY v.ordinality),
+              v.balance_after + CASE WHEN v.pocket = 'balance' THEN s.sb ELSE s.sw END, v.request_id, $11::bigint
+       FROM json_populate_recordset(NULL::ledger_entries, $6::json) WITH ORDINALITY AS v JOIN ca AS s
+         ON s.id = v.account_id
+       WHERE (SELECT ok FROM ok) ORDER BY v.ordinality),
 u AS (INSERT INTO usage_records (request_id, account_id, key_id, model, provider_id, provider_account_id,
                                  prompt_tokens, completion_tokens, cost_micro_usd, platform_fee_micro_usd,
                                  provider_payout_micro_usd, self_routed, routed, created_at, ownership_changed,
@@ -104,8 +124,13 @@ u AS (INSERT INTO usage_records (request_id, account_id, key_id, model, provider
       SELECT request_id, account_id, key_id, model, provider_id, provider_account_id, prompt_tokens,
              completion_tokens, cost_micro_usd, platform_fee_micro_usd, provider_payout_micro_usd, self_routed, routed,
              created_at, ownership_changed, share_id, machine_id
-      FROM json_populate_recordset(NULL::usage_records, $7::json))
-SELECT count(*) FROM p"""
+      FROM json_populate_recordset(NULL::usage_records, $7::json) WHERE (SELECT ok FROM ok))
+SELECT ok FROM ok"""
+# The ledger's connection runs only these two statements, whose every row is found by its key: planned
+# once per connection (a plan per batch cost the server 0.3–1 ms a statement), with index lookups and
+# nested loops whatever the tables' sizes when it was planned.
+_SESSION = ("SET plan_cache_mode = force_generic_plan; SET enable_seqscan = off; SET enable_hashjoin = off; "
+            "SET enable_mergejoin = off")
 
 
 class PostgresLedger:
@@ -113,15 +138,14 @@ class PostgresLedger:
         self._engine = engine
         self._conn: AsyncConnection | None = None
         self._raw: Any = None
+        self.rechecked = 0  # batches whose checked write found a row changed, done again under locks
 
     async def _connection(self) -> Any:
         if self._raw is None or self._raw.is_closed():
             await self._discard()
             self._conn = await self._engine.connect()
             self._raw = (await self._conn.get_raw_connection()).driver_connection
-            # Plan each batch for its own arrays: a cached generic plan, made while the tables were
-            # small, would keep scanning them whole as they grow (until the next ANALYZE).
-            await self._raw.execute("SET plan_cache_mode = force_custom_plan")
+            await self._raw.execute(_SESSION)
         return self._raw
 
     async def _discard(self) -> None:
@@ -135,17 +159,18 @@ class PostgresLedger:
 
     async def apply(self, steps: list[Step]) -> list[Any]:
         raw = await self._connection()
-        platform_at_read = _platform_locked_at_read(steps)
-        credited = "" if platform_at_read else PLATFORM_ACCOUNT_ID  # the account the write adds to
         try:
+            try:
+                results = await _apply(raw, steps, _SNAPSHOT)
+            except asyncpg.UniqueViolationError:  # a reservation, key window or usage row made since the read
+                results = None
+            if results is not None:
+                return results
+            self.rechecked += 1
             async with raw.transaction():
-                state = await _read(raw, steps, platform_at_read)
-                read = tuple(state.accounts.get(credited, (0, 0)))
-                results, changes = rules.plan(steps, state, int(time.time()))
-                if not changes.empty():
-                    added = await raw.fetchval(_WRITE, *_columns(changes, credited, read))
-                    if credited in changes.accounts and not added:
-                        raise LookupError(f"the account {credited} is missing: its credits cannot be written")
+                results = await _apply(raw, steps, _LOCKED)
+            if results is None:
+                raise LookupError("an account the ledger batch moves money in is missing")
         except BaseException:
             if raw.is_closed() or raw.is_in_transaction():
                 await self._discard()  # broken, or a cancelled transaction left half-open
@@ -156,28 +181,27 @@ class PostgresLedger:
         conn, raw, self._conn, self._raw = self._conn, self._raw, None, None
         if conn is not None:
             if raw is not None and not raw.is_closed():
-                await raw.execute("RESET plan_cache_mode")  # back to the pool as it came
+                await raw.execute("RESET ALL")  # back to the pool as it came
             await conn.close()
 
 
-def _platform_locked_at_read(steps: list[Step]) -> bool:
-    """Whether the batch takes the platform row at its read (still its last lock) rather than at its
-    write: when it may create a key window (a reservation against a cap or a fallback budget) and
-    credit the platform (a charged settlement) in one transaction, or has the platform pay."""
-    windowed = any(isinstance(step, rules.Reserve) and (step.cap is not None or step.fallback_cap is not None)
-                   for step in steps)
-    crediting = any(isinstance(step, rules.Settle) and step.cost > 0 for step in steps)
-    paying = any(isinstance(step, (rules.Reserve, rules.Settle)) and step.account_id == PLATFORM_ACCOUNT_ID
-                 for step in steps)
-    return (windowed and crediting) or paying
+async def _apply(raw: Any, steps: list[Step], read_statement: str) -> list[Any] | None:
+    """Read (``_SNAPSHOT``, or ``_LOCKED`` in a transaction), plan, write: the steps' results, or None
+    when the write's checks failed and it wrote nothing (under the locked read: only when an account
+    is missing)."""
+    state = await _read(raw, steps, read_statement)
+    read = _Read(state)
+    results, changes = rules.plan(steps, state, int(time.time()))
+    if changes.empty():
+        return results
+    return results if await raw.fetchval(_WRITE, *_columns(changes, read)) else None
 
 
-async def _read(raw: Any, steps: list[Step], platform_at_read: bool) -> State:
-    """One round trip: the rows the batch needs, locked (its reservations' own windows and accounts
-    included, the platform's last; without ``platform_at_read``, the platform's row read as it stands)."""
+async def _read(raw: Any, steps: list[Step], statement: str) -> State:
+    """One round trip: the rows the batch needs (its reservations' own windows and accounts included)."""
     state = State()
     reserving = rules.window_keys(steps, {})
-    rows = await raw.fetch(_LOCK_ALL if platform_at_read else _LOCK_BUT_PLATFORM,
+    rows = await raw.fetch(statement,
                            rules.reservation_ids(steps), [k for k, _ in reserving], [w for _, w in reserving],
                            rules.account_ids(steps, {}), rules.usage_ids(steps), FALLBACK_PREFIX, PLATFORM_ACCOUNT_ID)
     for row in rows:
@@ -196,10 +220,21 @@ async def _read(raw: Any, steps: list[Step], platform_at_read: bool) -> State:
     return state
 
 
-def _columns(changes: Changes, credited: str, read: tuple[int, ...]) -> list[Any]:
-    """The write statement's arguments: each table's rows as JSON ($1 … $7), the time ($8), then what
-    ``credited`` (read as ``read``) gains, as additions ($9 … $13)."""
-    gained = changes.accounts.get(credited)
+class _Read:
+    """The values of the windows and accounts as read, before ``rules.plan`` moves them."""
+
+    def __init__(self, state: State) -> None:
+        self.windows = {key: tuple(values) for key, values in state.windows.items()}
+        self.accounts = {key: tuple(values) for key, values in state.accounts.items()}
+
+
+def _columns(changes: Changes, read: _Read) -> list[Any]:
+    """The write statement's arguments: each table's rows as JSON ($1 … $7: each account as what it
+    gains, read and lowest), what it checks first ($8, $9), the platform's id ($10), the time ($11)."""
+    lowest: dict[tuple[str, str], int] = {}  # (account, pocket): the lowest the batch takes it below the read
+    for account_id, _, pocket, _, after, _ in changes.entries:
+        before = read.accounts[account_id][0 if pocket == "balance" else 1]
+        lowest[account_id, pocket] = min(lowest.get((account_id, pocket), 0), after - before)
 
     def windows(new: bool) -> str:
         return dumps_text([{"key_id": key[0], "window_start": key[1], "spent_micro_usd": values[0],
@@ -207,14 +242,18 @@ def _columns(changes: Changes, credited: str, read: tuple[int, ...]) -> list[Any
                            for key, values in changes.windows.items() if (key in changes.new_windows) == new])
 
     return [
-        dumps_text([{"id": k, "balance_micro_usd": v[0], "withdrawable_micro_usd": v[1]}
-                    for k, v in changes.accounts.items() if k != credited]),
+        dumps_text([{"id": k, "db": v[0] - read.accounts[k][0], "dw": v[1] - read.accounts[k][1],
+                     "rb": read.accounts[k][0], "rw": read.accounts[k][1],
+                     "lb": lowest.get((k, "balance"), 0), "lw": lowest.get((k, "withdrawable"), 0)}
+                    for k, v in changes.accounts.items()]),
         windows(True), windows(False),
         dumps_text(list(changes.new_reservations.values())),
         dumps_text([{"request_id": r, "status": status} for r, status in changes.closed.items()]),
         dumps_text([dict(zip(rules.ENTRY_COLUMNS, entry)) for entry in changes.entries]),
         dumps_text([dict(zip(rules.USAGE_COLUMNS, row)) for row in changes.usage]),
-        changes.now,
-        gained[0] - read[0] if gained else 0, gained[1] - read[1] if gained else 0,
-        credited if gained else "", read[0], read[1],
+        sorted(changes.closed),
+        dumps_text([{"key_id": k[0], "window_start": k[1], "spent_micro_usd": read.windows[k][0],
+                     "reserved_micro_usd": read.windows[k][1]}
+                    for k in changes.windows if k not in changes.new_windows]),
+        PLATFORM_ACCOUNT_ID, changes.now,
     ]
