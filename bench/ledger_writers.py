@@ -2,8 +2,8 @@
 take reservations and settle them against one fresh database, c requests at a time per writer, N
 paying accounts taking turns and each writer's payouts going to an owner of its own. Prints, per
 cell, paid requests per second and what each costs: this process's CPU (the writers' client side),
-the database backends' CPU (read from /proc), ledger batches, and the checked writes that found a
-row changed since their read and were done again under locks.
+the database backends' CPU (read from /proc), ledger batches, the share of them planned on known rows
+(the write alone), and those done again under locks because their write found a row changed.
 
 Where replicas' CPU per request goes to the ledger (bench/replicas.py), this measures a change to the
 ledger without the HTTP stacks around it. Runs the working tree's ``src/`` or another (``--src DIR``,
@@ -94,17 +94,19 @@ async def _cell(url: str, writers: int, concurrency: int, accounts: int, seconds
     backends = [getattr(s.ledger, "_backend", None) for s in coordinators]
     batches0, steps0 = sum(s.ledger.batches for s in coordinators), sum(s.ledger.steps for s in coordinators)
     conflicts0 = sum(getattr(b, "rechecked", 0) for b in backends)
+    unread0 = sum(getattr(b, "unread", 0) for b in backends)
     done, server0, client0, wall0 = 0, _backend_cpu(pids), time.process_time(), time.monotonic()
     await run(seconds)
     wall, client, server = time.monotonic() - wall0, time.process_time() - client0, _backend_cpu(pids) - server0
     batches = sum(s.ledger.batches for s in coordinators) - batches0
     rechecked = sum(getattr(b, "rechecked", 0) for b in backends) - conflicts0
+    unread = sum(getattr(b, "unread", 0) for b in backends) - unread0
     for services in coordinators:
         await services.ledger.close()
         await services.engine.dispose()
     return {"req/s": done / wall, "client µs/req": client / done * 1e6, "server µs/req": server / done * 1e6,
             "batches/req": batches / done, "steps/batch": (sum(s.ledger.steps for s in coordinators) - steps0)
-            / max(batches, 1), "rechecked %": 100 * rechecked / max(batches, 1)}
+            / max(batches, 1), "unread %": 100 * unread / max(batches, 1), "rechecked %": 100 * rechecked / max(batches, 1)}
 
 
 def main() -> None:
@@ -124,8 +126,8 @@ def main() -> None:
 
     print(f"src: {args.src}", flush=True)
     print("| writers | c per writer | paying accounts | paid req/s | client CPU µs/req | server CPU µs/req "
-          "| batches/req | steps/batch | rechecked % |")
-    print("|---|---|---|---|---|---|---|---|---|")
+          "| batches/req | steps/batch | unread % | rechecked % |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
     for writers, concurrency, accounts in itertools.product(
             *(map(int, value.split(",")) for value in (args.writers, args.concurrency, args.accounts))):
         with postgres_database() as url:
@@ -138,7 +140,7 @@ def main() -> None:
             row = uvloop.run(cell())
         print(f"| {writers} | {concurrency} | {accounts} | {row['req/s']:.0f} | {row['client µs/req']:.0f} "
               f"| {row['server µs/req']:.0f} | {row['batches/req']:.2f} | {row['steps/batch']:.2f} "
-              f"| {row['rechecked %']:.1f} |", flush=True)
+              f"| {row['unread %']:.0f} | {row['rechecked %']:.1f} |", flush=True)
 
 
 if __name__ == "__main__":

@@ -18,6 +18,7 @@ from darkbloom.coordinator.money import billing
 from darkbloom.coordinator.money.ledger import rules
 from darkbloom.coordinator.money.ledger.writer import LedgerUnavailable, LedgerWriter, backend_for
 from darkbloom.coordinator.services import Services
+from darkbloom.store import accounts as account_store
 from darkbloom.store import ledger as ledger_store
 from darkbloom.store.schema import PLATFORM_ACCOUNT_ID, reservations, usage_records
 from darkbloom.wire.openai.errors import ApiError
@@ -265,8 +266,8 @@ async def test_on_postgres_a_batch_holds_rows_only_from_its_write(services: Serv
     the rows it changes, checks them and moves accounts by addition. Another transaction holding the
     payer's and the platform's rows stops no read: the batch waits at its write, and its moves land on
     top of what that transaction committed, each entry's ``balance_after`` the running sum. A payer
-    whose balance fell meanwhile below what the batch takes makes the write write nothing; the batch
-    is done again under locks, and refused."""
+    whose balance fell meanwhile below what the batch takes makes the write write nothing, and the batch
+    is refused on a fresh read."""
     if services.engine.dialect.name != "postgresql":
         pytest.skip("row locks of the Postgres ledger")
     payer = await new_account(services, credit=100_000)
@@ -288,8 +289,6 @@ async def test_on_postgres_a_batch_holds_rows_only_from_its_write(services: Serv
     assert await pockets(services, payer) == (100_000 + 11 - settled.cost - 1_000, 0)
     await check_ledger_consistency(services.engine)
 
-    backend = services.ledger._backend
-    rechecked = backend.rechecked
     balance = (await pockets(services, payer))[0]
     async with services.engine.connect() as conn:
         await ledger_store.move(conn, payer, "balance", -(balance - 500), "test_move")  # 500 left, uncommitted
@@ -300,9 +299,45 @@ async def test_on_postgres_a_batch_holds_rows_only_from_its_write(services: Serv
     with pytest.raises(ApiError) as refused:
         await asyncio.wait_for(reserving, 10)
     assert refused.value.type == "insufficient_funds"
-    assert backend.rechecked == rechecked + 1
     assert await pockets(services, payer) == (500, 0)
     await billing.refund(services, second)
+    await check_ledger_consistency(services.engine)
+
+
+async def test_on_postgres_a_batch_on_known_rows_is_its_write_alone(services: Services,
+                                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    """A batch whose rows this coordinator has read or written before is planned on them and written
+    without a read; a refusal is never decided on them: a caller another coordinator credited since
+    is read again, and served."""
+    if services.engine.dialect.name != "postgresql":
+        pytest.skip("the Postgres ledger's known rows")
+    from darkbloom.coordinator.money.ledger import postgres
+
+    payer = await new_account(services, credit=10_000)
+    owner = await new_account(services)
+    first = await billing.reserve(services, "kn-1", payer, None, 4_000)  # read: payer, platform
+    await settle_paid(services, first, PRICED, USAGE, served(owner))     # read: the owner
+    reads: list[list[rules.Step]] = []
+    real_read = postgres._read
+
+    async def counted(raw: Any, steps: list[rules.Step], statement: str) -> rules.State:
+        reads.append(steps)
+        return await real_read(raw, steps, statement)
+
+    monkeypatch.setattr(postgres, "_read", counted)
+    backend = services.ledger._backend
+    unread = backend.unread
+    second = await billing.reserve(services, "kn-2", payer, None, 4_000)
+    settled = await settle_paid(services, second, PRICED, USAGE, served(owner))
+    assert settled is not None and settled.cost > 0
+    assert reads == [] and backend.unread == unread + 2
+
+    balance = (await pockets(services, payer))[0]
+    async with services.engine.begin() as conn:  # a credit the writer did not make: its known balance is low
+        await account_store.credit(conn, payer, 9_000, "ref-known")
+    third = await billing.reserve(services, "kn-3", payer, None, balance + 1_000)
+    assert third.amount == balance + 1_000 and len(reads) == 1
+    await billing.refund(services, third)
     await check_ledger_consistency(services.engine)
 
 

@@ -23,6 +23,8 @@ shared with SQLite; a server-side function would save a round trip but hold a se
 
 from __future__ import annotations
 
+import collections
+import json
 import time
 from typing import Any
 
@@ -95,7 +97,8 @@ ok AS (SELECT (SELECT count(*) FROM cr) = cardinality($8::text[])
 a AS (UPDATE accounts AS t
       SET balance_micro_usd = t.balance_micro_usd + v.db, withdrawable_micro_usd = t.withdrawable_micro_usd + v.dw
       FROM json_to_recordset($1::json) AS v(id text, db bigint, dw bigint)
-      WHERE t.id = v.id AND (SELECT ok FROM ok)),
+      WHERE t.id = v.id AND (SELECT ok FROM ok)
+      RETURNING t.id, t.balance_micro_usd, t.withdrawable_micro_usd),
 kn AS (INSERT INTO key_spend (key_id, window_start, spent_micro_usd, reserved_micro_usd)
        SELECT key_id, window_start, spent_micro_usd, reserved_micro_usd
        FROM json_populate_recordset(NULL::key_spend, $2::json) WHERE (SELECT ok FROM ok)),
@@ -125,7 +128,8 @@ u AS (INSERT INTO usage_records (request_id, account_id, key_id, model, provider
              completion_tokens, cost_micro_usd, platform_fee_micro_usd, provider_payout_micro_usd, self_routed, routed,
              created_at, ownership_changed, share_id, machine_id
       FROM json_populate_recordset(NULL::usage_records, $7::json) WHERE (SELECT ok FROM ok))
-SELECT ok FROM ok"""
+SELECT (SELECT ok FROM ok) AS ok,
+       (SELECT json_agg(json_build_array(id, balance_micro_usd, withdrawable_micro_usd)) FROM a) AS moved"""
 # The ledger's connection runs only these two statements, whose every row is found by its key: planned
 # once per connection (a plan per batch cost the server 0.3–1 ms a statement), with index lookups and
 # nested loops whatever the tables' sizes when it was planned.
@@ -138,7 +142,9 @@ class PostgresLedger:
         self._engine = engine
         self._conn: AsyncConnection | None = None
         self._raw: Any = None
-        self.rechecked = 0  # batches whose checked write found a row changed, done again under locks
+        self._known = _Known()
+        self.unread = 0     # batches planned on known rows: the write alone, one round trip
+        self.rechecked = 0  # batches whose read's plan failed the write's checks, done again under locks
 
     async def _connection(self) -> Any:
         if self._raw is None or self._raw.is_closed():
@@ -160,15 +166,18 @@ class PostgresLedger:
     async def apply(self, steps: list[Step]) -> list[Any]:
         raw = await self._connection()
         try:
-            try:
-                results = await _apply(raw, steps, _SNAPSHOT)
-            except asyncpg.UniqueViolationError:  # a reservation, key window or usage row made since the read
-                results = None
+            known = self._known.state_for(steps)
+            if known is not None:
+                results = await self._plan_and_write(raw, steps, known, taken_only=True)
+                if results is not None:
+                    self.unread += 1
+                    return results
+            results = await self._plan_and_write(raw, steps, await self._read(raw, steps, _SNAPSHOT))
             if results is not None:
                 return results
             self.rechecked += 1
             async with raw.transaction():
-                results = await _apply(raw, steps, _LOCKED)
+                results = await self._plan_and_write(raw, steps, await self._read(raw, steps, _LOCKED))
             if results is None:
                 raise LookupError("an account the ledger batch moves money in is missing")
         except BaseException:
@@ -184,17 +193,34 @@ class PostgresLedger:
                 await raw.execute("RESET ALL")  # back to the pool as it came
             await conn.close()
 
+    async def _read(self, raw: Any, steps: list[Step], statement: str) -> State:
+        state = await _read(raw, steps, statement)
+        self._known.saw(state)
+        return state
 
-async def _apply(raw: Any, steps: list[Step], read_statement: str) -> list[Any] | None:
-    """Read (``_SNAPSHOT``, or ``_LOCKED`` in a transaction), plan, write: the steps' results, or None
-    when the write's checks failed and it wrote nothing (under the locked read: only when an account
-    is missing)."""
-    state = await _read(raw, steps, read_statement)
-    read = _Read(state)
-    results, changes = rules.plan(steps, state, int(time.time()))
-    if changes.empty():
+    async def _plan_and_write(self, raw: Any, steps: list[Step], state: State,
+                              taken_only: bool = False) -> list[Any] | None:
+        """Plan the steps on ``state`` and write: their results, or None when the write's checks failed
+        and it wrote nothing (under the locked read: only when an account is missing) — or, with
+        ``taken_only``, when a step would be refused or finds nothing to close (which known rows are
+        not the last word on; a read is)."""
+        read = _Read(state)
+        results, changes = rules.plan(steps, state, int(time.time()))
+        if taken_only and not all(map(_taken, results)):
+            return None
+        if changes.empty():
+            return results
+        try:
+            row = await raw.fetchrow(_WRITE, *_columns(changes, read))
+        except asyncpg.UniqueViolationError:  # a reservation, key window or usage row made since the read
+            if raw.is_in_transaction():
+                raise  # under locks: two replicas creating one key window; the batch is retried whole
+            return None
+        if not row["ok"]:
+            return None
+        moved = row["moved"]
+        self._known.wrote(changes, json.loads(moved) if isinstance(moved, str) else moved or [])
         return results
-    return results if await raw.fetchval(_WRITE, *_columns(changes, read)) else None
 
 
 async def _read(raw: Any, steps: list[Step], statement: str) -> State:
@@ -226,6 +252,74 @@ class _Read:
     def __init__(self, state: State) -> None:
         self.windows = {key: tuple(values) for key, values in state.windows.items()}
         self.accounts = {key: tuple(values) for key, values in state.accounts.items()}
+
+
+def _taken(result: Any) -> bool:
+    """A step's result that no fresher row could change: a reservation made, a settlement that
+    collected all it charged, a refund given."""
+    return result == rules.RESERVED or result is True or (isinstance(result, rules.Settled) and not result.uncollected)
+
+
+class _Known:
+    """Rows as this coordinator last read or wrote them, to plan a batch on without a read: accounts
+    (stale by whatever others moved since — the write adds and checks, so that costs nothing but a
+    refusal, and a refusal is never decided on them) and the open reservations it read or made. A
+    batch that needs any other row, or a key window, is planned on a read. The least recently used go
+    first."""
+
+    LIMIT = 100_000
+
+    def __init__(self) -> None:
+        self.accounts: collections.OrderedDict[str, tuple[int, int]] = collections.OrderedDict()
+        self.reservations: collections.OrderedDict[str, dict[str, Any]] = collections.OrderedDict()
+
+    def state_for(self, steps: list[Step]) -> State | None:
+        state = State()
+        reserving = {step.request_id for step in steps if isinstance(step, rules.Reserve)}
+        for step in steps:
+            if isinstance(step, rules.Reserve):
+                if step.cap is not None or step.fallback_cap is not None:
+                    return None
+            elif not isinstance(step, rules.Settle) or step.reserved:
+                row = self.reservations.get(step.request_id)
+                if row is None and step.request_id not in reserving:
+                    return None
+                if row is not None:
+                    if row["window_start"] is not None or row["fallback_window_start"] is not None:
+                        return None
+                    state.reservations[step.request_id] = dict(row)
+        for account_id in rules.account_ids(steps, state.reservations):
+            values = self.accounts.get(account_id)
+            if values is None:
+                return None
+            state.accounts[account_id] = list(values)
+        return state
+
+    def saw(self, state: State) -> None:
+        """What a read found (before the plan moves it)."""
+        for account_id, values in state.accounts.items():
+            self._put(self.accounts, account_id, (values[0], values[1]))
+        for request_id, row in state.reservations.items():
+            if row["status"] == "open":
+                self._put(self.reservations, request_id, dict(row))
+            else:
+                self.reservations.pop(request_id, None)
+
+    def wrote(self, changes: Changes, moved: list[list[Any]]) -> None:
+        """What a write left: the accounts' pockets after it, the reservations it opened and closed."""
+        for account_id, balance, withdrawable in moved:
+            self._put(self.accounts, account_id, (int(balance), int(withdrawable)))
+        for request_id, row in changes.new_reservations.items():
+            if row["status"] == "open":
+                self._put(self.reservations, request_id, dict(row))
+        for request_id in changes.closed:
+            self.reservations.pop(request_id, None)
+
+    def _put(self, rows: collections.OrderedDict[str, Any], key: str, value: Any) -> None:
+        rows[key] = value
+        rows.move_to_end(key)
+        if len(rows) > self.LIMIT:
+            rows.popitem(last=False)
 
 
 def _columns(changes: Changes, read: _Read) -> list[Any]:
