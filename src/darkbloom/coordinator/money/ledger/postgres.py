@@ -1,7 +1,8 @@
 """The ledger writer's Postgres side, on the raw asyncpg connection of one pooled engine connection.
 
-A batch is two statements, in two round trips, with no transaction around them: ONE read of every
-row it touches, from one snapshot and without a lock; ``rules.plan`` on what it read; then ONE write
+A batch is one or two statements, one round trip each, with no transaction around them: ONE read
+of every row it touches, from one snapshot and without a lock — or none, when the writer knows those
+rows from its last reads and writes (``_Known``) —; ``rules.plan`` on them; then ONE write
 (data-modifying CTEs over each table's rows as JSON) that first locks the rows it changes, in the one
 global lock order — reservations by request id, then key windows, then accounts by id, the platform
 account last — and checks them: the reservations it closes still open, the key windows it sets as
@@ -10,16 +11,18 @@ nothing unless all hold; a row it creates that exists by then (a reservation, ke
 row) fails it whole. Accounts are moved by addition, each new entry's ``balance_after`` shifted by
 what other transactions moved its account by since the read, so a payer's or a payee's row shared by
 every coordinator is held only from one batch's write to its commit, and a batch of another
-coordinator that moved it meanwhile is no conflict. (Refusals — insufficient funds, a spend cap —
-are decided on the read: a batch may refuse what a moment later it would have taken.)
+coordinator that moved it meanwhile is no conflict — nor a known row that is stale by such moves.
+(Refusals — insufficient funds, a spend cap — are decided on a read, never on known rows: a batch may
+refuse what a moment later it would have taken.)
 
-A batch whose write found a check failing — another coordinator's batch got there first — is done
-again as one transaction: BEGIN, the same read with ``SELECT … FOR UPDATE`` (all but the platform's
+A batch planned on known rows whose write found a check failing, or that would refuse a step, is
+read and planned again. One planned on a read whose write found a check failing — another
+coordinator's batch got there first — is done again as one transaction: BEGIN, the same read with ``SELECT … FOR UPDATE`` (all but the platform's
 row, which the write locks last), the plan, the same write (its checks then hold), COMMIT. Every
 batch takes all its row locks before it inserts anything, in the same order, so the only waits
 between batches that lock are in that order, and one waiting at an insert (two batches creating one
 key window) waits for a batch past its locks: no wait closes a cycle. (The rules stay in Python,
-shared with SQLite; a server-side function would save a round trip but hold a second copy of them.)"""
+shared with SQLite, not in a server-side function.)"""
 
 from __future__ import annotations
 
@@ -267,7 +270,7 @@ class _Known:
     batch that needs any other row, or a key window, is planned on a read. The least recently used go
     first."""
 
-    LIMIT = 100_000
+    LIMIT = 10_000  # rows of each kind
 
     def __init__(self) -> None:
         self.accounts: collections.OrderedDict[str, tuple[int, int]] = collections.OrderedDict()
