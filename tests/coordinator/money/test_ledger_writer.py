@@ -261,6 +261,24 @@ async def test_two_writers_on_one_database_cross_without_deadlock(make_services:
     await check_ledger_consistency(one.engine)
 
 
+async def test_three_writers_racing_for_one_balance_never_take_more_than_it_holds(
+        make_services: MakeServices) -> None:
+    """Three coordinators' writers reserve from one balance at once, each having seen it whole (on
+    Postgres each plans on the balance it knows, stale by the others' reservations): together they
+    take exactly what it holds, and every other reservation is refused."""
+    writers = [await make_services() for _ in range(3)]
+    payer = await new_account(writers[0], credit=40_000)
+    for n, services in enumerate(writers):  # each writer reads (and knows) the whole balance
+        await billing.refund(services, await billing.reserve(services, f"seen-{n}", payer, None, 1_000))
+    results = await together(*(billing.reserve(writers[n % 3], f"race-{n}", payer, None, 1_000) for n in range(60)))
+    taken = [r for r in results if isinstance(r, billing.Reservation)]
+    refused = [r for r in results if isinstance(r, ApiError)]
+    assert len(taken) == 40 and len(refused) == 20, results
+    assert {r.type for r in refused} == {"insufficient_funds"}
+    assert await pockets(writers[0], payer) == (0, 0)
+    await check_ledger_consistency(writers[0].engine)
+
+
 async def test_on_postgres_a_batch_holds_rows_only_from_its_write(services: Services) -> None:
     """docs/billing.md "The ledger writer": on Postgres a batch reads without a lock, and its write locks
     the rows it changes, checks them and moves accounts by addition. Another transaction holding the
