@@ -359,6 +359,51 @@ async def test_on_postgres_a_batch_on_known_rows_is_its_write_alone(services: Se
     await check_ledger_consistency(services.engine)
 
 
+async def test_on_postgres_a_usage_row_for_an_unmoved_caller_closes_no_cycle(services: Services) -> None:
+    """A free request's usage row holds its caller's account ``FOR KEY SHARE`` (the foreign key) after
+    the batch's own locks, on an account the batch does not move. Batch A (X's free request, Z's paid
+    one) holds the platform's row when it inserts that row; batch B (X's paid request) holds X and
+    waits for the platform's. A's key-share lock must not wait for B: no deadlock, both land."""
+    if services.engine.dialect.name != "postgresql":
+        pytest.skip("row locks of the Postgres ledger")
+    from darkbloom.coordinator.money.ledger.postgres import PostgresLedger
+
+    x = await new_account(services, credit=10_000)
+    z = await new_account(services, credit=10_000)
+
+    def settle(request_id: str, account: str, cost: int) -> rules.Settle:
+        return rules.Settle(request_id, account, None, "m", "prov_w", None, 1, 1, cost, 1_000, reserved=False,
+                            self_routed=cost == 0, routed="owned" if cost == 0 else "fleet")
+
+    one, two = PostgresLedger(services.engine), PostgresLedger(services.engine)
+    try:
+        async with services.engine.connect() as conn:  # the platform's row held until both batches wait
+            await ledger_store.move(conn, PLATFORM_ACCOUNT_ID, "withdrawable", 0, "test_move")
+            first = asyncio.ensure_future(one.apply([settle("cy-a1", x, 0), settle("cy-a2", z, 100)]))
+            assert await _lock_waiters(services)
+            second = asyncio.ensure_future(two.apply([settle("cy-b1", x, 100)]))
+            await _lock_waiters(services, count=2)
+            await conn.commit()
+        done = await asyncio.wait_for(asyncio.gather(first, second, return_exceptions=True), 10)
+    finally:
+        await one.close()
+        await two.close()
+    assert not [r for r in done if isinstance(r, BaseException)], done
+    assert await pockets(services, x) == (10_000 - 100, 0) and await pockets(services, z) == (10_000 - 100, 0)
+    await check_ledger_consistency(services.engine)
+
+
+async def test_a_pocket_below_zero_still_takes_what_it_is_given(services: Services) -> None:
+    """A pocket the ledger only adds to is not checked: an account left below zero (by hand, or by data
+    from before this ledger) still gets its refund."""
+    payer = await new_account(services, credit=5_000)
+    held = await billing.reserve(services, "neg-1", payer, None, 1_000)
+    async with services.engine.begin() as conn:
+        await conn.execute(text("UPDATE accounts SET balance_micro_usd = -5 WHERE id = :id"), {"id": payer})
+    assert await billing.refund(services, held) is True
+    assert await pockets(services, payer) == (995, 0)
+
+
 async def test_on_postgres_the_ledger_finds_every_row_by_its_key(services: Services) -> None:
     """The Postgres ledger's two statements run as plans made once per connection: each must find the
     rows it reads, locks and changes through an index condition, never by a pass over a table (the read
@@ -394,8 +439,8 @@ def _plan_nodes(node: dict[str, Any]) -> list[dict[str, Any]]:
     return [node, *(n for child in node.get("Plans", []) for n in _plan_nodes(child))]
 
 
-async def _lock_waiters(services: Services, seconds: float = 10.0) -> list[str]:
-    """The queries of this database's backends waiting for a lock, polled until there is one."""
+async def _lock_waiters(services: Services, seconds: float = 10.0, count: int = 1) -> list[str]:
+    """The queries of this database's backends waiting for a lock, polled until there are ``count``."""
     loop = asyncio.get_running_loop()
     deadline = loop.time() + seconds
     while True:
@@ -403,7 +448,7 @@ async def _lock_waiters(services: Services, seconds: float = 10.0) -> list[str]:
             queries = list((await conn.execute(text(
                 "SELECT query FROM pg_stat_activity WHERE datname = current_database() "
                 "AND wait_event_type = 'Lock'"))).scalars())
-        if queries or loop.time() > deadline:
+        if len(queries) >= count or loop.time() > deadline:
             return queries
         await asyncio.sleep(0.02)
 

@@ -6,23 +6,26 @@ rows from its last reads and writes (``_Known``) —; ``rules.plan`` on them; th
 (data-modifying CTEs over each table's rows as JSON) that first locks the rows it changes, in the one
 global lock order — reservations by request id, then key windows, then accounts by id, the platform
 account last — and checks them: the reservations it closes still open, the key windows it sets as
-read, and every account it moves able to take the moves without a pocket going below 0. It writes
+read, and every pocket it takes money from able to give it without going below 0. It writes
 nothing unless all hold; a row it creates that exists by then (a reservation, key window or usage
 row) fails it whole. Accounts are moved by addition, each new entry's ``balance_after`` shifted by
 what other transactions moved its account by since the read, so a payer's or a payee's row shared by
 every coordinator is held only from one batch's write to its commit, and a batch of another
 coordinator that moved it meanwhile is no conflict — nor a known row that is stale by such moves.
-(Refusals — insufficient funds, a spend cap — are decided on a read, never on known rows: a batch may
-refuse what a moment later it would have taken.)
+(Refusals — insufficient funds, a spend cap, an exclusive request's charge its balance cannot
+cover — are decided on a read, never on known rows: a batch may refuse what a moment later it would
+have taken.)
 
 A batch planned on known rows whose write found a check failing, or that would refuse a step, is
 read and planned again. One planned on a read whose write found a check failing — another
-coordinator's batch got there first — is done again as one transaction: BEGIN, the same read with ``SELECT … FOR UPDATE`` (all but the platform's
-row, which the write locks last), the plan, the same write (its checks then hold), COMMIT. Every
-batch takes all its row locks before it inserts anything, in the same order, so the only waits
-between batches that lock are in that order, and one waiting at an insert (two batches creating one
-key window) waits for a batch past its locks: no wait closes a cycle. (The rules stay in Python,
-shared with SQLite, not in a server-side function.)"""
+coordinator's batch got there first — is done again as one transaction: BEGIN, the same read with
+``SELECT … FOR NO KEY UPDATE`` (all but the platform's row, which the write locks last), the plan,
+the same write (its checks then hold), COMMIT. Every batch takes its row locks before it inserts
+anything, in the same order; the one lock an insert takes — a new row's foreign key holding its
+account ``FOR KEY SHARE``, an account the batch may not move, such as a free request's caller —
+does not conflict with ``FOR NO KEY UPDATE``, so it waits for no other batch; and a batch waiting at an
+insert (two batches creating one key window) waits for a batch past its locks. No wait closes a
+cycle. (The rules stay in Python, shared with SQLite, not in a server-side function.)"""
 
 from __future__ import annotations
 
@@ -69,31 +72,31 @@ FROM accounts WHERE id = $7::text
 UNION ALL
 SELECT 'u', request_id, NULL, NULL, NULL, NULL, NULL, NULL, NULL
 FROM usage_records WHERE request_id = ANY($5::text[])"""
-_SNAPSHOT, _LOCKED = _READ.format(lock=""), _READ.format(lock="FOR UPDATE")
+_SNAPSHOT, _LOCKED = _READ.format(lock=""), _READ.format(lock="FOR NO KEY UPDATE")
 # One statement writes everything, each table's rows as one JSON array (one parameter per table, typed
 # by json_populate_recordset from the table, where one array parameter per column cost asyncpg ~1 µs of
 # encoding each). First it locks, in the global order, the rows it changes and checks them: the
 # reservations it closes still open ($8), the windows it sets as read ($9), and each account it moves
 # ($1: what it adds to each pocket, the pockets as read, and the lowest the batch takes each below
-# that) able to take the moves without a pocket going below 0. It writes nothing unless every check
-# holds. Accounts are moved by addition, and a new entry's ``balance_after`` (planned from the read) is
+# that) able to give what it takes without a pocket going below 0 (a pocket it only adds to is not
+# checked). It writes nothing unless every check holds. Accounts are moved by addition, and a new entry's ``balance_after`` (planned from the read) is
 # shifted by what other transactions moved its account by since the read.
 _WRITE = """
 WITH
 cr AS (SELECT request_id FROM reservations WHERE request_id = ANY($8::text[]) AND status = 'open'
-       ORDER BY request_id FOR UPDATE),
+       ORDER BY request_id FOR NO KEY UPDATE),
 cw AS (SELECT t.key_id FROM key_spend AS t JOIN json_populate_recordset(NULL::key_spend, $9::json) AS e
          ON t.key_id = e.key_id AND t.window_start = e.window_start
             AND t.spent_micro_usd = e.spent_micro_usd AND t.reserved_micro_usd = e.reserved_micro_usd
        WHERE (SELECT count(*) FROM cr) = cardinality($8::text[])
-       ORDER BY t.key_id, t.window_start FOR UPDATE OF t),
+       ORDER BY t.key_id, t.window_start FOR NO KEY UPDATE OF t),
 ca AS (SELECT t.id, t.balance_micro_usd - v.rb AS sb, t.withdrawable_micro_usd - v.rw AS sw,
-              t.balance_micro_usd + v.lb >= 0 AND t.withdrawable_micro_usd + v.lw >= 0 AS fits
+              (v.lb = 0 OR t.balance_micro_usd + v.lb >= 0) AND (v.lw = 0 OR t.withdrawable_micro_usd + v.lw >= 0) AS fits
        FROM accounts AS t
        JOIN json_to_recordset($1::json) AS v(id text, db bigint, dw bigint, rb bigint, rw bigint, lb bigint, lw bigint)
          ON t.id = v.id
        WHERE (SELECT count(*) FROM cw) = json_array_length($9::json)
-       ORDER BY t.id = $10::text, t.id FOR UPDATE OF t),
+       ORDER BY t.id = $10::text, t.id FOR NO KEY UPDATE OF t),
 ok AS (SELECT (SELECT count(*) FROM cr) = cardinality($8::text[])
               AND (SELECT count(*) FROM cw) = json_array_length($9::json)
               AND (SELECT count(*) FILTER (WHERE fits) FROM ca) = json_array_length($1::json) AS ok),
@@ -182,7 +185,7 @@ class PostgresLedger:
             async with raw.transaction():
                 results = await self._plan_and_write(raw, steps, await self._read(raw, steps, _LOCKED))
             if results is None:
-                raise LookupError("an account the ledger batch moves money in is missing")
+                raise LookupError("the ledger batch failed its checks under its own locks: an account it moves is missing")
         except BaseException:
             if raw.is_closed() or raw.is_in_transaction():
                 await self._discard()  # broken, or a cancelled transaction left half-open
@@ -192,8 +195,11 @@ class PostgresLedger:
     async def close(self) -> None:
         conn, raw, self._conn, self._raw = self._conn, self._raw, None, None
         if conn is not None:
-            if raw is not None and not raw.is_closed():
-                await raw.execute("RESET ALL")  # back to the pool as it came
+            try:
+                if raw is not None and not raw.is_closed():
+                    await raw.execute("RESET ALL")  # back to the pool as it came
+            except Exception:  # noqa: BLE001 - then not back to the pool with the ledger's settings
+                await conn.invalidate()
             await conn.close()
 
     async def _read(self, raw: Any, steps: list[Step], statement: str) -> State:
