@@ -106,7 +106,8 @@ async def _cell(url: str, writers: int, concurrency: int, accounts: int, seconds
         await services.engine.dispose()
     return {"req/s": done / wall, "client µs/req": client / done * 1e6, "server µs/req": server / done * 1e6,
             "batches/req": batches / done, "steps/batch": (sum(s.ledger.steps for s in coordinators) - steps0)
-            / max(batches, 1), "unread %": 100 * unread / max(batches, 1), "rechecked %": 100 * rechecked / max(batches, 1)}
+            / max(batches, 1), "unread %": 100 * unread / max(batches, 1),
+            "rechecked %": 100 * rechecked / max(batches, 1)}
 
 
 def main() -> None:

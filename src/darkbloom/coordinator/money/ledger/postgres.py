@@ -79,8 +79,9 @@ _SNAPSHOT, _LOCKED = _READ.format(lock=""), _READ.format(lock="FOR NO KEY UPDATE
 # reservations it closes still open ($8), the windows it sets as read ($9), and each account it moves
 # ($1: what it adds to each pocket, the pockets as read, and the lowest the batch takes each below
 # that) able to give what it takes without a pocket going below 0 (a pocket it only adds to is not
-# checked). It writes nothing unless every check holds. Accounts are moved by addition, and a new entry's ``balance_after`` (planned from the read) is
-# shifted by what other transactions moved its account by since the read.
+# checked). It writes nothing unless every check holds. Accounts are moved by addition, and a new
+# entry's ``balance_after`` (planned from the read) is shifted by what other transactions moved its
+# account by since the read.
 _WRITE = """
 WITH
 cr AS (SELECT request_id FROM reservations WHERE request_id = ANY($8::text[]) AND status = 'open'
@@ -91,7 +92,8 @@ cw AS (SELECT t.key_id FROM key_spend AS t JOIN json_populate_recordset(NULL::ke
        WHERE (SELECT count(*) FROM cr) = cardinality($8::text[])
        ORDER BY t.key_id, t.window_start FOR NO KEY UPDATE OF t),
 ca AS (SELECT t.id, t.balance_micro_usd - v.rb AS sb, t.withdrawable_micro_usd - v.rw AS sw,
-              (v.lb = 0 OR t.balance_micro_usd + v.lb >= 0) AND (v.lw = 0 OR t.withdrawable_micro_usd + v.lw >= 0) AS fits
+              (v.lb = 0 OR t.balance_micro_usd + v.lb >= 0)
+              AND (v.lw = 0 OR t.withdrawable_micro_usd + v.lw >= 0) AS fits
        FROM accounts AS t
        JOIN json_to_recordset($1::json) AS v(id text, db bigint, dw bigint, rb bigint, rw bigint, lb bigint, lw bigint)
          ON t.id = v.id
@@ -185,7 +187,8 @@ class PostgresLedger:
             async with raw.transaction():
                 results = await self._plan_and_write(raw, steps, await self._read(raw, steps, _LOCKED))
             if results is None:
-                raise LookupError("the ledger batch failed its checks under its own locks: an account it moves is missing")
+                raise LookupError("the ledger batch failed its checks under its own locks: "
+                                  "an account it moves is missing")
         except BaseException:
             if raw.is_closed() or raw.is_in_transaction():
                 await self._discard()  # broken, or a cancelled transaction left half-open
@@ -286,8 +289,8 @@ class _Known:
         state = State()
         reserving = {step.request_id for step in steps if isinstance(step, rules.Reserve)}
         for step in steps:
-            if isinstance(step, rules.Reserve):
-                if step.cap is not None or step.fallback_cap is not None:
+            if isinstance(step, rules.Reserve):  # one already known open (a reused id): as a read says
+                if step.cap is not None or step.fallback_cap is not None or step.request_id in self.reservations:
                     return None
             elif not isinstance(step, rules.Settle) or step.reserved:
                 row = self.reservations.get(step.request_id)
