@@ -11,6 +11,7 @@ import logging
 from typing import Any
 
 import pytest
+from prometheus_client import REGISTRY
 from sqlalchemy import text
 from sqlalchemy.exc import OperationalError
 
@@ -343,12 +344,11 @@ async def test_on_postgres_a_batch_on_known_rows_is_its_write_alone(services: Se
         return await real_read(raw, steps, statement)
 
     monkeypatch.setattr(postgres, "_read", counted)
-    backend = services.ledger._backend
-    unread = backend.unread
+    known = _ledger_batches("known")
     second = await billing.reserve(services, "kn-2", payer, None, 4_000)
     settled = await settle_paid(services, second, PRICED, USAGE, served(owner))
     assert settled is not None and settled.cost > 0
-    assert reads == [] and backend.unread == unread + 2
+    assert reads == [] and _ledger_batches("known") == known + 2  # darkbloom_ledger_batches_total on /metrics
 
     balance = (await pockets(services, payer))[0]
     async with services.engine.begin() as conn:  # a credit the writer did not make: its known balance is low
@@ -437,6 +437,10 @@ async def test_on_postgres_the_ledger_finds_every_row_by_its_key(services: Servi
 
 def _plan_nodes(node: dict[str, Any]) -> list[dict[str, Any]]:
     return [node, *(n for child in node.get("Plans", []) for n in _plan_nodes(child))]
+
+
+def _ledger_batches(plan: str) -> float:
+    return REGISTRY.get_sample_value("darkbloom_ledger_batches_total", {"plan": plan}) or 0.0
 
 
 async def _lock_waiters(services: Services, seconds: float = 10.0, count: int = 1) -> list[str]:

@@ -35,6 +35,7 @@ import time
 from typing import Any
 
 import asyncpg
+from prometheus_client import Counter
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
 
 from darkbloom.coordinator.money.ledger import rules
@@ -145,14 +146,17 @@ _SESSION = ("SET plan_cache_mode = force_generic_plan; SET enable_seqscan = off;
             "SET enable_mergejoin = off")
 
 
+BATCHES = Counter("darkbloom_ledger_batches_total",
+                  "Postgres ledger batches written, by what they were planned on: known rows (the write alone), "
+                  "a read, or a read under locks after the write's checks failed on a read", ["plan"])
+
+
 class PostgresLedger:
     def __init__(self, engine: AsyncEngine) -> None:
         self._engine = engine
         self._conn: AsyncConnection | None = None
         self._raw: Any = None
         self._known = _Known()
-        self.unread = 0     # batches planned on known rows: the write alone, one round trip
-        self.rechecked = 0  # batches whose read's plan failed the write's checks, done again under locks
 
     async def _connection(self) -> Any:
         if self._raw is None or self._raw.is_closed():
@@ -178,17 +182,18 @@ class PostgresLedger:
             if known is not None:
                 results = await self._plan_and_write(raw, steps, known, taken_only=True)
                 if results is not None:
-                    self.unread += 1
+                    BATCHES.labels("known").inc()
                     return results
             results = await self._plan_and_write(raw, steps, await self._read(raw, steps, _SNAPSHOT))
             if results is not None:
+                BATCHES.labels("read").inc()
                 return results
-            self.rechecked += 1
             async with raw.transaction():
                 results = await self._plan_and_write(raw, steps, await self._read(raw, steps, _LOCKED))
             if results is None:
                 raise LookupError("the ledger batch failed its checks under its own locks: "
                                   "an account it moves is missing")
+            BATCHES.labels("locked").inc()
         except BaseException:
             if raw.is_closed() or raw.is_in_transaction():
                 await self._discard()  # broken, or a cancelled transaction left half-open
