@@ -18,7 +18,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import itertools
-import os
 import secrets
 import sys
 import time
@@ -26,18 +25,9 @@ from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
 
-
-def _backend_cpu(pids: list[int]) -> float:
-    """CPU seconds (user + system) of these processes so far; 0 for one that is gone."""
-    ticks = 0
-    for pid in pids:
-        try:
-            fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        ticks += int(fields[11]) + int(fields[12])
-    return ticks / os.sysconf("SC_CLK_TCK")
+from bench.fleet_probes import cpu_seconds  # noqa: E402  (no darkbloom import: --src still chooses it)
 
 
 def _planned(plan: str) -> float:
@@ -101,9 +91,10 @@ async def _cell(url: str, writers: int, concurrency: int, accounts: int, seconds
         ))).scalars())
     batches0, steps0 = sum(s.ledger.batches for s in coordinators), sum(s.ledger.steps for s in coordinators)
     known0, locked0 = _planned("known"), _planned("locked")
-    done, server0, client0, wall0 = 0, _backend_cpu(pids), time.process_time(), time.monotonic()
+    done, server0, client0, wall0 = 0, sum(map(cpu_seconds, pids)), time.process_time(), time.monotonic()
     await run(seconds)
-    wall, client, server = time.monotonic() - wall0, time.process_time() - client0, _backend_cpu(pids) - server0
+    wall, client = time.monotonic() - wall0, time.process_time() - client0
+    server = sum(map(cpu_seconds, pids)) - server0
     batches = sum(s.ledger.batches for s in coordinators) - batches0
     known, locked = _planned("known") - known0, _planned("locked") - locked0
     for services in coordinators:
@@ -123,7 +114,6 @@ def main() -> None:
     parser.add_argument("--src", type=Path, default=ROOT / "src")
     args = parser.parse_args()
     sys.path.insert(0, str(args.src))
-    sys.path.insert(0, str(ROOT))
     import uvloop
 
     from darkbloom.store import create_engine, migrate

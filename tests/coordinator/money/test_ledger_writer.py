@@ -337,13 +337,13 @@ async def test_on_postgres_a_batch_on_known_rows_is_its_write_alone(services: Se
     first = await billing.reserve(services, "kn-1", payer, None, 4_000)  # read: payer, platform
     await settle_paid(services, first, PRICED, USAGE, served(owner))     # read: the owner
     reads: list[list[rules.Step]] = []
-    real_read = postgres._read
+    real_read = postgres._read_rows
 
     async def counted(raw: Any, steps: list[rules.Step], statement: str) -> rules.State:
         reads.append(steps)
         return await real_read(raw, steps, statement)
 
-    monkeypatch.setattr(postgres, "_read", counted)
+    monkeypatch.setattr(postgres, "_read_rows", counted)
     known = _ledger_batches("known")
     second = await billing.reserve(services, "kn-2", payer, None, 4_000)
     settled = await settle_paid(services, second, PRICED, USAGE, served(owner))

@@ -92,7 +92,7 @@ cw AS (SELECT t.key_id FROM key_spend AS t JOIN json_populate_recordset(NULL::ke
             AND t.spent_micro_usd = e.spent_micro_usd AND t.reserved_micro_usd = e.reserved_micro_usd
        WHERE (SELECT count(*) FROM cr) = cardinality($8::text[])
        ORDER BY t.key_id, t.window_start FOR NO KEY UPDATE OF t),
-ca AS (SELECT t.id, t.balance_micro_usd - v.rb AS sb, t.withdrawable_micro_usd - v.rw AS sw,
+ca AS (SELECT t.id, v.db, v.dw, t.balance_micro_usd - v.rb AS sb, t.withdrawable_micro_usd - v.rw AS sw,
               (v.lb = 0 OR t.balance_micro_usd + v.lb >= 0)
               AND (v.lw = 0 OR t.withdrawable_micro_usd + v.lw >= 0) AS fits
        FROM accounts AS t
@@ -104,9 +104,8 @@ ok AS (SELECT (SELECT count(*) FROM cr) = cardinality($8::text[])
               AND (SELECT count(*) FROM cw) = json_array_length($9::json)
               AND (SELECT count(*) FILTER (WHERE fits) FROM ca) = json_array_length($1::json) AS ok),
 a AS (UPDATE accounts AS t
-      SET balance_micro_usd = t.balance_micro_usd + v.db, withdrawable_micro_usd = t.withdrawable_micro_usd + v.dw
-      FROM json_to_recordset($1::json) AS v(id text, db bigint, dw bigint)
-      WHERE t.id = v.id AND (SELECT ok FROM ok)
+      SET balance_micro_usd = t.balance_micro_usd + c.db, withdrawable_micro_usd = t.withdrawable_micro_usd + c.dw
+      FROM ca AS c WHERE t.id = c.id AND (SELECT ok FROM ok)
       RETURNING t.id, t.balance_micro_usd, t.withdrawable_micro_usd),
 kn AS (INSERT INTO key_spend (key_id, window_start, spent_micro_usd, reserved_micro_usd)
        SELECT key_id, window_start, spent_micro_usd, reserved_micro_usd
@@ -138,7 +137,7 @@ u AS (INSERT INTO usage_records (request_id, account_id, key_id, model, provider
              created_at, ownership_changed, share_id, machine_id
       FROM json_populate_recordset(NULL::usage_records, $7::json) WHERE (SELECT ok FROM ok))
 SELECT (SELECT ok FROM ok) AS ok,
-       (SELECT json_agg(json_build_array(id, balance_micro_usd, withdrawable_micro_usd)) FROM a) AS moved"""
+       (SELECT json_agg(json_build_array(id, balance_micro_usd, withdrawable_micro_usd)) FROM a)::text AS moved"""
 # The ledger's connection runs only these two statements, whose every row is found by its key: planned
 # once per connection (a plan per batch cost the server 0.3–1 ms a statement), with index lookups and
 # nested loops whatever the tables' sizes when it was planned.
@@ -211,7 +210,7 @@ class PostgresLedger:
             await conn.close()
 
     async def _read(self, raw: Any, steps: list[Step], statement: str) -> State:
-        state = await _read(raw, steps, statement)
+        state = await _read_rows(raw, steps, statement)
         self._known.saw(state)
         return state
 
@@ -235,12 +234,11 @@ class PostgresLedger:
             return None
         if not row["ok"]:
             return None
-        moved = row["moved"]
-        self._known.wrote(changes, json.loads(moved) if isinstance(moved, str) else moved or [])
+        self._known.wrote(changes, json.loads(row["moved"] or "[]"))
         return results
 
 
-async def _read(raw: Any, steps: list[Step], statement: str) -> State:
+async def _read_rows(raw: Any, steps: list[Step], statement: str) -> State:
     """One round trip: the rows the batch needs (its reservations' own windows and accounts included)."""
     state = State()
     reserving = rules.window_keys(steps, {})
@@ -299,12 +297,13 @@ class _Known:
                     return None
             elif not isinstance(step, rules.Settle) or step.reserved:
                 row = self.reservations.get(step.request_id)
-                if row is None and step.request_id not in reserving:
+                if row is None:
+                    if step.request_id in reserving:  # made earlier in this batch
+                        continue
                     return None
-                if row is not None:
-                    if row["window_start"] is not None or row["fallback_window_start"] is not None:
-                        return None
-                    state.reservations[step.request_id] = dict(row)
+                if row["window_start"] is not None or row["fallback_window_start"] is not None:
+                    return None
+                state.reservations[step.request_id] = dict(row)
         for account_id in rules.account_ids(steps, state.reservations):
             values = self.accounts.get(account_id)
             if values is None:
