@@ -53,6 +53,10 @@ def serve_floor_coordinator(port: int, framework: str) -> None:
     waiting: dict[int, asyncio.Future[bytes]] = {}
     sockets: list = []
     counter = iter(range(1 << 62))
+    turn = iter(range(1 << 62))  # requests go to the connected nodes in turn
+
+    def next_node():  # type: ignore[no-untyped-def]
+        return sockets[next(turn) % len(sockets)]
 
     def answered(text: str) -> None:
         request_id, _, answer = text.partition(" ")
@@ -83,16 +87,17 @@ def serve_floor_coordinator(port: int, framework: str) -> None:
             while (message := await receive())["type"] == "websocket.receive":
                 answered(message["text"])
             sockets.remove(send_text)
-        elif scope["method"] == "GET":
-            await send({"type": "http.response.start", "status": 200 if sockets else 503, "headers": []})
-            await send({"type": "http.response.body", "body": b""})
+        elif scope["method"] == "GET":  # /readyz: up (a load balancer's check); any other path: the nodes on
+            ready = bool(sockets) or scope["path"] == "/readyz"
+            await send({"type": "http.response.start", "status": 200 if ready else 503, "headers": []})
+            await send({"type": "http.response.body", "body": str(len(sockets)).encode()})
         else:
             body, more = b"", True
             while more:
                 message = await receive()
                 body += message.get("body", b"")
                 more = message.get("more_body", False)
-            answer = await relay(body, sockets[0])
+            answer = await relay(body, next_node())
             await send({"type": "http.response.start", "status": 200,
                         "headers": [(b"content-type", b"application/json"),
                                     (b"content-length", str(len(answer)).encode())]})
@@ -102,13 +107,17 @@ def serve_floor_coordinator(port: int, framework: str) -> None:
     if framework == "fastapi":
         app = FastAPI()
 
+        @app.get("/readyz")
+        async def ready() -> Response:
+            return Response(str(len(sockets)))
+
         @app.get("/")
         async def status() -> Response:
-            return Response(status_code=200 if sockets else 503)
+            return Response(str(len(sockets)), status_code=200 if sockets else 503)
 
         @app.post("/v1/chat/completions")
         async def chat(request: Request) -> Response:
-            return Response(await relay(await request.body(), sockets[0]), media_type="application/json")
+            return Response(await relay(await request.body(), next_node()), media_type="application/json")
 
         @app.websocket("/ws")
         async def node_socket(socket: WebSocket) -> None:
