@@ -3,10 +3,11 @@
 A request through Darkbloom crosses two Python processes: the coordinator (uvicorn with httptools and
 uvloop, the provider socket on `SmallFrameWebSocketProtocol`) and the node (a `websockets` client that
 streams from its upstream with aiohttp). This bench runs that shape bare — a raw ASGI app that hands
-each POST body to the one connected "node" over the WebSocket and answers with what comes back, and a
+each POST body to a connected "node" over the WebSocket (its nodes in turn: one here, three in
+bench/replicas_floor.py) and answers with what comes back, and a
 node that streams the body from the fixed-response upstream (bench/fixed_upstream.py) and sends the
 answer back in one frame — with no authentication, billing, placement, encryption, validation or
-logging; and the same coordinator as two FastAPI routes (``floor-fastapi``: what the framework alone
+logging; and the same coordinator as FastAPI routes (``floor-fastapi``: what the framework alone
 adds to a request). Side by side in one run with the upstream called directly and with the real stack
 (bench/relay_stack.py, self-route and paid): what the real relay adds over the floor is the cost of
 what Darkbloom does per request; what the floor adds over direct is the two hops themselves on this
@@ -87,7 +88,8 @@ def serve_floor_coordinator(port: int, framework: str) -> None:
             while (message := await receive())["type"] == "websocket.receive":
                 answered(message["text"])
             sockets.remove(send_text)
-        elif scope["method"] == "GET":  # /readyz: up (a load balancer's check); any other path: the nodes on
+        elif scope["method"] == "GET":  # the body: how many nodes are on; /readyz (a load balancer's
+            # health check) answers 200 from the start, any other path once a node is on
             ready = bool(sockets) or scope["path"] == "/readyz"
             await send({"type": "http.response.start", "status": 200 if ready else 503, "headers": []})
             await send({"type": "http.response.body", "body": str(len(sockets)).encode()})
