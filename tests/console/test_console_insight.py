@@ -124,8 +124,12 @@ def test_usage_page_draws_spend_and_tokens_per_day_and_downloads_the_csv(browser
         page = tab.page
         page.goto("/console/usage")
         spend = page.locator("#spend-chart")
-        expect(spend.locator("rect.chart-bar")).to_have_count(1)   # today: the one public request
-        expect(page.locator("#tokens-chart rect.chart-bar.s-in")).to_have_count(1)
+        expect(spend.locator("rect.chart-bar")).to_have_count(1)   # the day of the one public request
+        daily = httpx.get(w.coord.api_url + "/payments/usage/daily", params={"days": 30},
+                          headers={"Authorization": f"Bearer {w.owner.session}"}).json()["data"]
+        used_on = [day for day in daily if day["prompt_tokens"]]  # one day (two if the run straddled 00:00 UTC)
+        assert sum(day["requests"] for day in used_on) == 3 and len(used_on) in (1, 2), used_on
+        expect(page.locator("#tokens-chart rect.chart-bar.s-in")).to_have_count(len(used_on))
         expect(spend.locator(".chart-summary")).to_contain_text("over 3 requests in the last 30 days")
         with page.expect_download() as info:
             page.get_by_role("button", name="Download CSV").click()
