@@ -28,14 +28,12 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from bench.fleet_probes import cpu_seconds  # noqa: E402  (no darkbloom import: --src still chooses it)
+from tests.support.metrics import sample  # noqa: E402
 
 
 def _planned(plan: str) -> float:
-    """Ledger batches so far by what they were planned on (``darkbloom_ledger_batches_total``; 0 on a
-    ``src/`` from before that metric)."""
-    from prometheus_client import REGISTRY
-
-    return REGISTRY.get_sample_value("darkbloom_ledger_batches_total", {"plan": plan}) or 0.0
+    """Ledger batches so far by what they were planned on (0 on a ``src/`` from before that metric)."""
+    return sample("darkbloom_ledger_batches_total", plan=plan)
 
 
 async def _cell(url: str, writers: int, concurrency: int, accounts: int, seconds: float) -> dict[str, Any]:

@@ -162,6 +162,16 @@ def serve_floor_node(coordinator_ws: str, upstream_url: str) -> None:
     uvloop.run(main())
 
 
+def spawn_floor_coordinator(directory: Path, port: int, framework: str = "asgi") -> Process:
+    return spawn([sys.executable, str(Path(__file__).resolve()), "--floor-coordinator", str(port), framework],
+                 directory, "coordinator.log")
+
+
+def spawn_floor_node(directory: Path, coordinator_ws: str, upstream_url: str) -> Process:
+    return spawn([sys.executable, str(Path(__file__).resolve()), "--floor-node", coordinator_ws, upstream_url],
+                 directory, "node.log")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--seconds", type=float, default=5.0)
@@ -169,21 +179,18 @@ def main() -> None:
     args = parser.parse_args()
     root = Path(tempfile.mkdtemp(prefix="darkbloom-floor-"))
     upstream, upstream_url = start_fixed_upstream(root / "upstream")
-    me = [sys.executable, str(Path(__file__).resolve())]
     floors: dict[str, tuple[Process, Process | None, int]] = {}
     stack = None
     try:
         for framework in FRAMEWORKS:
             port = free_port()
-            coordinator = spawn([*me, "--floor-coordinator", str(port), framework], root / framework,
-                                "coordinator.log")
+            coordinator = spawn_floor_coordinator(root / framework, port, framework)
             floors[framework] = (coordinator, None, port)
-            wait_until(lambda: _status(f"http://127.0.0.1:{port}/") == 503, timeout=60,
+            wait_until(lambda: http_status(f"http://127.0.0.1:{port}/") == 503, timeout=60,
                        what=f"the {framework} floor's coordinator")
-            node = spawn([*me, "--floor-node", f"ws://127.0.0.1:{port}/ws", upstream_url], root / framework,
-                         "node.log")
+            node = spawn_floor_node(root / framework, f"ws://127.0.0.1:{port}/ws", upstream_url)
             floors[framework] = (coordinator, node, port)
-            wait_until(lambda: _status(f"http://127.0.0.1:{port}/") == 200, timeout=30,
+            wait_until(lambda: http_status(f"http://127.0.0.1:{port}/") == 200, timeout=30,
                        what=f"the {framework} floor's node")
         stack = start_stack(root, "", None, upstream_url)
         targets = {"direct": WrkTarget("direct", upstream_url + "/v1/chat/completions", BODY, {}),
@@ -235,7 +242,8 @@ def main() -> None:
             stack.stop()
 
 
-def _status(url: str) -> int:
+def http_status(url: str) -> int:
+    """The status of a GET of ``url``; 0 while nothing answers there."""
     import httpx
 
     try:

@@ -30,13 +30,12 @@ import httpx
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from bench.relay_floor import http_status, spawn_floor_coordinator, spawn_floor_node  # noqa: E402
 from bench.relay_overhead import loop_sleeps, machine, process_cpu, tree_state  # noqa: E402
 from bench.relay_stack import BODY  # noqa: E402
 from bench.replicas import haproxy_binary, start_lb  # noqa: E402
 from bench.wrk_load import WrkTarget, run_wrk, wrk_binary  # noqa: E402
-from tests.support.processes import Process, free_port, spawn, start_fixed_upstream, wait_until  # noqa: E402
-
-FLOOR = ROOT / "bench" / "relay_floor.py"
+from tests.support.processes import Process, free_port, start_fixed_upstream, wait_until  # noqa: E402
 
 
 @dataclass
@@ -53,19 +52,15 @@ class FloorCoordinator:
             return 0
 
     def up(self) -> bool:
-        try:
-            return httpx.get(self.base_url + "/readyz", timeout=1).status_code == 200
-        except httpx.HTTPError:
-            return False
+        return http_status(self.base_url + "/readyz") == 200
 
 
 def start_coordinators(root: Path, count: int) -> list[FloorCoordinator]:
     coordinators = []
     for n in range(count):
         port = free_port()
-        process = spawn([sys.executable, str(FLOOR), "--floor-coordinator", str(port), "asgi"], root / f"c{n}",
-                        "coordinator.log")
-        coordinators.append(FloorCoordinator(process, f"http://127.0.0.1:{port}"))
+        coordinators.append(FloorCoordinator(spawn_floor_coordinator(root / f"c{n}", port),
+                                             f"http://127.0.0.1:{port}"))
     for coordinator in coordinators:
         wait_until(coordinator.up, timeout=60, what="a floor coordinator")
     return coordinators
@@ -93,8 +88,8 @@ def main() -> None:
             for count in (1, 3):
                 lb, url = start_lb(root, coordinators, count)  # type: ignore[arg-type]
                 running.append(lb)
-                nodes = [spawn([sys.executable, str(FLOOR), "--floor-node", url.replace("http", "ws") + "/ws/provider",
-                                upstream_url], root / f"n{round_}-{count}-{n}", "node.log") for n in range(args.nodes)]
+                nodes = [spawn_floor_node(root / f"n{round_}-{count}-{n}", url.replace("http", "ws") + "/ws/provider",
+                                          upstream_url) for n in range(args.nodes)]
                 running.extend(nodes)
                 wait_until(lambda: sum(c.nodes() for c in coordinators[:count]) == args.nodes, timeout=60,
                            what="the nodes connected")

@@ -63,7 +63,7 @@ def world(tmp_path_factory: pytest.TempPathFactory) -> Iterator[World]:
         machine_id = next(m["id"] for m in listing.json()["data"] if m["session_id"] == mine.session_id)
 
         def counted() -> int | None:
-            return _stats(World(coord, owner, mine, machine_id, 0))["passed_over"]["private_only"] or None
+            return _stats(coord, owner, machine_id)["passed_over"]["private_only"] or None
         wait_until(counted, timeout=20, what="passed over counted")
         yield World(coord, owner, mine, machine_id, int(counted() or 0))
     finally:
@@ -72,10 +72,10 @@ def world(tmp_path_factory: pytest.TempPathFactory) -> Iterator[World]:
         coord.stop()
 
 
-def _stats(w: World) -> dict[str, Any]:
+def _stats(coord: Coordinator, owner: Account, machine_id: str) -> dict[str, Any]:
     """The owner's machine's last 24 hours, as the Machines page reads them."""
-    response = httpx.get(w.coord.api_url + f"/me/providers/{w.machine_id}/stats",
-                         headers={"Authorization": f"Bearer {w.owner.session}"})
+    response = httpx.get(coord.api_url + f"/me/providers/{machine_id}/stats",
+                         headers={"Authorization": f"Bearer {owner.session}"})
     assert response.status_code == 200, response.text
     return dict(response.json())
 
@@ -98,7 +98,7 @@ def test_machines_page_draws_the_last_24_hours_and_says_why(browser: Any, world:
         expect(chart.locator("svg[role=img]")).to_be_visible()
         expect(chart.locator("figcaption")).to_have_text("Requests per hour")
         # the two owned requests, in one hour (two when the run straddled an hour's turn)
-        hours = [h for h in _stats(w)["hourly"] if h["owned"]]
+        hours = [h for h in _stats(w.coord, w.owner, w.machine_id)["hourly"] if h["owned"]]
         assert sum(h["owned"] for h in hours) == 2 and len(hours) in (1, 2), hours
         expect(chart.locator("rect.chart-bar.s-owned")).to_have_count(len(hours))
         expect(card.locator(".insight-facts")).to_contain_text("2 (2 yours, 0 shared, 0 from the network)")

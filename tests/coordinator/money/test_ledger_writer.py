@@ -11,7 +11,6 @@ import logging
 from typing import Any
 
 import pytest
-from prometheus_client import REGISTRY
 from sqlalchemy import text
 from sqlalchemy.exc import OperationalError
 
@@ -27,6 +26,7 @@ from darkbloom.wire.protocol import Usage
 
 from tests.coordinator.money.conftest import (PRICED, MakeServices, counts, new_account,
                                               new_key, pockets, rows)
+from tests.support.metrics import sample
 from tests.support.money import check_ledger_consistency, settle_paid
 
 USAGE = Usage(prompt_tokens=100, completion_tokens=50)
@@ -344,11 +344,11 @@ async def test_on_postgres_a_batch_on_known_rows_is_its_write_alone(services: Se
         return await real_read(raw, steps, statement)
 
     monkeypatch.setattr(postgres, "_read_rows", counted)
-    known = _ledger_batches("known")
+    known = sample("darkbloom_ledger_batches_total", plan="known")  # on /metrics
     second = await billing.reserve(services, "kn-2", payer, None, 4_000)
     settled = await settle_paid(services, second, PRICED, USAGE, served(owner))
     assert settled is not None and settled.cost > 0
-    assert reads == [] and _ledger_batches("known") == known + 2  # darkbloom_ledger_batches_total on /metrics
+    assert reads == [] and sample("darkbloom_ledger_batches_total", plan="known") == known + 2
 
     balance = (await pockets(services, payer))[0]
     async with services.engine.begin() as conn:  # a credit the writer did not make: its known balance is low
@@ -437,10 +437,6 @@ async def test_on_postgres_the_ledger_finds_every_row_by_its_key(services: Servi
 
 def _plan_nodes(node: dict[str, Any]) -> list[dict[str, Any]]:
     return [node, *(n for child in node.get("Plans", []) for n in _plan_nodes(child))]
-
-
-def _ledger_batches(plan: str) -> float:
-    return REGISTRY.get_sample_value("darkbloom_ledger_batches_total", {"plan": plan}) or 0.0
 
 
 async def _lock_waiters(services: Services, seconds: float = 10.0, count: int = 1) -> list[str]:

@@ -148,6 +148,7 @@ _SESSION = ("SET plan_cache_mode = force_generic_plan; SET enable_seqscan = off;
 BATCHES = Counter("darkbloom_ledger_batches_total",
                   "Postgres ledger batches written, by what they were planned on: known rows (the write alone), "
                   "a read, or a read under locks after the write's checks failed on a read", ["plan"])
+_PLANNED = {plan: BATCHES.labels(plan) for plan in ("known", "read", "locked")}  # each batch counts one
 
 
 class PostgresLedger:
@@ -181,18 +182,18 @@ class PostgresLedger:
             if known is not None:
                 results = await self._plan_and_write(raw, steps, known, taken_only=True)
                 if results is not None:
-                    BATCHES.labels("known").inc()
+                    _PLANNED["known"].inc()
                     return results
             results = await self._plan_and_write(raw, steps, await self._read(raw, steps, _SNAPSHOT))
             if results is not None:
-                BATCHES.labels("read").inc()
+                _PLANNED["read"].inc()
                 return results
             async with raw.transaction():
                 results = await self._plan_and_write(raw, steps, await self._read(raw, steps, _LOCKED))
             if results is None:
                 raise LookupError("the ledger batch failed its checks under its own locks: "
                                   "an account it moves is missing")
-            BATCHES.labels("locked").inc()
+            _PLANNED["locked"].inc()
         except BaseException:
             if raw.is_closed() or raw.is_in_transaction():
                 await self._discard()  # broken, or a cancelled transaction left half-open
