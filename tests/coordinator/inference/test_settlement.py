@@ -9,6 +9,7 @@ request one way and checks the buckets, the ledger and the slot.
 from __future__ import annotations
 
 import asyncio
+import logging
 from collections import Counter
 from typing import Any, Sequence
 
@@ -160,6 +161,33 @@ async def test_finish_settles_once_and_gives_the_usage_rows_cost(world: World) -
     assert len(await world.usage_rows("req-cost")) == 1
     assert world.provider.session.active == 0
     assert (await pockets(world.services, world.caller.account_id))[0] == CREDIT - cost
+
+
+async def test_finish_leaves_the_requests_line_for_after_the_answer(world: World,
+                                                                     caplog: pytest.LogCaptureFixture) -> None:
+    """``finish`` settles without writing the request's line, so the answer's bytes need not wait for
+    it; ``write_log`` writes it once they have gone, and only once. A request that ends any other way
+    is logged as it ends."""
+    caplog.set_level(logging.INFO, "darkbloom.completions")
+    life = world.lifecycle("req-line")
+    async with life:
+        await world.served(life)
+        await life.finish("ok")
+    assert "req-line" not in caplog.text
+    life.write_log()
+    life.write_log()
+    assert caplog.text.count("request_id=req-line ") == 1 and "outcome=ok prompt_tokens=3 completion_tokens=1" in caplog.text
+
+    gone = world.lifecycle("req-line-gone")
+    with pytest.raises(ClientDisconnected):
+        async with gone:
+            run = await world.dispatched(gone)
+            world.provider.reply("req-line-gone")
+            await run
+            raise ClientDisconnected()
+    world.provider.complete("req-line-gone")
+    await _end(gone)
+    assert caplog.text.count("request_id=req-line-gone ") == 1 and "outcome=client_disconnected " in caplog.text
 
 
 async def test_a_settlement_whose_reply_was_lost_still_gives_the_rows_cost(

@@ -124,6 +124,11 @@ def test_paid_request_charges_catalog_cost_and_pays_the_owner(real: Real, stream
         (consumer.account_id, "charge", -cost),
         (PLATFORM_ACCOUNT_ID, "platform_fee", fee),
         (real.owner.account_id, "payout", cost - fee)]
+    # the request's line, written once its answer has gone, says what its usage row says, once
+    line = wait_log(real.coord.process, rf"request_id={request_id} .*outcome=ok prompt_tokens=(\d+) "
+                                        rf"completion_tokens=(\d+)")
+    assert (int(line.group(1)), int(line.group(2))) == (usage["prompt_tokens"], usage["completion_tokens"])
+    assert real.coord.process.log().count(f"request_id={request_id} ") == 1
 
 
 def test_tiny_request_pays_the_minimum_charge(real: Real) -> None:

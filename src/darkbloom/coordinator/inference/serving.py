@@ -17,6 +17,7 @@ import time
 from typing import AsyncIterator, Awaitable, Callable
 
 from prometheus_client import Histogram
+from starlette.background import BackgroundTask
 from starlette.requests import Request
 from starlette.responses import JSONResponse, StreamingResponse
 
@@ -95,7 +96,7 @@ async def serve(edge: Edge, request: Request, caller: Caller, services: Services
             cost = await life.finish("ok")  # settled before the body: it says what was charged
             assert attempt.usage is not None
             return JSONResponse(presenter.response(attempt.usage, cost),
-                                headers={**headers, COST_HEADER: str(cost)})
+                                headers={**headers, COST_HEADER: str(cost)}, background=BackgroundTask(_write_log, life))
 
 
 async def _admit(life: RequestLifecycle, policy: Policy, decision: RouteDecision, prompt_bound: int,
@@ -138,16 +139,23 @@ def _routing_headers(life: RequestLifecycle, attempt: Attempt, policy: Policy) -
             **life.rate_headers}
 
 
+async def _write_log(life: RequestLifecycle) -> None:
+    life.write_log()  # async: Starlette runs a plain function's background task in a thread
+
+
 async def _streamed(life: RequestLifecycle, attempt: Attempt, completed: bool, presenter: Presenter,
                     deadlines: Deadlines) -> AsyncIterator[bytes]:
     async for part in attempt.relay(completed, presenter, deadlines):
         yield part
     failure = attempt.failure
     cost = await life.finish(failure.reason if failure else "ok")  # settled before the client sees the end
-    if failure is not None:
-        for part in presenter.stream_error(failure_error(failure)):
-            yield part
-        return
-    assert attempt.usage is not None
-    for part in presenter.stream_end(attempt.usage, cost):
-        yield part
+    try:
+        if failure is not None:
+            for part in presenter.stream_error(failure_error(failure)):
+                yield part
+        else:
+            assert attempt.usage is not None
+            for part in presenter.stream_end(attempt.usage, cost):
+                yield part
+    finally:
+        life.write_log()

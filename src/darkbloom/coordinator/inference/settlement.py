@@ -18,7 +18,7 @@ what was not used — once, on every end:
 Use it as ``async with RequestLifecycle(...) as life:``. A served answer settles with ``finish``
 before its usage is shown — the non-streamed body (and its ``X-Darkbloom-Cost-Micro-USD``) is built
 after it, a stream's last events follow it — so the ``cost_micro_usd`` the caller reads is what the
-settlement charged, the figure of the usage row. A streamed answer also takes the end over with
+settlement charged, the figure of the usage row; its log line (``write_log``) follows the answer. A streamed answer also takes the end over with
 ``hand_off()``: the response's end hook ``end_unfinished`` ends a stream that stopped early (the
 client went away) with a partial charge.
 """
@@ -81,6 +81,7 @@ class RequestLifecycle:
         self._attempts: list[Attempt] = []
         self._handed_off = False
         self._ended = False
+        self._log_outcome: str | None = None  # settled, its line not yet written
 
     # taking
 
@@ -179,10 +180,17 @@ class RequestLifecycle:
             return self.cost_micro_usd
         self._ended = True
         try:
-            await asyncio.shield(self.services.spawn(self._settle(outcome, charge_partial=False)))
+            await asyncio.shield(self.services.spawn(self._settle(outcome, charge_partial=False, log_now=False)))
         finally:
             self._observe("ok" if outcome == "ok" else "failed")
         return self.cost_micro_usd
+
+    def write_log(self) -> None:
+        """The request's line, once its answer has gone (``finish`` leaves it for then: ~40 µs that
+        need not stand between the settlement and the answer's bytes)."""
+        outcome, self._log_outcome = self._log_outcome, None
+        if outcome is not None:
+            self._log(outcome)
 
     def end_unfinished(self) -> None:
         """The handed-off response ended: a stream that ended without ``finish`` lost its client."""
@@ -214,7 +222,7 @@ class RequestLifecycle:
         if charges:
             await self.services.rate_limiter.refund(charges)
 
-    async def _settle(self, outcome: str, *, charge_partial: bool) -> None:
+    async def _settle(self, outcome: str, *, charge_partial: bool, log_now: bool = True) -> None:
         services, attempt = self.services, self.serving
         assert attempt is not None and self.model is not None
         if charge_partial:
@@ -247,8 +255,10 @@ class RequestLifecycle:
                                                 usage.completion_tokens if usage else 0)
         if unused:
             await services.rate_limiter.refund(unused)
-        self._log(outcome if usage is not None or outcome != "client_disconnected"
-                  else "client_disconnected_unbilled")
+        self._log_outcome = (outcome if usage is not None or outcome != "client_disconnected"
+                             else "client_disconnected_unbilled")
+        if log_now:
+            self.write_log()
 
     async def _close_share(self, usage: Any) -> None:
         """The share's allowance: what the request used when it was served through it, else all back."""
