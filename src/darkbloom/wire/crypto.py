@@ -107,10 +107,17 @@ class ReplyKey:
         self._boxes: dict[str, Box] = {}
         self.sender = sender
 
+    def prepare(self, recipient: PublicKey) -> "ReplyKey":
+        """Make the key agreement with ``recipient`` now (~40 µs), so sealing a request to it later does not."""
+        self._boxes[b64e(bytes(recipient))] = Box(self._private, recipient)
+        return self
+
     def seal_request(self, plaintext: bytes, recipient: PublicKey) -> Envelope:
         """Seal to the node's key; its replies come from that key, so the box is kept to open them."""
-        box = Box(self._private, recipient)
-        self._boxes[b64e(bytes(recipient))] = box
+        name = b64e(bytes(recipient))
+        box = self._boxes.get(name)
+        if box is None:
+            box = self._boxes[name] = Box(self._private, recipient)
         return Envelope(ephemeral_public_key=b64e(bytes(self.public_key)),
                         ciphertext=b64e(bytes(box.encrypt(plaintext))))
 

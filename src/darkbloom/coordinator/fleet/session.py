@@ -9,6 +9,7 @@ which delivers them to the ``Inbox`` the request's attempt opened when it was di
 
 from __future__ import annotations
 
+import asyncio
 import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable, Protocol
@@ -16,6 +17,7 @@ from typing import Any, Callable, Iterable, Protocol
 from nacl.public import PublicKey
 
 from darkbloom.store.machines import Seen
+from darkbloom.wire.crypto import ReplyKey
 from darkbloom.wire.protocol import Envelope, Register, Usage
 
 # what the registry's views of free sessions depend on (and the replica fabric announces): setting one
@@ -110,6 +112,7 @@ class ProviderSession:
     machine_seen_at: float = 0.0             # monotonic time it last marked its machine (fleet/machine_book.py)
     machine_marked: Seen | None = None       # what that mark said
     _watch: Callable[["ProviderSession", str], None] | None = field(default=None, init=False, repr=False)
+    _spare_key: ReplyKey | None = field(default=None, init=False, repr=False)
 
     def __post_init__(self) -> None:
         self.advertised_models = frozenset(m.id for m in self.registration.models)
@@ -162,6 +165,28 @@ class ProviderSession:
     def chunks_proven(self) -> bool:
         """Whether its chunks are sealed with the node's registered key, so that they prove their node."""
         return self.registration.authenticated_chunks or self.link.only_proven_chunks
+
+    def reply_key(self) -> ReplyKey:
+        """A fresh key pair for one request to this node, to which its replies are sealed (from the
+        node's registered key, when its chunks prove it). Its key agreement with the node's key is
+        made ahead: the next one is made once the loop has run what is ready now (the request's frame
+        among it), so at one request at a time it costs the dispatch nothing. Each is used once."""
+        key, self._spare_key = self._spare_key, None
+        if key is None:
+            key = self._new_reply_key()
+        try:
+            asyncio.get_running_loop().call_soon(self._make_spare_key)
+        except RuntimeError:  # no loop: nothing to make it in ahead
+            pass
+        return key
+
+    def _new_reply_key(self) -> ReplyKey:
+        key = ReplyKey(self.registration.public_key if self.chunks_proven else None)
+        return key if self.public_key is None else key.prepare(self.public_key)
+
+    def _make_spare_key(self) -> None:
+        if self._spare_key is None and self.online:
+            self._spare_key = self._new_reply_key()
 
     def heard(self, at: float) -> None:
         """A frame arrived at ``at`` (monotonic). ``last_frame_at`` is not watched: set without the detour."""

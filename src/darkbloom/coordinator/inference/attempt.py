@@ -25,7 +25,7 @@ from darkbloom.coordinator.fleet.slots import Slot
 from darkbloom.coordinator.inference.calls import InferenceCall
 from darkbloom.coordinator.inference.failures import Failed, ProviderFailure
 from darkbloom.wire.chunk_arrays import response_chunks
-from darkbloom.wire.crypto import DecryptionError, ReplyKey
+from darkbloom.wire.crypto import DecryptionError
 from darkbloom.wire.openai.chunk_shapes import chunk_problem
 from darkbloom.wire.openai.chunks import has_content
 from darkbloom.wire.openai.presenters import Presenter
@@ -83,7 +83,7 @@ class Attempt:
         self.bounds = bounds
         self.slot = slot
         self.session = slot.session
-        self.reply_key = ReplyKey(self.session.registration.public_key if self.session.chunks_proven else None)
+        self.reply_key = self.session.reply_key()
         self.events: asyncio.Queue[Event] = asyncio.Queue()
         self.finished = False
         self.usage: Usage | None = None
