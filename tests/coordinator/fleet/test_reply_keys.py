@@ -1,7 +1,7 @@
-"""A request's reply key (docs/protocol.md "Encryption"): fresh for every request to a node, its key
-agreement with the node's key made ahead — after the loop has run what was ready when the last one
-was taken — so a dispatch at one request at a time does not wait for it; nothing is made ahead for a
-session that has gone offline."""
+"""A request's reply key (docs/protocol.md "Sealing"): fresh for every request to a node, its key
+agreement with the node's key made ahead — once the loop has run what was ready when a request's
+frame was queued, the frame's write among it — so a dispatch at one request at a time does not wait
+for it; nothing is made ahead for a session that has gone offline."""
 
 from __future__ import annotations
 
@@ -35,6 +35,7 @@ async def test_every_request_gets_a_fresh_key_whose_agreement_was_made_ahead(agr
     session.reply_key()  # the first request to the node: made now
     keys = set()
     for _ in range(5):
+        session.prepare_reply_key()  # as a dispatch does once its frame is queued
         await asyncio.sleep(0)  # the loop runs what was ready: the next key is made then
         made = agreements[0]
         key = session.reply_key()
@@ -62,6 +63,7 @@ async def test_a_key_sealed_to_another_recipient_makes_its_own_agreement(agreeme
 async def test_nothing_is_made_ahead_for_a_session_gone_offline(agreements: list[int]) -> None:
     provider = SimProvider()
     provider.session.reply_key()
+    provider.session.prepare_reply_key()
     provider.session.online = False
     made = agreements[0]
     await asyncio.sleep(0)

@@ -168,17 +168,18 @@ class ProviderSession:
 
     def reply_key(self) -> ReplyKey:
         """A fresh key pair for one request to this node, to which its replies are sealed (from the
-        node's registered key, when its chunks prove it). Its key agreement with the node's key is
-        made ahead: the next one is made once the loop has run what is ready now (the request's frame
-        among it), so at one request at a time it costs the dispatch nothing. Each is used once."""
+        node's registered key, when its chunks prove it), its key agreement with the node's key made:
+        the one ``prepare_reply_key`` made ahead, else a new one. Each is used once."""
         key, self._spare_key = self._spare_key, None
-        if key is None:
-            key = self._new_reply_key()
+        return key if key is not None else self._new_reply_key()
+
+    def prepare_reply_key(self) -> None:
+        """Make the next request's reply key once the loop has run what is ready now — the frame just
+        queued for this node among it — so at one request at a time a dispatch does not wait for it."""
         try:
             asyncio.get_running_loop().call_soon(self._make_spare_key)
         except RuntimeError:  # no loop: nothing to make it in ahead
             pass
-        return key
 
     def _new_reply_key(self) -> ReplyKey:
         key = ReplyKey(self.registration.public_key if self.chunks_proven else None)

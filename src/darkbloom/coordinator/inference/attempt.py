@@ -114,6 +114,7 @@ class Attempt:
             return
         self.sent = True
         session.link.send_request(self.request_id, self.slot.ticket, frame)
+        session.prepare_reply_key()  # the next request's, after this frame
 
     async def stop(self, grace: float) -> None:
         """Ask the provider to stop and wait up to ``grace`` seconds for its final usage report."""
