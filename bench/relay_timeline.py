@@ -1,0 +1,167 @@
+"""Where one request's time goes at c=1, in the order it goes: a copy of ``src/`` with trace points
+patched in (each process appends ``time.monotonic_ns()`` and a name to a file of its own; the clock is
+the same for every process on the machine), one coordinator + node stack (bench/relay_stack.py) in
+front of the fixed-response upstream, wrk at c=1. Each request's points are read from the
+coordinator's ASGI entry to the next request's, and the table gives, for the requests whose points
+came in the commonest order, the median time of each point from the entry and from the point before.
+
+relay_c1.py says how much CPU each process spends per request; this says where on the request's path
+it is spent and where a process waits for another (a gap between a write and the other side's read is
+the kernel and the reader's wake-up). The points cost ~5 µs each, so read the gaps, not the total.
+A point whose line of code has moved fails the patch by name: update ``POINTS``.
+
+Run: .venv/bin/python bench/relay_timeline.py [--path self|paid] [--seconds 4]
+Everything listens on 127.0.0.1; the wrk run is bounded by --seconds.
+"""
+
+from __future__ import annotations
+
+import argparse
+import shutil
+import statistics
+import sys
+import tempfile
+from collections import Counter
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from bench.relay_stack import start_stack  # noqa: E402
+from bench.wrk_load import run_wrk  # noqa: E402
+from tests.support.processes import start_fixed_upstream  # noqa: E402
+
+_IMPORT = "from darkbloom._timeline import point; "
+# (file under src/darkbloom, a line of it, the point's name): the point goes in just before that line,
+# at its indentation; a name ending in "+" goes just after it instead (the "+" is dropped)
+POINTS: list[tuple[str, str, str]] = [
+    ("coordinator/http/routes/provider_ws.py", "        if scope[\"type\"] == \"websocket\" and scope[\"path\"] == PATH:",
+     "coordinator: HTTP request enters the app"),
+    ("coordinator/http/routes/inference.py", "        caller = await require_caller(request, services)", "authenticated+"),
+    ("coordinator/inference/serving.py", "        call = parse_call(await read_body(), edge)", "rates charged, before the body"),
+    ("coordinator/inference/serving.py", "        policy = resolve_policy(request.headers, caller)", "body read and parsed"),
+    ("coordinator/inference/serving.py", "            policy = await _admit(life, policy, decision, prompt_bound, output_bound)",
+     "placement decided"),
+    ("coordinator/inference/serving.py", "            admitted_at = time.monotonic()", "admitted+"),
+    ("coordinator/inference/serving.py", "            PLACEMENT_SECONDS.labels(policy.mode)", "slot claimed"),
+    ("coordinator/inference/attempt.py", "        session = self.session\n        session.open_inbox", "attempt made"),
+    ("coordinator/inference/attempt.py", "        frame = dump(InferenceRequest(", "request sealed"),
+    ("coordinator/inference/attempt.py", "        self.sent = True", "frame made"),
+    ("coordinator/http/routes/provider_ws.py", "            await websocket.send_text(frame)", "coordinator: frame to the node written"),
+    ("coordinator/websocket_protocol.py", "        if self.handshake_complete and not self.close_sent and _at_frame_start",
+     "coordinator: reads the node's socket"),
+    ("coordinator/inference/attempt.py", "            chunks = response_chunks(self.reply_key.open(envelope))", "chunk frame parsed"),
+    ("coordinator/inference/serving.py", "            first_content_at = attempt.first_content_at", "first content"),
+    ("coordinator/inference/attempt.py", "        if self.bounds is not None and self.bounds.exceeded_by(usage):",
+     "completion delivered"),
+    ("coordinator/inference/serving.py", "            cost = await life.finish(\"ok\")", "answer collected"),
+    ("coordinator/inference/settlement.py", "        if usage is not None:\n            settled = await self._money(",
+     "slots given back"),
+    ("coordinator/money/ledger/sqlite.py", "        conn = self._connect()\n        synchronous", "ledger thread starts"),
+    ("coordinator/money/ledger/sqlite.py", "        return results", "ledger committed"),
+    ("coordinator/inference/settlement.py", "        unused = admission.unused_token_charges(", "settlement back on the loop"),
+    ("coordinator/inference/serving.py", "            assert attempt.usage is not None\n            return JSONResponse(",
+     "settled"),
+    ("coordinator/inference/settlement.py", "        outcome, self._log_outcome = self._log_outcome, None",
+     "coordinator: answer written"),
+    ("provider/node.py", "            try:\n                frame = protocol.parse_coordinator_frame(raw)", "node: frame read"),
+    ("provider/fleet_requests.py", "            body, sealer = self._open_request(frame)", "node: request task runs"),
+    ("provider/fleet_requests.py", "            model_id = body.get(\"model\")", "node: request opened"),
+    ("provider/backends/openai_upstream.py", "            async with client.post(url, json=payload", "node: upstream called"),
+    ("provider/backends/openai_upstream.py", "                meter.prompt_tokens, meter.completion_tokens = estimate, 0",
+     "node: upstream's head read"),
+    ("provider/fleet_requests.py", "            usage = job.report(relayed.prompt_tokens, relayed.completion_tokens)",
+     "node: upstream's stream ended"),
+    ("provider/outbox.py", "        data = self.protocol.data_to_send()",
+     "node: flushes its socket (what is queued leaves; websockets also flushes on every read)"),
+]
+_WRITER = '''import os
+import time
+
+_fd = None
+
+
+def point(name):
+    global _fd
+    if _fd is None:
+        _fd = os.open(f"{directory}/points.{{os.getpid()}}", os.O_WRONLY | os.O_CREAT | os.O_APPEND)
+    os.write(_fd, f"{{time.monotonic_ns()}} {{name}}\\n".encode())
+'''
+
+
+def traced_copy(directory: Path) -> Path:
+    """``src/`` copied into ``directory`` with the trace points in; returns the copy's ``src``."""
+    src = directory / "src"
+    shutil.copytree(ROOT / "src", src, ignore=shutil.ignore_patterns("__pycache__", "*.egg-info"))
+    package = src / "darkbloom"
+    (package / "_timeline.py").write_text(_WRITER.format(directory=directory))
+    for file, anchor, name in POINTS:
+        path = package / file
+        text = path.read_text()
+        if text.count(anchor) != 1:
+            raise SystemExit(f"{file}: the line of point {name!r} is not there once: {anchor!r}")
+        indent = anchor[:len(anchor) - len(anchor.lstrip(" "))]
+        after, name = name.endswith("+"), name.removesuffix("+")
+        line = f"{indent}{_IMPORT}point({name!r})\n"
+        first_line_end = anchor.find("\n")
+        if after:
+            end = text.index(anchor) + len(anchor)
+            end = text.index("\n", end) + 1 if first_line_end < 0 else end
+            text = text[:end] + ("" if text[end - 1] == "\n" else "\n") + line + text[end:]
+        else:
+            text = text.replace(anchor, line + anchor)
+        path.write_text(text)
+    return src
+
+
+def timeline(directory: Path) -> str:
+    events = sorted((int(stamp), name) for file in directory.glob("points.*")
+                    for stamp, _, name in (line.partition(" ") for line in file.read_text().splitlines()))
+    start = POINTS[0][2]
+    requests: list[list[tuple[int, str]]] = []
+    for stamp, name in events:
+        if name == start:
+            requests.append([])
+        if requests:
+            requests[-1].append((stamp, name))
+    requests = requests[len(requests) // 5:-1]  # past the warm-up; the last may be cut short
+    orders = Counter(tuple(name for _, name in request) for request in requests)
+    order, count = orders.most_common(1)[0]
+    alike = [request for request in requests if tuple(name for _, name in request) == order]
+    periods = [b[0][0] - a[0][0] for a, b in zip(requests, requests[1:])]
+    lines = [f"{len(requests)} requests, {count} with their points in the commonest order; from one request's "
+             f"entry to the next's: median {statistics.median(periods) / 1000:.0f} µs\n",
+             "| point | µs from the entry | µs after the point before |", "|---|---|---|"]
+    for index, name in enumerate(order):
+        at = statistics.median(request[index][0] - request[0][0] for request in alike) / 1000
+        gap = statistics.median(request[index][0] - request[index - 1][0] for request in alike) / 1000 if index else 0
+        lines.append(f"| {name} | {at:.0f} | {gap:.0f} |")
+    return "\n".join(lines)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--path", choices=("paid", "self"), default="self")
+    parser.add_argument("--seconds", type=float, default=4.0)
+    args = parser.parse_args()
+    root = Path(tempfile.mkdtemp(prefix="darkbloom-timeline-"))
+    src = traced_copy(root)
+    upstream, upstream_url = start_fixed_upstream(root / "upstream")
+    stack = None
+    try:
+        stack = start_stack(root, "timeline", src, upstream_url)
+        target = stack.targets("plain")[f"{args.path}@timeline"]
+        script = target.script(root)
+        result = run_wrk(target, script, 1, args.seconds)
+        print(f"# {args.path}, c=1, {args.seconds:g} s: {result.requests} requests, p50 {result.p50_ms:.2f} ms "
+              f"(with the trace points)\n")
+        print(timeline(root))
+    finally:
+        if stack is not None:
+            stack.stop()
+        upstream.stop()
+        shutil.rmtree(root, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()
