@@ -7,7 +7,9 @@ came in the commonest order, the median time of each point from the entry and fr
 
 relay_c1.py says how much CPU each process spends per request; this says where on the request's path
 it is spent and where a process waits for another (a gap between a write and the other side's read is
-the kernel and the reader's wake-up). The points cost ~5 µs each, so read the gaps, not the total.
+the kernel and the reader's wake-up). "node: flushes its socket" is where queued frames leave; the node
+also flushes on every read, so it shows just before "node: frame read" too. The points cost ~5 µs
+each, so read the gaps, not the total.
 A point whose line of code has moved fails the patch by name: update ``POINTS``.
 
 Run: .venv/bin/python bench/relay_timeline.py [--path self|paid] [--seconds 4]
@@ -32,48 +34,51 @@ from bench.wrk_load import run_wrk  # noqa: E402
 from tests.support.processes import start_fixed_upstream  # noqa: E402
 
 _IMPORT = "from darkbloom._timeline import point; "
-# (file under src/darkbloom, a line of it, the point's name): the point goes in just before that line,
-# at its indentation; a name ending in "+" goes just after it instead (the "+" is dropped)
+_COORDINATOR, _NODE = "coordinator/", "provider/"
+# (file under src/darkbloom, text found once in it, the point's name): the point goes on a line of its
+# own before the line where the text starts, at its indentation; a name ending in "+" goes after the
+# line where the text ends instead (the "+" is dropped)
 POINTS: list[tuple[str, str, str]] = [
-    ("coordinator/http/routes/provider_ws.py", "        if scope[\"type\"] == \"websocket\" and scope[\"path\"] == PATH:",
+    (_COORDINATOR + "http/routes/provider_ws.py", 'if scope["type"] == "websocket" and scope["path"] == PATH',
      "coordinator: HTTP request enters the app"),
-    ("coordinator/http/routes/inference.py", "        caller = await require_caller(request, services)", "authenticated+"),
-    ("coordinator/inference/serving.py", "        call = parse_call(await read_body(), edge)", "rates charged, before the body"),
-    ("coordinator/inference/serving.py", "        policy = resolve_policy(request.headers, caller)", "body read and parsed"),
-    ("coordinator/inference/serving.py", "            policy = await _admit(life, policy, decision, prompt_bound, output_bound)",
-     "placement decided"),
-    ("coordinator/inference/serving.py", "            admitted_at = time.monotonic()", "admitted+"),
-    ("coordinator/inference/serving.py", "            PLACEMENT_SECONDS.labels(policy.mode)", "slot claimed"),
-    ("coordinator/inference/attempt.py", "        session = self.session\n        session.open_inbox", "attempt made"),
-    ("coordinator/inference/attempt.py", "        frame = dump(InferenceRequest(", "request sealed"),
-    ("coordinator/inference/attempt.py", "        self.sent = True", "frame made"),
-    ("coordinator/http/routes/provider_ws.py", "            await websocket.send_text(frame)", "coordinator: frame to the node written"),
-    ("coordinator/websocket_protocol.py", "        if self.handshake_complete and not self.close_sent and _at_frame_start",
+    (_COORDINATOR + "http/routes/inference.py", "caller = await require_caller(request, services)", "authenticated+"),
+    (_COORDINATOR + "inference/serving.py", "call = parse_call(await read_body(), edge)",
+     "rates charged, before the body"),
+    (_COORDINATOR + "inference/serving.py", "policy = resolve_policy(request.headers, caller)\n",
+     "body read and parsed"),
+    (_COORDINATOR + "inference/serving.py", "policy = await _admit(life, policy, decision,", "placement decided"),
+    (_COORDINATOR + "inference/serving.py", "admitted_at = time.monotonic()", "admitted+"),
+    (_COORDINATOR + "inference/serving.py", "PLACEMENT_SECONDS.labels(policy.mode)", "slot claimed"),
+    (_COORDINATOR + "inference/attempt.py", "session.open_inbox(self.request_id, self)", "attempt made"),
+    (_COORDINATOR + "inference/attempt.py", "frame = dump(InferenceRequest(", "request sealed"),
+    (_COORDINATOR + "inference/attempt.py", "self.sent = True", "frame made"),
+    (_COORDINATOR + "http/routes/provider_ws.py", "await websocket.send_text(frame)",
+     "coordinator: frame to the node written"),
+    (_COORDINATOR + "websocket_protocol.py", "if self.handshake_complete and not self.close_sent and _at_frame_start",
      "coordinator: reads the node's socket"),
-    ("coordinator/inference/attempt.py", "            chunks = response_chunks(self.reply_key.open(envelope))", "chunk frame parsed"),
-    ("coordinator/inference/serving.py", "            first_content_at = attempt.first_content_at", "first content"),
-    ("coordinator/inference/attempt.py", "        if self.bounds is not None and self.bounds.exceeded_by(usage):",
+    (_COORDINATOR + "inference/attempt.py", "chunks = response_chunks(self.reply_key.open(envelope))",
+     "chunk frame parsed"),
+    (_COORDINATOR + "inference/serving.py", "first_content_at = attempt.first_content_at", "first content"),
+    (_COORDINATOR + "inference/attempt.py", "if self.bounds is not None and self.bounds.exceeded_by(usage):",
      "completion delivered"),
-    ("coordinator/inference/serving.py", "            cost = await life.finish(\"ok\")", "answer collected"),
-    ("coordinator/inference/settlement.py", "        if usage is not None:\n            settled = await self._money(",
-     "slots given back"),
-    ("coordinator/money/ledger/sqlite.py", "        conn = self._connect()\n        synchronous", "ledger thread starts"),
-    ("coordinator/money/ledger/sqlite.py", "        return results", "ledger committed"),
-    ("coordinator/inference/settlement.py", "        unused = admission.unused_token_charges(", "settlement back on the loop"),
-    ("coordinator/inference/serving.py", "            assert attempt.usage is not None\n            return JSONResponse(",
-     "settled"),
-    ("coordinator/inference/settlement.py", "        outcome, self._log_outcome = self._log_outcome, None",
+    (_COORDINATOR + "inference/serving.py", 'cost = await life.finish("ok")', "answer collected"),
+    (_COORDINATOR + "inference/settlement.py", 'settled = await self._money("settlement"', "slots given back"),
+    (_COORDINATOR + "money/ledger/sqlite.py", "conn = self._connect()\n        synchronous", "ledger thread starts"),
+    (_COORDINATOR + "money/ledger/sqlite.py", "        return results", "ledger committed"),
+    (_COORDINATOR + "inference/settlement.py", "unused = admission.unused_token_charges(self.rate_charges, usage",
+     "settlement back on the loop"),
+    (_COORDINATOR + "inference/serving.py", "return JSONResponse(presenter.response(", "settled"),
+    (_COORDINATOR + "inference/settlement.py", "outcome, self._log_outcome = self._log_outcome, None",
      "coordinator: answer written"),
-    ("provider/node.py", "            try:\n                frame = protocol.parse_coordinator_frame(raw)", "node: frame read"),
-    ("provider/fleet_requests.py", "            body, sealer = self._open_request(frame)", "node: request task runs"),
-    ("provider/fleet_requests.py", "            model_id = body.get(\"model\")", "node: request opened"),
-    ("provider/backends/openai_upstream.py", "            async with client.post(url, json=payload", "node: upstream called"),
-    ("provider/backends/openai_upstream.py", "                meter.prompt_tokens, meter.completion_tokens = estimate, 0",
+    (_NODE + "node.py", "frame = protocol.parse_coordinator_frame(raw)", "node: frame read"),
+    (_NODE + "fleet_requests.py", "body, sealer = self._open_request(frame)", "node: request task runs"),
+    (_NODE + "fleet_requests.py", 'model_id = body.get("model")', "node: request opened"),
+    (_NODE + "backends/openai_upstream.py", "async with client.post(url, json=payload", "node: upstream called"),
+    (_NODE + "backends/openai_upstream.py", "meter.prompt_tokens, meter.completion_tokens = estimate, 0",
      "node: upstream's head read"),
-    ("provider/fleet_requests.py", "            usage = job.report(relayed.prompt_tokens, relayed.completion_tokens)",
+    (_NODE + "fleet_requests.py", "usage = job.report(relayed.prompt_tokens, relayed.completion_tokens)",
      "node: upstream's stream ended"),
-    ("provider/outbox.py", "        data = self.protocol.data_to_send()",
-     "node: flushes its socket (what is queued leaves; websockets also flushes on every read)"),
+    (_NODE + "outbox.py", "data = self.protocol.data_to_send()", "node: flushes its socket"),
 ]
 _WRITER = '''import os
 import time
@@ -95,22 +100,17 @@ def traced_copy(directory: Path) -> Path:
     shutil.copytree(ROOT / "src", src, ignore=shutil.ignore_patterns("__pycache__", "*.egg-info"))
     package = src / "darkbloom"
     (package / "_timeline.py").write_text(_WRITER.format(directory=directory))
-    for file, anchor, name in POINTS:
+    for file, text, name in POINTS:
         path = package / file
-        text = path.read_text()
-        if text.count(anchor) != 1:
-            raise SystemExit(f"{file}: the line of point {name!r} is not there once: {anchor!r}")
-        indent = anchor[:len(anchor) - len(anchor.lstrip(" "))]
+        code = path.read_text()
+        if code.count(text) != 1:
+            raise SystemExit(f"{file}: the text of point {name!r} is not there once: {text!r}")
+        found = code.index(text)
         after, name = name.endswith("+"), name.removesuffix("+")
-        line = f"{indent}{_IMPORT}point({name!r})\n"
-        first_line_end = anchor.find("\n")
-        if after:
-            end = text.index(anchor) + len(anchor)
-            end = text.index("\n", end) + 1 if first_line_end < 0 else end
-            text = text[:end] + ("" if text[end - 1] == "\n" else "\n") + line + text[end:]
-        else:
-            text = text.replace(anchor, line + anchor)
-        path.write_text(text)
+        line_start = code.rfind("\n", 0, found) + 1
+        indent = code[line_start:len(code) - len(code[line_start:].lstrip(" "))]
+        at = code.index("\n", found + len(text.rstrip("\n"))) + 1 if after else line_start
+        path.write_text(code[:at] + f"{indent}{_IMPORT}point({name!r})\n" + code[at:])
     return src
 
 

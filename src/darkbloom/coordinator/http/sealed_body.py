@@ -75,7 +75,8 @@ class Unsealed:
             return response
         headers = {k: v for k, v in response.headers.items() if k.lower() not in ("content-length", "content-type")}
         return JSONResponse(self.seal(bytes(response.body)), status_code=response.status_code,
-                            headers={**headers, "Content-Type": SEALED_CONTENT_TYPE}, background=response.background)
+                            headers={**headers, "Content-Type": SEALED_CONTENT_TYPE},
+                            background=response.background)  # what follows the answer follows it sealed
 
     async def _sealed_events(self, events: AsyncIterator[Any]) -> AsyncIterator[bytes]:
         """Every ``data:`` line sealed, whatever else its event holds (an ``event:`` line of the

@@ -18,9 +18,9 @@ what was not used — once, on every end:
 Use it as ``async with RequestLifecycle(...) as life:``. A served answer settles with ``finish``
 before its usage is shown — the non-streamed body (and its ``X-Darkbloom-Cost-Micro-USD``) is built
 after it, a stream's last events follow it — so the ``cost_micro_usd`` the caller reads is what the
-settlement charged, the figure of the usage row; its log line (``write_log``) follows the answer. A streamed answer also takes the end over with
-``hand_off()``: the response's end hook ``end_unfinished`` ends a stream that stopped early (the
-client went away) with a partial charge.
+settlement charged, the figure of the usage row; the request's log line (``write_log``) follows the
+answer. A streamed answer also takes the end over with ``hand_off()``: the response's end hook
+``end_unfinished`` ends a stream that stopped early (the client went away) with a partial charge.
 """
 
 from __future__ import annotations
@@ -152,6 +152,8 @@ class RequestLifecycle:
     async def __aexit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
                         _tb: Any) -> None:
         if self._ended or (exc is None and self._handed_off):
+            if exc is not None:
+                self.write_log()  # finished, but no answer will go to write it after
             return
         gone = isinstance(exc, _GONE)
         if self.serving is None:
