@@ -179,6 +179,14 @@ async def test_finish_leaves_the_requests_line_for_after_the_answer(world: World
     assert caplog.text.count("request_id=req-line ") == 1
     assert "outcome=ok prompt_tokens=3 completion_tokens=1" in caplog.text
 
+    broken = world.lifecycle("req-line-broken")  # finished, then no answer: the line is written on the way out
+    with pytest.raises(RuntimeError):
+        async with broken:
+            await world.served(broken)
+            await broken.finish("ok")
+            raise RuntimeError("the answer could not be made")
+    assert caplog.text.count("request_id=req-line-broken ") == 1
+
 
 async def test_a_settlement_whose_reply_was_lost_still_gives_the_rows_cost(
         world: World, monkeypatch: pytest.MonkeyPatch) -> None:
