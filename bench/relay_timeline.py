@@ -23,12 +23,14 @@ import shutil
 import statistics
 import sys
 import tempfile
+import time
 from collections import Counter
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from bench.relay_overhead import machine, tree_state  # noqa: E402
 from bench.relay_stack import start_stack  # noqa: E402
 from bench.wrk_load import run_wrk  # noqa: E402
 from tests.support.processes import start_fixed_upstream  # noqa: E402
@@ -153,6 +155,7 @@ def main() -> None:
         target = stack.targets("plain")[f"{args.path}@timeline"]
         script = target.script(root)
         result = run_wrk(target, script, 1, args.seconds)
+        print(f"# relay timeline — {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())} — {machine()} — {tree_state()}")
         print(f"# {args.path}, c=1, {args.seconds:g} s: {result.requests} requests, p50 {result.p50_ms:.2f} ms "
               f"(with the trace points)\n")
         print(timeline(root))
