@@ -26,9 +26,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from bench.relay_stack import start_stack  # noqa: E402
+from bench.relay_stack import one_stack  # noqa: E402
 from bench.wrk_load import run_wrk  # noqa: E402
-from tests.support.processes import start_fixed_upstream  # noqa: E402
 
 Counters = tuple[int, int, int]  # user ticks, system ticks, voluntary context switches (all threads)
 
@@ -51,12 +50,7 @@ def main() -> None:
     parser.add_argument("--strace", action="store_true", help="then count system calls for 3 s under load")
     args = parser.parse_args()
     root = Path(tempfile.mkdtemp(prefix="darkbloom-c1-"))
-    upstream, upstream_url = start_fixed_upstream(root / "upstream")
-    stack = None
-    try:
-        stack = start_stack(root, "c1", args.src, upstream_url)
-        target = stack.targets("plain")[f"{args.path}@c1"]
-        script = target.script(root)
+    with one_stack(root, "c1", args.src, args.path) as (stack, target, script):
         run_wrk(target, script, 1, 2)  # warm up
         pids = {"coordinator": stack.coord.process.proc.pid, "node": stack.node.proc.pid}
         before = {name: counters(pid) for name, pid in pids.items()}
@@ -81,10 +75,6 @@ def main() -> None:
                 for name, trace in traces.items():
                     table = trace.result().stderr
                     print(f"\n{name}:\n```\n{table[table.find('% time'):].rstrip()}\n```")
-    finally:
-        if stack is not None:
-            stack.stop()
-        upstream.stop()
 
 
 if __name__ == "__main__":

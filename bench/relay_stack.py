@@ -14,8 +14,10 @@ import subprocess
 import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Iterator
 
 import httpx
 
@@ -25,7 +27,8 @@ sys.path.insert(0, str(ROOT))
 from bench.profile_summary import cpu_table, record, summarise, thread_cpu  # noqa: E402
 from bench.wrk_load import WrkTarget, run_wrk  # noqa: E402
 from tests.support.accounts import create_account, login_node, wait_model_listed  # noqa: E402
-from tests.support.processes import Coordinator, Process, darkbloom_cmd, spawn, start_coordinator  # noqa: E402
+from tests.support.processes import (Coordinator, Process, darkbloom_cmd, spawn, start_coordinator,  # noqa: E402
+                                     start_fixed_upstream)
 
 MODEL = "bench-fixed"
 BODY: dict[str, object] = {"model": MODEL, "messages": [{"role": "user", "content": "benchmark"}], "max_tokens": 16}
@@ -79,6 +82,22 @@ def write_catalog(root: Path) -> Path:
     catalog = root / "catalog.json"
     catalog.write_text(json.dumps({"models": [{"id": MODEL, "input_price": 1, "output_price": 1}]}))
     return catalog
+
+
+@contextmanager
+def one_stack(root: Path, label: str, src: Path | None, path: str) -> Iterator[tuple[Stack, WrkTarget, Path]]:
+    """The fixed upstream and one stack in front of it (running ``src``, or the working tree), with the
+    wrk target and script of its ``path`` (paid or self, non-streamed); both stopped on the way out."""
+    upstream, upstream_url = start_fixed_upstream(root / "upstream")
+    try:
+        stack = start_stack(root, label, src, upstream_url)
+        try:
+            target = stack.targets("plain")[f"{path}@{label}"]
+            yield stack, target, target.script(root)
+        finally:
+            stack.stop()
+    finally:
+        upstream.stop()
 
 
 def start_stack(root: Path, label: str, src: Path | None, upstream_url: str) -> Stack:

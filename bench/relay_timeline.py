@@ -31,9 +31,8 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from bench.relay_overhead import machine, tree_state  # noqa: E402
-from bench.relay_stack import start_stack  # noqa: E402
+from bench.relay_stack import one_stack  # noqa: E402
 from bench.wrk_load import run_wrk  # noqa: E402
-from tests.support.processes import start_fixed_upstream  # noqa: E402
 
 _IMPORT = "from darkbloom._timeline import point; "
 _COORDINATOR, _NODE = "coordinator/", "provider/"
@@ -148,21 +147,14 @@ def main() -> None:
     args = parser.parse_args()
     root = Path(tempfile.mkdtemp(prefix="darkbloom-timeline-"))
     src = traced_copy(root)
-    upstream, upstream_url = start_fixed_upstream(root / "upstream")
-    stack = None
     try:
-        stack = start_stack(root, "timeline", src, upstream_url)
-        target = stack.targets("plain")[f"{args.path}@timeline"]
-        script = target.script(root)
-        result = run_wrk(target, script, 1, args.seconds)
+        with one_stack(root, "timeline", src, args.path) as (_stack, target, script):
+            result = run_wrk(target, script, 1, args.seconds)
         print(f"# relay timeline — {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())} — {machine()} — {tree_state()}")
         print(f"# {args.path}, c=1, {args.seconds:g} s: {result.requests} requests, p50 {result.p50_ms:.2f} ms "
               f"(with the trace points)\n")
         print(timeline(root))
     finally:
-        if stack is not None:
-            stack.stop()
-        upstream.stop()
         shutil.rmtree(root, ignore_errors=True)
 
 

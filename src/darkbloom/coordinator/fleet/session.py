@@ -176,10 +176,7 @@ class ProviderSession:
     def prepare_reply_key(self) -> None:
         """Make the next request's reply key once the loop has run what is ready now — the frame just
         queued for this node among it — so at one request at a time a dispatch does not wait for it."""
-        try:
-            asyncio.get_running_loop().call_soon(self._make_spare_key)
-        except RuntimeError:  # no loop: nothing to make it in ahead
-            pass
+        asyncio.get_running_loop().call_soon(self._make_spare_key)
 
     def _new_reply_key(self) -> ReplyKey:
         key = ReplyKey(self.registration.public_key if self.chunks_proven else None)
