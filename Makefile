@@ -116,5 +116,20 @@ bench-replicas: $(STAMP) wrk services
 	@echo "Running bench/replicas.py: three replicas, HAProxy, nodes and wrk on 127.0.0.1 (about 4 minutes)…"
 	$(PY) bench/replicas.py $(BENCH_ARGS)
 
+# LiteLLM's proxy beside the relay (bench/relay_floor.py): its own virtualenv, since its proxy extra pins
+# uvicorn and websockets below the versions darkbloom runs on (1.108.7: the newest release whose
+# proxy extra installs from PyPI)
+LITELLM_VENV := .venv-litellm
+.PHONY: bench-litellm bench-floor
+bench-litellm: $(LITELLM_VENV)/bin/litellm
+$(LITELLM_VENV)/bin/litellm:
+	@echo "Installing LiteLLM's proxy into $(LITELLM_VENV) (a minute or two)…"
+	test -x $(LITELLM_VENV)/bin/python || python3 -m venv $(LITELLM_VENV)
+	$(LITELLM_VENV)/bin/python -m pip install -q 'litellm[proxy]==1.108.7'
+
+bench-floor: $(STAMP) wrk bench-litellm
+	@echo "Running bench/relay_floor.py: direct, the bare floor, self-route, paid and LiteLLM at c=1 (about 3 minutes)…"
+	$(PY) bench/relay_floor.py $(BENCH_ARGS)
+
 clean:
-	rm -rf $(VENV) build src/*.egg-info .pytest_cache
+	rm -rf $(VENV) $(LITELLM_VENV) build src/*.egg-info .pytest_cache

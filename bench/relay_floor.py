@@ -13,7 +13,13 @@ adds to a request). Side by side in one run with the upstream called directly an
 what Darkbloom does per request; what the floor adds over direct is the two hops themselves on this
 machine, which no change to Darkbloom's own code can take away.
 
-Run: .venv/bin/python bench/relay_floor.py [--seconds 5] [--rounds 3]
+And, when a LiteLLM proxy is installed (``make bench-litellm`` puts one in .venv-litellm, its own
+virtualenv: its proxy extra pins versions of uvicorn and websockets that darkbloom does not run on),
+LiteLLM's proxy in front of the same upstream: the reference issue 21 states its latency goal beside
+(≤ 2 ms added when LiteLLM took 17.7 ms in the same run). Absolute figures drift 2–3× between days on
+these shared VMs, so the table gives each path's added time as a share of LiteLLM's in the same run.
+
+Run: .venv/bin/python bench/relay_floor.py [--seconds 5] [--rounds 3] [--litellm PATH | --no-litellm]
 Everything listens on 127.0.0.1; every wrk run is bounded by --seconds.
 """
 
@@ -41,6 +47,8 @@ from tests.support.processes import Process, free_port, spawn, start_fixed_upstr
 from fastapi import FastAPI, Request, Response, WebSocket, WebSocketDisconnect  # noqa: E402
 
 FRAMEWORKS = ("asgi", "fastapi")
+LITELLM = ROOT / ".venv-litellm" / "bin" / "litellm"
+LITELLM_GOAL = 2.0 / 17.7  # issue 21: ≤ 2 ms added, stated beside LiteLLM's 17.7 ms in the same run
 
 
 def serve_floor_coordinator(port: int, framework: str) -> None:
@@ -172,16 +180,44 @@ def spawn_floor_node(directory: Path, coordinator_ws: str, upstream_url: str) ->
                  directory, "node.log")
 
 
+def start_litellm(executable: Path, directory: Path, upstream_url: str) -> tuple[Process, str]:
+    """LiteLLM's proxy (one worker, no master key, no database) serving the bench's model from the
+    fixed upstream as an OpenAI-compatible provider; returns the process and its chat URL."""
+    port = free_port()
+    directory.mkdir(parents=True, exist_ok=True)
+    config = directory / "litellm.yaml"
+    config.write_text(json.dumps({  # YAML is a superset of JSON
+        "model_list": [{"model_name": BODY["model"], "litellm_params": {
+            "model": f"openai/{BODY['model']}", "api_base": upstream_url + "/v1", "api_key": "none"}}],
+        "litellm_settings": {"telemetry": False}}))
+    env = {"LITELLM_LOCAL_MODEL_COST_MAP": "True", "LITELLM_DANGEROUSLY_PERMIT_WEAK_OR_UNSET_MASTER_KEY": "true",
+           "LITELLM_LOG": "ERROR"}
+    process = spawn([str(executable), "--config", str(config), "--host", "127.0.0.1", "--port", str(port),
+                     "--num_workers", "1"], directory, "litellm.log", env=env)
+    base = f"http://127.0.0.1:{port}"
+    wait_until(lambda: http_status(base + "/health/liveliness") == 200, timeout=120, what="LiteLLM's proxy")
+    return process, base + "/v1/chat/completions"
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--seconds", type=float, default=5.0)
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--litellm", type=Path, default=LITELLM,
+                        help="LiteLLM's `litellm` executable (default: .venv-litellm's, from `make bench-litellm`)")
+    parser.add_argument("--no-litellm", action="store_true", help="leave LiteLLM's proxy out")
     args = parser.parse_args()
     root = Path(tempfile.mkdtemp(prefix="darkbloom-floor-"))
     upstream, upstream_url = start_fixed_upstream(root / "upstream")
     floors: dict[str, tuple[Process, Process | None, int]] = {}
-    stack = None
+    stack = litellm = None
+    litellm_url = ""
     try:
+        if not args.no_litellm:
+            if args.litellm.exists():
+                litellm, litellm_url = start_litellm(args.litellm, root / "litellm", upstream_url)
+            else:
+                print(f"# no LiteLLM at {args.litellm} (`make bench-litellm` installs it): left out\n")
         for framework in FRAMEWORKS:
             port = free_port()
             coordinator = spawn_floor_coordinator(root / framework, port, framework)
@@ -198,6 +234,8 @@ def main() -> None:
                                                       f"http://127.0.0.1:{port}/v1/chat/completions", BODY, {})
                       for framework, (_, _, port) in floors.items()},
                    **{name: target for name, target in stack.targets("plain").items()}}
+        if litellm is not None:
+            targets["litellm"] = WrkTarget("litellm", litellm_url, BODY, {})
         scripts = {name: target.script(root) for name, target in targets.items()}
         for name, target in targets.items():
             run_wrk(target, scripts[name], 1, 1)  # warm up
@@ -224,15 +262,22 @@ def main() -> None:
               "median (min–max)\n")
         direct = statistics.median(p50s["direct"])
         floor = statistics.median(p50s["floor-asgi"])
-        print("| path | c=1 p50 ms | added over direct, ms | added over the floor, ms | coordinator CPU ms/req | "
-              "node CPU ms/req |\n|---|---|---|---|---|---|")
+        lite = statistics.median(p50s["litellm"]) - direct if "litellm" in p50s else None
+        print("| path | c=1 p50 ms | added over direct, ms | added over the floor, ms | added ÷ LiteLLM's | "
+              "coordinator CPU ms/req | node CPU ms/req |\n|---|---|---|---|---|---|---|")
         for name, values in p50s.items():
             median = statistics.median(values)
-            over_floor = f"{median - floor:.2f}" if name not in ("direct", "floor-asgi") else ""
+            over_floor = f"{median - floor:.2f}" if name not in ("direct", "floor-asgi", "litellm") else ""
+            share = f"{(median - direct) / lite:.1%}" if lite and name != "direct" else ""
             spent = [f"{statistics.median(c[i] for c in cpu[name]):.2f}" if name in cpu else "" for i in (0, 1)]
             print(f"| {name} | {median:.2f} ({min(values):.2f}–{max(values):.2f}) | "
-                  f"{median - direct:.2f} | {over_floor} | {spent[0]} | {spent[1]} |")
+                  f"{median - direct:.2f} | {over_floor} | {share} | {spent[0]} | {spent[1]} |")
+        if lite:
+            print(f"\nIssue 21's ≤ 2 ms beside LiteLLM's 17.7 ms is {LITELLM_GOAL:.1%} of LiteLLM's added time: "
+                  f"{LITELLM_GOAL * lite:.2f} ms in this run.")
     finally:
+        if litellm is not None:
+            litellm.stop()
         for coordinator, node, _ in floors.values():
             for process in (node, coordinator):
                 if process is not None:
