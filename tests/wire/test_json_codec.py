@@ -7,8 +7,10 @@ import json
 import math
 
 import pytest
+from starlette.responses import JSONResponse
 
 from darkbloom.wire import json_codec
+from darkbloom.wire.openai.answers import JsonAnswer
 
 
 @pytest.mark.parametrize("raw, expected", [
@@ -47,3 +49,15 @@ def test_both_ways_write_compact_json() -> None:
 def test_what_is_not_a_json_number_is_written_as_null() -> None:
     """A -inf logprob went out as ``-Infinity``, which JSON parsers refuse."""
     assert json_codec.dumps_text({"logprob": -math.inf, "x": math.nan}) == '{"logprob":null,"x":null}'
+
+
+def test_a_json_answer_is_written_by_the_codec() -> None:
+    """The edge's JSON answer (coordinator and direct mode): what Starlette's ``JSONResponse`` would
+    refuse with a 500 (a -inf logprob) goes out as ``null``; a big integer stays exact."""
+    answer = JsonAnswer({"logprob": -math.inf, "text": "é"}, headers={"X-Request-Id": "r"})
+    assert answer.body == '{"logprob":null,"text":"é"}'.encode()
+    assert json.loads(JsonAnswer({"n": 2 ** 70}).body) == {"n": 2 ** 70}
+    assert answer.headers["content-type"] == "application/json"
+    assert answer.headers["x-request-id"] == "r"
+    with pytest.raises(ValueError):
+        JSONResponse({"logprob": -math.inf})

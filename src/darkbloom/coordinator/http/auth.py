@@ -66,7 +66,7 @@ async def _load_grant(engine: AsyncEngine, kind: CallerKind, digest: str) -> Gra
 async def require_caller(request: Request, services: Services = Depends(get_services)) -> Caller:
     """Any authenticated account: API key, console session or device token."""
     token = bearer_token(request)
-    anthropic = speaks_anthropic(request.url.path)  # its key may come as `x-api-key` (docs/api.md "Authentication")
+    anthropic = speaks_anthropic(request.scope["path"])  # its key may come as `x-api-key` (docs/api.md "Authentication")
     if token is None and anthropic:
         token = request.headers.get("x-api-key", "").strip() or None
     caller = await resolve_token(services, token) if token else None

@@ -9,11 +9,11 @@ billing are the same for all of them.
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from typing import Any, Iterator
 
 from darkbloom.coordinator.inference.chat_validation import chat_needs, validate_chat_body
+from darkbloom.wire import json_codec
 from darkbloom.wire.openai.body import parse_json_object
 from darkbloom.wire.openai.edges import Edge
 from darkbloom.wire.openai.errors import invalid_request
@@ -50,7 +50,7 @@ class InferenceCall:
             forwarded = dict(self.body, model=provider_model_id, stream=True, max_tokens=max_tokens // self.choices)
             forwarded.pop("stream_options", None)
             forwarded.pop("max_completion_tokens", None)
-        return json.dumps(forwarded, separators=(",", ":")).encode()
+        return json_codec.dumps(forwarded)
 
 
 def parse_call(raw: bytes, edge: Edge) -> InferenceCall:

@@ -38,7 +38,7 @@ from darkbloom.coordinator.routing.policy import Policy, resolve_policy
 from darkbloom.coordinator.services import Services
 from darkbloom.wire.openai.edges import Edge
 from darkbloom.wire.openai.presenters import Presenter
-from darkbloom.wire.openai.streaming import EventStreamResponse
+from darkbloom.wire.openai.answers import EventStreamResponse, JsonAnswer
 
 PLACEMENT_SECONDS = Histogram(
     "darkbloom_placement_seconds",
@@ -95,7 +95,7 @@ async def serve(edge: Edge, request: Request, caller: Caller, services: Services
                 raise failure.as_api_error(call.request) from None
             cost = await life.finish("ok")  # settled before the body: it says what was charged
             assert attempt.usage is not None
-            return JSONResponse(presenter.response(attempt.usage, cost), headers={**headers, COST_HEADER: str(cost)},
+            return JsonAnswer(presenter.response(attempt.usage, cost), headers={**headers, COST_HEADER: str(cost)},
                                 background=BackgroundTask(_write_log, life))  # the request's line, once it has gone
 
 

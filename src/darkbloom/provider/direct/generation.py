@@ -18,7 +18,7 @@ from typing import Any, AsyncIterator
 
 from darkbloom.wire.openai.chunks import has_content
 from darkbloom.wire.openai.presenters import Presenter
-from darkbloom.wire.openai.streaming import EventStreamResponse
+from darkbloom.wire.openai.answers import EventStreamResponse
 from darkbloom.wire.protocol import Api, Usage
 from darkbloom.provider.backends import Backend, BackendError
 from darkbloom.provider.backends.base import UsageMeter, chunk_usage, is_usage_chunk

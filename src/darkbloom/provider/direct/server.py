@@ -30,6 +30,7 @@ from starlette.routing import Route
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from darkbloom.wire import crypto
+from darkbloom.wire.openai.answers import JsonAnswer
 from darkbloom.wire.openai.body import DEFAULT_MAX_BODY_BYTES, read_json_object
 from darkbloom.wire.openai.edges import EDGES, Edge
 from darkbloom.wire.openai.errors import ApiError, invalid_request, unauthorized
@@ -150,7 +151,7 @@ class _LocalApi:
                 head = await generation.head()
                 handed_off = True
                 return generation_response(generation, head, headers)
-            return JSONResponse(await generation.collect(), headers=headers)
+            return JsonAnswer(await generation.collect(), headers=headers)
         except BackendError as exc:
             raise from_backend(exc) from None
         finally:
