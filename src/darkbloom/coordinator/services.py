@@ -38,13 +38,14 @@ class Services:
     registrations: RegistrationGate = field(default_factory=RegistrationGate)  # provider sockets registering
     device_owners: DeviceOwners = None  # type: ignore[assignment]  # registrations' token owners, batched, on engine
     insight: MachineInsight = None  # type: ignore[assignment]  # machine insight, sampled and written in batches
+    requests_in_flight: int = 0  # inference requests taken up and not yet ended (inference/settlement.py)
     _tasks: set[asyncio.Task[Any]] = field(default_factory=set)
 
     def __post_init__(self) -> None:
         if self.queues is None:
             self.queues = RequestQueues(self.registry, self.settings)
         if self.ledger is None:
-            self.ledger = LedgerWriter(self.engine)
+            self.ledger = LedgerWriter(self.engine, quiet=lambda: self.requests_in_flight <= 1)
         if self.machine_book is None:
             self.machine_book = MachineBook(self.engine, self.settings.machine_flush_interval)
         if self.device_owners is None:

@@ -11,7 +11,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections import Counter
-from typing import Any, Sequence
+from typing import Any, AsyncIterator, Sequence
 
 import pytest
 from sqlalchemy import select
@@ -109,14 +109,16 @@ class World:
 
 
 @pytest.fixture
-async def world(make_services: MakeServices) -> World:
+async def world(make_services: MakeServices) -> AsyncIterator[World]:
     services = await make_services(min_trust="self_signed", runtime_allow_list=frozenset({RUNTIME}),
                                    first_content_timeout=5.0, cancel_grace=2.0)
     services.rate_limiter = CountingLimiter()
     account = await new_account(services, credit=CREDIT)
     key = await new_key(services, account, rpm_limit=100, itpm_limit=100_000, otpm_limit=100_000)
     provider, = fleet(services.registry, 1)
-    return World(services, Caller(account_id=account, kind="api_key", key=key), provider)
+    yield World(services, Caller(account_id=account, kind="api_key", key=key), provider)
+    # each lifecycle counted in once and out once, however it ended (the ledger's `quiet` reads it)
+    assert services.requests_in_flight == 0
 
 
 async def _end(life: RequestLifecycle) -> None:

@@ -8,6 +8,9 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import sqlite3
+import threading
+import time
 from typing import Any
 
 import pytest
@@ -16,6 +19,7 @@ from sqlalchemy.exc import OperationalError
 
 from darkbloom.coordinator.money import billing
 from darkbloom.coordinator.money.ledger import rules
+from darkbloom.coordinator.money.ledger import sqlite as sqlite_ledger
 from darkbloom.coordinator.money.ledger.writer import LedgerUnavailable, LedgerWriter, backend_for
 from darkbloom.coordinator.services import Services
 from darkbloom.store import accounts as account_store
@@ -36,6 +40,12 @@ def served(owner: str | None) -> billing.Served:
     return billing.Served(provider_id="prov_w", provider_account_id=owner)
 
 
+def under_load(services: Services) -> None:
+    """As when the process serves other requests: every step queues for the writer's batches (a quiet
+    process applies one at once when it can: the tests below the writer's own)."""
+    services.requests_in_flight = 2
+
+
 async def together(*work: Any) -> list[Any]:
     """Start every call before any runs: they reach the writer in this order, as one batch."""
     tasks = [asyncio.ensure_future(w) for w in work]
@@ -43,6 +53,7 @@ async def together(*work: Any) -> list[Any]:
 
 
 async def test_one_batch_refusals_are_results_for_their_callers_only(services: Services) -> None:
+    under_load(services)
     account = await new_account(services, credit=5_000)
     key = await new_key(services, account, limit_micro_usd=3_000)
     batches = services.ledger.batches
@@ -91,6 +102,7 @@ async def test_a_repeated_settlement_in_the_same_batch_is_a_no_op(services: Serv
 
 
 async def test_a_crowd_commits_as_one_batch(services: Services) -> None:
+    under_load(services)
     account = await new_account(services, credit=1_000_000)
     batches = services.ledger.batches
     held = await together(*(billing.reserve(services, f"crowd-{n}", account, None, 1_000) for n in range(300)))
@@ -114,6 +126,9 @@ class Flaky:
                 await self.real.apply(steps)
             raise OperationalError("batch", {}, Exception("connection lost"))
         return list(await self.real.apply(steps))
+
+    def apply_now(self, steps: list[rules.Step]) -> None:
+        return None  # every batch through ``apply``, where it fails
 
     async def close(self) -> None:
         await self.real.close()
@@ -157,6 +172,7 @@ async def test_one_bad_step_does_not_sink_its_batch(services: Services) -> None:
 
 
 async def test_a_caller_gone_mid_reservation_gets_the_hold_back(services: Services) -> None:
+    under_load(services)
     account = await new_account(services, credit=10_000)
     task = asyncio.ensure_future(billing.reserve(services, "gone", account, None, 4_000))
     await asyncio.sleep(0)  # submitted, not yet committed
@@ -172,6 +188,7 @@ async def test_a_caller_gone_mid_reservation_gets_the_hold_back(services: Servic
 
 
 async def test_a_closed_writer_refuses_new_steps(services: Services) -> None:
+    under_load(services)
     account = await new_account(services, credit=10_000)
     queued = asyncio.ensure_future(billing.reserve(services, "last", account, None, 1_000))
     await asyncio.sleep(0)
@@ -215,6 +232,7 @@ async def test_on_sqlite_only_a_batch_that_charges_waits_for_the_disk(services: 
     settlements, whose loss to a system crash the reconciler makes good."""
     if services.engine.dialect.name != "sqlite":
         pytest.skip("the SQLite ledger's own connection")
+    under_load(services)
     account = await new_account(services, credit=100_000)
     owner = await new_account(services)
     statements: list[str] = []
@@ -236,6 +254,101 @@ async def test_on_sqlite_only_a_batch_that_charges_waits_for_the_disk(services: 
               for s in statements if s.startswith(("PRAGMA synchronous=", "COMMIT"))]
     assert levels == ["NORMAL", "COMMIT", "FULL", "COMMIT", "NORMAL", "COMMIT", "COMMIT", "FULL", "COMMIT"]
     await check_ledger_consistency(services.engine)
+
+
+def traced_threads(services: Services) -> list[tuple[str, str]]:
+    """(thread name, statement) for every statement the SQLite ledger's connection runs from now."""
+    statements: list[tuple[str, str]] = []
+    connection = services.ledger._backend_now()._connect()  # type: ignore[attr-defined]
+    connection.set_trace_callback(lambda sql: statements.append((threading.current_thread().name, sql)))
+    return statements
+
+
+def committed_on(statements: list[tuple[str, str]]) -> list[str]:
+    return ["loop" if thread == "MainThread" else "writer" for thread, sql in statements if sql == "COMMIT"]
+
+
+async def test_a_quiet_process_applies_what_need_not_wait_at_once(services: Services) -> None:
+    """One request in flight: a reservation, a refund and a free usage row commit on the loop's thread
+    as they are submitted (no hop to the writer's thread and back); a charge still goes to the writer's
+    thread, where it waits for the disk; under load everything queues for the writer."""
+    if services.engine.dialect.name != "sqlite":
+        pytest.skip("the SQLite ledger applies at once; Postgres is a round trip either way")
+    account, owner = await new_account(services, credit=100_000), await new_account(services)
+    statements = traced_threads(services)
+    services.requests_in_flight = 1
+
+    future = services.ledger.submit(rules.Reserve("q-1", account, None, 1_000, None, None, "inst"))
+    assert future.done() and future.result() == rules.RESERVED  # before any turn of the loop
+    assert await billing.refund(services, billing.Reservation("q-1", account, None, 1_000, None)) is True
+    free = billing.Bill("q-free", owner, None, PRICED, None, self_routed=True)
+    assert await billing.settle_bill(services, free, USAGE, served(owner)) == billing.Settlement(0, 0, 0)
+    assert committed_on(statements) == ["loop", "loop", "loop"]
+    assert services.ledger._task is None  # the writer's task never had to run
+
+    held = await billing.reserve(services, "q-2", account, None, 1_000)
+    settled = await settle_paid(services, held, PRICED, USAGE, served(None))  # a charge: synced, on the thread
+    assert settled is not None and settled.cost > 0
+    assert committed_on(statements)[3:] == ["loop", "writer"]
+    under_load(services)
+    await billing.reserve(services, "q-3", account, None, 1_000)
+    assert committed_on(statements)[5:] == ["writer"]
+    assert await pockets(services, account) == (100_000 - settled.cost - 1_000, 0)
+    await check_ledger_consistency(services.engine)
+
+
+async def test_a_locked_database_is_not_waited_for_on_the_loop(services: Services) -> None:
+    """Another connection holds SQLite's write lock: the loop's attempt gives up at once and the step
+    goes to the writer's thread, which waits for the lock. (Had the loop waited, it would have taken
+    the lock once released — a second after its attempt — and committed there.)"""
+    if services.engine.dialect.name != "sqlite":
+        pytest.skip("SQLite's write lock")
+    account = await new_account(services, credit=10_000)
+    statements = traced_threads(services)
+    attempted, locked = threading.Event(), threading.Event()
+    services.ledger._backend_now()._connect().set_trace_callback(  # type: ignore[attr-defined]
+        lambda sql: (statements.append((threading.current_thread().name, sql)),
+                     sql == "BEGIN IMMEDIATE" and threading.current_thread().name == "MainThread" and attempted.set()))
+
+    def hold_the_lock() -> None:
+        other = sqlite3.connect(services.engine.url.database or "", isolation_level=None)
+        other.execute("BEGIN IMMEDIATE")
+        locked.set()
+        attempted.wait(30)
+        time.sleep(1.0)  # well after the loop's attempt
+        other.execute("COMMIT")
+        other.close()
+
+    holder = threading.Thread(target=hold_the_lock)
+    holder.start()
+    locked.wait(30)
+    services.requests_in_flight = 1
+    try:
+        future = services.ledger.submit(rules.Reserve("lk-1", account, None, 1_000, None, None, "inst"))
+        assert attempted.is_set() and not future.done()
+        assert await future == rules.RESERVED
+    finally:
+        await asyncio.to_thread(holder.join)
+    assert committed_on(statements) == ["writer"]
+
+
+async def test_the_log_is_checkpointed_on_the_writer_thread(services: Services,
+                                                            monkeypatch: pytest.MonkeyPatch) -> None:
+    """The ledger's connection never checkpoints in a commit (which would sync on the loop): every
+    ``CHECKPOINT_EVERY`` commits, the next batch goes to the writer's thread, which checkpoints after it."""
+    if services.engine.dialect.name != "sqlite":
+        pytest.skip("SQLite's write-ahead log")
+    monkeypatch.setattr(sqlite_ledger, "CHECKPOINT_EVERY", 2)
+    account = await new_account(services, credit=10_000)
+    statements = traced_threads(services)
+    services.requests_in_flight = 1
+    for n in range(5):
+        await billing.reserve(services, f"ck-{n}", account, None, 100)
+    assert committed_on(statements) == ["loop", "loop", "writer", "loop", "loop"]
+    checkpoints = [thread for thread, sql in statements if sql.startswith("PRAGMA wal_checkpoint")]
+    assert checkpoints == ["ledger-writer_0"]
+    assert services.ledger._backend_now()._connect().execute(  # type: ignore[attr-defined]
+        "PRAGMA wal_autocheckpoint").fetchone() == (0,)
 
 
 async def test_two_writers_on_one_database_cross_without_deadlock(make_services: MakeServices) -> None:

@@ -82,6 +82,7 @@ class RequestLifecycle:
         self._handed_off = False
         self._ended = False
         self._log_outcome: str | None = None  # settled, its line not yet written
+        services.requests_in_flight += 1  # until it is observed as ended (_observe: once, however it ends)
 
     # taking
 
@@ -202,6 +203,7 @@ class RequestLifecycle:
             self._observe("client_disconnected")
 
     def _observe(self, outcome: str) -> None:
+        self.services.requests_in_flight -= 1
         REQUEST_SECONDS.labels(self.api, outcome).observe(time.monotonic() - self.started)
 
     def _release_attempts(self, keep: Attempt | None = None) -> None:

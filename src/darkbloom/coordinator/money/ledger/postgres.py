@@ -175,6 +175,9 @@ class PostgresLedger:
             except Exception:  # noqa: BLE001 - the connection is gone either way
                 pass
 
+    def apply_now(self, steps: list[Step]) -> list[Any] | None:
+        return None  # a round trip to the server: always awaited on the loop
+
     async def apply(self, steps: list[Step]) -> list[Any]:
         raw = await self._connection()
         try:

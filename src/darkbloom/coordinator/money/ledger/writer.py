@@ -10,6 +10,12 @@ A batch that fails (database gone, locked, a unique-key race between replicas) i
 every step is idempotent on its request id, so a retry after an unknown commit outcome is safe. If
 it keeps failing, each step is tried alone so that one bad step cannot sink the others; a step
 that still fails raises ``LedgerUnavailable`` to its caller.
+
+When the process is ``quiet`` (it serves one request and nothing else) and the writer is idle, a
+step is first offered to the backend's ``apply_now`` as it is submitted: SQLite applies one that need
+not wait (``sqlite.py``) at once on the loop's thread, and its caller goes on without a turn of the
+loop or a hop to the writer's thread and back; anything else, and every step under load, is queued
+as above (on SQLite, for its own thread, where its work overlaps the loop's).
 """
 
 from __future__ import annotations
@@ -17,7 +23,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import logging
-from typing import Any, Protocol
+from typing import Any, Callable, Protocol
 
 from sqlalchemy.ext.asyncio import AsyncEngine
 
@@ -36,6 +42,8 @@ class LedgerUnavailable(Exception):
 class Backend(Protocol):
     async def apply(self, steps: list[Step]) -> list[Any]: ...
 
+    def apply_now(self, steps: list[Step]) -> list[Any] | None: ...  # None: not without waiting
+
     async def close(self) -> None: ...
 
 
@@ -51,14 +59,16 @@ def backend_for(engine: AsyncEngine) -> Backend:
 
 class LedgerWriter:
     def __init__(self, engine: AsyncEngine | None = None, backend: Backend | None = None,
-                 max_batch: int = MAX_BATCH) -> None:
+                 max_batch: int = MAX_BATCH, quiet: Callable[[], bool] = lambda: False) -> None:
         self._engine = engine
         self._backend = backend
         self.max_batch = max_batch
+        self._quiet = quiet  # whether a batch may be applied on the loop's thread (``apply_now``)
         self._queue: collections.deque[tuple[Step, asyncio.Future[Any]]] = collections.deque()
         self._wake: asyncio.Event | None = None
         self._task: asyncio.Task[None] | None = None
         self._closed = False
+        self._applying = False  # a batch is on its way to the database
         self.batches = 0  # committed batches and the steps they carried (for the bench)
         self.steps = 0
 
@@ -67,10 +77,15 @@ class LedgerWriter:
         if self._closed:
             raise LedgerUnavailable("the ledger writer is closed (the coordinator is shutting down)")
         loop = asyncio.get_running_loop()
+        future: asyncio.Future[Any] = loop.create_future()
+        if not self._queue and not self._applying and self._quiet():
+            results = self._apply_now([step])
+            if results is not None:
+                future.set_result(results[0])
+                return future
         if self._task is None or self._task.done() or self._task.get_loop() is not loop:
             self._wake = asyncio.Event()
             self._task = loop.create_task(self._run(), name="ledger-writer")
-        future: asyncio.Future[Any] = loop.create_future()
         self._queue.append((step, future))
         assert self._wake is not None
         self._wake.set()
@@ -111,6 +126,7 @@ class LedgerWriter:
                 await self._wake.wait()
                 continue
             batch = [self._queue.popleft() for _ in range(min(self.max_batch, len(self._queue)))]
+            self._applying = True
             try:
                 await self._apply(batch)
             except BaseException as exc:  # cancelled (shutdown) or a bug: no caller may wait forever
@@ -118,6 +134,21 @@ class LedgerWriter:
                     if not future.done():
                         future.set_exception(LedgerUnavailable(f"the ledger writer stopped: {exc!r}"))
                 raise
+            finally:
+                self._applying = False
+
+    def _apply_now(self, steps: list[Step]) -> list[Any] | None:
+        """The steps applied at once, or None: the backend would have to wait, or failed (rolled back;
+        the queue's retries take the steps over)."""
+        try:
+            results = self._backend_now().apply_now(steps)
+        except Exception:  # noqa: BLE001 - retried through the queue, which reports what persists
+            log.debug("a ledger step applied at once failed; queued instead", exc_info=True)
+            return None
+        if results is not None:
+            self.batches += 1
+            self.steps += len(steps)
+        return results
 
     async def _apply(self, batch: list[tuple[Step, asyncio.Future[Any]]], attempts: int = BATCH_ATTEMPTS) -> None:
         steps = [step for step, _ in batch]
