@@ -65,7 +65,7 @@ POINTS: list[tuple[str, str, str]] = [
     (_COORDINATOR + "inference/serving.py", 'cost = await life.finish("ok")', "answer collected"),
     (_COORDINATOR + "inference/settlement.py", 'settled = await self._money("settlement"', "slots given back"),
     (_COORDINATOR + "money/ledger/sqlite.py", "state = _read(conn, steps)", "ledger's transaction begun"),
-    (_COORDINATOR + "money/ledger/sqlite.py", "self._commits += 1", "ledger committed"),
+    (_COORDINATOR + "money/ledger/sqlite.py", "conn.execute(\"COMMIT\")", "ledger committed+"),
     (_COORDINATOR + "inference/settlement.py", "unused = admission.unused_token_charges(self.rate_charges, usage",
      "settlement back on the loop"),
     (_COORDINATOR + "inference/serving.py", "return JsonAnswer(presenter.response(", "settled"),

@@ -334,8 +334,9 @@ async def test_a_locked_database_is_not_waited_for_on_the_loop(services: Service
 
 async def test_the_log_is_checkpointed_on_the_writer_thread(services: Services,
                                                             monkeypatch: pytest.MonkeyPatch) -> None:
-    """The ledger's connection never checkpoints in a commit (which would sync on the loop): every
-    ``CHECKPOINT_EVERY`` commits, the next batch goes to the writer's thread, which checkpoints after it."""
+    """A commit on the loop's thread never checkpoints the log (SQLite would, in the commit that fills
+    it, and sync): after ``CHECKPOINT_EVERY`` of them the next batch goes to the writer's thread, which
+    checkpoints after it; the writer's own commits checkpoint as SQLite does."""
     if services.engine.dialect.name != "sqlite":
         pytest.skip("SQLite's write-ahead log")
     monkeypatch.setattr(sqlite_ledger, "CHECKPOINT_EVERY", 2)
@@ -348,7 +349,9 @@ async def test_the_log_is_checkpointed_on_the_writer_thread(services: Services,
     checkpoints = [thread for thread, sql in statements if sql.startswith("PRAGMA wal_checkpoint")]
     assert checkpoints == ["ledger-writer_0"]
     assert services.ledger._backend_now()._connect().execute(  # type: ignore[attr-defined]
-        "PRAGMA wal_autocheckpoint").fetchone() == (0,)
+        "PRAGMA wal_autocheckpoint").fetchone() == (1000,)
+    loop_commits = [sql for thread, sql in statements if thread == "MainThread"]
+    assert loop_commits.count("PRAGMA wal_autocheckpoint=0") == 4
 
 
 async def test_two_writers_on_one_database_cross_without_deadlock(make_services: MakeServices) -> None:

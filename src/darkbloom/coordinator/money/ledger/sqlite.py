@@ -11,10 +11,11 @@ disk (``synchronous=NORMAL``: safe from the process crashing, not from the syste
 Such a batch may instead be applied at once on the caller's thread (``apply_now``, which the writer
 uses when its process serves one request and nothing else: the two hops to the writer's thread and
 back are then a quarter of a free request's time in the coordinator after its last frame). It never
-waits there: not for the disk (a charge, or the write-ahead log's checkpoint, which this connection
-runs on the writer's thread every ``CHECKPOINT_EVERY`` commits instead of in whichever commit fills
-the log), nor for another connection's write lock (``busy_timeout`` 0 for that ``BEGIN``): in each
-case it says None and the batch goes to the thread as any other."""
+waits there: not for the disk (a charge; nor the write-ahead log's checkpoint, which SQLite runs in
+the commit that fills the log: off for these commits, and after ``CHECKPOINT_EVERY`` of them the
+next batch goes to the thread, which checkpoints), nor for another connection's write lock
+(``busy_timeout`` 0 for that ``BEGIN``): in each case it says None and the batch goes to the thread
+as any other."""
 
 from __future__ import annotations
 
@@ -32,7 +33,7 @@ _RESERVATION = ("SELECT request_id, account_id, key_id, amount_micro_usd, window
 _WINDOW = "SELECT spent_micro_usd, reserved_micro_usd FROM key_spend WHERE key_id = ? AND window_start = ?"
 _ACCOUNT = "SELECT balance_micro_usd, withdrawable_micro_usd FROM accounts WHERE id = ?"
 _USED = "SELECT 1 FROM usage_records WHERE request_id = ?"
-CHECKPOINT_EVERY = 100  # commits (10–20 pages of the log each) between checkpoints, on the writer's thread
+CHECKPOINT_EVERY = 100  # commits on the caller's thread (one step, 10–20 pages of the log each) between checkpoints
 _RESERVATION_COLUMNS = ("request_id", "account_id", "key_id", "amount_micro_usd", "window_start", "status",
                         "instance_id", "created_at", "closed_at", "fallback_window_start")
 
@@ -42,7 +43,7 @@ class SqliteLedger:
         self._path = path
         self._conn: sqlite3.Connection | None = None
         self._synchronous = ""  # the connection's level now: FULL or NORMAL
-        self._commits = 0  # since the last checkpoint
+        self._commits_now = 0  # on the caller's thread since the writer's thread last checkpointed
         self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ledger-writer")
 
     async def apply(self, steps: list[Step]) -> list[Any]:
@@ -51,7 +52,7 @@ class SqliteLedger:
     def apply_now(self, steps: list[Step]) -> list[Any] | None:
         """The batch's results, applied on this thread when that cannot wait: None when it must reach
         the disk, a checkpoint is due, or another connection holds the write lock."""
-        if rules.must_reach_disk(steps) or self._commits >= CHECKPOINT_EVERY:
+        if rules.must_reach_disk(steps) or self._commits_now >= CHECKPOINT_EVERY:
             return None
         conn = self._connect()
         self._set_synchronous(conn, "NORMAL")
@@ -62,7 +63,13 @@ class SqliteLedger:
             return None
         finally:
             conn.execute("PRAGMA busy_timeout=30000")
-        return self._transaction(conn, steps)
+        conn.execute("PRAGMA wal_autocheckpoint=0")
+        try:
+            results = self._transaction(conn, steps)
+        finally:
+            conn.execute("PRAGMA wal_autocheckpoint=1000")  # SQLite's default, for the writer's thread
+        self._commits_now += 1
+        return results
 
     async def close(self) -> None:
         await asyncio.get_running_loop().run_in_executor(self._thread, self._close)
@@ -81,7 +88,6 @@ class SqliteLedger:
             conn.execute("PRAGMA journal_mode=WAL")
             conn.execute("PRAGMA foreign_keys=ON")
             conn.execute("PRAGMA busy_timeout=30000")
-            conn.execute("PRAGMA wal_autocheckpoint=0")  # checkpointed on the writer's thread (_apply)
             self._conn = conn
         return self._conn
 
@@ -95,9 +101,9 @@ class SqliteLedger:
         self._set_synchronous(conn, "FULL" if rules.must_reach_disk(steps) else "NORMAL")
         conn.execute("BEGIN IMMEDIATE")
         results = self._transaction(conn, steps)
-        if self._commits >= CHECKPOINT_EVERY:
-            conn.execute("PRAGMA wal_checkpoint(PASSIVE)")  # as SQLite's own would, off the callers' path
-            self._commits = 0
+        if self._commits_now >= CHECKPOINT_EVERY:  # what the commits on the caller's thread left
+            conn.execute("PRAGMA wal_checkpoint(PASSIVE)")  # as SQLite's own would
+            self._commits_now = 0
         return results
 
     def _transaction(self, conn: sqlite3.Connection, steps: list[Step]) -> list[Any]:
@@ -111,7 +117,6 @@ class SqliteLedger:
             if conn.in_transaction:
                 conn.execute("ROLLBACK")
             raise
-        self._commits += 1
         return results
 
 
