@@ -96,7 +96,7 @@ async def serve(edge: Edge, request: Request, caller: Caller, services: Services
             cost = await life.finish("ok")  # settled before the body: it says what was charged
             assert attempt.usage is not None
             return JsonAnswer(presenter.response(attempt.usage, cost), headers={**headers, COST_HEADER: str(cost)},
-                                background=BackgroundTask(_write_log, life))  # the request's line, once it has gone
+                              background=BackgroundTask(_write_log, life))  # the request's line, once it has gone
 
 
 async def _admit(life: RequestLifecycle, policy: Policy, decision: RouteDecision, prompt_bound: int,
