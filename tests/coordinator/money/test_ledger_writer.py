@@ -11,7 +11,7 @@ import logging
 import sqlite3
 import threading
 import time
-from typing import Any
+from typing import Any, Callable
 
 import pytest
 from sqlalchemy import text
@@ -256,11 +256,17 @@ async def test_on_sqlite_only_a_batch_that_charges_waits_for_the_disk(services: 
     await check_ledger_consistency(services.engine)
 
 
-def traced_threads(services: Services) -> list[tuple[str, str]]:
-    """(thread name, statement) for every statement the SQLite ledger's connection runs from now."""
+def traced_threads(services: Services, also: Callable[[str, str], object] = lambda thread, sql: None
+                   ) -> list[tuple[str, str]]:
+    """(thread name, statement) for every statement the SQLite ledger's connection runs from now (each
+    also given to ``also`` as it starts)."""
     statements: list[tuple[str, str]] = []
-    connection = services.ledger._backend_now()._connect()  # type: ignore[attr-defined]
-    connection.set_trace_callback(lambda sql: statements.append((threading.current_thread().name, sql)))
+
+    def trace(sql: str) -> None:
+        statements.append((threading.current_thread().name, sql))
+        also(*statements[-1])
+
+    services.ledger._backend_now()._connect().set_trace_callback(trace)  # type: ignore[attr-defined]
     return statements
 
 
@@ -304,11 +310,9 @@ async def test_a_locked_database_is_not_waited_for_on_the_loop(services: Service
     if services.engine.dialect.name != "sqlite":
         pytest.skip("SQLite's write lock")
     account = await new_account(services, credit=10_000)
-    statements = traced_threads(services)
     attempted, locked = threading.Event(), threading.Event()
-    services.ledger._backend_now()._connect().set_trace_callback(  # type: ignore[attr-defined]
-        lambda sql: (statements.append((threading.current_thread().name, sql)),
-                     sql == "BEGIN IMMEDIATE" and threading.current_thread().name == "MainThread" and attempted.set()))
+    statements = traced_threads(services, lambda thread, sql: sql == "BEGIN IMMEDIATE" and thread == "MainThread"
+                                and attempted.set())
 
     def hold_the_lock() -> None:
         other = sqlite3.connect(services.engine.url.database or "", isolation_level=None)
@@ -348,10 +352,13 @@ async def test_the_log_is_checkpointed_on_the_writer_thread(services: Services,
     assert committed_on(statements) == ["loop", "loop", "writer", "loop", "loop"]
     checkpoints = [thread for thread, sql in statements if sql.startswith("PRAGMA wal_checkpoint")]
     assert checkpoints == ["ledger-writer_0"]
-    assert services.ledger._backend_now()._connect().execute(  # type: ignore[attr-defined]
-        "PRAGMA wal_autocheckpoint").fetchone() == (1000,)
-    loop_commits = [sql for thread, sql in statements if thread == "MainThread"]
-    assert loop_commits.count("PRAGMA wal_autocheckpoint=0") == 4
+    setting, in_effect = "1000", []  # the automatic checkpoint's setting at each commit
+    for thread, sql in statements:
+        if sql.startswith("PRAGMA wal_autocheckpoint="):
+            setting = sql.removeprefix("PRAGMA wal_autocheckpoint=")
+        elif sql == "COMMIT":
+            in_effect.append(setting)
+    assert in_effect == ["0", "0", "1000", "0", "0"]
 
 
 async def test_two_writers_on_one_database_cross_without_deadlock(make_services: MakeServices) -> None:

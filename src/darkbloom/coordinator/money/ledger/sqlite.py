@@ -34,6 +34,10 @@ _WINDOW = "SELECT spent_micro_usd, reserved_micro_usd FROM key_spend WHERE key_i
 _ACCOUNT = "SELECT balance_micro_usd, withdrawable_micro_usd FROM accounts WHERE id = ?"
 _USED = "SELECT 1 FROM usage_records WHERE request_id = ?"
 CHECKPOINT_EVERY = 100  # commits on the caller's thread (one step, 10–20 pages of the log each) between checkpoints
+# what a transaction on the caller's thread must never do: wait for another connection's lock, or
+# checkpoint the log in its commit (with a sync); the writer's thread waits and checkpoints as SQLite does
+_ON_CALLERS_THREAD = ("PRAGMA busy_timeout=0", "PRAGMA wal_autocheckpoint=0")
+_ON_WRITERS_THREAD = ("PRAGMA busy_timeout=30000", "PRAGMA wal_autocheckpoint=1000")
 _RESERVATION_COLUMNS = ("request_id", "account_id", "key_id", "amount_micro_usd", "window_start", "status",
                         "instance_id", "created_at", "closed_at", "fallback_window_start")
 
@@ -43,6 +47,7 @@ class SqliteLedger:
         self._path = path
         self._conn: sqlite3.Connection | None = None
         self._synchronous = ""  # the connection's level now: FULL or NORMAL
+        self._on_callers_thread = False  # the connection's settings now: _ON_CALLERS_THREAD's or the writer's
         self._commits_now = 0  # on the caller's thread since the writer's thread last checkpointed
         self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ledger-writer")
 
@@ -55,19 +60,12 @@ class SqliteLedger:
         if rules.must_reach_disk(steps) or self._commits_now >= CHECKPOINT_EVERY:
             return None
         conn = self._connect()
-        self._set_synchronous(conn, "NORMAL")
-        conn.execute("PRAGMA busy_timeout=0")
+        self._configure(conn, "NORMAL", on_callers_thread=True)
         try:
             conn.execute("BEGIN IMMEDIATE")
         except sqlite3.OperationalError:  # locked: the writer's thread waits for it, this thread must not
             return None
-        finally:
-            conn.execute("PRAGMA busy_timeout=30000")
-        conn.execute("PRAGMA wal_autocheckpoint=0")
-        try:
-            results = self._transaction(conn, steps)
-        finally:
-            conn.execute("PRAGMA wal_autocheckpoint=1000")  # SQLite's default, for the writer's thread
+        results = self._transaction(conn, steps)
         self._commits_now += 1
         return results
 
@@ -80,6 +78,7 @@ class SqliteLedger:
             self._conn.close()
             self._conn = None
             self._synchronous = ""
+            self._on_callers_thread = False
 
     def _connect(self) -> sqlite3.Connection:
         if self._conn is None:
@@ -91,14 +90,20 @@ class SqliteLedger:
             self._conn = conn
         return self._conn
 
-    def _set_synchronous(self, conn: sqlite3.Connection, level: str) -> None:
-        if level != self._synchronous:  # outside a transaction, where SQLite takes it
-            conn.execute(f"PRAGMA synchronous={level}")
-            self._synchronous = level
+    def _configure(self, conn: sqlite3.Connection, synchronous: str, *, on_callers_thread: bool) -> None:
+        """The connection's settings for the next transaction, each changed only when it differs (outside
+        a transaction, where SQLite takes them)."""
+        if synchronous != self._synchronous:
+            conn.execute(f"PRAGMA synchronous={synchronous}")
+            self._synchronous = synchronous
+        if on_callers_thread != self._on_callers_thread:
+            for pragma in _ON_CALLERS_THREAD if on_callers_thread else _ON_WRITERS_THREAD:
+                conn.execute(pragma)
+            self._on_callers_thread = on_callers_thread
 
     def _apply(self, steps: list[Step]) -> list[Any]:
         conn = self._connect()
-        self._set_synchronous(conn, "FULL" if rules.must_reach_disk(steps) else "NORMAL")
+        self._configure(conn, "FULL" if rules.must_reach_disk(steps) else "NORMAL", on_callers_thread=False)
         conn.execute("BEGIN IMMEDIATE")
         results = self._transaction(conn, steps)
         if self._commits_now >= CHECKPOINT_EVERY:  # what the commits on the caller's thread left
