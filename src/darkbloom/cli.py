@@ -73,6 +73,8 @@ def coordinator(
     queue_max_wait: float = _setting("queue_max_wait"),
     queue_depth: int = _setting("queue_depth"),
     catalog: Optional[Path] = _setting("catalog", exists=True, dir_okay=False),
+    smtp_url: Optional[str] = _setting("smtp_url"),
+    mail_from: str = _setting("mail_from"),
     heartbeat_timeout: float = _setting("heartbeat_timeout"),
     first_content_timeout: float = _setting("first_content_timeout"),
     idle_timeout: float = _setting("idle_timeout"),

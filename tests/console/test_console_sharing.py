@@ -1,8 +1,11 @@
 """Shares in the console, in Chromium, against a real coordinator and two real nodes of one owner
 (`darkbloom serve --backend openai` in front of bench/fixed_upstream.py, named studio and laptop):
-the owner shares all machines, then a subset with limits and prices, from the Sharing page; field
-errors stand next to their field; the grantee sees the received share with the owner's email and
-whose hardware it is, chats with Shared machines and is answered by the owner's node for free; the
+the owner shares all machines, then a subset with limits and prices, from the Sharing page, and is
+shown each share's invite code once; field errors stand next to their field; the grantee verifies their
+address with a code mailed through a real SMTP server, sees the pending share with the owner's email,
+its machines and prices and whose hardware it is, accepts it, chats with Shared machines and is
+answered by the owner's node for free; another share is accepted with its invite code, another
+declined; the
 owner sees what the share used today and revokes it, after which the grantee's chat says nobody has
 shared a machine with them; a used-up daily limit says when it resets; a grantee leaves a share; phone
 and desktop layouts fit. The tests run in
@@ -25,6 +28,7 @@ from playwright.sync_api import expect
 
 from tests.console.conftest import DESKTOP, PHONE, Tab, signed_in_tab
 from tests.support.accounts import Account, create_account, device_token, start_node
+from tests.support.mailbox import Mailbox, smtp_server
 from tests.support.processes import Coordinator, Process, start_coordinator, start_fixed_upstream, wait_until
 
 pytestmark = pytest.mark.e2e
@@ -56,6 +60,7 @@ class World:
     grantee_tab: Tab
     machines: dict[str, str]  # name → mach_ id
     sessions: dict[str, str]  # name → the node's provider session id
+    mailbox: Mailbox
     processes: list[Process] = field(default_factory=list)
 
     def api(self, method: str, path: str, account: Account, **kwargs: Any) -> httpx.Response:
@@ -80,7 +85,10 @@ def named_node(coord: Coordinator, owner: Account, home: Path, name: str, upstre
 @pytest.fixture(scope="module")
 def world(browser: Any, tmp_path_factory: pytest.TempPathFactory) -> Iterator[World]:
     root = tmp_path_factory.mktemp("console-sharing")
-    coord = start_coordinator(root / "coordinator", f"sqlite+aiosqlite:///{root / 'coordinator.db'}")
+    mail = smtp_server()
+    mailbox, smtp_port = mail.__enter__()
+    coord = start_coordinator(root / "coordinator", f"sqlite+aiosqlite:///{root / 'coordinator.db'}",
+                              "--smtp-url", f"smtp://127.0.0.1:{smtp_port}")
     processes: list[Process] = []
     contexts: list[Any] = []
     try:
@@ -104,7 +112,7 @@ def world(browser: Any, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Wo
             contexts.append(context)
             tabs.append(tab)
         yield World(coord, owner, grantee, tabs[0], tabs[1], {m["name"]: m["id"] for m in machines},
-                    {m["name"]: m["session_id"] for m in machines}, processes)
+                    {m["name"]: m["session_id"] for m in machines}, mailbox, processes)
         for tab in tabs:
             assert tab.errors == []
     finally:
@@ -113,6 +121,7 @@ def world(browser: Any, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Wo
         for process in processes:
             process.stop()
         coord.stop()
+        mail.__exit__(None, None, None)
 
 
 def open_share_form(page: Any) -> None:
@@ -146,20 +155,26 @@ def test_owner_shares_all_machines_from_the_page(world: World) -> None:
     expect(page.locator("#share-price-summary")).to_contain_text("Free: they pay nothing")
     page.get_by_role("button", name="Share", exact=True).click()
 
-    expect(page.locator("#sharing-status")).to_contain_text(f"Shared with {world.grantee.email}.")
+    expect(page.locator("#sharing-status")).to_contain_text(
+        f"Shared with {world.grantee.email}. They can use your machines once they accept.")
     expect(page.locator("#share-form")).to_be_hidden()
+    expect(page.locator("#invite-panel")).to_be_visible()  # the invite code, shown this once
+    expect(page.locator("#invite-code")).to_have_text(re.compile(r"^dki-[A-Za-z0-9_-]{40,}$"))
     card = page.locator("#given-list .share")
     expect(card).to_have_count(1)
     expect(card.locator(".share-name")).to_have_text(world.grantee.email)
-    expect(card.locator(".badge")).to_have_text("Free")
+    expect(card.locator(".badge.free")).to_have_text("Free")
+    expect(card.locator(".badge.status")).to_have_text("Waiting for them to accept")
     expect(card).to_contain_text("All your machines, and any you link later")
     expect(card.locator(".share-today")).to_have_text("0 requests · 0 tokens")
     expect(card).to_contain_text("When you revoke it")
     # all machines: the field left out; free: both prices 0
     assert share_posts(world.owner_tab) == [{"email": world.grantee.email.upper(), "input_price": 0, "output_price": 0}]
     given = world.shares(world.owner)["given"]
-    assert [(s["grantee_email"], s["machines"], s["daily_request_limit"], s["input_price"], s["expires_at"])
-            for s in given] == [(world.grantee.email, "all", None, 0, None)]
+    assert [(s["grantee_email"], s["machines"], s["daily_request_limit"], s["input_price"], s["expires_at"],
+             s["status"]) for s in given] == [(world.grantee.email, "all", None, 0, None, "pending")]
+    page.reload()
+    expect(page.locator("#invite-panel")).to_be_hidden()  # never shown again
 
 
 def test_a_bad_email_or_your_own_shows_the_error_next_to_the_field(world: World) -> None:
@@ -238,7 +253,7 @@ def test_owner_shares_a_subset_with_limits_prices_and_a_last_day(world: World) -
     assert (shared["input_price"], shared["output_price"]) == (400_000, 1_600_000)
 
     card = page.locator("#given-list .share", has_text="household@example.com")
-    expect(card.locator(".badge")).to_have_text("At your prices")
+    expect(card.locator(".badge.charged")).to_have_text("At your prices")
     expect(card).to_contain_text("laptop")
     expect(card).not_to_contain_text("studio")
     expect(card).to_contain_text("$0.40 in · $1.60 out per 1M tokens")
@@ -249,19 +264,57 @@ def test_owner_shares_a_subset_with_limits_prices_and_a_last_day(world: World) -
     expect(card.locator(".share-today")).to_have_text("0 requests of 5 · 0 tokens of 10,000")
 
 
-def test_grantee_sees_who_runs_the_machines_and_chats_on_them(world: World) -> None:
-    page, tab = world.grantee_tab.page, world.grantee_tab
+def test_grantee_verifies_the_address_and_accepts_the_pending_share(world: World) -> None:
+    page = world.grantee_tab.page
     page.goto("/console/sharing")
+    # nothing sent to an address is shown before its owner proves it is theirs
+    expect(page.locator("#received-list")).to_contain_text("Nobody has shared a machine with you")
+    expect(page.locator("#verify-panel")).to_be_visible()
+    expect(page.locator("#verify-email")).to_have_text(world.grantee.email)
+    page.get_by_role("button", name="Email me a code").click()
+    expect(page.locator("#consent-status")).to_have_text(f"We sent a code to {world.grantee.email}. Type it below.")
+    expect(page.get_by_label("Code from the email")).to_be_focused()
+    page.get_by_label("Code from the email").fill("WRNG-CODE")
+    page.get_by_role("button", name="Verify", exact=True).click()
+    expect(page.locator("#verify-code-error")).to_contain_text("isn't the code we sent last")
+    page.get_by_label("Code from the email").fill(world.mailbox.code_for(world.grantee.email))
+    page.get_by_role("button", name="Verify", exact=True).click()
+    expect(page.locator("#consent-status")).to_have_text(
+        "Your email address is verified: shares sent to it are listed below.")
+    expect(page.locator("#verify-panel")).to_be_hidden()
+
     card = page.locator("#received-list .share")
     expect(card).to_have_count(1)
     expect(card.locator(".share-name")).to_have_text(f"From {world.owner.email}")
+    expect(card.locator(".badge.status")).to_have_text("Waiting for your answer")
     expect(card.locator(".share-note.operator")).to_have_text(operator_sentence(world.owner.email))
+    expect(card.locator(".share-note.consent")).to_contain_text(
+        f"Accept to let your requests on Shared machines go to {world.owner.email}'s machines, for free.")
     expect(card).to_contain_text("All their machines: ")
     for name in ("studio", "laptop"):
         expect(card).to_contain_text(name)
-    expect(card.locator(".badge")).to_have_text("Free")
+    expect(card.locator(".badge.free")).to_have_text("Free")
     expect(page.locator("#given-list")).to_contain_text("You have no machines to share yet")
+    world.grantee_tab.shoot("sharing-pending")
+    # not accepted yet: Shared machines finds nothing to use
+    refused = httpx.post(world.coord.api_url + "/chat/completions", timeout=30, json={
+        "model": MODEL, "messages": [{"role": "user", "content": "hi"}]},
+        headers={"Authorization": f"Bearer {world.grantee.session}", "X-Darkbloom-Route": "shared"})
+    assert refused.status_code == 409 and refused.json()["error"]["code"] == "no_shared_machine", refused.text
+    world.grantee_tab.api_calls.clear()
+    card.get_by_role("button", name=f"Accept the share from {world.owner.email}").click()
+    expect(page.locator("#sharing-status")).to_have_text(
+        f"You accepted {world.owner.email}'s share: choose Shared machines in Chat to use it.")
+    expect(card.locator(".badge.status")).to_have_count(0)
+    expect(card.get_by_role("button", name=f"Accept the share from {world.owner.email}")).to_have_count(0)
+    [sent] = [c for c in world.grantee_tab.api_calls if c[0] == "POST" and c[1].endswith("/accept")]
+    assert json.loads(sent[3]) == {"machines": "all", "input_price": 0, "output_price": 0}  # the terms shown
+    assert world.shares(world.owner)["given"][0]["status"] == "accepted"
     world.grantee_tab.shoot("sharing-received")
+
+
+def test_grantee_sees_who_runs_the_machines_and_chats_on_them(world: World) -> None:
+    page, tab = world.grantee_tab.page, world.grantee_tab
 
     page.goto("/console/")
     shared = page.get_by_role("radio", name="Shared machines")
@@ -332,6 +385,16 @@ def test_a_used_up_daily_limit_says_when_it_resets_and_the_grantee_leaves(world:
     response = world.api("POST", "/shares", world.owner, json={"email": world.grantee.email, "daily_request_limit": 1})
     assert response.status_code == 201, response.text
     page = world.grantee_tab.page
+    page.goto("/console/sharing")
+    page.get_by_label("Invite code").fill("dki-mistyped")
+    page.get_by_role("button", name="Accept invite").click()
+    expect(page.locator("#invite-input-error")).to_contain_text("That code doesn't open any share")
+    page.get_by_label("Invite code").fill(response.json()["invite_code"])
+    page.get_by_role("button", name="Accept invite").click()
+    expect(page.locator("#consent-status")).to_have_text(
+        f"You accepted {world.owner.email}'s share: choose Shared machines in Chat to use it.")
+    expect(page.locator("#received-list .share")).to_have_count(1)
+    expect(page.get_by_label("Invite code")).to_have_value("")
     page.goto("/console/")
     expect(page.get_by_role("radio", name="Shared machines")).to_be_checked()
     expect(page.locator("#machine-state")).to_contain_text(world.owner.email)
@@ -384,10 +447,18 @@ def test_sharing_and_the_machine_choice_fit_a_phone_and_a_desktop(world: World) 
     # a priced share says so to its grantee
     page = world.grantee_tab.page
     page.goto("/console/sharing")
-    expect(page.locator("#received-list .share")).to_contain_text(
-        "$0.25 in · $1.00 out per 1M tokens, paid from your credit")
-    expect(page.locator("#received-list .badge")).to_have_text("At their prices")
-    assert re.search(r"\S", page.locator("#received-list .share-note").inner_text())
+    card = page.locator("#received-list .share")
+    expect(card).to_contain_text("$0.25 in · $1.00 out per 1M tokens, paid from your credit")
+    expect(card.locator(".badge.charged")).to_have_text("At their prices")
+    expect(card.locator(".share-note.consent")).to_contain_text("at the prices above, paid from your credit")
+    assert re.search(r"\S", card.locator(".share-note.operator").inner_text())
+    # declined: it routes nothing, and the owner sees the answer
+    card.get_by_role("button", name=f"Decline the share from {world.owner.email}").click()
+    expect(page.locator("#sharing-status")).to_have_text(
+        f"You declined {world.owner.email}'s share. Nothing goes to their machines.")
+    expect(card.locator(".badge.status")).to_have_text("You declined")
+    expect(card.get_by_role("button", name=f"Accept the share from {world.owner.email}")).to_be_visible()
+    assert [s["status"] for s in world.shares(world.owner)["given"] if s["input_price"] == 250_000] == ["declined"]
 
 
 def test_revoking_a_share_already_gone_says_so_and_refreshes_the_list(world: World) -> None:

@@ -26,7 +26,7 @@ HTTP_METHODS = ("get", "put", "post", "delete", "options", "head", "patch", "tra
 BODYLESS_WRITES = {("post", "/v1/auth/logout"), ("post", "/v1/device/code"),
                    ("delete", "/v1/keys/{key_id}"), ("post", "/v1/keys/{key_id}/rotate"),
                    ("delete", "/v1/me/providers/{machine_id}"),
-                   ("post", "/v1/admin/machines/{machine_id}/enroll")}
+                   ("post", "/v1/admin/machines/{machine_id}/enroll"), ("post", "/v1/me/email/send-code")}
 
 
 @pytest.fixture(scope="module")

@@ -64,11 +64,35 @@ def world(tmp_path_factory: pytest.TempPathFactory) -> Iterator[World]:
         stack.close()
 
 
-def share(stack: Stack, owner: Account, grantee: Account | str, **fields: Any) -> dict[str, Any]:
+def share(stack: Stack, owner: Account, grantee: Account | str, *, accept: bool = True,
+          **fields: Any) -> dict[str, Any]:
+    """A share from ``owner``; to an account, accepted with its invite code unless ``accept`` is False."""
     email = grantee if isinstance(grantee, str) else grantee.email
     response = httpx.post(stack.url + "/shares", json={"email": email, **fields},
                           headers={"Authorization": f"Bearer {owner.session}"}, timeout=30)
     assert response.status_code == 201, response.text
+    given = dict(response.json())
+    assert given["status"] == "pending" and given["invite_code"].startswith("dki-"), given
+    if accept and not isinstance(grantee, str):
+        accepted = redeem(stack, grantee, given["invite_code"])
+        assert accepted.status_code == 201 and accepted.json()["status"] == "accepted", accepted.text
+    return given
+
+
+def redeem(stack: Stack, account: Account, invite_code: str) -> httpx.Response:
+    return httpx.post(stack.url + "/shares/accept", json={"invite_code": invite_code},
+                      headers={"Authorization": f"Bearer {account.session}"}, timeout=30)
+
+
+def answer(stack: Stack, account: Account, share_id: str, verb: str, **shown: Any) -> httpx.Response:
+    return httpx.post(f"{stack.url}/shares/{share_id}/{verb}", json=shown,
+                      headers={"Authorization": f"Bearer {account.session}"}, timeout=30)
+
+
+def change(stack: Stack, owner: Account, share_id: str, **fields: Any) -> dict[str, Any]:
+    response = httpx.patch(f"{stack.url}/shares/{share_id}", json=fields,
+                           headers={"Authorization": f"Bearer {owner.session}"}, timeout=30)
+    assert response.status_code == 200, response.text
     return dict(response.json())
 
 
@@ -310,3 +334,111 @@ def test_an_owner_unlinking_a_shared_machine_mid_request_costs_the_grantee_nothi
     else:  # the machine went away before the answer: nothing charged, nothing left reserved
         assert rows == [], rows
     assert s.balance(funded) + sum(r["cost_micro_usd"] for r in rows) == CREDIT
+
+
+# consent (docs/sharing.md "Consent"): a share routes nothing until its grantee accepts it
+
+def test_a_share_nobody_accepted_is_never_routed_to_and_never_charges(world: World) -> None:
+    """Issue 45's high findings: a stranger's share to your email, priced at the most the bounds allow,
+    while the machine you normally use is offline, costs you nothing and never sees your prompt."""
+    s = world.stack
+    friend, you = s.account(), s.account(credit=CREDIT)
+    friends_machine = s.node(f"friend-{friend.account_id[-6:]}", friend, upstream=world.fast)
+    s.wait_listed(friend, friends_machine.session_id)
+    share(s, friend, you)
+    friends_machine.stop()
+    stranger = s.account()
+    strangers_machine = s.node(f"stranger-{stranger.account_id[-6:]}", stranger, upstream=world.fast,
+                               max_concurrency=4)
+    s.wait_listed(stranger, strangers_machine.session_id)
+    priced = share(s, stranger, you, accept=False, input_price=10**12, output_price=10**12)
+    free = share(s, stranger, you, accept=False)
+    wait_until(lambda: not any(m["online"] for m in s.machines(friend)), timeout=30, interval=0.1,
+               what="the friend's machine offline")
+    with ThreadPoolExecutor(4) as pool:
+        answers = list(pool.map(lambda _: s.chat(you.api_key, SHARED, max_tokens=8), range(4)))
+    assert {(r.status_code, error_of(r)["code"]) for r in answers} == {(503, "machine_offline")}, \
+        [r.text for r in answers]
+    assert strangers_machine.accepted() == [] and s.balance(you) == CREDIT and s.usage(you) == []
+    for pending in (priced, free):
+        named = s.chat(you.api_key, {**SHARED, "X-Darkbloom-Share": pending["id"]})
+        assert named.status_code == 409 and error_of(named)["code"] == "share_not_accepted", named.text
+        assert error_of(named)["param"] == "X-Darkbloom-Share"
+    assert s.get("/models", you.api_key, SHARED).json()["data"] == []
+    assert strangers_machine.accepted() == [] and s.balance(you) == CREDIT
+    assert s.earnings(stranger)["total_micro_usd"] == 0
+    strangers_machine.stop()
+
+
+def test_accepting_by_invite_code_routes_and_declining_stops_it(world: World) -> None:
+    s = world.stack
+    owner, home, grantee, given = household(world)
+    assert s.chat(grantee.api_key, SHARED).status_code == 200
+    listed = s.get("/shares", grantee.session).json()["received"]
+    assert [(r["id"], r["status"], r["owner_email"]) for r in listed] == [(given["id"], "accepted", owner.email)]
+    assert "invite_code" not in listed[0] and "invite_code" not in s.get("/shares", owner.session).json()["given"][0]
+    again = redeem(s, grantee, given["invite_code"])  # a code is spent once used
+    assert again.status_code == 404 and error_of(again)["code"] == "share_not_found", again.text
+    assert redeem(s, s.account(), "dki-not-a-code").status_code == 404
+    declined = answer(s, grantee, given["id"], "decline")
+    assert declined.status_code == 200 and declined.json()["status"] == "declined", declined.text
+    refused = s.chat(grantee.api_key, SHARED)
+    assert refused.status_code == 409 and error_of(refused)["code"] == "no_shared_machine", refused.text
+    assert s.get("/shares", owner.session).json()["given"][0]["status"] == "declined"
+    accepted = answer(s, grantee, given["id"], "accept")  # the account it is bound to may change its mind
+    assert accepted.status_code == 200 and accepted.json()["status"] == "accepted", accepted.text
+    assert s.chat(grantee.api_key, SHARED).status_code == 200
+
+
+def test_an_invite_code_binds_the_share_to_whoever_redeems_it_first(world: World) -> None:
+    s = world.stack
+    owner = s.account()
+    partner, someone_else = s.account(), s.account()
+    given = share(s, owner, partner, accept=False)
+    assert redeem(s, owner, given["invite_code"]).status_code == 404  # not the owner's own
+    assert redeem(s, someone_else, given["invite_code"]).status_code == 201
+    taken = answer(s, partner, given["id"], "accept")  # bound to the account that redeemed it
+    assert taken.status_code == 404 and error_of(taken)["code"] == "share_not_found", taken.text
+    assert s.get("/shares", partner.session).json()["received"] == []
+
+
+def test_new_prices_put_a_share_back_to_pending_until_they_are_accepted(world: World) -> None:
+    s = world.stack
+    owner = s.account()
+    home = s.node(f"reprice-{owner.account_id[-6:]}", owner, upstream=world.fast)
+    s.wait_listed(owner, home.session_id)
+    funded = s.account(credit=CREDIT)
+    given = share(s, owner, funded)
+    assert s.chat(funded.api_key, SHARED).headers["x-darkbloom-billing"] == "free"
+    assert change(s, owner, given["id"], daily_request_limit=50)["status"] == "accepted"  # not a term
+    repriced = change(s, owner, given["id"], input_price=IN_PRICE, output_price=OUT_PRICE)
+    assert repriced["status"] == "pending"
+    refused = s.chat(funded.api_key, {**SHARED, "X-Darkbloom-Share": given["id"]})
+    assert refused.status_code == 409 and error_of(refused)["code"] == "share_not_accepted", refused.text
+    assert s.balance(funded) == CREDIT
+    stale = answer(s, funded, given["id"], "accept", input_price=0, output_price=0)
+    assert stale.status_code == 409 and error_of(stale)["code"] == "share_terms_changed", stale.text
+    shown = answer(s, funded, given["id"], "accept", input_price=IN_PRICE, output_price=OUT_PRICE, machines="all")
+    assert shown.status_code == 200 and shown.json()["status"] == "accepted", shown.text
+    paid = s.chat(funded.api_key, SHARED)
+    assert paid.status_code == 200 and paid.headers["x-darkbloom-billing"] == "charged", paid.text
+    home.stop()
+
+
+def test_a_keys_max_shared_price_keeps_it_off_dearer_shares(world: World) -> None:
+    s = world.stack
+    owner = s.account()
+    home = s.node(f"ceiling-{owner.account_id[-6:]}", owner, upstream=world.fast)
+    s.wait_listed(owner, home.session_id)
+    funded = s.account(credit=CREDIT)
+    given = share(s, owner, funded, input_price=IN_PRICE, output_price=OUT_PRICE)
+    capped = s.key(funded, max_shared_price=IN_PRICE)  # the output price is above it
+    refused = s.chat(capped, SHARED)
+    assert refused.status_code == 409 and error_of(refused)["code"] == "no_shared_machine", refused.text
+    named = s.chat(capped, {**SHARED, "X-Darkbloom-Share": given["id"]})
+    assert named.status_code == 403 and error_of(named)["code"] == "share_price_above_key_ceiling", named.text
+    assert s.balance(funded) == CREDIT and home.accepted() == []
+    roomy = s.key(funded, max_shared_price=OUT_PRICE)
+    served = s.chat(roomy, SHARED)
+    assert served.status_code == 200 and served.headers["x-darkbloom-billing"] == "charged", served.text
+    home.stop()

@@ -10,6 +10,7 @@ from __future__ import annotations
 import re
 from pathlib import Path
 from typing import Annotated, Any
+from urllib.parse import urlsplit
 
 from pydantic import Field, ValidationError, model_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
@@ -76,6 +77,11 @@ class CoordinatorSettings(BaseSettings):
         default_factory=Catalog.default, description="Model catalog file (JSON or TOML).")
     catalog_from_file: bool = False
     public_url: str | None = Field(None, description="Base URL users reach (default: http://host:port).")
+    smtp_url: str | None = Field(
+        None, description="Mail server for email-address verification codes: smtp://[user:password@]host[:port] "
+                          "(STARTTLS when the server offers it) or smtps://… (TLS from the start); default none: "
+                          "shares are then accepted with their invite codes only.")
+    mail_from: str = Field("darkbloom@localhost", description="Sender address of the coordinator's mail.")
 
     # periods (seconds); configurable so that tests can shorten them
     heartbeat_timeout: float = Field(30.0, description="Evict a provider silent this many seconds.")
@@ -88,6 +94,8 @@ class CoordinatorSettings(BaseSettings):
                           "their busy slots and decode speed), which is also how often the sessions are sampled.")
     device_code_ttl: int = Field(900, description="Lifetime of a device login code in seconds.")
     device_poll_interval: int = 5
+    email_code_ttl: int = 900          # seconds an email verification code stays valid
+    email_code_interval: int = 60      # seconds between two codes sent to one account
     max_body_bytes: int = 8 * 1024 * 1024
     first_content_timeout: float = Field(30.0, description="Seconds a provider may take to its first content.")
     idle_timeout: float = Field(
@@ -175,6 +183,8 @@ class CoordinatorSettings(BaseSettings):
         if self.replica_timeout <= self.replica_heartbeat:
             raise ValueError("--replica-timeout must be longer than --replica-heartbeat")
         _check_nats_files(self)
+        if self.smtp_url is not None and urlsplit(self.smtp_url).scheme not in ("smtp", "smtps"):
+            raise ValueError("--smtp-url must start with smtp:// or smtps://")
         if not _SUBJECT_PREFIX.fullmatch(self.nats_subject_prefix):
             raise ValueError("--nats-subject-prefix must be dot-separated tokens of letters, digits, '_' and '-'")
         self.runtime_allow_list = self.runtime_allow_list | frozenset(self.runtime_allow)

@@ -13,7 +13,7 @@ from darkbloom.store.schema import api_keys
 
 EDITABLE_FIELDS = ("name", "self_route_only", "shared_only", "limit_micro_usd", "limit_reset",
                    "fallback_limit_micro_usd", "fallback_limit_reset", "expires_at", "disabled", "rpm_limit",
-                   "itpm_limit", "otpm_limit", "allowed_models")
+                   "itpm_limit", "otpm_limit", "allowed_models", "max_shared_price")
 
 
 async def create(conn: AsyncConnection, account_id: str, key_hash: str, key_prefix: str,

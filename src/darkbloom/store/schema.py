@@ -15,6 +15,18 @@ accounts = Table(
     Column("balance_micro_usd", BigInteger, nullable=False, default=0),
     Column("withdrawable_micro_usd", BigInteger, nullable=False, default=0),
     Column("created_at", BigInteger, nullable=False),
+    Column("email_verified_at", BigInteger, nullable=True),  # the owner of the address proved it (0010)
+)
+
+# an email address's verification code, one at a time per account (migration 0010)
+email_verifications = Table(
+    "email_verifications", metadata,
+    Column("account_id", String(64), ForeignKey("accounts.id"), primary_key=True),
+    Column("email", String(320), nullable=False),         # the address the code was sent to
+    Column("code_hash", String(64), nullable=False),
+    Column("attempts", Integer, nullable=False),          # wrong codes tried against this one
+    Column("sent_at", BigInteger, nullable=False),
+    Column("expires_at", BigInteger, nullable=False),
 )
 
 console_sessions = Table(
@@ -48,6 +60,8 @@ api_keys = Table(
     Column("disabled", Boolean, nullable=False, default=False, server_default=false()),
     Column("fallback_limit_micro_usd", BigInteger, nullable=True),
     Column("fallback_limit_reset", String(16), nullable=False, default="none", server_default="none"),
+    # migration 0010: shared routing on this key never uses a share priced above this (µUSD per 1M tokens)
+    Column("max_shared_price", BigInteger, nullable=True),
 )
 
 device_codes = Table(
@@ -189,6 +203,13 @@ shares = Table(
     Column("expires_at", BigInteger, nullable=True),
     Column("created_at", BigInteger, nullable=False),
     Column("revoked_at", BigInteger, nullable=True),
+    # consent (migration 0010): pending (created, or its prices or machines changed) | accepted | declined;
+    # the account that answered it, by its invite code or from the verified address, is its grantee
+    Column("status", String(16), nullable=False, default="pending", server_default="pending"),
+    Column("grantee_account_id", String(64), nullable=True, index=True),
+    Column("invite_code_hash", String(64), nullable=True),  # cleared once an account answers
+    Column("answered_at", BigInteger, nullable=True),
+    Index("ix_shares_invite_code_hash", "invite_code_hash", unique=True),
 )
 
 share_days = Table(

@@ -18,6 +18,12 @@ def _share(api: Api, owner: Account, **fields: Any) -> dict[str, Any]:
     return resp.json()
 
 
+def _redeem(api: Api, grantee: Account, share: dict[str, Any]) -> dict[str, Any]:
+    resp = api.post("/v1/shares/accept", json={"invite_code": share["invite_code"]}, headers=grantee.auth)
+    assert resp.status_code == 201, resp.text
+    return dict(resp.json())
+
+
 def _lists(api: Api, account: Account) -> dict[str, list[dict[str, Any]]]:
     resp = api.get("/v1/shares", headers=account.auth)
     assert resp.status_code == 200, resp.text
@@ -32,16 +38,21 @@ def test_a_share_with_every_field(api: Api) -> None:
                    daily_request_limit=200, daily_token_limit=100_000, input_price=20_000, output_price=80_000,
                    expires_at=expires.isoformat())
     assert share["id"].startswith("shr_") and share["object"] == "share"
+    invite_code = share.pop("invite_code")
+    assert invite_code.startswith("dki-")  # shown once, here
     assert {k: v for k, v in share.items() if k not in ("id", "created_at")} == {
         "object": "share", "grantee_email": grantee.email, "machines": [machine], "daily_request_limit": 200,
         "daily_token_limit": 100_000, "input_price": 20_000, "output_price": 80_000,
-        "expires_at": expires.isoformat().replace("+00:00", "Z")}
+        "expires_at": expires.isoformat().replace("+00:00", "Z"), "status": "pending"}
     assert abs(share["created_at"] - time.time()) < 60
     assert _lists(api, owner) == {"given": [share], "received": []}
+    assert _lists(api, grantee) == {"given": [], "received": []}  # nobody proved they are the grantee yet
+    _redeem(api, grantee, {"invite_code": invite_code})
     received = _lists(api, grantee)
     assert received["given"] == []
-    assert received["received"] == [{**share, "owner_email": owner.email,
+    assert received["received"] == [{**share, "status": "accepted", "owner_email": owner.email,
                                      "machine_names": {machine: received["received"][0]["machine_names"][machine]}}]
+    assert _lists(api, owner)["given"] == [{**share, "status": "accepted"}]
 
 
 def test_defaults_all_machines_free_no_limits(api: Api) -> None:
@@ -57,10 +68,13 @@ def test_an_email_without_an_account_gets_the_same_answer_and_the_share_waits_fo
     to_existing = _share(api, owner, email=existing.email, daily_request_limit=5)
     to_newcomer = _share(api, owner, email=newcomer, daily_request_limit=5)
     assert set(to_existing) == set(to_newcomer)
-    assert {k: v for k, v in to_existing.items() if k not in ("id", "created_at", "grantee_email")} == \
-        {k: v for k, v in to_newcomer.items() if k not in ("id", "created_at", "grantee_email")}
+    different = ("id", "created_at", "grantee_email", "invite_code")
+    assert {k: v for k, v in to_existing.items() if k not in different} == \
+        {k: v for k, v in to_newcomer.items() if k not in different}
     joined = api.signup(email=newcomer)
-    assert [s["id"] for s in _lists(api, joined)["received"]] == [to_newcomer["id"]]
+    assert _lists(api, joined)["received"] == []  # an address nobody proved cannot take a share
+    _redeem(api, joined, to_newcomer)
+    assert [(s["id"], s["status"]) for s in _lists(api, joined)["received"]] == [(to_newcomer["id"], "accepted")]
 
 
 def test_sharing_with_oneself_is_refused(api: Api) -> None:
@@ -107,7 +121,7 @@ def test_restricted_keys_and_device_tokens_cannot_share(api: Api) -> None:
     ({"email": 7}, "email"),
     ({"email": "a@b.co", "color": "red"}, "color"),
     ({"email": "a@b.co", "machines": []}, "machines"),
-    ({"email": "a@b.co", "machines": "all"}, "machines"),
+    ({"email": "a@b.co", "machines": "everything"}, "machines"),
     ({"email": "a@b.co", "machines": [3]}, "machines"),
     ({"email": "a@b.co", "daily_request_limit": 0}, "daily_request_limit"),
     ({"email": "a@b.co", "daily_request_limit": True}, "daily_request_limit"),
@@ -129,6 +143,7 @@ def test_owner_or_grantee_may_revoke_nobody_else(api: Api) -> None:
     owner, grantee, stranger = api.signup(), api.signup(), api.signup()
     first = _share(api, owner, email=grantee.email)
     second = _share(api, owner, email=grantee.email)
+    _redeem(api, grantee, first)
     assert_error(api.delete(f"/v1/shares/{first['id']}", headers=stranger.auth), 404, "share_not_found")
     assert_error(api.delete("/v1/shares/shr_doesnotexist", headers=owner.auth), 404, "share_not_found")
     assert api.delete(f"/v1/shares/{first['id']}", headers=grantee.auth).status_code == 204
@@ -140,6 +155,7 @@ def test_owner_or_grantee_may_revoke_nobody_else(api: Api) -> None:
 def test_usage_is_read_by_owner_and_grantee_only(api: Api) -> None:
     owner, grantee, stranger = api.signup(), api.signup(), api.signup()
     share = _share(api, owner, email=grantee.email)
+    _redeem(api, grantee, share)
     for reader in (owner, grantee):
         resp = api.get(f"/v1/shares/{share['id']}/usage", headers=reader.auth)
         assert resp.status_code == 200, resp.text

@@ -93,13 +93,13 @@ def _refuse_unusable(key: dict[str, Any]) -> None:
 
 _BEARER = {"WWW-Authenticate": "Bearer"}
 RESTRICTING_KEY_FIELDS = ("limit_micro_usd", "fallback_limit_micro_usd", "expires_at", "allowed_models",
-                          "rpm_limit", "itpm_limit", "otpm_limit")
+                          "rpm_limit", "itpm_limit", "otpm_limit", "max_shared_price")
 
 
 def restricted(key: dict[str, Any]) -> bool:
     """A key someone chose to limit (self-route or shared only, a spend cap or fallback budget, an expiry, a
-    model list, rate limits): if it leaks, it must not be able to widen itself, mint an unrestricted key or
-    link a machine."""
+    model list, rate limits, a ceiling on share prices): if it leaks, it must not be able to widen itself,
+    mint an unrestricted key or link a machine."""
     return bool(key.get("self_route_only") or key.get("shared_only")) or any(key.get(name) is not None for name in RESTRICTING_KEY_FIELDS)
 
 
@@ -111,7 +111,8 @@ async def require_account_writer(caller: Caller = Depends(require_caller)) -> Ca
                                          "use a console session or an unrestricted API key.")
     if caller.key is not None and restricted(caller.key):
         raise ApiError(403, "key_restricted", "This API key is restricted (self-route only, a spend limit, an "
-                                              "expiry, allowed models or rate limits), so it cannot manage keys or "
+                                              "expiry, allowed models, rate limits or a share price ceiling), so "
+                                              "it cannot manage keys or "
                                               "machines; use a console session or an unrestricted API key.")
     return caller
 

@@ -15,7 +15,8 @@ _RATE_FIELDS = ("rpm_limit", "itpm_limit", "otpm_limit")
 _MAX_RATE = 2**31 - 1        # INTEGER column
 _MAX_MICRO_USD = 2**63 - 1   # BIGINT column
 KEY_FIELDS = ("name", "self_route_only", "shared_only", "limit_usd", "limit_reset", "fallback_limit_usd",
-              "fallback_limit_reset", "expires_at", "disabled", *_RATE_FIELDS, "allowed_models")
+              "fallback_limit_reset", "expires_at", "disabled", *_RATE_FIELDS, "allowed_models", "max_shared_price")
+_MAX_SHARED_PRICE = 10**12   # µUSD per 1M tokens, the highest price a share may carry
 _MONEY_FIELDS = {"limit_usd": ("limit_micro_usd", "limit_reset"),
                  "fallback_limit_usd": ("fallback_limit_micro_usd", "fallback_limit_reset")}
 
@@ -57,6 +58,14 @@ def key_fields(body: dict[str, Any], *, creating: bool) -> dict[str, Any]:
                                    or not all(isinstance(m, str) and m for m in models)):
             raise invalid_request("'allowed_models' must be a list of model ids or null.", param="allowed_models")
         fields["allowed_models"] = sorted(set(models)) if models is not None else None
+    if "max_shared_price" in body:
+        ceiling = body["max_shared_price"]
+        if ceiling is not None and (not isinstance(ceiling, int) or isinstance(ceiling, bool)
+                                    or not 0 <= ceiling <= _MAX_SHARED_PRICE):
+            raise invalid_request("'max_shared_price' must be an integer from 0 to "
+                                  f"{_MAX_SHARED_PRICE} (µUSD per 1M tokens; 0: free shares only) or null.",
+                                  param="max_shared_price")
+        fields["max_shared_price"] = ceiling
     return fields
 
 
@@ -124,6 +133,7 @@ def key_view(row: dict[str, Any]) -> dict[str, Any]:
         "fallback_limit_reset": row["fallback_limit_reset"],
         "expires_at": iso_utc(row["expires_at"]), "disabled": bool(row["disabled"]),
         "rpm_limit": row["rpm_limit"], "itpm_limit": row["itpm_limit"], "otpm_limit": row["otpm_limit"],
-        "allowed_models": row["allowed_models"], "created_at": row["created_at"],
+        "allowed_models": row["allowed_models"], "max_shared_price": row["max_shared_price"],
+        "created_at": row["created_at"],
         "last_used_at": row["last_used_at"],
     }

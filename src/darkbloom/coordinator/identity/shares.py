@@ -13,6 +13,8 @@ from darkbloom.wire.openai.errors import ApiError, invalid_request
 
 SHARE_FIELDS = ("email", "machines", "daily_request_limit", "daily_token_limit", "input_price", "output_price",
                 "expires_at")
+CHANGEABLE_FIELDS = SHARE_FIELDS[1:]                       # PATCH: all but the email
+SHOWN_TERMS = ("machines", "input_price", "output_price")  # what an answer may say it was shown
 MAX_MACHINES = 1000
 MAX_PRICE = 10**12          # µUSD per 1M tokens: a million dollars per million tokens
 MAX_DAILY_LIMIT = 2**53     # exact in every JSON client
@@ -25,12 +27,23 @@ def share_not_found() -> ApiError:
     return ApiError(404, "share_not_found", "No such share among the shares you gave or received.")
 
 
+def email_not_verified() -> ApiError:
+    return ApiError(403, "email_not_verified",
+                    "Verify your email address before you accept a share sent to it: POST /v1/me/email/send-code, "
+                    "then POST /v1/me/email/verify with the code you receive — or ask the owner for the share's "
+                    "invite code (POST /v1/shares/accept).")
+
+
+def _refuse_unknown(body: dict[str, Any], allowed: tuple[str, ...], what: str) -> None:
+    unknown = [name[:64] for name in body if name not in allowed]
+    if unknown:
+        raise invalid_request(f"Unknown {what} field(s): {', '.join(repr(u) for u in unknown[:5])}. "
+                              f"It takes {', '.join(allowed)}.", param=unknown[0])
+
+
 def share_fields(body: dict[str, Any], *, owner_email: str | None, now: float) -> dict[str, Any]:
     """Store columns from a POST /v1/shares body; every bad value and unknown field is a named 400."""
-    unknown = [name[:64] for name in body if name not in SHARE_FIELDS]
-    if unknown:
-        raise invalid_request(f"Unknown share field(s): {', '.join(repr(u) for u in unknown[:5])}. "
-                              f"A share takes {', '.join(SHARE_FIELDS)}.", param=unknown[0])
+    _refuse_unknown(body, SHARE_FIELDS, "share")
     email = body.get("email")
     if not isinstance(email, str) or len(email) > 320 or not _EMAIL.match(email.strip()):
         raise invalid_request("'email' must be the email address of the person you share with.", param="email")
@@ -38,12 +51,37 @@ def share_fields(body: dict[str, Any], *, owner_email: str | None, now: float) -
     if owner_email is not None and email == owner_email:
         raise invalid_request("You cannot share machines with yourself: your own machines already serve you "
                               "(X-Darkbloom-Route: self).", param="email")
-    fields: dict[str, Any] = {"grantee_email": email, "machine_ids": _machines(body.get("machines"))}
+    defaults = {"machines": None, "daily_request_limit": None, "daily_token_limit": None, "input_price": 0,
+                "output_price": 0, "expires_at": None}
+    return {"grantee_email": email, **_columns({**defaults, **body}, now)}
+
+
+def share_changes(body: dict[str, Any], *, now: float) -> dict[str, Any]:
+    """Store columns for the fields a PATCH /v1/shares/{id} body names (the email never changes: a
+    share for someone else is a new share)."""
+    _refuse_unknown(body, CHANGEABLE_FIELDS, "share")
+    return _columns(body, now)
+
+
+def shown_terms(body: dict[str, Any]) -> dict[str, Any]:
+    """The terms an accept or decline says its grantee was shown (each optional): the share's
+    columns they must still equal."""
+    _refuse_unknown(body, SHOWN_TERMS, "accept")
+    return _columns(body, now=0)
+
+
+def _columns(body: dict[str, Any], now: float) -> dict[str, Any]:
+    fields: dict[str, Any] = {}
+    if "machines" in body:
+        fields["machine_ids"] = None if body["machines"] == "all" else _machines(body["machines"])
     for name in ("daily_request_limit", "daily_token_limit"):
-        fields[name] = _whole(body.get(name), name, low=1, high=MAX_DAILY_LIMIT, nullable=True)
+        if name in body:
+            fields[name] = _whole(body[name], name, low=1, high=MAX_DAILY_LIMIT, nullable=True)
     for name in ("input_price", "output_price"):
-        fields[name] = _whole(body.get(name, 0), name, low=0, high=MAX_PRICE, nullable=False)
-    fields["expires_at"] = _expiry(body.get("expires_at"), now)
+        if name in body:
+            fields[name] = _whole(body[name], name, low=0, high=MAX_PRICE, nullable=False)
+    if "expires_at" in body:
+        fields["expires_at"] = _expiry(body["expires_at"], now)
     return fields
 
 
@@ -102,7 +140,7 @@ def share_view(row: dict[str, Any], *, machine_names: dict[str, str] | None = No
         "machines": row["machine_ids"] if row["machine_ids"] is not None else "all",
         "daily_request_limit": row["daily_request_limit"], "daily_token_limit": row["daily_token_limit"],
         "input_price": int(row["input_price"]), "output_price": int(row["output_price"]),
-        "expires_at": iso(row["expires_at"]), "created_at": row["created_at"],
+        "expires_at": iso(row["expires_at"]), "created_at": row["created_at"], "status": row["status"],
     }
     if machine_names is not None:
         view["owner_email"] = row["owner_email"]

@@ -62,7 +62,7 @@ async def serve(edge: Edge, request: Request, caller: Caller, services: Services
         call = parse_call(await read_body(), edge)
         policy = resolve_policy(request.headers, caller)
         with DisconnectWatch(request) as watch:
-            grants = await load_grants(services, caller.account_id, policy.share_id) if policy.shared else None
+            grants = await load_grants(services, caller, policy.share_id) if policy.shared else None
             model = placement.resolve_model(services, caller, call.model, policy)
             prompt_bound, output_bound = prompt_token_bound(call), output_token_bound(call, model)
             decision = placement.decide(services, policy, model, needs=call.needs, grants=grants,

@@ -156,8 +156,8 @@ function renderMachineState() {
 /** Shared machines: who shared with you (their owners run those machines), yours first. */
 function renderSharedState() {
   const machines = state.machines;
-  const received = state.received && state.received.filter(
-    (share) => !share.expires_at || Date.parse(share.expires_at) > Date.now());  // not ended
+  const received = state.received && state.received.filter((share) => share.status === "accepted"
+    && (!share.expires_at || Date.parse(share.expires_at) > Date.now()));  // accepted, not ended
   if (machines === null || received === null) {
     machineState.textContent = "Checking the machines shared with you…";
     return;

@@ -1,7 +1,10 @@
 // Sharing: share your machines with another account by email (POST /v1/shares) — all of them or
 // some, free or at your prices (typed in USD per 1M tokens, sent as integer µUSD), with daily limits
-// and a last day; the shares you gave and received (GET /v1/shares), each with what it used today
-// (GET /v1/shares/{id}/usage: the API has one per share), revoked or left with DELETE /v1/shares/{id}.
+// and a last day — and hand over the invite code it answers once; the shares you gave and received
+// (GET /v1/shares), each with its status and what it used today (GET /v1/shares/{id}/usage: the API
+// has one per share); a received share is accepted or declined (with the terms shown, so changed
+// terms are never accepted unseen), by invite code, or once your address is verified (a mailed code);
+// revoked or left with DELETE /v1/shares/{id}.
 import { api, session } from "./api.js";
 import { describe, errorBlock } from "./errors.js";
 import { count, usd, when } from "./format.js";
@@ -22,6 +25,15 @@ const scopeSome = document.getElementById("share-some");
 const machineChoices = document.getElementById("machine-choices");
 const priceSummary = document.getElementById("share-price-summary");
 const endDialog = document.getElementById("end-dialog");
+const invitePanel = document.getElementById("invite-panel");
+const inviteCode = document.getElementById("invite-code");
+const inviteForm = document.getElementById("invite-form");
+const inviteInput = document.getElementById("invite-input");
+const inviteError = document.getElementById("invite-input-error");
+const consentStatus = document.getElementById("consent-status");
+const verifyPanel = document.getElementById("verify-panel");
+const verifyCode = document.getElementById("verify-code");
+const verifyError = document.getElementById("verify-code-error");
 
 // Each field the API can name in `param`, with the input to mark and the line under it
 const FIELDS = Object.fromEntries([
@@ -60,6 +72,7 @@ const state = {
   given: [],
   received: [],
   machines: null,   // GET /v1/me/providers: the boxes to tick, and the names of the machines shared
+  account: null,    // GET /v1/me: whether the address is verified
   today: new Map(), // share id → today's use (null when it could not be read)
   opener: null,
 };
@@ -75,15 +88,23 @@ if (requireSession()) {
     input.addEventListener("input", () => clearField(input));
   }
   machineChoices.addEventListener("change", () => clearField(FIELDS.machines.input));
+  document.getElementById("invite-copy").addEventListener("click", copyInvite);
+  inviteForm.addEventListener("submit", (event) => { event.preventDefault(); redeemInvite(); });
+  inviteInput.addEventListener("input", () => clearInline(inviteInput, inviteError));
+  document.getElementById("verify-send").addEventListener("click", sendCode);
+  document.getElementById("verify-form").addEventListener("submit", (event) => { event.preventDefault(); verify(); });
+  verifyCode.addEventListener("input", () => clearInline(verifyCode, verifyError));
   load();
 }
 
 async function load() {
   try {
-    const [shares, machines] = await Promise.all([api("/v1/shares"), api("/v1/me/providers")]);
+    const [shares, machines, account] = await Promise.all([api("/v1/shares"), api("/v1/me/providers"),
+      api("/v1/me")]);
     state.given = shares.given;
     state.received = shares.received;
     state.machines = machines.data;
+    state.account = account;
     if (!form.hidden) renderMachineChoices();  // the form was opened before the list arrived
   } catch (error) {
     setStatus(status, errorBlock(error), "error");
@@ -105,7 +126,9 @@ function render() {
       : noMachines)]));
   receivedList.replaceChildren(...(state.received.length ? state.received.map(receivedCard) : [h("li", { class: "empty" },
     "Nobody has shared a machine with you. To use someone's, ask them to share it with " +
-    `${session.email || "your email"}.`)]));
+    `${session.email || "your email"} and to give you its invite code.`)]));
+  verifyPanel.hidden = !state.account || state.account.email_verified || !state.account.email;
+  document.getElementById("verify-email").textContent = state.account ? state.account.email || "" : "";
 }
 
 function fact(term, value) {
@@ -165,9 +188,16 @@ function endsText(share, whoRevokes) {
   return expired(share) ? `Ended at ${text}` : `At ${text}`;
 }
 
-function badges(share, pricedLabel) {
+const STATUS_BADGES = {
+  given: { pending: "Waiting for them to accept", declined: "Declined" },
+  received: { pending: "Waiting for your answer", declined: "You declined" },
+};
+
+function badges(share, pricedLabel, side) {
+  const status = STATUS_BADGES[side][share.status];
   return [
     h("span", { class: "badge " + (priced(share) ? "charged" : "free") }, priced(share) ? pricedLabel : "Free"),
+    status ? h("span", { class: "badge status " + share.status }, status) : null,
     expired(share) ? h("span", { class: "badge network" }, "Ended") : null,
   ];
 }
@@ -179,7 +209,7 @@ function givenCard(share) {
   return h("li", { class: "share card", dataset: { id: share.id } },
     h("div", { class: "share-head" },
       h("h3", { class: "share-name" }, share.grantee_email),
-      badges(share, "At your prices")),
+      badges(share, "At your prices", "given")),
     h("dl", { class: "facts" },
       fact("Machines", machines),
       fact("Used today", h("span", { class: "share-today" }, usedText(share))),
@@ -200,16 +230,28 @@ function operatorSentence(owner) {
     "control. Send only what you would trust them with.";
 }
 
+/** What a grantee is asked before the share routes anything: whose machines, and at what price. */
+function consentSentence(share) {
+  return (priced(share)
+    ? `Accept to let your requests on Shared machines go to ${share.owner_email}'s machines at the prices above, ` +
+      "paid from your credit."
+    : `Accept to let your requests on Shared machines go to ${share.owner_email}'s machines, for free.`) +
+    " If they change its prices or machines, you'll be asked again.";
+}
+
 function receivedCard(share) {
   const named = share.machine_names || {};
   const listed = Object.values(named);
   const machines = share.machines === "all"
     ? (listed.length ? `All their machines: ${listed.join(", ")}` : "All their machines (none linked right now)")
     : share.machines.filter((id) => id in named).map((id) => named[id]).join(", ") || "None of them is linked any more";
-  return h("li", { class: "share card", dataset: { id: share.id } },
+  const answer = (verb, label, kind) => h("button", { type: "button", class: "button " + kind,
+    "aria-label": `${label} the share from ${share.owner_email}`,
+    onclick: (e) => answerShare(share, verb, e.currentTarget) }, label);
+  return h("li", { class: "share card", dataset: { id: share.id, status: share.status } },
     h("div", { class: "share-head" },
       h("h3", { class: "share-name" }, `From ${share.owner_email}`),
-      badges(share, "At their prices")),
+      badges(share, "At their prices", "received")),
     h("p", { class: "share-note operator" }, operatorSentence(share.owner_email)),
     h("dl", { class: "facts" },
       fact("Machines", machines),
@@ -217,16 +259,112 @@ function receivedCard(share) {
       fact("Daily limits", limitsText(share)),
       fact("Price", priced(share) ? priceText(share) + ", paid from your credit" : "Free"),
       fact("Ends", endsText(share, "you leave it or they revoke it"))),
+    share.status === "accepted" ? null : h("p", { class: "share-note consent" }, consentSentence(share)),
     h("div", { class: "share-actions" },
+      share.status === "accepted" ? null : answer("accept", "Accept", "primary"),
+      share.status === "pending" ? answer("decline", "Decline", "") : null,
       h("button", { type: "button", class: "button danger-outline",
         "aria-label": `Leave the share from ${share.owner_email}`,
         onclick: (e) => confirmEnd(share, "leave", e.currentTarget) }, "Leave")));
+}
+
+// Consent: accept or decline a received share, with the terms it was shown
+
+async function answerShare(share, verb, button) {
+  button.disabled = true;
+  const shown = { machines: share.machines, input_price: share.input_price, output_price: share.output_price };
+  try {
+    await api(`/v1/shares/${encodeURIComponent(share.id)}/${verb}`, { method: "POST", body: shown });
+    setStatus(status, verb === "accept"
+      ? `You accepted ${share.owner_email}'s share: choose Shared machines in Chat to use it.`
+      : `You declined ${share.owner_email}'s share. Nothing goes to their machines.`, "ok");
+  } catch (error) {
+    if (error.code === "share_terms_changed") {
+      setStatus(status, `${share.owner_email} changed this share's prices or machines a moment ago — ` +
+        "read it again below before you answer.", "error");
+    } else {
+      setStatus(status, errorBlock(error), "error");
+    }
+  }
+  await load();
+}
+
+async function redeemInvite() {
+  clearInline(inviteInput, inviteError);
+  const code = inviteInput.value.trim();
+  if (!code) {
+    showInline(inviteInput, inviteError, "Paste the invite code the machines' owner gave you.");
+    return;
+  }
+  try {
+    const share = await api("/v1/shares/accept", { method: "POST", body: { invite_code: code } });
+    inviteForm.reset();
+    setStatus(consentStatus, `You accepted ${share.owner_email}'s share: choose Shared machines in Chat to use it.`,
+      "ok");
+    await load();
+  } catch (error) {
+    showInline(inviteInput, inviteError, error.code === "share_not_found"
+      ? "That code doesn't open any share — it may be mistyped, or already used. Ask the owner for a new share."
+      : describe(error).sentence);
+  }
+}
+
+async function sendCode() {
+  clearInline(verifyCode, verifyError);
+  try {
+    const sent = await api("/v1/me/email/send-code", { method: "POST" });
+    setStatus(consentStatus, `We sent a code to ${sent.email}. Type it below.`, "ok");
+    verifyCode.focus();
+  } catch (error) {
+    setStatus(consentStatus, error.code === "mail_unavailable"
+      ? "This coordinator can't send mail, so addresses can't be verified here — ask the owner for the share's invite code."
+      : errorBlock(error), "error");
+  }
+}
+
+async function verify() {
+  clearInline(verifyCode, verifyError);
+  const code = verifyCode.value.trim();
+  if (!code) {
+    showInline(verifyCode, verifyError, "Type the code from the email we sent you.");
+    return;
+  }
+  try {
+    await api("/v1/me/email/verify", { method: "POST", body: { code } });
+    setStatus(consentStatus, "Your email address is verified: shares sent to it are listed below.", "ok");
+    await load();
+  } catch (error) {
+    showInline(verifyCode, verifyError, error.code === "invalid_code"
+      ? "That isn't the code we sent last (or it was tried too often) — check the email, or send a new code."
+      : error.code === "expired_code" ? "That code has expired — send a new one." : describe(error).sentence);
+  }
+}
+
+function showInline(input, error, message) {
+  input.setAttribute("aria-invalid", "true");
+  error.textContent = message;
+  input.focus();
+}
+
+function clearInline(input, error) {
+  input.removeAttribute("aria-invalid");
+  error.textContent = "";
+}
+
+async function copyInvite() {
+  try {
+    await navigator.clipboard.writeText(inviteCode.textContent);
+    setStatus(status, "Invite code copied.", "ok");
+  } catch {
+    setStatus(status, "Select the code and copy it yourself — this browser didn't let the page do it.", "info");
+  }
 }
 
 // The form
 
 function openForm(opener) {
   state.opener = opener;
+  invitePanel.hidden = true;
   form.reset();
   for (const { input } of Object.values(FIELDS)) clearField(input);
   setStatus(formStatus, "");
@@ -377,10 +515,11 @@ async function submit() {
   try {
     const share = await api("/v1/shares", { method: "POST", body });
     form.hidden = true;
-    setStatus(status, `Shared with ${share.grantee_email}. They can use your machines from now on` +
-      " (if they haven't signed up yet, as soon as they do).", "ok");
+    setStatus(status, `Shared with ${share.grantee_email}. They can use your machines once they accept.`, "ok");
+    inviteCode.textContent = share.invite_code;
+    invitePanel.hidden = false;
     await load();
-    newShare.focus();
+    document.getElementById("invite-copy").focus();
   } catch (error) {
     if (error.param && FIELDS[error.param]) showFieldError(error.param, sentenceForField(error, body.email));
     else if (error.code === "machine_not_found") showFieldError("machines", describe(error).sentence);

@@ -79,7 +79,8 @@ REQUEST_HEADERS: dict[str, dict[str, Any]] = {
     "X-Darkbloom-Share": {
         "description": "With shared routing, use only this share's machines (and your own). Sent without shared "
                        "routing, twice or blank: 400 (param X-Darkbloom-Share); a share not given to you: 404 "
-                       "share_not_found.",
+                       "share_not_found; one you have not accepted: 409 share_not_accepted; one priced above "
+                       "the key's max_shared_price: 403 share_price_above_key_ceiling.",
         "schema": {"type": "string", "examples": ["shr_0123456789abcdef"]}},
 }
 

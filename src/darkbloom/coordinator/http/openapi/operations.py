@@ -62,9 +62,9 @@ CHAT_ERRORS = {
     400: ("invalid_request_error", "invalid_sealed_envelope", "kid_mismatch", "decryption_failed",
           "context_length_exceeded", "model_capability_unsupported"),
     402: ("insufficient_quota (type insufficient_funds)", "spend_cap_exceeded"),
-    403: ("model_not_allowed",),
+    403: ("model_not_allowed", "share_price_above_key_ceiling"),
     404: ("model_not_found", "machine_not_found", "share_not_found"),
-    409: ("no_linked_machine", "no_shared_machine"),
+    409: ("no_linked_machine", "no_shared_machine", "share_not_accepted"),
     429: ("rate_limit_exceeded", "queue_full (type rate_limit_exceeded)",
           "queue_timeout (type rate_limit_exceeded)", "machine_busy", "share_quota_exceeded"),
     502: ("provider_error", "provider_unavailable", "untrusted_chunk", "untrusted_usage",
@@ -183,6 +183,38 @@ OPERATIONS: dict[tuple[str, str], Operation] = {
         examples={"household": {"email": "partner@example.com", "daily_request_limit": 200},
                   "priced": {"email": "friend@example.com", "input_price": 20_000, "output_price": 80_000,
                              "expires_at": "2027-01-31T00:00:00Z"}}),
+    ("patch", "/v1/shares/{share_id}"): Operation(
+        "shares", "Change a share you gave", {200: json_answer("Share", "The share; pending again when its prices or "
+                                                                        "machines changed.")},
+        auth="manager", body=_json_body("ShareUpdate"), body_required=False,
+        errors={400: INVALID, 404: ("share_not_found", "machine_not_found")}),
+    ("post", "/v1/shares/accept"): Operation(
+        "shares", "Accept a share with the invite code its owner gave you",
+        {201: json_answer("Share", "The share, now yours and accepted.")}, auth="manager",
+        body=_json_body("ShareInvite"), errors={400: INVALID, 404: ("share_not_found",)}),
+    ("post", "/v1/shares/{share_id}/accept"): Operation(
+        "shares", "Accept a share sent to your verified email address", {200: json_answer("Share", "Accepted.")},
+        auth="manager", body=_json_body("ShareAnswer"), body_required=False,
+        errors={400: INVALID, 403: ("email_not_verified",), 404: ("share_not_found",),
+                409: ("share_terms_changed",)}),
+    ("post", "/v1/shares/{share_id}/decline"): Operation(
+        "shares", "Decline a share sent to you", {200: json_answer("Share", "Declined.")},
+        auth="manager", body=_json_body("ShareAnswer"), body_required=False,
+        errors={400: INVALID, 403: ("email_not_verified",), 404: ("share_not_found",),
+                409: ("share_terms_changed",)}),
+    ("get", "/v1/me"): Operation(
+        "accounts", "Your account", {200: json_answer("Account", "Its email and whether you verified it.")},
+        auth="caller"),
+    ("post", "/v1/me/email/send-code"): Operation(
+        "accounts", "Mail a code that verifies your email address",
+        {202: json_answer("EmailCodeSent", "Sent (a new code replaces the last).")}, auth="manager",
+        errors={400: INVALID, 409: ("email_already_verified",), 429: ("rate_limit_exceeded",),
+                503: ("mail_unavailable",)},
+        description="At most one code a minute; a code is valid 15 minutes and for 5 tries."),
+    ("post", "/v1/me/email/verify"): Operation(
+        "accounts", "Verify your email address with the mailed code",
+        {200: json_answer("Account", "Verified.")}, auth="manager", body=_json_body("EmailCode"),
+        errors={400: ("invalid_request_error", "invalid_code"), 410: ("expired_code",)}),
     ("get", "/v1/shares"): Operation(
         "shares", "Shares you gave and received", {200: json_answer("ShareLists", "Both lists.")}, auth="caller"),
     ("delete", "/v1/shares/{share_id}"): Operation(

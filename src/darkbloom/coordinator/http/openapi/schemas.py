@@ -139,6 +139,9 @@ _KEY_FIELDS = {
     **{field: {"type": ["integer", "null"], "minimum": 1, "maximum": 2**31 - 1}
        for field in ("rpm_limit", "itpm_limit", "otpm_limit")},
     "allowed_models": {"type": ["array", "null"], "items": {"type": "string", "minLength": 1}},
+    "max_shared_price": {"type": ["integer", "null"], "minimum": 0, "maximum": 10**12, "description": (
+        "Shared routing on this key never uses a share whose input or output price (µUSD per 1M tokens) is above "
+        "this; null: no ceiling.")},
 }
 
 _API_KEY = obj({
@@ -150,7 +153,7 @@ _API_KEY = obj({
     "expires_at": {"type": ["string", "null"], "format": "date-time"}, "disabled": BOOLEAN,
     "rpm_limit": NULLABLE_INTEGER, "itpm_limit": NULLABLE_INTEGER,
     "otpm_limit": NULLABLE_INTEGER, "allowed_models": {"type": ["array", "null"], "items": STRING},
-    "created_at": TIMESTAMP, "last_used_at": {"type": ["integer", "null"]},
+    "max_shared_price": NULLABLE_INTEGER, "created_at": TIMESTAMP, "last_used_at": {"type": ["integer", "null"]},
 })
 
 _MACHINE = obj({
@@ -198,21 +201,32 @@ _SHARE = obj({
     "input_price": {"type": "integer", "description": "µUSD per 1M prompt tokens; 0 with output_price 0: free."},
     "output_price": INTEGER,
     "expires_at": {"type": ["string", "null"], "format": "date-time"}, "created_at": TIMESTAMP,
+    "status": {"enum": ["pending", "accepted", "declined"], "description": (
+        "Only an accepted share routes: pending until its grantee accepts, and again after a change of its prices "
+        "or machines.")},
+    "invite_code": {"type": "string", "description": (
+        "POST /v1/shares only, shown once: hand it to the person you mean; they accept with POST /v1/shares/accept.")},
     "owner_email": {"type": "string", "description": "Received shares only."},
     "machine_names": {"type": "object", "additionalProperties": STRING,
                       "description": "Received shares only: the owner's machines it covers, by id."},
 }, required=("id", "object", "grantee_email", "machines", "daily_request_limit", "daily_token_limit", "input_price",
-             "output_price", "expires_at", "created_at"))
+             "output_price", "expires_at", "created_at", "status"))
 
-_SHARE_CREATE = obj({
-    "email": {"type": "string", "format": "email", "maxLength": 320},
-    "machines": {"type": "array", "items": STRING, "minItems": 1, "maxItems": 1000,
-                 "description": "Left out: all your machines, present and future."},
+_SHARE_TERMS = {
+    "machines": {"anyOf": [{"type": "array", "items": STRING, "minItems": 1, "maxItems": 1000}, {"const": "all"},
+                           {"type": "null"}], "description": "Left out (or null, or \"all\"): all your machines, "
+                                                             "present and future."},
+    "input_price": {"type": "integer", "minimum": 0}, "output_price": {"type": "integer", "minimum": 0},
+}
+
+_SHARE_CHANGES = {
+    **_SHARE_TERMS,
     "daily_request_limit": {"type": ["integer", "null"], "minimum": 1},
     "daily_token_limit": {"type": ["integer", "null"], "minimum": 1},
-    "input_price": {"type": "integer", "minimum": 0}, "output_price": {"type": "integer", "minimum": 0},
     "expires_at": {"type": ["string", "null"], "format": "date-time"},
-}, ("email",), additionalProperties=False)
+}
+_SHARE_CREATE = obj({"email": {"type": "string", "format": "email", "maxLength": 320}, **_SHARE_CHANGES},
+                    ("email",), additionalProperties=False)
 
 _EARNINGS_ROW = obj({
     "request_id": STRING, "created_at": TIMESTAMP, "model": STRING, "provider_id": NULLABLE_STRING,
@@ -277,6 +291,16 @@ SCHEMAS: dict[str, Schema] = {
         "completion_tokens": INTEGER, "cost_micro_usd": INTEGER})}}),
     "MachineStats": _MACHINE_STATS,
     "Share": _SHARE, "ShareCreate": _SHARE_CREATE,
+    "ShareUpdate": obj(_SHARE_CHANGES, (), additionalProperties=False, description=(
+        "New prices or machines put the share back to pending until its grantee accepts them.")),
+    "ShareAnswer": obj(_SHARE_TERMS, (), additionalProperties=False, description=(
+        "Optionally the terms you were shown: a share whose terms differ now is not answered (409).")),
+    "ShareInvite": obj({"invite_code": {"type": "string", "maxLength": 256}}, ("invite_code",),
+                       additionalProperties=False),
+    "Account": obj({"id": STRING, "object": {"const": "account"}, "email": NULLABLE_STRING,
+                    "email_verified": BOOLEAN, "created_at": TIMESTAMP}),
+    "EmailCodeSent": obj({"status": {"const": "sent"}, "email": STRING}),
+    "EmailCode": obj({"code": {"type": "string", "maxLength": 64, "examples": ["ABCD-EFGH"]}}, ("code",)),
     "ShareLists": obj({"given": {"type": "array", "items": ref("Share")},
                        "received": {"type": "array", "items": ref("Share")}}),
     "ShareUsage": obj({"share_id": STRING,

@@ -7,7 +7,7 @@ from typing import Any
 from fastapi import APIRouter, Depends, Query, Request
 from fastapi.responses import JSONResponse
 
-from darkbloom.coordinator.identity import console_login
+from darkbloom.coordinator.identity import console_login, email_verification
 from darkbloom.coordinator.identity.auth_throttle import client_address
 from darkbloom.coordinator.http.auth import bearer_token, require_account_writer, require_caller
 from darkbloom.coordinator.identity.caller import Caller
@@ -15,6 +15,7 @@ from darkbloom.coordinator.http.json_body import json_object
 from darkbloom.coordinator.fleet.machines import linked_machines, unlink_machine
 from darkbloom.coordinator.fleet.machines import machine_stats as stats_of
 from darkbloom.coordinator.services import Services, get_services
+from darkbloom.store import accounts
 
 router = APIRouter()
 
@@ -42,6 +43,30 @@ async def logout(request: Request, caller: Caller = Depends(require_caller),
     if caller.kind == "console_session" and token:
         await console_login.logout(services, token)
     return {"status": "logged_out"}
+
+
+@router.get("/v1/me")
+async def me(caller: Caller = Depends(require_caller), services: Services = Depends(get_services)) -> dict[str, Any]:
+    async with services.engine.connect() as conn:
+        account = await accounts.get(conn, caller.account_id)
+    assert account is not None
+    return {"id": account["id"], "object": "account", "email": account["email"],
+            "email_verified": account["email_verified_at"] is not None, "created_at": account["created_at"]}
+
+
+@router.post("/v1/me/email/send-code", status_code=202)
+async def send_email_code(caller: Caller = Depends(require_account_writer),
+                          services: Services = Depends(get_services)) -> dict[str, str]:
+    """A verification code, mailed to the account's address (docs/sharing.md "Consent")."""
+    email = await email_verification.send_code(services, caller.account_id)
+    return {"status": "sent", "email": email}
+
+
+@router.post("/v1/me/email/verify")
+async def verify_email(request: Request, caller: Caller = Depends(require_account_writer),
+                       services: Services = Depends(get_services)) -> dict[str, Any]:
+    await email_verification.verify(services, caller.account_id, (await json_object(request)).get("code"))
+    return await me(caller, services)
 
 
 @router.get("/v1/me/providers")

@@ -77,7 +77,7 @@ async def models(request: Request, caller: Caller = Depends(require_caller),
 
 
 async def _shares(services: Services, caller: Caller, policy: Policy) -> tuple[ShareGrant, ...]:
-    return (await load_grants(services, caller.account_id, None)).usable if policy.shared else ()
+    return (await load_grants(services, caller, None)).usable if policy.shared else ()
 
 
 @router.get("/v1/models/catalog")
