@@ -138,7 +138,7 @@ def test_a_catalog_change_applies_to_the_machines_connected(world: World) -> Non
 def test_a_request_longer_than_every_context_is_refused_before_anything_is_taken(world: World) -> None:
     w, s = world, world.stack
     payer = s.account(credit=CREDIT)
-    key = s.key(payer, rpm_limit=1)  # one request a minute: a refused one must not use it up
+    key = s.key(payer, rpm_limit=4)  # each refused request counts against RPM: three of them, then one served
     long_prompt = [{"role": "user", "content": "lighthouse " * 8000}]  # 88,000 bytes: ~22,000 tokens estimated
     for fields in ({"max_tokens": TOO_LONG}, {"messages": long_prompt}, {"max_tokens": TOO_LONG, "stream": True}):
         response = s.chat(key, **fields)
@@ -152,8 +152,7 @@ def test_a_request_longer_than_every_context_is_refused_before_anything_is_taken
     assert error_of(s.chat(broke.api_key, max_tokens=TOO_LONG))["code"] == "context_length_exceeded"
     mine = s.chat(w.owner.api_key, SELF, max_tokens=TOO_LONG)  # the owner's own machine has no longer context
     assert mine.status_code == 400 and error_of(mine)["code"] == "context_length_exceeded"
-    # more bytes than the context has tokens, but far fewer tokens: served (the key's one request a
-    # minute is still there)
+    # more bytes than the context has tokens, but far fewer tokens: served (the key's fourth request)
     response = s.chat(key, messages=[{"role": "user", "content": "lighthouse " * 300 + "Say yes."}])
     assert response.status_code == 200, response.text
     assert response.json()["usage"]["prompt_tokens"] < 2048 < 3300

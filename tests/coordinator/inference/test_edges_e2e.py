@@ -305,14 +305,14 @@ async def test_responses_stream_ends_with_response_completed(coord: Coordinator,
 async def test_a_429_no_wait_can_fix_says_do_not_retry(coord: Coordinator) -> None:
     model = _new_model(coord)
     raw = await _provider(coord, model)
-    tight = create_account(coord, credit_micro_usd=CREDIT, otpm_limit=4, rpm_limit=1)
+    tight = create_account(coord, credit_micro_usd=CREDIT, otpm_limit=4, rpm_limit=2)
     hopeless = await _post(coord, "/chat/completions", {"model": model, "messages": HELLO, "max_tokens": 8},
                            tight.headers())
     assert hopeless.status_code == 429 and hopeless.json()["error"]["param"] == "output_tokens"
     assert hopeless.headers["x-should-retry"] == "false" and "retry-after" not in hopeless.headers
     served = asyncio.create_task(_post(coord, "/chat/completions", {"model": model, "messages": HELLO,
                                                                     "max_tokens": 2}, tight.headers()))
-    frame, _ = await asyncio.wait_for(raw.next_request(), 10)  # a refused request gave its RPM charge back
+    frame, _ = await asyncio.wait_for(raw.next_request(), 10)  # the refused request used the first of two
     await raw.answer(frame, "ok")
     assert (await served).status_code == 200
     again = await _post(coord, "/chat/completions", {"model": model, "messages": HELLO, "max_tokens": 2},

@@ -22,8 +22,8 @@ from darkbloom.coordinator.inference.attempt import Attempt, Deadlines
 from darkbloom.coordinator.inference.attempts import Attempts
 from darkbloom.coordinator.inference.failures import ProviderFailure
 from darkbloom.coordinator.inference.settlement import RequestLifecycle
-from darkbloom.coordinator.money import billing
-from darkbloom.coordinator.money.admission import request_charges
+from darkbloom.coordinator.money import admission, billing
+from darkbloom.coordinator.money.admission import take_request
 from darkbloom.coordinator.money.ratelimit import Charge, Decision, MemoryRateLimiter
 from darkbloom.coordinator.routing.scheduler import try_place
 from darkbloom.coordinator.services import Services
@@ -69,7 +69,7 @@ class World:
         return RequestLifecycle(self.services, self.caller, request_id, CHAT.path)
 
     async def admit_and_place(self, life: RequestLifecycle) -> Attempts:
-        await life.charge_rates(request_charges(self.services, self.caller))
+        life.rate_headers.update(await take_request(self.services, self.caller))
         await life.admit(MODEL, PROMPT_BOUND, OUTPUT_BOUND, self_routed=False, reserve=True)
         placement = try_place(self.services.registry, decision(), self.services.settings)
         assert placement is not None
@@ -125,14 +125,16 @@ async def _end(life: RequestLifecycle) -> None:
     await life.services.drain(timeout=10)
 
 
-async def test_refused_gives_back_every_rate_charge(world: World) -> None:
+async def test_refused_gives_back_the_token_charges_and_keeps_the_rpm_charge(world: World) -> None:
     life = world.lifecycle("req-refused")
     with pytest.raises(ApiError):
         async with life:
-            await life.charge_rates(request_charges(world.services, world.caller))
-            assert world.limiter.held["requests"] == 1
-            raise ApiError(400, "invalid_request_error", "bad body")
-    assert world.limiter.held == Counter({"requests": 0})
+            await take_request(world.services, world.caller)
+            await life.charge_rates(admission.token_charges(world.services, world.caller, PROMPT_BOUND, OUTPUT_BOUND))
+            assert world.limiter.held == Counter({"requests": 1, "input_tokens": PROMPT_BOUND,
+                                                  "output_tokens": OUTPUT_BOUND})
+            raise ApiError(402, "insufficient_funds", "broke")
+    assert world.limiter.held == RPM_ONLY
     assert await world.reservation_state("req-refused") is None
 
 

@@ -1,8 +1,9 @@
 """Serving one inference request, whatever API it came in on, from the caller to the last byte.
 
 ``serve`` reads top to bottom in the order the request goes: the RPM charge (before the body is
-read), the body into one ``InferenceCall``, the route policy, the model, admission (token charges
-and the reservation), placement on a claimed slot, the attempts to first content, and the answer
+read, never given back), the body into one ``InferenceCall``, the route policy, the model,
+admission (token charges and the reservation), placement on a claimed slot, the attempts to first
+content, and the answer
 — the presenter's JSON, or a stream — settled before it shows its usage, so the ``cost_micro_usd``
 in it (and a JSON answer's ``X-Darkbloom-Cost-Micro-USD``) is what the settlement charged. Everything the request takes
 is recorded on its ``RequestLifecycle`` (``inference/settlement.py``), which gives back what was
@@ -28,7 +29,7 @@ from darkbloom.coordinator.inference.calls import parse_call
 from darkbloom.coordinator.inference.disconnect import DisconnectWatch
 from darkbloom.coordinator.inference.failures import ProviderFailure, failure_error
 from darkbloom.coordinator.inference.settlement import RequestLifecycle
-from darkbloom.coordinator.money.admission import request_charges
+from darkbloom.coordinator.money.admission import take_request
 from darkbloom.coordinator.money.billing import worst_case
 from darkbloom.coordinator.money.estimation import context_needed, output_token_bound, prompt_token_bound
 from darkbloom.coordinator.routing import placement
@@ -58,7 +59,7 @@ async def serve(edge: Edge, request: Request, caller: Caller, services: Services
     work (``ClientDisconnected``); the lifecycle's exit gives back what the request did not use."""
     async with RequestLifecycle(services, caller, edge.id_prefix + secrets.token_hex(12), edge.path) as life:
         request.state.request_id = life.request_id  # also on an error answer (wire.openai.handlers)
-        await life.charge_rates(request_charges(services, caller))  # RPM, before the body is read
+        life.rate_headers.update(await take_request(services, caller))  # RPM, before the body is read
         call = parse_call(await read_body(), edge)
         policy = resolve_policy(request.headers, caller)
         with DisconnectWatch(request) as watch:

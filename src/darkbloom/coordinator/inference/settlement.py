@@ -1,16 +1,17 @@
 """A request's settlement: everything it takes is recorded on its ``RequestLifecycle`` as it is
 taken, and this is the one place that gives back what it did not use and settles what it did.
 
-A request takes, in order: rate charges (RPM before the body, ITPM/OTPM after), a reservation
-(paid and prefer requests, and shared ones that may use a priced share), provider slots (the first
-placement, retries, a backup) and, when placed on a shared machine, a share's daily allowance. The
-``RequestLifecycle`` records each as it is taken and, when the request ends, gives back exactly
-what was not used — once, on every end:
+A request takes, in order: its RPM charge (``admission.take_request``, before the body; never given
+back, so not recorded here), token charges (ITPM/OTPM), a reservation (paid and prefer requests, and
+shared ones that may use a priced share), provider slots (the first placement, retries, a backup)
+and, when placed on a shared machine, a share's daily allowance. The ``RequestLifecycle`` records
+each as it is taken and, when the request ends, gives back exactly what was not used — once, on
+every end:
 
-- refused before admission completed (bad body, unknown model, 429, 402): every rate charge back;
+- refused before admission completed (bad body, unknown model, 429, 402): the token charges back;
 - admitted but never served (no provider, queue refused, every attempt failed, client gone or
   task cancelled before first content): every slot and the reservation back, the token charges
-  back; the request keeps its RPM charge;
+  back;
 - served: the winning attempt settles (charge on success; refund when the provider failed after
   first content), token charges reconciled with the real counts; a vanished client or a cancel
   stops the provider and charges what it reported (``charge_partial``).
@@ -87,7 +88,7 @@ class RequestLifecycle:
     # taking
 
     async def charge_rates(self, charges: list[Charge]) -> None:
-        """Take every charge or raise the 429 (then nothing more was taken)."""
+        """Take every token charge or raise the 429 (then nothing more was taken)."""
         decision = await admission.acquire(self.services, charges)
         if decision is not None:
             self.rate_charges.extend(charges)
@@ -158,7 +159,7 @@ class RequestLifecycle:
             return
         gone = isinstance(exc, _GONE)
         if self.serving is None:
-            end = self._give_back(refused=not self.admitted)
+            end = self._give_back()
             outcome = "client_disconnected" if gone else "unserved" if self.admitted else "refused"
         elif exc is None:
             end, outcome = self._settle("ok", charge_partial=False), "ok"
@@ -213,16 +214,13 @@ class RequestLifecycle:
         for slot in self._slots:
             slot.release()  # a no-op for the slots an attempt already released
 
-    async def _give_back(self, *, refused: bool) -> None:
+    async def _give_back(self) -> None:
         self._release_attempts()
         await self._close_share(None)
         reservation = self.reservation
         if reservation is not None:
             await self._money("refund", lambda: billing.refund(self.services, reservation))
-        if refused:
-            charges, self.rate_charges = self.rate_charges, []
-        else:
-            charges = admission.unused_token_charges(self.rate_charges, 0, 0)
+        charges = admission.unused_token_charges(self.rate_charges, 0, 0)
         if charges:
             await self.services.rate_limiter.refund(charges)
 

@@ -3,8 +3,9 @@ docs/api.md "Counting tokens").
 
 The count is the coordinator's own estimate of the prompt — the one its context check uses
 (``money.estimation.prompt_estimate`` of the translated chat prompt's bound) — not a tokenizer's
-exact figure: no node is asked. Nothing is billed, rate-limited or written to the usage history; the
-model must be one the caller may use (404 / 403 as for the request itself)."""
+exact figure: no node is asked. Nothing is billed or written to the usage history, but the route
+takes one request from the caller's RPM buckets before the body is read, as every inference route
+does; the model must be one the caller may use (404 / 403 as for the request itself)."""
 
 from __future__ import annotations
 

@@ -1,6 +1,7 @@
 """Admission checks: rate limits (RPM before the body is read, ITPM/OTPM after, with the
-estimates) and the reservation amount. What a request took is kept — and given back — by its
-``RequestLifecycle``; these functions only decide and raise the named errors."""
+estimates) and the reservation amount. The token charges a request took are kept — and given back —
+by its ``RequestLifecycle``; its RPM charge is never given back. These functions only decide and raise
+the named errors."""
 
 from __future__ import annotations
 
@@ -29,6 +30,15 @@ def _buckets(services: Services, caller: Caller, dimension: Dimension) -> list[B
 def request_charges(services: Services, caller: Caller) -> list[Charge]:
     """One request against every RPM bucket of the caller."""
     return [Charge(b, 1) for b in _buckets(services, caller, "requests")]
+
+
+async def take_request(services: Services, caller: Caller) -> dict[str, str]:
+    """The one place a request is taken from the caller's RPM buckets, on every inference route right
+    after authentication and before the body is read; never given back, so a request refused later
+    (400, 402, 404, a 429 on tokens) and a token count use one too. Returns the ``x-ratelimit-*``
+    headers of the requests dimension (none without a limit); an empty bucket is the 429."""
+    decision = await acquire(services, request_charges(services, caller))
+    return decision.headers if decision is not None else {}
 
 
 def token_charges(services: Services, caller: Caller, prompt_bound: int, output_bound: int) -> list[Charge]:

@@ -95,12 +95,14 @@ INFERENCE_OPERATIONS: dict[tuple[str, str], Operation] = {
     ("post", "/v1/messages/count_tokens"): Operation(
         "inference", "Count a message's input tokens (Anthropic Messages)", auth="caller",
         body={"application/json": "MessageRequest"}, route_headers=("X-Darkbloom-Route",),
-        errors={400: ("invalid_request_error",), 403: ("model_not_allowed",), 404: ("model_not_found",)},
+        errors={400: ("invalid_request_error",), 403: ("model_not_allowed",), 404: ("model_not_found",),
+                429: ("rate_limit_exceeded",), 503: ("service_unavailable",)},
         answers={200: Answer("`{\"input_tokens\": N}`: the coordinator's estimate.",
                              {"application/json": "MessageTokensCount"})},
         description="The input tokens of a Messages request (`max_tokens` not needed), as the coordinator "
-                    "estimates them for its context check — no node is asked. Not billed, not rate-limited, "
-                    "no usage row. The key may come as `x-api-key`; errors are in Anthropic's envelope.",
+                    "estimates them for its context check — no node is asked. Not billed, no usage row; "
+                    "one request against the caller's RPM limits, taken before the body is read. The key "
+                    "may come as `x-api-key`; errors are in Anthropic's envelope.",
         error_schema="AnthropicError"),
     ("post", "/v1/completions"): _operation(
         "Create a completion (legacy)", "CompletionRequest", "Completion", "CompletionEvent",

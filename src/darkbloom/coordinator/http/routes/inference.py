@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from typing import Awaitable, Callable
 
-from fastapi import APIRouter, Depends, FastAPI, Request
+from fastapi import APIRouter, Depends, FastAPI, Request, Response
 from fastapi.responses import JSONResponse, StreamingResponse
 
 from darkbloom.coordinator.http.auth import require_caller
@@ -14,6 +14,7 @@ from darkbloom.coordinator.http.sealed_body import Unsealed, is_sealed, unseal
 from darkbloom.coordinator.identity.caller import Caller
 from darkbloom.coordinator.inference.serving import serve
 from darkbloom.coordinator.inference.token_count import count_input_tokens
+from darkbloom.coordinator.money.admission import take_request
 from darkbloom.coordinator.routing.model_views import list_models, model_entry, owned_models
 from darkbloom.coordinator.routing.decision import ShareGrant
 from darkbloom.coordinator.routing.policy import Policy, resolve_policy
@@ -64,8 +65,9 @@ class _Body:
 
 
 @router.post("/v1/messages/count_tokens")
-async def count_tokens(request: Request, caller: Caller = Depends(require_caller),
+async def count_tokens(request: Request, response: Response, caller: Caller = Depends(require_caller),
                        services: Services = Depends(get_services)) -> dict[str, int]:
+    response.headers.update(await take_request(services, caller))  # RPM, before the body is read
     return count_input_tokens(services, caller, request.headers, await request.body())
 
 
