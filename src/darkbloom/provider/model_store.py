@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import stat
 import tempfile
 from dataclasses import dataclass
 from datetime import datetime, timezone
@@ -17,6 +18,7 @@ from darkbloom.wire.catalog import BUNDLED_MODEL_ID, MAX_MODEL_ID, WEIGHT_HASH_P
 STORE_DIR = "models"
 MANIFEST_NAME = "manifest.json"
 PARTIAL_DIR = ".partial"  # downloads in progress, kept between runs so a pull resumes
+GGUF_FILE_NAME = r"^[^/\\]+\.(?i:gguf)$"  # a stored file's name: no folder, something before the suffix
 
 
 class InvalidModelId(ValueError):
@@ -25,6 +27,15 @@ class InvalidModelId(ValueError):
 
 class NotInStore(LookupError):
     """No pulled model has this id."""
+
+
+class SymlinkInStore(Exception):
+    """A path below the store's root is a symlink: the store follows none, and deletes nothing through one."""
+
+    def __init__(self, path: Path) -> None:
+        super().__init__(f"{path} is a symlink, and the model store follows none: remove that link (what it "
+                         "points to is not touched) and run the command again")
+        self.path = path
 
 
 def check_model_id(model_id: str) -> str:
@@ -58,7 +69,7 @@ class Manifest(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
     id: str
-    file: str = Field(pattern=r"^[^/\\]+\.(?i:gguf)$")
+    file: str = Field(pattern=GGUF_FILE_NAME)
     size_bytes: int = Field(ge=0)
     weight_hash: str = Field(pattern=WEIGHT_HASH_PATTERN)
     source: WeightOrigin
@@ -128,6 +139,27 @@ class ModelStore:
     def partial_dir(self, model_id: str) -> Path:
         """Where a download of `model_id` in progress is kept."""
         return self.root / PARTIAL_DIR / check_model_id(model_id)
+
+    def refuse_symlinks(self, model_id: str) -> None:
+        """Raise SymlinkInStore when a path a pull of `model_id` writes or deletes is a symlink: the
+        lock, the partial directory and what it holds, the model's entry, or a directory between one
+        of them and `root` (`root` itself may be one: a store on another disk). Each is looked at
+        with lstat, never followed."""
+        partial_dir = self.partial_dir(model_id)
+        self._refuse_symlinks([self.lock_path, partial_dir, self._entry_dir(model_id)])
+        if partial_dir.is_dir():
+            self._refuse_symlinks(sorted(partial_dir.iterdir()))
+
+    def _refuse_symlinks(self, paths: list[Path]) -> None:
+        for path in paths:
+            current = self.root
+            for name in path.relative_to(self.root).parts:
+                current = current / name
+                try:
+                    if stat.S_ISLNK(current.lstat().st_mode):
+                        raise SymlinkInStore(current)
+                except FileNotFoundError:
+                    break
 
     def install(self, download: Path, manifest: Manifest) -> StoredModel:
         """Move a complete, verified `download` into the store under `manifest.id`, replacing what

@@ -4,13 +4,15 @@ repo, downloaded into the model store — resumable, checked, never half-install
 
 from __future__ import annotations
 
+import errno
 import hashlib
+import os
 import re
 import shutil
 import sys
 from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
-from typing import TextIO
+from typing import Any, BinaryIO, TextIO
 from urllib.parse import urlsplit
 
 import httpx
@@ -23,8 +25,8 @@ from huggingface_hub.file_download import HfFileMetadata, http_get
 from huggingface_hub.utils import build_hf_headers, validate_repo_id
 from pydantic import ValidationError
 
-from darkbloom.provider.model_store import InvalidModelId, Manifest, ModelStore, StoredModel, WeightOrigin, \
-    check_model_id
+from darkbloom.provider.model_store import GGUF_FILE_NAME, InvalidModelId, Manifest, ModelStore, StoredModel, \
+    SymlinkInStore, WeightOrigin, check_model_id
 from darkbloom.provider.models import HASH_CACHE_NAME, record_weight_hash
 from darkbloom.wire.catalog import BUNDLED_MODEL_ID, Catalog, CatalogModel
 
@@ -39,6 +41,10 @@ class PullError(Exception):
     def __init__(self, message: str, exit_code: int = 1) -> None:
         super().__init__(message)
         self.exit_code = exit_code
+
+
+class OverlongDownload(Exception):
+    """The Hub sent more bytes of a file than the size it (or the catalog) announced."""
 
 
 @dataclass(frozen=True)
@@ -123,6 +129,7 @@ def catalog_target(name: str, catalog: Catalog, coordinator_url: str) -> PullTar
         model_id = check_model_id(entry.id)
     except InvalidModelId as exc:
         raise PullError(f"catalog model {entry.id!r} cannot be stored under its id: {exc}") from None
+    _check_file_name(entry.source.file, "tell the coordinator's operator")
     return PullTarget(model_id, entry.source.repo, entry.source.file, entry.source.revision,
                       weight_hash=entry.weight_hash, size_bytes=entry.size_bytes, catalog=coordinator_url)
 
@@ -146,8 +153,17 @@ def hub_target(name: str, *, file: str | None = None, revision: str | None = Non
     file = file or inline_file or _only_gguf(repo, revision, endpoint)
     if not file.lower().endswith(".gguf"):
         raise PullError(f"{file!r} is not a .gguf file; a node serves GGUF weights only")
+    _check_file_name(file, "choose another file with --file")
     return PullTarget(_store_id(as_id if as_id is not None else PurePosixPath(file).stem.lower()), repo, file,
                       revision)
+
+
+def _check_file_name(file: str, remedy: str) -> None:
+    """The file is stored under the last part of its name: one the store can hold, from a name with
+    no backslash (another system's folder separator) or control character."""
+    if "\\" in file or not file.isprintable() or not re.match(GGUF_FILE_NAME, PurePosixPath(file).name):
+        raise PullError(f"the Hub file {file!r} cannot be stored: its name must not contain '\\' or control "
+                        f"characters, and must name something before '.gguf'; {remedy}")
 
 
 def _store_id(model_id: str) -> str:
@@ -160,17 +176,23 @@ def _store_id(model_id: str) -> str:
 def pull(target: PullTarget, store: ModelStore, *, endpoint: str | None = None,
          progress: TextIO = sys.stderr) -> StoredModel:
     """Download `target` (resuming a partial download of it), check it is GGUF with the expected
-    sha256, and install it in the store in one rename. Raises PullError."""
-    store.lock_path.parent.mkdir(parents=True, exist_ok=True)
-    lock = FileLock(str(store.lock_path))
+    sha256, and install it in the store in one rename. No symlink under the store is followed.
+    Raises PullError."""
     try:
-        lock.acquire(timeout=0)
-    except Timeout:
-        raise PullError(f"another pull is running in {store.root}; wait for it, then run this one again") from None
-    try:
-        return _pull_locked(target, store, store.partial_dir(target.model_id), endpoint, progress)
-    finally:
-        lock.release()
+        store.refuse_symlinks(target.model_id)
+        store.lock_path.parent.mkdir(parents=True, exist_ok=True)
+        lock = FileLock(str(store.lock_path))
+        try:
+            lock.acquire(timeout=0)
+        except Timeout:
+            raise PullError(f"another pull is running in {store.root}; wait for it, then run this one "
+                            "again") from None
+        try:
+            return _pull_locked(target, store, store.partial_dir(target.model_id), endpoint, progress)
+        finally:
+            lock.release()
+    except SymlinkInStore as exc:
+        raise PullError(str(exc)) from None
 
 
 def _pull_locked(target: PullTarget, store: ModelStore, partial_dir: Path, endpoint: str | None,
@@ -193,14 +215,16 @@ def _pull_locked(target: PullTarget, store: ModelStore, partial_dir: Path, endpo
             _same_source(existing, target) and existing.manifest.source.commit == metadata.commit_hash)):
         return _already(existing, progress)
     size = target.size_bytes if target.size_bytes is not None else metadata.size
+    if size is None:
+        raise PullError(f"{_endpoint(endpoint)} announces no size for {target.describe()}, so its download "
+                        "could not be bounded; check HF_ENDPOINT")
     partial = partial_dir / (_download_key(target, metadata) + ".incomplete")
     _drop_other_partials(partial_dir, keep=partial)
     resume = partial.stat().st_size if partial.is_file() else 0
-    if size is not None and resume > size:
+    if resume > size:
         partial.unlink()
         resume = 0
-    if size is not None:
-        _check_room(store, target.model_id, size - resume)
+    _check_room(store, target.model_id, size - resume)
     where = f"resuming at {_size(resume)} of {_size(size)}" if resume else _size(size)
     _say(progress, f"pulling {target.model_id}: {target.describe()} ({where})")
     _download(target, metadata, partial, resume, size, endpoint)
@@ -245,19 +269,27 @@ def _only_gguf(repo: str, revision: str, endpoint: str | None) -> str:
     return ggufs[0]
 
 
-def _download(target: PullTarget, metadata: HfFileMetadata, partial: Path, resume: int, size: int | None,
+def _download(target: PullTarget, metadata: HfFileMetadata, partial: Path, resume: int, size: int,
               endpoint: str | None) -> None:
     """The Hub client's own ranged GET (progress bar, retries that resume) into our partial file,
-    which, unlike the Hub's temporary file, outlives an interrupted run."""
+    which, unlike the Hub's temporary file, outlives an interrupted run. The file is opened without
+    following a symlink, and never grows past `size`."""
     headers = {**build_hf_headers(), "Accept-Encoding": "identity"}
     hub_url = hf_hub_url(target.repo, target.file, revision=target.revision, endpoint=endpoint)
     if urlsplit(metadata.location)[:2] != urlsplit(hub_url)[:2]:
         headers.pop("authorization", None)  # a signed CDN address: the Hub token stays with the Hub
     try:
-        with partial.open("r+b" if resume else "wb") as fh:
+        with _open_partial(partial, resume) as fh:
             fh.seek(resume)
-            http_get(metadata.location, fh, resume_size=resume, headers=headers, expected_size=size,
-                     displayed_filename=PurePosixPath(target.file).name)
+            http_get(metadata.location, _Capped(fh, size), resume_size=resume, headers=headers,
+                     expected_size=size, displayed_filename=PurePosixPath(target.file).name)
+    except OverlongDownload:
+        partial.unlink(missing_ok=True)
+        raise PullError(f"the Hub sent more than the {size} bytes announced for {target.describe()}: the download "
+                        "was stopped there and its partial file deleted; check HF_ENDPOINT, whose server sends "
+                        "other bytes than it announces") from None
+    except SymlinkInStore as exc:
+        raise PullError(str(exc)) from None
     except KeyboardInterrupt:
         raise PullError(f"pull of {target.model_id} interrupted at {_size(_file_size(partial))}; run the same "
                         "command again to resume", exit_code=130) from None
@@ -269,6 +301,34 @@ def _download(target: PullTarget, metadata: HfFileMetadata, partial: Path, resum
             raise PullError(f"download of {target.describe()} did not match its announced size; the partial "
                             "file was deleted, run the command again") from None
         raise PullError(f"cannot write {partial}: {exc.strerror}; run the same command again to resume") from None
+
+
+def _open_partial(partial: Path, resume: int) -> BinaryIO:
+    """The partial file for writing, never through a symlink (O_NOFOLLOW); raises SymlinkInStore."""
+    flags = (os.O_RDWR if resume else os.O_WRONLY | os.O_CREAT | os.O_TRUNC) | os.O_NOFOLLOW
+    try:
+        fd = os.open(partial, flags, 0o644)
+    except OSError as exc:
+        if exc.errno == errno.ELOOP:
+            raise SymlinkInStore(partial) from None
+        raise
+    return os.fdopen(fd, "r+b" if resume else "wb")
+
+
+class _Capped:
+    """A file that refuses, with OverlongDownload, any write that would take it past `limit` bytes."""
+
+    def __init__(self, fh: BinaryIO, limit: int) -> None:
+        self._fh = fh
+        self._limit = limit
+
+    def write(self, data: bytes) -> int:
+        if self._fh.tell() + len(data) > self._limit:
+            raise OverlongDownload()
+        return self._fh.write(data)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._fh, name)
 
 
 def _verify_and_install(target: PullTarget, metadata: HfFileMetadata, partial: Path, expected_hash: str | None,

@@ -20,6 +20,8 @@ ONE = "test-org/SmolLM2-135M-GGUF"  # one GGUF and a README
 MIRROR = "mirror-org/smollm2-mirror"  # the same GGUF under another repo and file name
 TWO = "test-org/two-quants"  # two GGUF files
 NOT_GGUF = "test-org/fake-gguf"  # a .gguf that is not GGUF
+BACKSLASH = "test-org/backslash"  # one GGUF whose name holds a backslash
+BACKSLASH_UP = "test-org/backslash-up"  # one GGUF named like a path out of its folder, with a backslash
 
 
 @pytest.fixture
@@ -27,7 +29,8 @@ def hub(gguf: Path) -> Iterator[HubServer]:
     with HubServer({ONE: {BUNDLED_NAME: gguf, "README.md": b"# SmolLM2 135M\n"},
                     MIRROR: {"smollm2-135m-q4_1.gguf": gguf},
                     TWO: {"model.Q4_1.gguf": gguf, "model-copy.Q4_1.gguf": gguf},
-                    NOT_GGUF: {"weights.gguf": b"<html>not a model</html>" * 100}}) as server:
+                    NOT_GGUF: {"weights.gguf": b"<html>not a model</html>" * 100},
+                    BACKSLASH: {"a\\b.gguf": gguf}, BACKSLASH_UP: {"..\\evil.gguf": gguf}}) as server:
         yield server
 
 

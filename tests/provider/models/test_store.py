@@ -8,8 +8,8 @@ from pathlib import Path
 import pytest
 
 from darkbloom.provider.config import ConfigError, ModelNotPulled, load_config
-from darkbloom.provider.model_store import InvalidModelId, Manifest, ModelStore, NotInStore, WeightOrigin, \
-    check_model_id
+from darkbloom.provider.model_store import InvalidModelId, Manifest, ModelStore, NotInStore, SymlinkInStore, \
+    WeightOrigin, check_model_id
 from darkbloom.provider.runner import _serve_args
 
 HASH = "sha256:" + "ab" * 32
@@ -67,6 +67,18 @@ def test_a_symlink_out_of_the_store_is_neither_served_nor_removed(tmp_path: Path
     with pytest.raises(NotInStore):
         store.remove("m")
     assert outside.is_file()
+
+
+def test_a_store_on_another_disk_may_be_a_symlink_but_nothing_below_it(tmp_path: Path) -> None:
+    elsewhere = tmp_path / "disk" / "models"
+    (elsewhere / ".partial" / "m").mkdir(parents=True)
+    (tmp_path / "home").mkdir()
+    (tmp_path / "home" / "models").symlink_to(elsewhere)
+    store = ModelStore(tmp_path / "home")
+    store.refuse_symlinks("m")
+    (elsewhere / ".partial" / "m" / "x.incomplete").symlink_to(tmp_path / "missing")
+    with pytest.raises(SymlinkInStore, match=r"/home/models/\.partial/m/x\.incomplete is a symlink"):
+        store.refuse_symlinks("m")
 
 
 def test_remove_deletes_the_entry_only(tmp_path: Path) -> None:
