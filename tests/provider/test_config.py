@@ -83,9 +83,9 @@ def test_extra_buffer_types_are_off_unless_the_file_or_the_environment_turns_the
 
 def test_openai_backend_takes_model_names_without_files(home: Path) -> None:
     config = load_config(home, {"backend": "openai", "upstream_url": "http://127.0.0.1:11434/v1/",
-                                "models": ["llama3.2:1b"]})
+                                "models": ["llama3.2:1b", "meta-llama/Llama-3.2-1B-Instruct"]})
     assert config.upstream_url == "http://127.0.0.1:11434/v1"
-    assert config.model_ids == ["llama3.2:1b"]
+    assert config.model_ids == ["llama3.2:1b", "meta-llama/Llama-3.2-1B-Instruct"]
 
 
 @pytest.mark.parametrize("overrides, toml, needle", [
@@ -97,6 +97,17 @@ def test_openai_backend_takes_model_names_without_files(home: Path) -> None:
     ({"models": ["mine"]}, "", "--model mine=/path/to/model.gguf"),
     ({"models": ["=x.gguf"]}, "", "has no model id"),
     ({"models": ["smollm2-135m", "smollm2-135m"]}, "", "configured twice"),
+    ({"models": ["+cmd|' /C calc'!A0=/x.gguf"]}, "", "cannot be advertised"),
+    ({"models": ["@SUM(1+1)"]}, "", "--model ID=PATH"),
+    ({"models": ["-2+3"]}, "", "letters, digits and . _ : / -"),
+    ({"models": ["two words=/x.gguf"]}, "", "cannot be advertised"),
+    ({"models": ["m" * 257]}, "", "cannot be advertised"),
+    ({"backend": "openai", "upstream_url": "http://u", "models": ["@SUM(1+1)"]}, "",
+     "the id is the upstream's model name"),
+    ({}, '[[models]]\nid = "=HYPERLINK(\\"http://evil.example/\\")"\npath = "/x.gguf"\n', "cannot be advertised"),
+    ({"max_concurrency": 1025}, "", "max_concurrency must be at most 1024"),
+    ({}, "[backend]\ncontext_length = 20000000\n", "context_length must be at most 16777216"),
+    ({"max_memory_gb": 1e12}, "", "max_memory_gb must be a number of GB greater than 0 and at most"),
     ({"coordinator_url": "localhost:8080"}, "", "must look like http://host:port"),
     ({"local_port": 70000}, "", "not a valid TCP port"),
     ({}, "[coordinator\nurl=", "not valid TOML"),

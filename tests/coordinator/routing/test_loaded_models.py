@@ -17,7 +17,7 @@ from darkbloom.coordinator.inference.attempts import Attempts
 from darkbloom.coordinator.routing import scheduler
 from darkbloom.coordinator.routing.scheduler import load_seconds, select, select_idle_or_free, try_place
 from darkbloom.wire.catalog import CatalogModel
-from darkbloom.wire.protocol import Heartbeat, parse_provider_frame
+from darkbloom.wire.protocol import Heartbeat, ModelInfo, parse_provider_frame
 from tests.coordinator.fabric.test_view import announce, view_of_b
 from tests.coordinator.routing.sim import (MODEL, SimProvider, chat, decision, dispatched, end_as_gone, fleet,
                                           lifecycle, services, settings)
@@ -98,6 +98,16 @@ def test_the_load_estimate() -> None:
     huge = SimProvider(size_bytes=10 ** 15, loaded=_nothing).session  # a node cannot stretch a deadline forever
     assert load_seconds(huge, decision()) == scheduler.MAX_LOAD_SECONDS
     assert cold.size_for(names) == 4_000_000_000
+
+
+def test_the_load_estimate_of_a_size_too_large_for_a_float_is_the_cap() -> None:
+    """A size past any float (the wire refuses it; a catalog may say it) is capped before it is divided."""
+    absurd = SimProvider(loaded=_nothing).session
+    [model] = absurd.registration.models
+    absurd.registration.models[0] = ModelInfo.model_construct(**{**model.model_dump(), "size_bytes": 10 ** 400})
+    assert load_seconds(absurd, decision()) == scheduler.MAX_LOAD_SECONDS
+    catalog = CatalogModel(id=MODEL.id, aliases=MODEL.aliases, input_price=1, output_price=1, size_bytes=10 ** 400)
+    assert load_seconds(SimProvider(loaded=_nothing).session, decision(model=catalog)) == scheduler.MAX_LOAD_SECONDS
 
 
 BUDGET = 0.4

@@ -65,7 +65,7 @@ def test_a_repo_with_two_ggufs_exits_2_listing_them(node: Node, hub: HubServer) 
     ([f"{ONE}:README.md"], "'README.md' is not a .gguf file"),
     (["not a/repo"], "is not a Hub repo id"),
     ([ONE, "--as", "../outside"], "must not contain '/'"),
-    ([ONE, "--as", ".hidden"], "must not start with '.'"),
+    ([ONE, "--as", ".hidden"], "starting with a letter or digit"),
     ([ONE, "--as", "x" * 257], "must be 1 to 256 characters"),
     ([ONE, "--as", "smollm2-135m"], "the bundled model's id"),
 ])

@@ -54,9 +54,17 @@ async def csv_lines(services: Services, account_id: str, limit: int = CSV_MAX_RO
             yield _line([_cell(view.get(column)) for column in CSV_COLUMNS])
 
 
+# A spreadsheet runs a cell that starts with one of these as a formula (OWASP "CSV Injection")
+FORMULA_STARTS = ("=", "+", "-", "@", "\t", "\r")
+
+
 def _cell(value: Any) -> Any:
+    """A value as its CSV cell: a text that a spreadsheet would run as a formula (a model id a node
+    advertised, say) is prefixed with a single quote, so that it shows as the text it is."""
     if isinstance(value, bool):
         return "true" if value else "false"
+    if isinstance(value, str) and value.startswith(FORMULA_STARTS):
+        return "'" + value
     return "" if value is None else value
 
 

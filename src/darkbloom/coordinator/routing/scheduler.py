@@ -141,10 +141,12 @@ def retry_rank(session: ProviderSession, names: tuple[str, ...]) -> tuple[bool, 
 
 def load_seconds(session: ProviderSession, decision: RouteDecision) -> float:
     """What the session needs before its first token to load the model (0 when it has it loaded):
-    from the size of its weights (else the catalog's), at ``LOAD_BYTES_PER_SECOND``."""
+    from the size of its weights (else the catalog's), at ``LOAD_BYTES_PER_SECOND``. The size is
+    capped before it is divided: no size a node reports can make it raise."""
     if session.has_loaded(decision.names):
         return 0.0
-    size = session.size_for(decision.names) or decision.model.size_bytes or 0
+    size = min(session.size_for(decision.names) or decision.model.size_bytes or 0,
+               MAX_LOAD_SECONDS * LOAD_BYTES_PER_SECOND)
     return min(MAX_LOAD_SECONDS, LOAD_SECONDS_BASE + size / LOAD_BYTES_PER_SECOND)
 
 

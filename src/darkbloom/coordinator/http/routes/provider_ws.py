@@ -12,6 +12,7 @@ import asyncio
 import logging
 import re
 import time
+from typing import NoReturn
 
 from fastapi import WebSocket, WebSocketDisconnect
 from starlette.types import ASGIApp, Receive, Scope, Send
@@ -67,6 +68,13 @@ class _Strikes:
         await self.reply(dump(ErrorFrame(code=code, message=message)))
         if self.count >= MAX_BAD_FRAMES:
             raise _TooManyBadFrames()
+
+    async def refuse(self, code: str, message: str) -> NoReturn:
+        """A frame after which nothing the node sends can help (a ``register`` refused): its error
+        frame, then the socket closes (1008) as after the last strike."""
+        self.count = MAX_BAD_FRAMES
+        await self.reply(dump(ErrorFrame(code=code, message=message)))
+        raise _TooManyBadFrames()
 
 
 class ProviderSocketFirst:
@@ -153,6 +161,9 @@ async def _receive(websocket: WebSocket, strikes: _Strikes) -> object:
         except FrameError as exc:
             if exc.code == "frame_too_large" and strikes.session is not None:
                 _fail_refused_request(strikes.session, raw)
+            if exc.frame_type == "register" and strikes.session is None:
+                await strikes.refuse(exc.code, f"{exc.message}; registration refused: fix what the node reports "
+                                               "(docs/protocol.md \"Bounds\") and connect again")
             await strikes.strike(exc.code, exc.message)
         else:
             if isinstance(frame, Heartbeat) and isinstance(raw, str) and strikes.session is not None:
