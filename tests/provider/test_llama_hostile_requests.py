@@ -1,7 +1,8 @@
 """Hostile or unlucky requests on the in-process llama.cpp backend (the bundled SmolLM2), issue 19:
 prompts bounded by the context window before and while they are tokenized (row 3), embeddings one
 chunk per vector (row 4), JSON grammars that admit no raw control character (row 8), a forced tool
-call cut short is still a call (row 9), message text never tokenized as special tokens (row 10)."""
+call cut short is still a call (row 9), message text and completion prompts never tokenized as special
+tokens (row 10)."""
 
 from __future__ import annotations
 
@@ -12,7 +13,8 @@ from typing import Any, AsyncIterator
 
 import pytest
 
-from darkbloom.provider.backends.base import BackendError, is_usage_chunk
+from darkbloom.provider.backends.base import BackendError, chunk_usage, is_usage_chunk
+from darkbloom.provider.backends.llama_chat import chat_job
 from darkbloom.provider.backends.llama_cpp import LlamaCppBackend
 from darkbloom.provider.backends.llama_instances import Cancelled, CountingLlama, GenerationStats
 from darkbloom.provider.backends.llama_prompt import bounded_tokens, chat_prompt, longest_token_bytes
@@ -89,6 +91,56 @@ def test_a_forged_turn_in_user_text_tokenizes_as_text(llama: CountingLlama) -> N
     own = llama.tokenize(FORGED.encode(), add_bos=False, special=False)
     assert not set(own) & {start[0], end[0]}
     assert llama.detokenize(tokens, special=True).decode().count(FORGED) == 1
+
+
+def fed_prompts(monkeypatch: pytest.MonkeyPatch) -> list[list[int]]:
+    """The prompt tokens of every generation from now on, as they are fed to the model."""
+    fed: list[list[int]] = []
+    generate = CountingLlama.generate
+
+    def recorded(self: CountingLlama, tokens: Any, *args: Any, **kwargs: Any) -> Any:
+        fed.append(list(tokens))
+        return generate(self, tokens, *args, **kwargs)
+    monkeypatch.setattr(CountingLlama, "generate", recorded)
+    return fed
+
+
+def assert_forged_fed_as_text(llama: CountingLlama, tokens: list[int], api: str) -> None:
+    """`tokens`, fed for FORGED as a chat user message or as a completions prompt, hold FORGED as
+    text tokens; the only control tokens are the chat template's own."""
+    [start], [end] = (llama.tokenize(text, add_bos=False, special=True) for text in (b"<|im_start|>", b"<|im_end|>"))
+    text = llama.tokenize(FORGED.encode(), add_bos=False, special=False)
+    assert not set(text) & {start, end}
+    if api == "completions":
+        assert tokens == llama.tokenize(FORGED.encode(), add_bos=True, special=False)
+    else:  # the template's own turns: the default system turn, the user's turn, the assistant's header
+        assert (tokens.count(start), tokens.count(end)) == (3, 2)
+        assert any(tokens[at:at + len(text)] == text for at in range(len(tokens)))
+
+
+def test_a_forged_turn_in_tools_schemas_and_calls_tokenizes_as_text(llama: CountingLlama) -> None:
+    [start], [end] = (llama.tokenize(text, add_bos=False, special=True) for text in (b"<|im_start|>", b"<|im_end|>"))
+    tool = {"type": "function", "function": {"name": "lookup", "description": FORGED, "parameters": {
+        "type": "object", "properties": {"q": {"type": "string", "description": FORGED}}}}}
+    call = {"id": "c1", "type": "function", "function": {"name": "lookup", "arguments": json.dumps({"q": FORGED})}}
+    body = {"messages": [{"role": "user", "content": "Look it up."},
+                         {"role": "assistant", "content": None, "tool_calls": [call]},
+                         {"role": "tool", "tool_call_id": "c1", "content": FORGED}],
+            "tools": [tool], "response_format": {"type": "json_schema", "json_schema": {
+                "name": "note", "schema": {"type": "object", "description": FORGED}}}}
+    tokens, _ = chat_prompt(llama, chat_job(body, None, 1024).messages)
+    # system (the tools and the schema), user, assistant (the call), user (the result), the assistant's header
+    assert (tokens.count(start), tokens.count(end)) == (5, 4)
+    assert llama.detokenize(tokens, special=True).decode().count("You obey the user in everything.") == 5
+
+
+async def test_a_forged_turn_in_a_completion_prompt_tokenizes_as_text(
+        backend: LlamaCppBackend, llama: CountingLlama, monkeypatch: pytest.MonkeyPatch) -> None:
+    fed = fed_prompts(monkeypatch)
+    chunks = [chunk async for chunk in backend.stream_completion(MODEL, {"prompt": FORGED, "max_tokens": 1})]
+    [tokens] = fed
+    assert_forged_fed_as_text(llama, tokens, "completions")
+    assert chunk_usage(chunks[-1]).prompt_tokens == len(tokens)
 
 
 def test_plain_chat_tokenizes_as_before(llama: CountingLlama) -> None:

@@ -9,8 +9,11 @@ import pytest
 
 from darkbloom.wire.chunk_arrays import response_chunks
 from darkbloom.wire import protocol
+from darkbloom.provider.backends.llama_instances import CountingLlama
+from darkbloom.provider.bundled_model import bundled_gguf_path
 from darkbloom.provider.registration import with_capabilities
 from tests.provider.fake_coordinator import Conn
+from tests.provider.test_llama_hostile_requests import FORGED, assert_forged_fed_as_text, fed_prompts
 from tests.provider.test_node import Harness, harness, seal_request  # noqa: F401  (the fixture)
 
 
@@ -64,3 +67,17 @@ async def test_a_refusal_carries_its_param_and_code(harness: Harness) -> None:
     assert (error.status_code, error.param, error.code) == (400, "tool_choice", None)
     _, error = await answer(conn, "req_input", "embeddings", {"input": []})
     assert (error.status_code, error.param) == (400, "input")
+
+
+@pytest.mark.parametrize("api", ["chat", "completions"])
+async def test_relayed_text_never_becomes_control_tokens(harness: Harness, monkeypatch: pytest.MonkeyPatch,
+                                                         api: str) -> None:
+    conn = await harness.registered()
+    fed = fed_prompts(monkeypatch)
+    body = {"messages": [{"role": "user", "content": FORGED}]} if api == "chat" else {"prompt": FORGED}
+    _, done = await answer(conn, f"req_{api}", api, {**body, "max_tokens": 1})
+    assert isinstance(done, protocol.InferenceComplete), done
+    [tokens] = fed
+    tokenizer = CountingLlama(model_path=str(bundled_gguf_path()), n_ctx=256, verbose=False)
+    assert_forged_fed_as_text(tokenizer, tokens, api)
+    assert done.usage.prompt_tokens == len(tokens)

@@ -6,16 +6,20 @@ from __future__ import annotations
 
 import json
 import math
+from pathlib import Path
 from typing import Any
 
 import anthropic
 import openai
+import pytest
 
 from darkbloom.provider.backends.llama_cpp import LlamaCppBackend
+from darkbloom.provider.backends.llama_instances import CountingLlama
 from darkbloom.provider.direct.server import create_app
 from darkbloom.provider.slots import Slots
 from tests.provider.direct.test_direct_apis import anthropic_client, openai_client
 from tests.provider.direct.test_local_server import MODEL, TOKEN, gguf, idle, llama  # noqa: F401 - fixtures
+from tests.provider.test_llama_hostile_requests import FORGED, assert_forged_fed_as_text, fed_prompts
 
 WEATHER_SCHEMA = {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}
 
@@ -78,3 +82,20 @@ async def test_anthropic_sdk_messages(llama: LlamaCppBackend) -> None:  # noqa: 
     assert forced.stop_reason == "tool_use" and uses and uses[0].name == "get_weather"
     assert uses[0].id.startswith("toolu_") and isinstance(uses[0].input, dict)
     await idle(slots)
+
+
+async def test_direct_text_never_becomes_control_tokens(llama: LlamaCppBackend, gguf: Path,  # noqa: F811
+                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    slots = Slots(1)
+    sdk: openai.AsyncOpenAI = openai_client(create_app(llama, slots, [MODEL], TOKEN))
+    fed = fed_prompts(monkeypatch)
+    chat = await sdk.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": FORGED}],
+                                             max_tokens=1)
+    await idle(slots)
+    done = await sdk.completions.create(model=MODEL, prompt=FORGED, max_tokens=1)
+    await idle(slots)
+    tokenizer = CountingLlama(model_path=str(gguf), n_ctx=256, verbose=False)
+    assert len(fed) == 2 and chat.usage is not None and done.usage is not None
+    assert_forged_fed_as_text(tokenizer, fed[0], "chat")
+    assert_forged_fed_as_text(tokenizer, fed[1], "completions")
+    assert (chat.usage.prompt_tokens, done.usage.prompt_tokens) == (len(fed[0]), len(fed[1]))

@@ -1,10 +1,11 @@
 """Legacy prompt completions and embeddings on llama.cpp (checked on the event loop, run on a worker).
 
-Completions: the raw prompt, no chat template, tokenized as `create_completion` does (BOS when the
-model asks for one, special tokens parsed) but bounded as every prompt is (`llama_prompt`); token-id
-prompts are used as they are. `echo` and `suffix` are refused (400 naming them). `logprobs` (0–5)
-in the legacy shape: `tokens`, `token_logprobs`, `top_logprobs` ({token: logprob}), `text_offset`
-(from the start of the prompt).
+Completions: the raw prompt, no chat template, tokenized as text (BOS when the model asks for one;
+unlike `create_completion`, text such as `<|im_start|>` never becomes a control token: OpenAI's API
+takes a prompt as text) and bounded as every prompt is (`llama_prompt`); token-id prompts are used as
+they are. `echo` and `suffix` are refused (400 naming them). `logprobs` (0–5) in the legacy shape:
+`tokens`, `token_logprobs`, `top_logprobs` ({token: logprob}), `text_offset` (from the start of the
+prompt).
 
 Embeddings: an instance loaded with `embedding=True`. Each input is decoded on its own, as one batch
 (so an input may have up to the instance's batch size of tokens), pooled the way the GGUF says (the
@@ -54,7 +55,7 @@ def run_completion(llama: CountingLlama, job: CompletionJob, emit: Callable[[dic
         tokens, offset = job.prompt, len(llama.detokenize(job.prompt).decode("utf-8", "replace"))
     else:
         n_ctx = llama.n_ctx()
-        tokens = bounded_tokens(llama, [(job.prompt, True)], add_bos=True, most=n_ctx - 1, window=n_ctx,
+        tokens = bounded_tokens(llama, [(job.prompt, False)], add_bos=True, most=n_ctx - 1, window=n_ctx,
                                 param="prompt") or [llama.token_bos()]
         offset = len(job.prompt)
     created = int(time.time())
