@@ -31,6 +31,10 @@ not move the replay window either) and with one naming a replica that does not e
    free, owned, trusted and connected, the held request completes, A's memory does not grow;
 7. a ``trust_status`` with a junk certificate, as a request message and as a frame: no machine
    receives it, the real node writes no certificate.pem;
+8. answers to every claim on A, on each claim's reply inbox before A can answer (garbage, a bare
+   refusal, a refusal posing as A, as A at a huge sequence number, as a replica that does not exist):
+   B waits past them for A's own answer, and a machine of two slots, one held busy, serves its
+   owner's requests from B one after another;
 
 plus replays of real messages captured off the wire (a back chunk, a fleet announcement, a hold
 request), dropped as ``replayed`` with no chunk twice in the answer, and the proof-line forgeries
@@ -176,6 +180,24 @@ class Attacker:
                 await self.nc.publish(msg.reply, messages.claim_reply(True))
         self._call(self.nc.subscribe(subject, cb=on_claim))
         return claims
+
+    def refuse_claims(self, subject: str, holder: str, claimant: str) -> tuple[list[bytes], Callable[[], None]]:
+        """Answer every claim on ``subject`` at once with garbage and, each of the ways ``forgeries`` knows,
+        a refusal from ``holder`` to ``claimant``; the claims heard, and a function that stops answering."""
+        claims: list[bytes] = []
+
+        async def on_claim(msg: Any) -> None:
+            claims.append(bytes(msg.data))
+            if msg.reply:
+                await self.nc.publish(msg.reply, b"\0garbage")
+                for _, answer in self.forgeries(messages.claim_reply(False, "busy"), holder, claimant):
+                    await self.nc.publish(msg.reply, answer)
+                await self.nc.flush()
+        subscription = self._call(self.nc.subscribe(subject, cb=on_claim))
+
+        def stop() -> None:
+            self._call(subscription.unsubscribe())
+        return claims, stop
 
     def repeat(self, subject: str, make: Callable[[], list[bytes]], every: float = 0.05) -> Callable[[], None]:
         """Publish what ``make`` gives (fresh forgeries each time) every ``every`` s — more often than a
@@ -386,9 +408,9 @@ class World:
     b_id: str = ""
     raws: list[ThreadedRaw] = field(default_factory=list)
 
-    def held_machine(self) -> tuple[ThreadedRaw, Account]:
+    def held_machine(self, **options: Any) -> tuple[ThreadedRaw, Account]:
         owner = create_account(self.b)
-        raw = ThreadedRaw(self.a.base_url, device_token(self.a, owner), answer=None, models=(HELD,))
+        raw = ThreadedRaw(self.a.base_url, device_token(self.a, owner), answer=None, models=(HELD,), **options)
         self.raws.append(raw)
         wait_until(lambda: listed(self.b, owner, raw.session_id), timeout=20, what="the held machine on B")
         return raw, owner
@@ -878,3 +900,37 @@ def test_forged_proof_lines_are_counted_as_such(world: World) -> None:
     delta = wait_dropped(w.b, before, Counter(bad_signature=2, unknown_replica=2), "B counting the forgeries")
     assert delta["bad_signature"] == 2 and delta["unknown_replica"] == 2, delta
     assert_honest_path(w)
+
+
+def test_forged_answers_to_claims_are_waited_past(world: World) -> None:
+    w = world
+    raw, owner = w.held_machine(max_concurrency=2)
+    claims, stop = w.spy.refuse_claims(w.subject("claim", w.a_id), w.a_id, w.b_id)
+    before, logged = dropped(w.b), len(w.b.process.log())
+    try:
+        with ThreadPoolExecutor(2) as pool:
+            held = hold_open(w, pool, raw, owner)  # one of the machine's two slots, busy throughout
+            for n in range(6):
+                result = pool.submit(stream, w.b, owner.api_key, HELD, SELF)
+                request_id = wait_until(lambda: raw.requests[n + 1] if len(raw.requests) > n + 1 else None,
+                                        timeout=20, what=f"request {n} on A")
+                raw.chunk(request_id, f"answer {n}")
+                raw.complete(request_id)
+                status, body = result.result(60)
+                assert status == 200 and content(body) == f"answer {n}", (n, body[-300:])
+            body = finish(held)
+            assert content(body) == "the real words", body
+        assert_honest_path(w)  # a paid request's claim, under the same answers
+        assert len(claims) >= 8, len(claims)
+        refused = [line for line in w.b.process.log()[logged:].splitlines() if "refused a slot" in line]
+        assert not refused, refused  # every claim was A's to answer, and A had a free slot
+        # (an answer that comes after A's is not even read: only those that came first are counted)
+        wait_dropped(w.b, before, Counter(unauthenticated=2, bad_signature=2, unknown_replica=1),
+                     "B dropping forged answers")
+    finally:
+        stop()
+    counted = dropped(w.b) - before
+    assert counted["replayed"] == 0, counted
+    print(f"{len(claims)} claims on A; forged answers read and dropped on B: {dict(counted)}")
+    wait_until(lambda: w.announced(raw.session_id)[1]["active"] == 0, timeout=10, what="A freeing every slot")
+    raw.close()

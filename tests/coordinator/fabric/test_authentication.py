@@ -4,6 +4,7 @@ a repeat is dropped and counted, and only a replica the database lists as live i
 
 from __future__ import annotations
 
+import asyncio
 import time
 from pathlib import Path
 from typing import AsyncIterator
@@ -142,3 +143,24 @@ def test_the_replay_window_admits_each_sequence_once_and_nothing_too_old() -> No
     for seq in range(WINDOW + 11, 3 * WINDOW + 20):
         assert window.admit(seq)
     assert len(window._seen) <= 2 * WINDOW + 1 and not window.admit(3 * WINDOW)
+
+
+async def test_a_restarted_replica_refuses_what_was_sent_before_it_started(engine: AsyncEngine) -> None:
+    """A replica's process is new on restart: a new instance id and key, and none of the old one's
+    memory of what it saw. What was sent to it before is for the old id and under the old pair's key;
+    what was sent to everyone before it started is refused by its age, not by a memory it lost."""
+    a, b = await pair(engine)
+    to_b = a.seal(SUBJECT, b"hello", "inst_b")
+    to_everyone = a.seal("t.fleet", b'{"replica":"inst_a"}')
+    assert to_b is not None and to_everyone is not None
+    assert (await b.open(SUBJECT, to_b)).sender == "inst_a"
+    assert (await b.open("t.fleet", to_everyone)).sender == "inst_a"
+    await asyncio.sleep(0.005)  # (a clock in milliseconds)
+    restarted = await replica(engine, "inst_b2")  # the same coordinator, started again
+    await restarted.roster.refresh()
+    assert await rejected(restarted, SUBJECT, to_b) == "not_for_us"
+    moved = to_b.replace(b" inst_b ", b" inst_b2 ", 1)  # addressed to the new id: not under its pair's key
+    assert await rejected(restarted, SUBJECT.replace("inst_b", "inst_b2"), moved) == "bad_signature"
+    assert await rejected(restarted, "t.fleet", to_everyone) == "stale"
+    fresh = a.seal("t.fleet", b'{"replica":"inst_a"}')
+    assert fresh is not None and (await restarted.open("t.fleet", fresh)).sender == "inst_a"

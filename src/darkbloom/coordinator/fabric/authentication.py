@@ -15,7 +15,9 @@ both over ``sender to subject seq ms`` and the body. ``seq`` counts the sender's
 is its wall clock. A message is dropped, and counted in ``darkbloom_fabric_dropped_total{reason}``,
 when it has no proof line, names a replica the database does not list as live, has a tag that does
 not verify, is addressed to another replica, is more than ``MAX_SKEW_MS`` away from this replica's
-clock, or repeats a ``seq`` of its sender (each is accepted once, within a window of the newest).
+clock or older than this replica's process (what was sent before it started was not sent to it: a
+restarted replica remembers none of the ``seq`` it saw), or repeats a ``seq`` of its sender (each is
+accepted once, within a window of the newest).
 """
 
 from __future__ import annotations
@@ -223,6 +225,7 @@ class Authenticator:
     def __init__(self, roster: Roster) -> None:
         self.roster = roster
         self.me = roster.key.replica
+        self.since_ms = int(time.time() * 1000)  # this process started: nothing sent before was for it
         self._windows: dict[str, ReplayWindow] = {}
 
     def seal(self, subject: str, body: bytes, to: str = EVERYONE) -> bytes | None:
@@ -264,7 +267,7 @@ class Authenticator:
                 raise Rejected("bad_signature") from None
         elif not hmac.compare_digest(peer.mac(covered, body), tag):
             raise Rejected("bad_signature")
-        if abs(time.time() * 1000 - ms) > MAX_SKEW_MS:
+        if abs(time.time() * 1000 - ms) > MAX_SKEW_MS or ms < self.since_ms:
             raise Rejected("stale")
         if not self._windows.setdefault(sender, ReplayWindow()).admit(seq):
             raise Rejected("replayed")

@@ -12,11 +12,17 @@ No message leaves bigger than the server's ``max_payload`` (the callers split wh
 connection, the writer too far behind, the server refusing it — is counted in
 ``darkbloom_fabric_publish_failed_total{reason}`` and said in an error line (at most one a
 ``FAILURE_LOG_EVERY`` per reason, with the count since the last), never dropped silently.
+
+A request (a claim) waits on an inbox of this replica's for the first reply that proves it comes
+from the replica asked: anyone who hears the request can answer on its inbox too, and what proves
+nothing is dropped and counted, never taken for the answer (nats-py's own ``request`` would take the
+first message, whoever sent it). All of this replica's inboxes are one subscription.
 """
 
 from __future__ import annotations
 
 import asyncio
+import itertools
 import logging
 import ssl
 import time
@@ -25,10 +31,10 @@ from typing import Any, Awaitable, Callable
 import nats
 from nats.aio.client import Client
 from nats.aio.msg import Msg
-from nats.errors import AuthorizationError, NoRespondersError, TimeoutError as NatsTimeout
+from nats.errors import AuthorizationError
 from prometheus_client import Counter, Gauge
 
-from darkbloom.coordinator.fabric.authentication import EVERYONE, MAX_LINE, Authenticator, Opened, Rejected
+from darkbloom.coordinator.fabric.authentication import EVERYONE, MAX_LINE, Authenticator, Opened, Rejected, refuse
 from darkbloom.coordinator.fabric.nats_auth import redacted
 
 log = logging.getLogger("darkbloom.fabric")
@@ -62,6 +68,9 @@ class Connection:
         self._on_up: list[Callable[[], None]] = []
         self._closing = False
         self._failures: dict[str, tuple[float, int]] = {}  # reason → (when last said, failures since)
+        self._inbox = ""  # this replica's inboxes are <it>.<token>, one subscription
+        self._tokens = itertools.count()
+        self._asked: dict[str, tuple[str, asyncio.Future[Opened]]] = {}  # token → the replica asked, its answer
         CONNECTED.set(0)
 
     @property
@@ -101,6 +110,8 @@ class Connection:
                 continue
             try:
                 await subscribe(client)
+                self._inbox = client.new_inbox()
+                await client.subscribe(self._inbox + ".*", cb=self._on_reply)
             except Exception:  # noqa: BLE001 - lost as it came up: start over
                 log.exception("NATS subscriptions failed; reconnecting")
                 await client.close()
@@ -146,20 +157,38 @@ class Connection:
         return False
 
     async def request(self, subject: str, data: bytes, to: str, timeout: float) -> Opened | None:
-        """The reply of ``to`` (proven), or None when nobody answers in time (or there is no connection)."""
+        """The first reply that proves it comes from ``to``, or None when none does in time (or there is
+        no connection). Replies that prove nothing are dropped and counted on the way."""
         client = self.client
         sealed = self.authenticator.seal(subject, data, to)
-        if client is None or not client.is_connected or sealed is None:
+        if client is None or not client.is_connected or sealed is None or not self._inbox:
             return None
+        token = str(next(self._tokens))
+        answer: asyncio.Future[Opened] = asyncio.get_running_loop().create_future()
+        self._asked[token] = (to, answer)
         try:
-            reply = await client.request(subject, sealed, timeout=timeout)
-            opened = await self.authenticator.open(reply.subject, reply.data)
-        except (NatsTimeout, NoRespondersError, asyncio.TimeoutError, Rejected):
+            await client.publish(subject, sealed, reply=f"{self._inbox}.{token}")
+            return await asyncio.wait_for(answer, timeout)
+        except asyncio.TimeoutError:
             return None
         except Exception:  # noqa: BLE001 - a connection problem is no answer
             log.debug("NATS request on %s failed", subject, exc_info=True)
             return None
-        return opened if opened.sender == to else None
+        finally:
+            del self._asked[token]
+
+    async def _on_reply(self, msg: Msg) -> None:
+        asked = self._asked.get(msg.subject.rpartition(".")[2])
+        if asked is None or asked[1].done():
+            return  # its request has its answer, or gave up: nothing is waiting for this one
+        opened = await self.open(msg)
+        to, answer = asked
+        if opened is None or answer.done():
+            return
+        if opened.sender != to:
+            refuse("impersonation", "replica %s answered a request to replica %s", opened.sender, to)
+            return
+        answer.set_result(opened)
 
     async def open(self, msg: Msg) -> Opened | None:
         """A received message's sender and body, or None (dropped and counted) when it proves nothing."""

@@ -7,8 +7,9 @@ the session hands it the node's frames as it would a local attempt, and it sends
 ``back.<admitter>.<ticket>`` untouched (sealed chunks, usage with the session's owner now, error,
 disconnection), the frames that reach it in one loop turn in one message (as few as ``max_payload``
 allows). The slot is released when the node ends the request (complete, error, gone), when
-the admitter releases it (after a cancel, a lost race, a request that never dispatched), when the
-admitter goes silent, or when a claim was never used.
+the admitter releases it (after a cancel, a lost race, a request that never dispatched, a claim it
+gave up waiting for), when the admitter goes silent, or when a claim was never used. A release that
+comes before its claim (the two travel on different subjects) is remembered, and the claim refused.
 """
 
 from __future__ import annotations
@@ -37,6 +38,7 @@ log = logging.getLogger("darkbloom.fabric")
 REAP_EVERY = 1.0
 MAX_BUFFERED = 4 * MAX_REQUEST_FRAME_BYTES  # unfinished split frames per sending replica
 MAX_DECODE_TPS = 1e6
+MAX_RELEASED = 10_000  # releases remembered for claims not come yet (one per claim an admitter gave up on)
 
 
 @dataclass(eq=False)
@@ -111,6 +113,7 @@ class Holder:
         self.connection = connection
         self.subjects = subjects
         self.hosted: dict[str, Hosted] = {}
+        self.released: dict[tuple[str, str], float] = {}  # (admitter, ticket) released before it was claimed → when
         self.split_frames = messages.SplitFrames(MAX_BUFFERED)
         self._to_reap = asyncio.Event()  # set when a claim or a split frame is kept: the reaper wakes
 
@@ -130,6 +133,8 @@ class Holder:
         self.connection.reply(msg, messages.claim_reply(ok, why), claimant)
 
     def _claim(self, session_id: str, ticket: str, admitter: str) -> tuple[bool, str]:
+        if (admitter, ticket) in self.released:
+            return False, "busy"  # its admitter gave up on it before it came
         hosted = self.hosted.get(ticket)
         if hosted is not None:
             return (True, "") if hosted.admitter == admitter and hosted.session.id == session_id else (False, "busy")
@@ -141,6 +146,14 @@ class Holder:
         self.hosted[ticket] = Hosted(ticket, admitter, self.services.registry.slots.claim(session))
         self._to_reap.set()
         return True, ""
+
+    def _released_early(self, admitter: str, ticket: str) -> None:
+        """A release of a claim not taken (yet, or any more): its claim, should it come, is refused."""
+        self.released.pop((admitter, ticket), None)  # (oldest first)
+        self.released[(admitter, ticket)] = time.monotonic()
+        if len(self.released) > MAX_RELEASED:
+            del self.released[next(iter(self.released))]
+        self._to_reap.set()
 
     def end(self, hosted: Hosted) -> None:
         """The attempt is over here: the slot back (which wakes this replica's queues), the entry gone."""
@@ -179,9 +192,12 @@ class Holder:
             if frame is not None:
                 self._request(header, frame)
         elif kind == "release":
-            hosted = self._hosted_for(sender, header.get("t"))
+            ticket = header.get("t")
+            hosted = self._hosted_for(sender, ticket)
             if hosted is not None:
                 self._cancel(hosted)  # over for the admitter: the node stops too, if it has not
+            elif isinstance(ticket, str) and ticket not in self.hosted:
+                self._released_early(sender, ticket)
         elif kind == "frame":
             self._frame(sender, header, payload)
         elif kind == "speed":
@@ -277,12 +293,14 @@ class Holder:
         unused_after = settings.first_content_timeout + 5
         longest = settings.request_timeout + settings.cancel_grace + 5
         while True:
-            if not self.hosted and not len(self.split_frames):
+            if not self.hosted and not self.released and not len(self.split_frames):
                 self._to_reap.clear()
                 await self._to_reap.wait()  # an idle replica does not wake for nothing
             await asyncio.sleep(REAP_EVERY)
             now = time.monotonic()
             self.split_frames.reap(now - unused_after)  # split frames whose last parts never came
+            while self.released and next(iter(self.released.values())) < now - unused_after:
+                del self.released[next(iter(self.released))]  # as late a claim would have been reaped
             for hosted in list(self.hosted.values()):
                 if hosted.session.link.closing and hosted.forwarder is None:
                     self.end(hosted)  # claimed, never used, and its session is closing

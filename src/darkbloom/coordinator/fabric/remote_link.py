@@ -33,6 +33,7 @@ from darkbloom.wire.protocol import Cancel, Envelope, Usage, dump
 log = logging.getLogger("darkbloom.fabric")
 CLAIM_TIMEOUT = 2.0  # seconds for the holder to answer a claim; after it, the slot counts as busy
 LOOKS_FULL_FOR = 1.0  # seconds a refused stand-in looks full, unless its holder announces it sooner
+ENDED_THERE = frozenset({"complete", "error", "gone"})  # what the holder sends as it releases the claim
 REMOTE_REQUESTS = Counter("darkbloom_fabric_remote_requests",
                           "Attempts this replica admitted and sent to a session another replica holds")
 
@@ -165,7 +166,8 @@ class Outbound:
     # the holder's answers
 
     async def on_back(self, opened: Opened, msg: Any) -> None:
-        placed = self._placed.get(self.subjects.ticket_of(msg.subject))
+        ticket = self.subjects.ticket_of(msg.subject)
+        placed = self._placed.get(ticket)
         if placed is None:
             return  # the attempt is over: late frames are ignored, as on a socket
         link, request_id = placed
@@ -175,6 +177,8 @@ class Outbound:
             return
         try:
             for item in messages.back_items(opened.body):
+                if item["k"] in ENDED_THERE:
+                    self._known.discard(ticket)  # the holder has released it: nothing to tell it
                 self._deliver(link.session, request_id, item)
         except Exception:  # noqa: BLE001 - a malformed message fails its attempt, never the subscription
             log.exception("request %s: bad message from the holding replica", request_id)
