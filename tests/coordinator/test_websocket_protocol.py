@@ -33,6 +33,8 @@ class App:
         if scope["type"] != "websocket":
             return
         websocket = WebSocket(scope, receive, send)
+        if scope["path"] == "/slow":
+            await asyncio.sleep(0.3)  # frames sent meanwhile reach the server before its answer
         await websocket.accept()
         while True:
             message = await websocket.receive()
@@ -166,3 +168,56 @@ async def test_frames_that_are_not_small_and_well_formed_get_websockets_answer(
     assert int.from_bytes(body[:2], "big") == close_code
     writer.close()
     assert app.received == ["first"]
+
+
+async def _raw_upgrade(url: str, *, path: str = "/", ahead: bytes = b""
+                       ) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
+    """A hand-made client: the upgrade request, ``ahead`` a moment later (frames sent before the
+    answer), and the 101 read."""
+    reader, writer = await asyncio.open_connection("127.0.0.1", int(url.rsplit(":", 1)[1].rstrip("/")))
+    key = base64.b64encode(os.urandom(16)).decode()
+    writer.write((f"GET {path} HTTP/1.1\r\nHost: x\r\nUpgrade: websocket\r\nConnection: Upgrade\r\n"
+                  f"Sec-WebSocket-Key: {key}\r\nSec-WebSocket-Version: 13\r\n\r\n").encode())
+    if ahead:
+        await asyncio.sleep(0.1)
+        writer.write(ahead)
+    assert b" 101 " in await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 5)
+    return reader, writer
+
+
+async def _until_received(app: App, count: int) -> None:
+    for _ in range(500):
+        if len(app.received) >= count:
+            return
+        await asyncio.sleep(0.01)
+    raise AssertionError(f"received {app.received}")
+
+
+async def test_frames_pipelined_behind_the_request_are_all_websockets(
+        served: tuple[App, str], parsed_by_websockets: list[int]) -> None:
+    app, url = served
+    reader, writer = await _raw_upgrade(url, path="/slow", ahead=_frame(0x81, b"sent ahead"))
+    writer.write(_frame(0x81, b"after the answer"))
+    await _until_received(app, 2)
+    assert app.received == ["sent ahead", "after the answer"]
+    assert parsed_by_websockets, "a connection out of step read a frame in place"
+    writer.close()
+
+
+async def test_a_frame_in_pieces_and_a_ping_inside_a_fragmented_message_keep_their_order(
+        served: tuple[App, str], parsed_by_websockets: list[int]) -> None:
+    app, url = served
+    reader, writer = await _raw_upgrade(url)
+    for byte in _frame(0x81, b"one byte at a time"):
+        writer.write(bytes((byte,)))
+        await writer.drain()
+    await _until_received(app, 1)
+    assert parsed_by_websockets == []  # read in place, from every piece
+    writer.write(_frame(0x01, b"frag") + _frame(0x89, b"ping!") + _frame(0x80, b"mented"))
+    header = await asyncio.wait_for(reader.readexactly(2), 5)
+    body = await reader.readexactly(header[1] & 0x7F)
+    assert (header, body) == (bytes((0x8A, 5)), b"ping!"), (header, body)  # answered mid-message
+    writer.write(_frame(0x81, b"last"))
+    await _until_received(app, 3)
+    assert app.received == ["one byte at a time", "fragmented", "last"]
+    writer.close()

@@ -121,14 +121,15 @@ _LISTENING = re.compile(r"Uvicorn running on http://[^\s:]+:(\d+)")
 
 
 def start_coordinator(home: Path, database_url: str, *extra_args: str, port: int | None = None,
-                      env: dict[str, str] | None = None) -> Coordinator:
-    """A `darkbloom coordinator` process; it binds ``port`` (by default one the system chooses, read
-    back from its log) and answers /health before this returns."""
+                      env: dict[str, str] | None = None, program: list[str] | None = None) -> Coordinator:
+    """A `darkbloom coordinator` process (``program``: another `darkbloom` than this tree's, such as a
+    virtualenv's); it binds ``port`` (by default one the system chooses, read back from its log) and
+    answers /health before this returns."""
     if "--min-trust" not in extra_args:
         # test nodes are not enrolled (self_signed); the production default floor is hardware
         extra_args = ("--min-trust", "self_signed", *extra_args)
-    args = darkbloom_cmd("coordinator", "--port", str(port or 0), "--database-url", database_url,
-                         "--admin-token", ADMIN_TOKEN, *extra_args)
+    args = [*(program or darkbloom_cmd()), "coordinator", "--port", str(port or 0), "--database-url", database_url,
+            "--admin-token", ADMIN_TOKEN, *extra_args]
     process = spawn(args, home, f"coordinator-{next(_LOGS)}.log", env)
     base_url = f"http://127.0.0.1:{port or listening_port(process)}"
     wait_http(base_url + "/health", process)

@@ -5,11 +5,18 @@ Every node sends a heartbeat every 5 s and its websockets client pings every 20 
 2,500 frames a second from a fleet doing nothing. websockets' parser (generators per frame, an enum
 and a ``Frame`` for each) was the largest part of what such a frame cost the coordinator, so a
 complete, unfragmented, masked text frame of at most ``SMALL_FRAME`` bytes, and a ping, are read
-here as RFC 6455 lays them out; anything else, and any frame that is not exactly that, goes to
-websockets as before, which also answers what is wrong with it. This side reads only while
-websockets' parser waits for the first byte of a frame, so the two never share a frame. That check
-reads websockets' parser (its generators) and the rest uvicorn's queue: where a release changes
-them, every frame goes to websockets, and tests/coordinator/test_websocket_protocol.py says so.
+here as RFC 6455 lays them out; every other frame goes to websockets, which also answers what is
+wrong with it.
+
+This side sits in front of websockets and frames the stream itself: it hands websockets whole
+frames' bytes only (a frame it passes on, it passes on to its last byte before it reads the next
+header), and it knows whether websockets is assembling a fragmented message, so it knows without
+looking inside websockets that websockets waits for the start of a frame when it reads one here.
+Only websockets' public sans-I/O API is used (``Protocol.receive_data``, ``Protocol.state``).
+A client that sends frames before the handshake's answer (pipelined behind its request) has every
+byte read by websockets. The subclass reads uvicorn's protocol attributes (the queue, the pause, the
+transport), which is why pyproject.toml bounds uvicorn; tests/coordinator/test_websocket_protocol.py
+drives it against a real uvicorn and websockets.
 
 Each message is queued for the app as uvicorn queues it; reading pauses once ``PAUSE_AT`` wait
 unread (uvicorn pauses at the first: a pause and a resume per frame), so a node that sends faster
@@ -28,22 +35,20 @@ import time
 from typing import Callable
 
 from starlette.websockets import WebSocket
-from websockets.frames import OP_PING, OP_TEXT, apply_mask  # websockets' C speedup when built, else its Python
 from websockets.http11 import Request
-from websockets.protocol import OPEN, Protocol
-from websockets.server import ServerProtocol
-from websockets.streams import StreamReader
+from websockets.protocol import State
 from uvicorn.protocols.websockets.websockets_sansio_impl import WebSocketsSansIOProtocol
 
 SMALL_FRAME = 16 * 1024  # payload bytes read here at most; a heartbeat is ~100
 PAUSE_AT = 4  # messages queued for the app before reading pauses
+REPEATS = "darkbloom.repeats"  # the scope extension: this connection's Repeats
+# RFC 6455 section 5.2
 _FIN = 0x80
 _RSV = 0x70  # set only by an extension (a compressed frame): websockets' to read
 _MASKED = 0x80
 _MAX_CONTROL = 125
-REPEATS = "darkbloom.repeats"  # the scope extension: this connection's Repeats
-_FRAME_LOOP = Protocol.parse.__code__
-_WAITING = StreamReader.at_eof.__code__
+OP_CONT, OP_TEXT, OP_BINARY, OP_PING = 0x0, 0x1, 0x2, 0x9
+_END_OF_REQUEST = b"\r\n\r\n"
 
 
 class Repeats:
@@ -84,66 +89,140 @@ def _nothing(_at: float) -> None:
 
 
 class SmallFrameWebSocketProtocol(WebSocketsSansIOProtocol):
-    def handle_connect(self, event: Request) -> None:
+    def __init__(self, *args: object, **kwargs: object) -> None:
+        super().__init__(*args, **kwargs)  # type: ignore[arg-type]
         self.repeats = Repeats()
+        self._before_handshake: list[bytes] | None = []  # the request's bytes, until the handshake ends
+        self._in_step = True   # False: a client pipelined frames, and websockets reads every byte
+        self._pending = b""    # the start of a frame not yet complete, held at a frame boundary
+        self._owed = 0         # bytes of the frame websockets is reading that it has not been given yet
+        self._fragmented = False  # websockets is assembling a message from fragments
+
+    def handle_connect(self, event: Request) -> None:
         super().handle_connect(event)
         if self.handshake_initiated and not self.close_sent:
             self.scope["extensions"][REPEATS] = self.repeats  # before the app's task first runs
 
     def data_received(self, data: bytes) -> None:
-        if self.handshake_complete and not self.close_sent and _at_frame_start(self.conn):
-            data = self._read_small_frames(data)
-            if not data:
-                return
-        super().data_received(data)
+        if not self.handshake_complete:
+            self._note_request_bytes(data)
+            super().data_received(data)
+            return
+        self._before_handshake = None
+        if not self._in_step or self.close_sent or self.conn.state is not State.OPEN:
+            if self._pending:
+                data, self._pending = self._pending + data, b""
+            super().data_received(data)
+            return
+        if self._pending:
+            data, self._pending = self._pending + data, b""
+        self._read(data)
 
-    def _read_small_frames(self, data: bytes) -> bytes:
-        """Deliver the small text frames and answer the pings at the start of ``data``; what is left
-        (from the first frame that is anything else, or incomplete) is websockets' to read."""
+    def _note_request_bytes(self, data: bytes) -> None:
+        """Whether anything follows the upgrade request before the handshake ends: then websockets
+        holds bytes of frames, and this side never reads one."""
+        if self._before_handshake is None:
+            return
+        if self.handshake_initiated:  # the request was read: these are frames sent ahead of the answer
+            self._in_step, self._before_handshake = False, None
+            return
+        self._before_handshake.append(data)
+        received = b"".join(self._before_handshake)
+        end = received.find(_END_OF_REQUEST)
+        if end != -1:
+            self._in_step = end + len(_END_OF_REQUEST) == len(received)
+            self._before_handshake = None if not self._in_step else []
+
+    def _read(self, data: bytes) -> None:
+        """Deliver the small text frames and answer the pings in ``data``; hand every other frame's
+        bytes to websockets in order, and keep an incomplete frame's start for the next call."""
         start, end = 0, len(data)
-        while end - start >= 6:
-            first, second = data[start], data[start + 1]
-            if first & _RSV or not first & _FIN or not second & _MASKED:
+        passed: list[bytes] = []
+        while start < end:
+            if self._owed:
+                step = min(self._owed, end - start)
+                passed.append(data[start:start + step])
+                self._owed -= step
+                start += step
+                continue
+            frame = _frame_header(data, start, end)
+            if frame is None:
+                self._pending = data[start:]
                 break
-            opcode, length, header = first & 0x0F, second & 0x7F, 6
-            if length == 126:
-                if end - start < 8:
+            first, opcode, masked, length, header = frame
+            small = (not first & _RSV and first & _FIN and masked
+                     and ((opcode == OP_TEXT and not self._fragmented and length <= SMALL_FRAME)
+                          or (opcode == OP_PING and length <= _MAX_CONTROL)))
+            text = None
+            if small:
+                self._flush(passed)  # what websockets was given may have closed the connection
+                small = not self.close_sent and self.conn.state is State.OPEN
+            if small:
+                stop = start + header + length
+                if stop > end:
+                    self._pending = data[start:]
                     break
-                length, header = int.from_bytes(data[start + 2:start + 4], "big"), 8
-            elif length == 127:
-                break
-            stop = start + header + length
-            if length > SMALL_FRAME or stop > end or opcode not in (OP_TEXT, OP_PING) \
-                    or (opcode == OP_PING and length > _MAX_CONTROL):
-                break
-            payload = apply_mask(data[start + header:stop], data[start + header - 4:start + header])
-            if opcode == OP_TEXT:
+                payload = _unmask(data[start + header:stop], data[start + header - 4:start + header])
+                if opcode == OP_PING:
+                    self.transport.write(bytes((0x80 | 0xA, length)) + payload)  # the pong websockets would send
+                    start = stop
+                    continue
                 try:
                     text = payload.decode()
                 except UnicodeDecodeError:
-                    break  # websockets closes with 1007
-                start = stop
-                if self.repeats.swallows(text):
-                    continue
-                self.queue.put_nowait({"type": "websocket.receive", "text": text})
-                if not self.read_paused and self.queue.qsize() >= PAUSE_AT:
-                    self.read_paused = True
-                    self.transport.pause_reading()
-            else:  # the pong websockets would send: FIN, opcode 0xA, the ping's payload, unmasked
-                self.transport.write(bytes((0x8A, length)) + payload)
-                start = stop
-        return data[start:]
+                    pass  # websockets closes with 1007
+            if text is not None:
+                start += header + length
+                self._deliver(text)
+                continue
+            if opcode in (OP_TEXT, OP_BINARY):
+                self._fragmented = not first & _FIN
+            elif opcode == OP_CONT and first & _FIN:
+                self._fragmented = False
+            self._owed = header + length
+        self._flush(passed)
+
+    def _flush(self, passed: list[bytes]) -> None:
+        if passed:
+            super().data_received(b"".join(passed))
+            passed.clear()
+
+    def _deliver(self, text: str) -> None:
+        if self.repeats.swallows(text):
+            return
+        self.queue.put_nowait({"type": "websocket.receive", "text": text})
+        if not self.read_paused and self.queue.qsize() >= PAUSE_AT:
+            self.read_paused = True
+            self.transport.pause_reading()
 
 
-def _at_frame_start(conn: ServerProtocol) -> bool:
-    """Whether websockets' parser waits for the first byte of a frame: open, no fragmented message
-    under way, nothing buffered, its frame loop suspended where it asks whether more data comes."""
-    if conn.state is not OPEN or conn.current_size is not None or conn.reader.buffer:
-        return False
-    waiting = conn.parser
-    while waiting is not None and waiting.gi_code is not _FRAME_LOOP:
-        waiting = waiting.gi_yieldfrom
-    if waiting is None:
-        return False
-    waiting = waiting.gi_yieldfrom
-    return waiting is not None and waiting.gi_code is _WAITING
+def _frame_header(data: bytes, start: int, end: int) -> tuple[int, int, bool, int, int] | None:
+    """The frame at ``start``: its first byte, opcode, mask bit, payload length and header length
+    (mask key included); None until the whole header has arrived."""
+    if end - start < 2:
+        return None
+    first, second = data[start], data[start + 1]
+    length, header = second & 0x7F, 2
+    if length == 126:
+        if end - start < 4:
+            return None
+        length, header = int.from_bytes(data[start + 2:start + 4], "big"), 4
+    elif length == 127:
+        if end - start < 10:
+            return None
+        length, header = int.from_bytes(data[start + 2:start + 10], "big"), 10
+    masked = bool(second & _MASKED)
+    if masked:
+        header += 4
+        if end - start < header:
+            return None
+    return first, first & 0x0F, masked, length, header
+
+
+def _unmask(payload: bytes, mask: bytes) -> bytes:
+    """RFC 6455 5.3: the payload XOR the 4-byte mask repeated, as one integer operation."""
+    if not payload:
+        return payload
+    size = len(payload)
+    key = (mask * (size // 4 + 1))[:size]
+    return (int.from_bytes(payload, "big") ^ int.from_bytes(key, "big")).to_bytes(size, "big")
