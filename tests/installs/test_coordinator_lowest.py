@@ -8,9 +8,9 @@ from pathlib import Path
 import pytest
 
 from tests.installs.coordinator_checks import serve_a_request_through
-from tests.installs.support import fresh_venv, project_copy, uv_install_lowest, versions
+from tests.installs.support import INSTALL_TIMEOUT, fresh_venv, project_copy, uv_install_lowest, versions
 
-pytestmark = pytest.mark.e2e
+pytestmark = [pytest.mark.e2e, pytest.mark.timeout(INSTALL_TIMEOUT + 600)]  # a cold cache compiles
 
 
 def test_the_coordinator_installs_with_the_lowest_declared_versions_and_serves(tmp_path: Path) -> None:

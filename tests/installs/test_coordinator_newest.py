@@ -9,9 +9,9 @@ from pathlib import Path
 import pytest
 
 from tests.installs.coordinator_checks import serve_a_request_through
-from tests.installs.support import fresh_venv, pip_install, project_copy, versions
+from tests.installs.support import INSTALL_TIMEOUT, fresh_venv, pip_install, project_copy, versions
 
-pytestmark = pytest.mark.e2e
+pytestmark = [pytest.mark.e2e, pytest.mark.timeout(INSTALL_TIMEOUT + 600)]  # a cold cache compiles
 
 
 def test_the_coordinator_alone_installs_with_the_newest_versions_and_serves(tmp_path: Path) -> None:

@@ -11,10 +11,10 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.installs.support import blame, fresh_venv, pip_install, project_copy
+from tests.installs.support import INSTALL_TIMEOUT, blame, fresh_venv, pip_install, project_copy
 from tests.support.processes import free_port, wait_until
 
-pytestmark = pytest.mark.e2e
+pytestmark = [pytest.mark.e2e, pytest.mark.timeout(INSTALL_TIMEOUT + 600)]  # a cold cache compiles
 
 
 def test_a_node_alone_installs_and_serves_the_bundled_model_in_direct_mode(tmp_path: Path) -> None:
