@@ -4,6 +4,7 @@ and how the suite is marked and split among pytest-xdist's workers (``--dist loa
 from __future__ import annotations
 
 import os
+import signal
 from pathlib import Path
 from typing import Any, AsyncIterator, Iterator
 
@@ -13,6 +14,13 @@ from sqlalchemy.ext.asyncio import AsyncEngine
 from darkbloom.store import create_engine, migrate
 from tests.support.databases import database_for, postgres_database
 from tests.support.processes import Coordinator, start_coordinator
+
+# A shell's background job (`make check &`) ignores SIGINT, and a process inherits an ignored signal
+# through exec: the tests that stop a process with Ctrl-C (a pull, the demo, tshark) would signal
+# nothing. A handled signal is reset to its default in a child, so the run handles it (here, and in
+# every xdist worker, which loads this file too).
+if signal.getsignal(signal.SIGINT) == signal.SIG_IGN:
+    signal.signal(signal.SIGINT, signal.default_int_handler)
 
 # llama.cpp's threads meet at an OpenMP barrier after every step; by default they spin there, and on
 # a machine busier than its cores (xdist workers, nodes, coordinators) a spinning thread holds the

@@ -85,6 +85,7 @@ class HubServer:
     requests: list[Seen] = field(default_factory=list)
     cut_after: int | None = None  # the next file download is cut off after this many bytes of the file, once
     stall_after: int | None = None  # every file download stops after this offset until `release()`
+    stalled: threading.Event = field(default_factory=threading.Event)  # set when a download stops there
     corrupt: bool = False  # files go out with one byte changed: what they are is not what the Hub announced
     rate: int | None = None  # bytes per second for file downloads
     _files: dict[str, dict[str, HubFile]] = field(default_factory=dict)
@@ -249,6 +250,7 @@ class _HubHandler(BaseHTTPRequestHandler):
                 if stop == hub.cut_after:
                     hub.cut_after = None
                 else:
+                    hub.stalled.set()
                     hub._released.wait(timeout=120)
                 self._hang_up()
                 return

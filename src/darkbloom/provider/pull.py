@@ -273,7 +273,8 @@ def _download(target: PullTarget, metadata: HfFileMetadata, partial: Path, resum
               endpoint: str | None) -> None:
     """The Hub client's own ranged GET (progress bar, retries that resume) into our partial file,
     which, unlike the Hub's temporary file, outlives an interrupted run. The file is opened without
-    following a symlink, and never grows past `size`."""
+    following a symlink, and never grows past `size`. A server that stops sending is asked again
+    after HF_HUB_DOWNLOAD_TIMEOUT seconds of silence, five times in a row at most, then given up."""
     headers = {**build_hf_headers(), "Accept-Encoding": "identity"}
     hub_url = hf_hub_url(target.repo, target.file, revision=target.revision, endpoint=endpoint)
     if urlsplit(metadata.location)[:2] != urlsplit(hub_url)[:2]:
@@ -293,6 +294,11 @@ def _download(target: PullTarget, metadata: HfFileMetadata, partial: Path, resum
     except KeyboardInterrupt:
         raise PullError(f"pull of {target.model_id} interrupted at {_size(_file_size(partial))}; run the same "
                         "command again to resume", exit_code=130) from None
+    except httpx2.ReadTimeout:
+        raise PullError(f"the download of {target.describe()} stalled: nothing arrived for "
+                        f"{constants.HF_HUB_DOWNLOAD_TIMEOUT} s, again after each of the Hub client's retries "
+                        f"(HF_HUB_DOWNLOAD_TIMEOUT); {_size(_file_size(partial))} kept, run the same command again "
+                        "to resume") from None
     except (HfHubHTTPError, httpx2.HTTPError, OfflineModeIsEnabled) as exc:
         raise _hub_failure(exc, target.repo, target.revision, endpoint, file=target.file, resumable=True) from None
     except OSError as exc:

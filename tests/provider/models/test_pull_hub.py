@@ -111,12 +111,15 @@ def test_a_connection_cut_mid_file_is_resumed_with_a_range(node: Node, hub: HubS
 def test_an_interrupted_pull_resumes_where_it_stopped(node: Node, hub: HubServer, gguf: Path) -> None:
     size = gguf.stat().st_size
     hub.stall_after = 25 << 20  # the download stops there and waits
+    node.env["HF_HUB_DOWNLOAD_TIMEOUT"] = "600"  # the Hub client does not give up and ask again: Ctrl-C ends it
     process = node.popen("models", "pull", ONE, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     try:
-        [partial] = wait_until(lambda: [p for p in node.partials() if p.stat().st_size >= 20 << 20], timeout=60,
-                               what="20 MiB on disk")
+        wait_until(lambda: process.poll() is not None or (hub.stalled.is_set() and _partial_of(node, 20 << 20)),
+                   timeout=120, what="the download held at 25 MiB, 20 MiB of it on disk")
+        assert process.poll() is None, process.communicate()
+        [partial] = _partial_of(node, 20 << 20)
         process.send_signal(signal.SIGINT)
-        _, stderr = process.communicate(timeout=30)
+        _, stderr = process.communicate(timeout=120)
     finally:
         process.kill()
     assert process.returncode == 130, stderr
@@ -127,9 +130,27 @@ def test_an_interrupted_pull_resumes_where_it_stopped(node: Node, hub: HubServer
     hub.release()
     _, path = pulled(node.run("models", "pull", ONE))
     assert filecmp.cmp(path, gguf, shallow=False)
-    last = hub.downloads()[-1]
+    first, last = hub.downloads()
+    assert (first.range, first.sent) == (None, 25 << 20)
     assert (last.range, last.sent) == (f"bytes={kept}-", size - kept)
     assert node.partials() == []
+
+
+def test_a_download_that_stalls_is_given_up_in_one_line_and_resumed_later(node: Node, hub: HubServer,
+                                                                         gguf: Path) -> None:
+    hub.stall_after = 25 << 20  # every download stops there and never closes
+    line = failed(node.run("models", "pull", ONE, HF_HUB_DOWNLOAD_TIMEOUT="1"))
+    assert "stalled: nothing arrived for 1 s" in line and "run the same command again to resume" in line
+    [partial] = node.partials()
+    kept = partial.stat().st_size
+    assert kept >= 20 << 20 and node.entries() == []
+    # the Hub client asked again from what was on disk before it gave up
+    assert len(hub.downloads()) > 1 and hub.downloads()[-1].range == f"bytes={kept}-"
+
+    hub.release()
+    _, path = pulled(node.run("models", "pull", ONE))
+    assert filecmp.cmp(path, gguf, shallow=False)
+    assert hub.downloads()[-1].range == f"bytes={kept}-"
 
 
 def test_the_hub_token_goes_to_the_hub_never_to_the_cdn(node: Node, hub: HubServer) -> None:
@@ -190,3 +211,7 @@ def test_two_pulls_into_one_store_do_not_interleave(node: Node, hub: HubServer) 
     finally:
         first.kill()
         first.wait()
+
+
+def _partial_of(node: Node, at_least: int) -> list[Path]:
+    return [p for p in node.partials() if p.stat().st_size >= at_least]
