@@ -123,11 +123,13 @@ def login(
 def _node_overrides(coordinator: str | None, model: list[str] | None, backend: str | None,
                     upstream_url: str | None, private_only: bool | None, max_concurrency: int | None,
                     local_endpoint: bool | None, port: int | None, bind: str | None,
-                    max_memory_gb: float | None = None, keep_alive: float | None = None) -> dict[str, object]:
+                    max_memory_gb: float | None = None, keep_alive: float | None = None,
+                    gpu_layers: str | None = None) -> dict[str, object]:
     overrides = {"coordinator_url": coordinator, "models": model or None, "backend": backend,
                  "upstream_url": upstream_url, "private_only": private_only,
                  "max_concurrency": max_concurrency, "local_endpoint": local_endpoint,
-                 "local_port": port, "local_bind": bind, "max_memory_gb": max_memory_gb, "keep_alive": keep_alive}
+                 "local_port": port, "local_bind": bind, "max_memory_gb": max_memory_gb, "keep_alive": keep_alive,
+                 "gpu_layers": gpu_layers}
     return {key: value for key, value in overrides.items() if value is not None}
 
 
@@ -147,6 +149,9 @@ MaxMemoryOpt = Annotated[Optional[float], typer.Option(
     "--max-memory-gb", help="Memory models may use, GB (default: this machine's RAM or cgroup limit).")]
 KeepAliveOpt = Annotated[Optional[float], typer.Option(
     "--keep-alive", help="Seconds an idle model stays loaded (default 300; 0: unload at once; <0: never).")]
+GpuLayersOpt = Annotated[Optional[str], typer.Option(
+    "--gpu-layers", metavar="N|all",
+    help="Model layers llama.cpp puts on the GPU (default: all when the build can offload; 0: CPU only; -1 or all).")]
 
 
 def _node_config(home: Path, overrides: dict[str, object], pull: bool) -> ProviderConfig:
@@ -170,7 +175,7 @@ def serve(coordinator: CoordinatorOpt = None, model: ModelOpt = None, backend: B
           upstream_url: UpstreamOpt = None, private_only: PrivateOpt = None,
           max_concurrency: ConcurrencyOpt = None, local_endpoint: LocalEndpointOpt = None,
           port: PortOpt = None, bind: BindOpt = None, max_memory_gb: MaxMemoryOpt = None,
-          keep_alive: KeepAliveOpt = None, pull: PullOpt = False,
+          keep_alive: KeepAliveOpt = None, gpu_layers: GpuLayersOpt = None, pull: PullOpt = False,
           local_only: Annotated[bool, typer.Option("--local-only", hidden=True,
                                                    help="Direct mode only (what `start --local` runs).")] = False,
           ) -> None:
@@ -183,14 +188,13 @@ def serve(coordinator: CoordinatorOpt = None, model: ModelOpt = None, backend: B
     try:
         config = _node_config(home, _node_overrides(coordinator, model, backend, upstream_url, private_only,
                                                     max_concurrency, local_endpoint, port, bind, max_memory_gb,
-                                                    keep_alive), pull)
+                                                    keep_alive, gpu_layers), pull)
     except ModelNotPulled as exc:
         _fail(exc, 1)
     except PullError as exc:
         _fail(exc, exc.exit_code)
     except ConfigError as exc:
-        err_console.print(f"[red]error:[/red] {exc}")
-        raise typer.Exit(2) from None
+        _fail(exc, 2)
     serve_forever(config, home, local_only=local_only)
 
 
@@ -200,7 +204,7 @@ def start(local: Annotated[bool, typer.Option("--local", help="Direct mode only;
           upstream_url: UpstreamOpt = None, private_only: PrivateOpt = None,
           max_concurrency: ConcurrencyOpt = None, local_endpoint: LocalEndpointOpt = None,
           port: PortOpt = None, bind: BindOpt = None, max_memory_gb: MaxMemoryOpt = None,
-          keep_alive: KeepAliveOpt = None, pull: PullOpt = False) -> None:
+          keep_alive: KeepAliveOpt = None, gpu_layers: GpuLayersOpt = None, pull: PullOpt = False) -> None:
     """Run the node as a background process."""
     from darkbloom.provider.config import ConfigError, ModelNotPulled
     from darkbloom.provider.pull import PullError
@@ -211,7 +215,7 @@ def start(local: Annotated[bool, typer.Option("--local", help="Direct mode only;
         raise typer.Exit(1)
     home = darkbloom_home()
     overrides = _node_overrides(coordinator, model, backend, upstream_url, private_only, max_concurrency,
-                                local_endpoint, port, bind, max_memory_gb, keep_alive)
+                                local_endpoint, port, bind, max_memory_gb, keep_alive, gpu_layers)
     try:
         config = _node_config(home, overrides, pull)
         pid = start_background(config, home, local_only=local)
@@ -220,8 +224,7 @@ def start(local: Annotated[bool, typer.Option("--local", help="Direct mode only;
     except PullError as exc:
         _fail(exc, exc.exit_code)
     except (ConfigError, StartError) as exc:
-        err_console.print(f"[red]error:[/red] {exc}")
-        raise typer.Exit(1) from None
+        _fail(exc, 1)
     console.print(f"Darkbloom node started (pid {pid}).")
     if local:
         host = {"0.0.0.0": "127.0.0.1", "": "127.0.0.1", "::": "::1"}.get(config.local_bind, config.local_bind)

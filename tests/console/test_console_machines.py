@@ -1,7 +1,7 @@
 """The Machines page says, in a sentence, why a model earns nothing on a machine whose weights differ
 from the ones the catalog pins (docs/models.md "Verified weights"): a coordinator whose catalog pins
 `smollm2-135m`, and two scripted provider sessions linked to the signed-in account — one advertising
-the pinned weights, one other weights."""
+the pinned weights (and saying it runs on a Metal GPU), one other weights (and not saying where)."""
 
 from __future__ import annotations
 
@@ -12,6 +12,7 @@ from typing import Any
 import pytest
 from playwright.sync_api import expect
 
+from darkbloom.wire.protocol import Hardware
 from tests.console.conftest import signed_in_tab
 from tests.support.accounts import create_account, device_token
 from tests.support.processes import Coordinator, start_coordinator
@@ -42,8 +43,9 @@ def coord(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Coordinator]:
 
 def test_a_machine_with_other_weights_says_why_it_earns_nothing(browser: Any, coord: Coordinator) -> None:
     owner = create_account(coord)
-    machines = [ThreadedRaw(coord.base_url, device_token(coord, owner), model_fields={"weight_hash": weights})
-                for weights in (PINNED, OTHER)]
+    machines = [ThreadedRaw(coord.base_url, device_token(coord, owner), model_fields={"weight_hash": weights},
+                            hardware=hardware)
+                for weights, hardware in ((PINNED, Hardware(device="metal", backend="llama-cpp")), (OTHER, None))]
     context, tab = signed_in_tab(browser, coord.base_url, owner.session, owner.email)
     try:
         page = tab.page
@@ -55,6 +57,9 @@ def test_a_machine_with_other_weights_says_why_it_earns_nothing(browser: Any, co
         expect(notes).to_have_attribute("data-model", MODEL)
         other_card = page.locator(".machine", has=notes)
         expect(other_card.locator(".facts")).to_contain_text(MODEL)
+        runs_on = page.locator(".machine", has_not=notes).locator("dt:text-is('Runs on') + dd")
+        expect(runs_on).to_have_text("Metal GPU (llama.cpp)")  # where it said it runs its models
+        expect(other_card.locator("dt:text-is('Runs on')")).to_have_count(0)  # it did not say
         assert sorted(call[1] for call in tab.api_calls if "/stats" not in call[1]) == [
             "/v1/me/providers", "/v1/models/catalog"]
         tab.shoot("machines-unverified")

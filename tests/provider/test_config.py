@@ -81,6 +81,19 @@ def test_extra_buffer_types_are_off_unless_the_file_or_the_environment_turns_the
     assert load_config(home, {}).extra_buffer_types is True
 
 
+def test_gpu_layers_are_the_builds_choice_unless_the_file_or_a_flag_says(home: Path) -> None:
+    assert load_config(home, {}).gpu_layers is None  # every layer where the build can offload (gpu_offload)
+    write_toml(home, "[backend]\ngpu_layers = 20\n")
+    assert load_config(home, {}).gpu_layers == 20
+    assert load_config(home, {"gpu_layers": "0"}).gpu_layers == 0  # the flag wins: the CPU only
+    for every in ("all", "ALL", "-1"):
+        assert load_config(home, {"gpu_layers": every}).gpu_layers == -1
+    write_toml(home, '[backend]\ngpu_layers = "all"\n')
+    assert load_config(home, {}).gpu_layers == -1
+    write_toml(home, "[backend]\ngpu_layers = -1\n")
+    assert load_config(home, {}).gpu_layers == -1
+
+
 def test_openai_backend_takes_model_names_without_files(home: Path) -> None:
     config = load_config(home, {"backend": "openai", "upstream_url": "http://127.0.0.1:11434/v1/",
                                 "models": ["llama3.2:1b", "meta-llama/Llama-3.2-1B-Instruct"]})
@@ -122,6 +135,15 @@ def test_openai_backend_takes_model_names_without_files(home: Path) -> None:
     ({}, "models = [3]\n", "[[models]] tables"),
     ({}, "[[models]]\nid = \"a\"\n[[models]]\nid = 7\n", "[[models]] #2 id must be of type str, not 7"),
     ({"surprise": 1}, "", "unknown setting 'surprise'"),
+    ({"gpu_layers": "-2"}, "", "--gpu-layers must be 0 (the CPU only), a number of layers up to 65536 to put on "
+                               "the GPU, or -1 or \"all\" (every layer); got '-2'"),
+    ({"gpu_layers": "1.5"}, "", "--gpu-layers must be 0 (the CPU only)"),
+    ({"gpu_layers": "most"}, "", "got 'most'"),
+    ({"gpu_layers": "70000"}, "", "up to 65536"),
+    ({}, "[backend]\ngpu_layers = -3\n", "provider.toml: [backend] gpu_layers must be 0 (the CPU only)"),
+    ({}, "[backend]\ngpu_layers = 2.5\n", "[backend] gpu_layers must be 0"),
+    ({}, "[backend]\ngpu_layers = true\n", "got True"),
+    ({}, '[backend]\ngpu_layers = "half"\n', "got 'half'"),
 ])
 def test_invalid_settings_raise_a_sentence(home: Path, overrides: dict[str, object], toml: str,
                                            needle: str) -> None:

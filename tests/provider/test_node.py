@@ -75,7 +75,8 @@ async def harness(home: Path, request: pytest.FixtureRequest) -> AsyncIterator[H
         built = create_backend(config)
         assert isinstance(built, LlamaCppBackend) and built.max_concurrency == max_concurrency
         backend = RecordingLlamaCppBackend(built.models, max_concurrency=built.max_concurrency, n_ctx=built.n_ctx,
-                                           n_threads=built.n_threads, extra_buffer_types=built.extra_buffer_types)
+                                           n_threads=built.n_threads, extra_buffer_types=built.extra_buffer_types,
+                                           gpu=built.gpu)
         node = ProviderNode(config, home, backend,
                             reconnect=ReconnectPolicy(base=0.05, restart_window=0.05, lost_window=0.05))
         h = Harness(fake, node, backend, home)
@@ -107,6 +108,8 @@ async def test_register_frame_describes_the_node(harness: Harness, gguf: Path) -
     assert (register.backend, register.max_concurrency, register.private_only, register.name) == \
         ("llama-cpp", 2, False, "test-node")
     assert register.version and register.hardware.cpu_count == os.cpu_count()
+    assert (register.hardware.device, register.hardware.backend) == ("cpu", "llama-cpp")  # a CPU build here
+    assert (harness.state()["device"], harness.state()["backend"]) == ("cpu", "llama-cpp")  # for `darkbloom status`
     [model] = register.models
     assert (model.id, model.size_bytes, model.quantization) == ("smollm2-135m", gguf.stat().st_size, "Q4_1")
     assert model.weight_hash.startswith("sha256:") and model.context_length == 1024

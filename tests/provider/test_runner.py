@@ -17,8 +17,9 @@ from tests.provider.fake_coordinator import FakeCoordinator
 def test_status_of_a_node_that_never_ran(home: Path) -> None:
     status = node_status(home)
     assert set(status) == {"coordinator", "account", "connection", "provider_id", "models", "trust_level",
-                           "private_only", "direct_mode_url"}
+                           "private_only", "backend", "device", "direct_mode_url"}
     assert status["connection"] == "not running"
+    assert (status["backend"], status["device"]) == ("llama-cpp", None)  # where it runs: known once it runs
     assert status["coordinator"] == "http://127.0.0.1:8080"
     assert status["models"] == "smollm2-135m"
     assert "darkbloom login" in str(status["account"])
@@ -37,6 +38,13 @@ def test_background_args_carry_direct_mode(home: Path) -> None:
     assert "--local-endpoint" in beside and "--local-only" not in beside
     config.local_endpoint = False
     assert not {"--local-endpoint", "--local-only"} & set(_serve_args(config))
+
+
+def test_background_args_carry_the_gpu_layers(home: Path) -> None:
+    assert "--gpu-layers" not in _serve_args(load_config(home, {}))  # the build decides in the node too
+    for asked, passed in (("all", "-1"), ("0", "0"), ("12", "12")):
+        args = _serve_args(load_config(home, {"gpu_layers": asked}))
+        assert args[args.index("--gpu-layers") + 1] == passed
 
 
 def test_stop_without_a_node(home: Path) -> None:
@@ -62,6 +70,7 @@ async def test_background_node_starts_connects_and_stops(home: Path) -> None:
             status = node_status(home)
             assert (status["connection"], status["account"], status["coordinator"], status["private_only"]) == \
                 ("connected", "acct_bg", fake.url, True)
+            assert (status["backend"], status["device"]) == ("llama-cpp", "cpu")  # this machine's CPU build
             with pytest.raises(StartError, match=f"already running \\(pid {pid}\\)"):
                 start_background(config, home, local_only=False)
         finally:

@@ -22,6 +22,7 @@ from darkbloom.wire.protocol import (
     AttestationResponse,
     Cancel,
     ErrorFrame,
+    Hardware,
     Heartbeat,
     InferenceComplete,
     InferenceError,
@@ -47,7 +48,7 @@ class RawProvider:
                  runtime: str | None = None, max_request_frame_bytes: int | None = None,
                  capabilities: tuple[str, ...] = (), authenticated_chunks: bool = True,
                  loaded: tuple[str, ...] | None = None, model_fields: dict[str, Any] | None = None,
-                 private_only: bool = False) -> None:
+                 private_only: bool = False, hardware: Hardware | None = None) -> None:
         assert challenge_answer in CHALLENGE_ANSWERS, challenge_answer
         self.ws_url = base_url.replace("http://", "ws://") + "/ws/provider"
         self.identity = identity or NodeIdentity.generate()
@@ -66,6 +67,7 @@ class RawProvider:
         self.loaded = loaded
         self.model_fields = model_fields or {}  # more ModelInfo fields for every model (weight_hash, …)
         self.private_only = private_only  # registers as `darkbloom serve --private-only`
+        self.hardware = hardware or Hardware()  # where it says it runs its models (default: unknown)
         self.ws: ClientConnection | None = None
         self.provider_id: str | None = None
         self.registered: dict[str, Any] | None = None
@@ -90,7 +92,7 @@ class RawProvider:
                         public_key=self.identity.public_key_b64, identity_key=self.identity.identity_key_b64,
                         attestation=attestation, certificate=self.certificate,
                         max_concurrency=self.max_concurrency, authenticated_chunks=self.authenticated_chunks,
-                        private_only=self.private_only,
+                        private_only=self.private_only, hardware=self.hardware,
                         **({"max_request_frame_bytes": self.max_request_frame_bytes}
                            if self.max_request_frame_bytes else {}))
 

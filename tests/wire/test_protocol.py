@@ -41,7 +41,8 @@ REGISTER = {
                 "is_vision": False, "context_length": 2048, "capabilities": ["tools", "structured_output"]}],
     "backend": "llama-cpp", "version": "0.1.0", "runtime_hash": "sha256:r", "public_key": "pk",
     "identity_key": "ik", "attestation": "att", "encrypted_response_chunks": True, "private_only": True,
-    "max_concurrency": 3, "hardware": {"cpu_count": 8, "memory_gb": 16.0, "gpu": None}, "decode_tps": 42.5,
+    "max_concurrency": 3, "hardware": {"cpu_count": 8, "memory_gb": 16.0, "gpu": None, "device": "metal",
+                                       "backend": "llama-cpp"}, "decode_tps": 42.5,
 }
 
 PROVIDER_FRAMES = [
@@ -198,6 +199,13 @@ MODEL = {"id": "smollm2-135m"}
     ({"hardware": {"memory_gb": float("nan")}}, "hardware.memory_gb"),
     ({"hardware": {"memory_gb": 2.0 ** 31}}, "hardware.memory_gb"),
     ({"hardware": {"memory_gb": -1}}, "hardware.memory_gb"),
+    ({"hardware": {"device": "=HYPERLINK(\"http://evil.example/\")"}}, "hardware.device"),
+    ({"hardware": {"device": "CUDA"}}, "hardware.device"),
+    ({"hardware": {"device": "c" * 33}}, "hardware.device"),
+    ({"hardware": {"device": ""}}, "hardware.device"),
+    ({"hardware": {"device": 3}}, "hardware.device"),
+    ({"hardware": {"backend": "llama cpp"}}, "hardware.backend"),
+    ({"hardware": {"backend": "-openai"}}, "hardware.backend"),
 ])
 def test_a_registration_reporting_a_number_out_of_bounds_is_refused_naming_it(fields: dict, where: str) -> None:
     with pytest.raises(FrameError) as caught:
@@ -218,6 +226,17 @@ def test_the_bounds_admit_what_a_real_node_reports() -> None:
         **REGISTER, "models": [{**MODEL, "size_bytes": 2 ** 50, "context_length": 2 ** 24}], "decode_tps": 1e6,
         "max_concurrency": 1024, "hardware": {"cpu_count": 512, "memory_gb": 2048.0, "gpu": "H100"}}))
     assert isinstance(frame, Register) and frame.models[0].size_bytes == 2 ** 50
+
+
+@pytest.mark.parametrize("device, backend", [("cpu", "llama-cpp"), ("metal", "llama-cpp"), ("cuda", "llama-cpp"),
+                                             ("rocm", "llama-cpp"), (None, "openai"), (None, None),
+                                             ("c" * 32, "a.b_c-9")])
+def test_a_registration_says_where_it_runs_its_models(device: str | None, backend: str | None) -> None:
+    frame = parse_provider_frame(json.dumps({**REGISTER, "hardware": {"cpu_count": 8, "device": device,
+                                                                      "backend": backend}}))
+    assert isinstance(frame, Register) and (frame.hardware.device, frame.hardware.backend) == (device, backend)
+    older = parse_provider_frame(json.dumps({**REGISTER, "hardware": {"cpu_count": 8, "memory_gb": 16.0}}))
+    assert (older.hardware.device, older.hardware.backend) == (None, None)  # an older node's: unknown
 
 
 @pytest.mark.parametrize("active", [-1, 2 ** 20 + 1, 10 ** 400])

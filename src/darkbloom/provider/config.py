@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import math
 import os
+import re
 import socket
 import tomllib
 from dataclasses import dataclass, field
@@ -18,6 +19,7 @@ from pydantic_core import ErrorDetails
 from darkbloom.wire.catalog import BUNDLED_MODEL_ID
 from darkbloom.wire.openai.body import DEFAULT_MAX_BODY_BYTES
 from darkbloom.provider.bundled_model import BundledModelMissing, bundled_gguf_path
+from darkbloom.provider.gpu_offload import ALL_LAYERS, MAX_GPU_LAYERS
 from darkbloom.provider.model_store import InvalidModelId, ModelStore
 from darkbloom.paths import provider_config_path
 from darkbloom.wire.protocol import (CAPABILITIES, MAX_CONCURRENCY, MAX_CONTEXT_LENGTH, MAX_MEMORY_GB,
@@ -70,6 +72,7 @@ class ProviderConfig:
     extra_buffer_types: bool = False  # llama-cpp: llama.cpp's repacked-weight (AMX) kernels; off: plain CPU
     max_memory_gb: float | None = None  # the memory models may use; None: this machine's (memory_fit)
     keep_alive: float = DEFAULT_KEEP_ALIVE  # llama-cpp: idle seconds before a model unloads; 0 at once, <0 never
+    gpu_layers: int | None = None  # llama-cpp: layers offloaded to the GPU; None: all when the build can; -1 all
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES  # direct mode: larger request bodies get 413
 
     @property
@@ -170,6 +173,7 @@ class _BackendTable(_Table):
     extra_buffer_types: bool | None = None
     max_memory_gb: float | None = None
     keep_alive: float | None = None
+    gpu_layers: Any = None  # a number or "all": read by `gpu_layers`, which says what is wrong
 
 
 class _LocalTable(_Table):
@@ -207,7 +211,7 @@ def _apply_toml(config: ProviderConfig, data: dict[str, Any], path: Path) -> Non
         raise ConfigError(f"{path}: {_problem(exc.errors()[0])}") from None
     for table in (file.coordinator, file.backend, file.local, file.node):
         for name, value in table.settings().items():
-            setattr(config, name, value)
+            setattr(config, name, gpu_layers(value, f"{path}: [backend] gpu_layers") if name == "gpu_layers" else value)
     if file.models is not None:
         config.models = [ModelSpec(m.id.strip(), m.path.strip(), _capabilities(m, path)) for m in file.models]
 
@@ -259,10 +263,28 @@ def _apply_overrides(config: ProviderConfig, overrides: dict[str, object]) -> No
                 raise ConfigError("models override must be a list of 'ID' or 'ID=PATH' strings")
             if value:
                 config.models = [parse_model_arg(str(item)) for item in value]
+        elif key == "gpu_layers":
+            config.gpu_layers = gpu_layers(value, "--gpu-layers")
         elif key in _OVERRIDE_FIELDS:
             setattr(config, key, value)
         else:
             raise ConfigError(f"unknown setting {key!r}")
+
+
+def gpu_layers(value: object, where: str) -> int:
+    """A gpu_layers setting as llama.cpp takes it: 0 (the CPU only), a number of layers, or ALL_LAYERS
+    for -1 and "all"."""
+    layers: int | None = None
+    if isinstance(value, int) and not isinstance(value, bool):
+        layers = value
+    elif isinstance(value, str) and value.strip().lower() == "all":
+        layers = ALL_LAYERS
+    elif isinstance(value, str) and re.fullmatch(r"-?[0-9]{1,6}", value.strip()):
+        layers = int(value.strip())
+    if layers is None or not ALL_LAYERS <= layers <= MAX_GPU_LAYERS:
+        raise ConfigError(f"{where} must be 0 (the CPU only), a number of layers up to {MAX_GPU_LAYERS} to put on "
+                          f"the GPU, or -1 or \"all\" (every layer); got {value!r}")
+    return layers
 
 
 def _validate(config: ProviderConfig) -> None:

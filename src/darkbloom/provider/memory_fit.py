@@ -3,7 +3,9 @@
 A model's need is its file (mapped once, however many instances share it) plus, for each of the
 `max_concurrency` instances of a pool, llama.cpp's f16 KV cache for the served context and the
 compute buffers measured on the bundled model (docs/models.md "Will it fit"). The budget is the
-machine's RAM, or its cgroup limit when smaller, unless the owner set `--max-memory-gb`.
+machine's RAM, or its cgroup limit when smaller, unless the owner set `--max-memory-gb`. It holds with
+Metal (Apple silicon's GPU shares the RAM); a CUDA GPU's own memory is not checked (docs/models.md
+"The GPU" says why).
 """
 
 from __future__ import annotations

@@ -33,7 +33,7 @@ from darkbloom.wire import crypto
 from darkbloom.wire import protocol
 from darkbloom.wire.protocol import ModelInfo
 from darkbloom.provider.backends import Backend, create_backend
-from darkbloom.provider.backends.base import LoadsOnDemand
+from darkbloom.provider.backends.base import LoadsOnDemand, device_of
 from darkbloom.provider.config import ProviderConfig, ws_url
 from darkbloom.provider.direct.endpoint import LocalEndpoint
 from darkbloom.provider.fleet_requests import FleetRequests
@@ -64,7 +64,8 @@ class ProviderNode:
         self.identity: crypto.NodeIdentity | None = None
         self.models: list[ModelInfo] = []
         self.state = NodeState(coordinator_url="" if local_only else config.coordinator_url,
-                               models=config.model_ids, private_only=config.private_only, local_only=local_only)
+                               models=config.model_ids, private_only=config.private_only, local_only=local_only,
+                               backend=config.backend, device=device_of(self.backend))
         self.reconnect = reconnect if reconnect is not None else ReconnectPolicy()
         self._outbox: Outbox = closed_outbox()
         self._registered = False

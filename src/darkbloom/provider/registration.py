@@ -19,6 +19,7 @@ from darkbloom import paths
 from darkbloom.wire import crypto
 from darkbloom.wire import protocol
 from darkbloom.provider.backends import Backend
+from darkbloom.provider.backends.base import device_of
 from darkbloom.provider.config import ProviderConfig
 from darkbloom.provider.memory_fit import memory_budget
 
@@ -36,7 +37,8 @@ def register_frame(config: ProviderConfig, home: Path, identity: crypto.NodeIden
         runtime_hash=runtime_hash, public_key=identity.public_key_b64, identity_key=identity.identity_key_b64,
         attestation=identity.attestation(runtime_hash), certificate=read_certificate(home),
         encrypted_response_chunks=True, authenticated_chunks=True, private_only=config.private_only,
-        max_concurrency=config.max_concurrency, hardware=hardware(config.max_memory_gb), name=config.name,
+        max_concurrency=config.max_concurrency, name=config.name,
+        hardware=hardware(config.max_memory_gb, device=device_of(backend), backend=config.backend),
         max_request_frame_bytes=protocol.MAX_REQUEST_FRAME_BYTES, loaded_models=loaded_models)
 
 
@@ -141,6 +143,9 @@ def version() -> str:
         return "0.0.0"
 
 
-def hardware(max_memory_gb: float | None = None) -> protocol.Hardware:
-    """`memory_gb` is the budget models may use: `--max-memory-gb`, else the machine's (`memory_fit`)."""
-    return protocol.Hardware(cpu_count=os.cpu_count() or 0, memory_gb=memory_budget(max_memory_gb).gb)
+def hardware(max_memory_gb: float | None = None, device: str | None = None,
+             backend: str | None = None) -> protocol.Hardware:
+    """`memory_gb` is the budget models may use: `--max-memory-gb`, else the machine's (`memory_fit`);
+    `device` where the backend runs its models (`gpu_offload`; None: unknown), `backend` which one it is."""
+    return protocol.Hardware(cpu_count=os.cpu_count() or 0, memory_gb=memory_budget(max_memory_gb).gb,
+                             device=device, backend=backend)

@@ -105,6 +105,8 @@ def _serve_args(config: ProviderConfig, local_only: bool = False) -> list[str]:
         args += ["--upstream-url", config.upstream_url]
     if config.max_memory_gb is not None:
         args += ["--max-memory-gb", repr(config.max_memory_gb)]
+    if config.gpu_layers is not None:
+        args += ["--gpu-layers", str(config.gpu_layers)]
     return args + ["--keep-alive", repr(config.keep_alive)]
 
 
@@ -173,6 +175,8 @@ def node_status(home: Path) -> dict[str, object]:
         "models": ", ".join(models) if models else None,
         "trust_level": live.get("trust_level"),
         "private_only": live.get("private_only") if running else (config.private_only if config else None),
+        "backend": live.get("backend") or (config.backend if config else None),
+        "device": live.get("device"),  # known once the node runs: where its llama.cpp offloads (cpu, metal, cuda, …)
         "direct_mode_url": live.get("local_url"),
     }
 

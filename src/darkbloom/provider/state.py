@@ -21,6 +21,8 @@ class NodeState:
     trust_level: str | None = None
     models: list[str] = field(default_factory=list)
     private_only: bool = False
+    backend: str = ""  # llama-cpp or openai
+    device: str | None = None  # where the backend runs its models (cpu, metal, cuda, …); None: unknown (an upstream)
     local_url: str | None = None  # the direct-mode base URL while it serves
     local_only: bool = False  # `start --local`: direct mode only, no coordinator
     pid: int = field(default_factory=os.getpid)

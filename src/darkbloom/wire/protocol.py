@@ -59,6 +59,8 @@ MAX_MEMORY_GB = 2.0**30          # 1 EiB, in GB
 MAX_DECODE_TPS = 1e6             # tokens per second
 MAX_ACTIVE_REQUESTS = 2**20
 MAX_CONCURRENCY = 1024
+# `hardware.device` (cpu, metal, cuda, …) and `hardware.backend` (llama-cpp, openai): a short lower-case name
+HARDWARE_NAME_PATTERN = r"^[a-z0-9][a-z0-9._-]{0,31}$"
 # A model id a node advertises: what a spreadsheet, a shell or a path cannot take for something else
 # (owner/name and name:tag as the Hub and Ollama spell them); the same rule on both sides.
 MODEL_ID_PATTERN = re.compile(rf"[A-Za-z0-9][A-Za-z0-9._:/-]{{0,{MAX_MODEL_ID - 1}}}")
@@ -105,10 +107,17 @@ class ModelInfo(BaseModel):
     capabilities: list[Annotated[str, Field(max_length=64)]] = Field(default_factory=list, max_length=32)
 
 
+HardwareName = Annotated[str, Field(pattern=HARDWARE_NAME_PATTERN)]
+
+
 class Hardware(BaseModel):
     cpu_count: int = Field(default=0, ge=0, le=MAX_CPU_COUNT)
     memory_gb: float = Field(default=0.0, ge=0, le=MAX_MEMORY_GB, allow_inf_nan=False)
     gpu: str | None = None
+    # where the node runs its models (cpu, metal, cuda, another ggml GPU backend); None: unknown (an
+    # upstream, an older node)
+    device: HardwareName | None = None
+    backend: HardwareName | None = None  # llama-cpp or openai
 
 
 class Usage(BaseModel):

@@ -23,7 +23,7 @@ from darkbloom.coordinator.routing.decision import RouteDecision
 from darkbloom.coordinator.routing.gates import first_failed_gate
 from darkbloom.coordinator.routing.model_views import owned_models
 from darkbloom.coordinator.routing.scheduler import select, select_idle_or_free
-from darkbloom.wire.protocol import Cancel, Envelope, InferenceRequest, dump
+from darkbloom.wire.protocol import Cancel, Envelope, Hardware, InferenceRequest, dump
 from tests.coordinator.routing.sim import MODEL, SimProvider, services, settings
 
 HOLDER = "inst_holder"
@@ -59,10 +59,16 @@ def announce(view: FleetView, *sims: SimProvider, **changes: object) -> None:
 async def test_an_announced_session_is_routable_here() -> None:
     view, registry, _ = view_of_b()
     sim = SimProvider(account="acct_owner", machine="mach_1", max_concurrency=2, decode_tps=12.0)
+    sim.session.registration = sim.session.registration.model_copy(
+        update={"hardware": Hardware(cpu_count=8, device="cuda", backend="llama-cpp")})
     announce(view, sim)
     stand_in = registry.get(sim.session.id)
     assert stand_in is not None and isinstance(stand_in.link, RemoteLink) and stand_in.link.holder == HOLDER
     assert stand_in.registration.auth_token is None  # a device token never crosses the fabric
+    # where it runs its models, for /v1/me/providers on any replica (unknown from one that does not say)
+    assert stand_in.registration.hardware == Hardware(device="cuda", backend="llama-cpp")
+    older = {k: v for k, v in messages.announcement(sim.session).items() if k not in ("device", "backend")}
+    assert messages.registration_of(older).hardware == Hardware()
     public = RouteDecision(model=MODEL)
     assert first_failed_gate(stand_in, public, view.services.settings, 0.0 + stand_in.challenge_passed_at) is None
     assert select(registry, public, view.services.settings) is stand_in

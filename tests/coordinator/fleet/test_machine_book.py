@@ -26,7 +26,7 @@ from darkbloom.store import accounts, machines
 from darkbloom.store.machines import Seen
 from darkbloom.store.schema import machines as machines_table
 from darkbloom.wire.openai.errors import ApiError
-from darkbloom.wire.protocol import Heartbeat
+from darkbloom.wire.protocol import Hardware, Heartbeat
 from tests.coordinator.routing.sim import SimProvider, settings
 from tests.support.held_write import HeldWrite
 
@@ -158,17 +158,21 @@ async def test_listings_show_what_is_marked_before_it_is_written(engine: AsyncEn
     services = services_on(engine)
     account_id, [machine_id] = await linked(engine, 1)
     session = session_of(account_id, machine_id, name="desk")
+    session.registration = session.registration.model_copy(
+        update={"hardware": Hardware(device="metal", backend="llama-cpp")})
     session_lifecycle.complete_registration(services, session)
     [listed] = await linked_machines(services, account_id)
     assert (listed["online"], listed["session_id"], listed["name"], listed["trust_level"]) == \
         (True, session.id, "desk", "self_signed")
     assert listed["last_seen"] is not None
+    assert (listed["device"], listed["backend"]) == ("metal", "llama-cpp")  # where it runs its models
 
     session_lifecycle.distrust(session, "a test said so", services)
     session_lifecycle.close_session(services, session)
     [listed] = await linked_machines(services, account_id)
     assert (listed["online"], listed["name"], listed["trust_level"], listed["models"]) == \
         (False, "desk", "untrusted", sorted(session.advertised_models))
+    assert (listed["device"], listed["backend"]) == (None, None)  # known only while it is online
     assert (await row(engine, machine_id))["last_seen"] is None  # all of it from the book so far
 
 

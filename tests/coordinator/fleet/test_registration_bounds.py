@@ -1,6 +1,7 @@
 """What a node reports is bounded (docs/protocol.md "Bounds"), over real sockets: a `register` with a
-number out of its bounds or a model id outside the advertised set gets one error frame naming the
-field, then the socket closes (1008) and nothing is listed; Hub-style and tagged ids register."""
+number out of its bounds, a device not of the names allowed or a model id outside the advertised set
+gets one error frame naming the field, then the socket closes (1008) and nothing is listed; Hub-style
+and tagged ids register."""
 
 from __future__ import annotations
 
@@ -57,6 +58,7 @@ async def test_a_model_of_absurd_size_is_refused_naming_the_field(live_coordinat
     ({}, {"decode_tps": float("inf")}, "decode_tps"),
     ({}, {"hardware": {"cpu_count": 8, "memory_gb": float("nan")}}, "hardware.memory_gb"),
     ({}, {"max_concurrency": 10 ** 30}, "max_concurrency"),
+    ({}, {"hardware": {"cpu_count": 8, "device": "=cmd|' /C calc'!A0"}}, "hardware.device"),
 ])
 async def test_every_number_a_node_reports_is_bounded(live_coordinator: Start, model: dict[str, Any],
                                                       fields: dict[str, Any], where: str) -> None:

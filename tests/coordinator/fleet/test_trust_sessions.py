@@ -17,7 +17,7 @@ from websockets.exceptions import ConnectionClosed
 
 from darkbloom.coordinator.fleet.trust import challenge_fresh
 from darkbloom.wire.crypto import NodeIdentity, b64d
-from darkbloom.wire.protocol import AttestationChallenge, AttestationResponse, TrustStatus, dump
+from darkbloom.wire.protocol import AttestationChallenge, AttestationResponse, Hardware, TrustStatus, dump
 from darkbloom.wire.runtime import runtime_hash
 from tests.support.raw_provider import RawProvider
 from tests.coordinator.fleet.conftest import LiveCoordinator, enroll, link_device, machine
@@ -50,7 +50,8 @@ async def test_valid_node_is_self_signed_and_online_only_after_the_first_challen
     coord = live_coordinator()
     owner = create_account(coord)
     token, machine_id = link_device(coord, owner)
-    raw = RawProvider(coord.base_url, auth_token=token, challenge_answer="ignore")
+    raw = RawProvider(coord.base_url, auth_token=token, challenge_answer="ignore",
+                      hardware=Hardware(cpu_count=8, device="cuda", backend="llama-cpp"))
     ws = await raw.connect()
     await ws.send(dump(raw.register_frame()))
     challenge = await _until(raw, AttestationChallenge)
@@ -71,6 +72,7 @@ async def test_valid_node_is_self_signed_and_online_only_after_the_first_challen
     listed = machine(coord, owner, machine_id)
     assert (listed["online"], listed["session_id"], listed["trust_level"]) == \
         (True, registered["provider_id"], "self_signed")
+    assert (listed["device"], listed["backend"]) == ("cuda", "llama-cpp")  # what its registration said
     await raw.close()
 
 

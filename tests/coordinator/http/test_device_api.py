@@ -154,6 +154,7 @@ def test_exchange_links_a_machine(api: Api) -> None:
     assert machine["id"].startswith("mach_")
     assert machine["session_id"] is None and machine["online"] is False
     assert machine["models"] == [] and machine["private_only"] is False
+    assert (machine["device"], machine["backend"]) == (None, None)  # where it runs: known once it is online
     assert {"name", "trust_level", "last_seen"} <= set(machine)
 
     second = api.link_machine(account)

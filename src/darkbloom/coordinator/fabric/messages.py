@@ -17,7 +17,7 @@ from darkbloom.coordinator.fabric.authentication import refuse
 from darkbloom.coordinator.fleet.session import ProviderSession
 from darkbloom.wire import json_codec
 from darkbloom.wire.crypto import b64e
-from darkbloom.wire.protocol import Envelope, ModelInfo, Register, Usage
+from darkbloom.wire.protocol import Envelope, Hardware, ModelInfo, Register, Usage
 
 log = logging.getLogger("darkbloom.fabric")
 # the parts of a request frame bigger than the server's max_payload: this much room for the header
@@ -40,6 +40,7 @@ def announcement(session: ProviderSession, now: float | None = None) -> dict[str
         "authenticated_chunks": registration.authenticated_chunks,
         "private_only": registration.private_only, "max_concurrency": registration.max_concurrency,
         "max_request_frame_bytes": registration.max_request_frame_bytes, "name": registration.name,
+        "device": registration.hardware.device, "backend": registration.hardware.backend,
         "trust_level": session.trust_level, "untrusted_reason": session.untrusted_reason,
         "runtime_verified": session.runtime_verified, "draining": session.draining,
         "challenge_age": None if passed is None else max(0.0, now - passed),
@@ -71,13 +72,15 @@ def renewed_only(before: tuple[object, ...], after: tuple[object, ...]) -> bool:
 
 
 def registration_of(announced: dict[str, Any]) -> Register:
-    """The registration a stand-in carries: the announced facts only (no token, no attestation)."""
+    """The registration a stand-in carries: the announced facts only (no token, no attestation; of the
+    hardware, where it runs its models — unknown from a replica that does not say)."""
     return Register(models=[ModelInfo.model_validate(m) for m in announced["models"]],
                     public_key=announced["public_key"] or "", identity_key=announced["identity_key"] or "",
                     encrypted_response_chunks=bool(announced["encrypted_response_chunks"]),
                     authenticated_chunks=bool(announced["authenticated_chunks"]),
                     private_only=bool(announced["private_only"]), max_concurrency=announced["max_concurrency"],
-                    max_request_frame_bytes=announced["max_request_frame_bytes"], name=announced["name"] or "")
+                    max_request_frame_bytes=announced["max_request_frame_bytes"], name=announced["name"] or "",
+                    hardware=Hardware(device=announced.get("device"), backend=announced.get("backend")))
 
 
 def loaded_of(announced: dict[str, Any], models: list[ModelInfo]) -> frozenset[str]:

@@ -38,6 +38,9 @@ async def linked_machines(services: Services, account_id: str) -> list[dict[str,
                 (m.id, m.weight_hash) for m in session.registration.models) if session else [],
             "trust_level": effective_trust(session) if session else row["trust_level"],
             "private_only": session.private_only if session else bool(row["private_only"]),
+            # where and with what it runs its models (cpu, metal, cuda, …; llama-cpp, openai): known while online
+            "device": session.registration.hardware.device if session else None,
+            "backend": session.registration.hardware.backend if session else None,
             "last_seen": row["last_seen"],
         })
     return result

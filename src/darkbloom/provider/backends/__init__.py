@@ -7,6 +7,7 @@ import os
 from darkbloom.provider.backends.base import Backend, BackendError
 from darkbloom.provider.backends.streams import open_stream
 from darkbloom.provider.config import ConfigError, ProviderConfig, resolve_model_path
+from darkbloom.provider.gpu_offload import decide_offload, probe_build
 from darkbloom.provider.memory_fit import memory_budget
 
 __all__ = ["Backend", "BackendError", "create_backend", "open_stream"]
@@ -34,4 +35,5 @@ def create_backend(config: ProviderConfig) -> Backend:
     return LlamaCppBackend({spec.id: resolve_model_path(spec) for spec in config.models},
                            max_concurrency=config.max_concurrency, n_ctx=config.context_length,
                            n_threads=config.threads, extra_buffer_types=config.extra_buffer_types,
-                           memory=memory_budget(config.max_memory_gb), keep_alive=config.keep_alive)
+                           memory=memory_budget(config.max_memory_gb), keep_alive=config.keep_alive,
+                           gpu=decide_offload(config.gpu_layers, probe_build()))

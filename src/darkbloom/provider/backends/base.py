@@ -77,6 +77,19 @@ class LoadsOnDemand(Protocol):
         ...
 
 
+@runtime_checkable
+class RunsOnDevice(Protocol):
+    """A backend that knows where it runs its models (llama.cpp: `cpu`, `metal`, `cuda`, …; `gpu_offload`).
+    An upstream's device is unknown."""
+
+    device: str
+
+
+def device_of(backend: object) -> str | None:
+    """Where `backend` runs its models, or None when it does not say."""
+    return backend.device if isinstance(backend, RunsOnDevice) else None
+
+
 class Backend(Protocol):
     async def start(self) -> None: ...
 

@@ -19,6 +19,9 @@ the body is checked on the event loop before an instance is taken, the work runs
 thread. Embeddings use a second pool per model, of instances loaded with `embedding=True`.
 Logprobs need no special instance (`llama_decode`).
 
+Every instance offloads the layers `gpu_offload` decided to the machine's GPU (all of them when the
+build can: Metal, CUDA, …; none on a CPU build or with `--gpu-layers 0`); `device` says where.
+
 Pools are in memory only while they are used (`llama_residency`): a model loads on its first
 request and unloads after `keep_alive` idle seconds, within the node's memory budget
 (`memory_fit`). At start, chat pools load in config order while they fit; a model whose pool cannot
@@ -49,6 +52,7 @@ from darkbloom.provider.backends.llama_residency import Residency
 from darkbloom.provider.backends.llama_text import completion_job, embedding_job, run_completion, run_embeddings
 from darkbloom.provider.backends.params import require_object
 from darkbloom.provider.config import DEFAULT_KEEP_ALIVE, ConfigError
+from darkbloom.provider.gpu_offload import CPU, METAL, GpuPlan, decide_offload, probe_build
 from darkbloom.provider.memory_fit import MemoryBudget, PoolKind, estimate, memory_budget, refuse_unfit
 from darkbloom.provider.models import read_gguf_metadata
 
@@ -60,16 +64,21 @@ Work = Callable[[CountingLlama, GenerationStats, Callable[[dict[str, Any]], None
 class LlamaCppBackend:
     def __init__(self, models: dict[str, Path], *, max_concurrency: int = 2, n_ctx: int = 2048,
                  n_threads: int = 0, extra_buffer_types: bool = False, memory: MemoryBudget | None = None,
-                 keep_alive: float = DEFAULT_KEEP_ALIVE) -> None:
+                 keep_alive: float = DEFAULT_KEEP_ALIVE, gpu: GpuPlan | None = None) -> None:
         """`memory`: the budget for models (default: this machine's, `memory_fit.memory_budget`);
         `keep_alive`: idle seconds before a model unloads (0: when its last request ends; negative:
-        only when another model needs the memory). Raises `ConfigError` (`ModelDoesNotFit`) for a
-        file that is not GGUF or a model that cannot fit."""
+        only when another model needs the memory); `gpu`: the layers every instance offloads, and
+        where (default: every layer when this build can, `gpu_offload`). Raises `ConfigError`
+        (`ModelDoesNotFit`) for a file that is not GGUF or a model that cannot fit."""
         self.models = dict(models)
         self.max_concurrency = max_concurrency
         self.n_ctx = n_ctx
         self.n_threads = n_threads or max(1, (os.cpu_count() or 1) // max_concurrency)
         self.extra_buffer_types = extra_buffer_types  # llama.cpp's repacked-weight kernels (`CountingLlama`)
+        self.gpu = gpu if gpu is not None else decide_offload(None, probe_build())
+        self.device = self.gpu.device
+        if self.gpu.warning:
+            log.warning("%s", self.gpu.warning)
         self._n_vocab: dict[str, int] = {}  # known once a model has loaded, kept across unloads
         self._own_pooling: dict[Path, bool] = {}  # whether the GGUF says how to pool its embeddings
         needs = []
@@ -88,8 +97,8 @@ class LlamaCppBackend:
 
     def _load(self, path: Path) -> CountingLlama:
         return CountingLlama(model_path=str(path), n_ctx=self.n_ctx, n_threads=self.n_threads,
-                             n_threads_batch=self.n_threads, extra_buffer_types=self.extra_buffer_types,
-                             verbose=False)
+                             n_threads_batch=self.n_threads, n_gpu_layers=self.gpu.layers,
+                             extra_buffer_types=self.extra_buffer_types, verbose=False)
 
     def _load_embedding(self, path: Path) -> CountingLlama:
         # One input is one batch (pooling needs the whole sequence at once), so an input may have up to
@@ -99,8 +108,9 @@ class LlamaCppBackend:
             llama_cpp.LLAMA_POOLING_TYPE_MEAN
         batch = min(self.n_ctx, EMBEDDING_BATCH)
         return CountingLlama(model_path=str(path), n_ctx=self.n_ctx, n_batch=batch, n_ubatch=batch,
-                             n_threads=self.n_threads, n_threads_batch=self.n_threads, embedding=True,
-                             pooling_type=pooling, extra_buffer_types=self.extra_buffer_types, verbose=False)
+                             n_threads=self.n_threads, n_threads_batch=self.n_threads, n_gpu_layers=self.gpu.layers,
+                             embedding=True, pooling_type=pooling, extra_buffer_types=self.extra_buffer_types,
+                             verbose=False)
 
     async def start(self) -> None:
         """Load the models that fit, in config order (a bad file among them fails here)."""
@@ -108,8 +118,8 @@ class LlamaCppBackend:
         for model_id in self.models:
             await self._residency.preload(model_id)
         on_demand = [model_id for model_id in self.models if model_id not in self.loaded_models()]
-        log.info("llama.cpp backend ready: %s loaded%s (pool of %d per model, %d threads each; memory %s)",
-                 ", ".join(self.loaded_models()) or "no model",
+        log.info("llama.cpp backend ready on %s: %s loaded%s (pool of %d per model, %d threads each; memory %s)",
+                 self.gpu.describe(), ", ".join(self.loaded_models()) or "no model",
                  f", {', '.join(on_demand)} on demand" if on_demand else "", self.max_concurrency,
                  self.n_threads, self._residency.used_text())
 
@@ -135,11 +145,19 @@ class LlamaCppBackend:
     async def _open_pool(self, model_id: str, kind: PoolKind) -> Pool:
         """A new pool with one instance loaded (a bad file fails here); the rest load as requests need them."""
         pool = Pool(model_id, self.models[model_id], self.max_concurrency,
-                    self._load if kind == "chat" else self._load_embedding)
+                    self._load if kind == "chat" else self._load_embedding, self._load_hint())
         llama = await pool.acquire()
         self._n_vocab[model_id] = llama.n_vocab()
         pool.release(llama)
         return pool
+
+    def _load_hint(self) -> str:
+        """What to try when a load fails on a GPU with memory of its own, which is not checked before the
+        load (docs/models.md "The GPU"); nothing on the CPU or Metal (the RAM, checked)."""
+        if self.device in (CPU, METAL):
+            return ""
+        return ("; if the GPU ran out of memory, serve with fewer --gpu-layers or a lower --max-concurrency "
+                "(each instance holds its own copy of the offloaded layers)")
 
     async def stream_chat(self, model_id: str, body: dict[str, Any],
                           meter: UsageMeter | None = None) -> AsyncIterator[dict[str, Any]]:

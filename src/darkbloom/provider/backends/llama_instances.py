@@ -116,9 +116,12 @@ class CountingLlama(llama_cpp.Llama):
 class Pool:
     """Up to `size` instances of one model; `acquire` hands one out exclusively."""
 
-    def __init__(self, model_id: str, path: Path, size: int, load: Callable[[Path], CountingLlama]) -> None:
+    def __init__(self, model_id: str, path: Path, size: int, load: Callable[[Path], CountingLlama],
+                 load_hint: str = "") -> None:
+        """`load_hint`: appended to the message of a load that fails (what to try then)."""
         self.model_id, self.path, self.size = model_id, path, size
         self._load = load
+        self._load_hint = load_hint
         self._idle: asyncio.Queue[CountingLlama] = asyncio.Queue()
         self._created = 0
         self.instances: list[CountingLlama] = []
@@ -142,7 +145,8 @@ class Pool:
         try:
             return self._load(self.path)
         except (ValueError, RuntimeError, OSError) as exc:
-            raise BackendError(500, f"cannot load model {self.model_id!r} from {self.path}: {exc}") from None
+            message = f"cannot load model {self.model_id!r} from {self.path}: {exc}{self._load_hint}"
+            raise BackendError(500, message) from None
 
     def close(self) -> None:
         for llama in self.instances:

@@ -3,7 +3,8 @@
 // catalog pins says so per model, with the network's hash from GET /v1/models/catalog (asked once,
 // only when some machine needs it). Each card shows the machine's last 24 h from
 // GET /v1/me/providers/{id}/stats (asked at most once a minute per machine): requests per hour by
-// who sent them, its earnings, and in sentences why public requests went to other machines.
+// who sent them, its earnings, and in sentences why public requests went to other machines. An online
+// machine says where it runs its models ("Runs on: Metal GPU (llama.cpp)").
 import { api } from "./api.js";
 import { barChart } from "./charts.js";
 import { errorBlock } from "./errors.js";
@@ -22,6 +23,12 @@ let lastJson = null;
 let poller = null;
 let pinned = null;  // model id → the catalog's weight_hash, once asked
 const stats = new Map();  // machine id → {at, data | error}
+
+// where a machine runs its models (its `device` and `backend`), for "Runs on"
+const DEVICES = {
+  cpu: "CPU", metal: "Metal GPU", cuda: "CUDA GPU", rocm: "ROCm GPU", vulkan: "Vulkan GPU", sycl: "SYCL GPU", gpu: "GPU",
+};
+const BACKENDS = { "llama-cpp": "llama.cpp" };
 
 const TRUST = {
   hardware: "Hardware-verified",
@@ -76,6 +83,7 @@ function machineCard(m) {
       fact("Models", m.models && m.models.length ? m.models.join(", ") : "none advertised"),
       fact("Trust", TRUST[m.trust_level] || m.trust_level || "unknown"),
       fact("Serves", m.private_only ? "Only you (private)" : "You first, and the network"),
+      ...(m.online && (m.device || m.backend) ? [fact("Runs on", runsOn(m))] : []),
       fact("Last seen", m.online ? "now" : h("time", { title: when(m.last_seen) }, ago(m.last_seen)))),
     ...(m.unverified_models || []).map((id) => h("p", { class: "machine-note unverified", dataset: { model: id } },
       unverifiedSentence(id))),
@@ -83,6 +91,16 @@ function machineCard(m) {
     h("div", { class: "machine-actions" },
       h("button", { type: "button", class: "button danger-outline", dataset: { machine: m.id },
         "aria-label": `Unlink ${m.name || m.id}`, onclick: (e) => confirmUnlink(m, e.currentTarget) }, "Unlink")));
+}
+
+function runsOn(m) {
+  if (m.backend === "openai") return "an OpenAI-compatible server";
+  const device = m.device ? named(DEVICES, m.device) : "an unknown device";
+  return m.backend ? `${device} (${named(BACKENDS, m.backend)})` : device;
+}
+
+function named(names, key) {
+  return Object.hasOwn(names, key) ? names[key] : key;  // a node's own word for what the table lacks
 }
 
 function unverifiedSentence(id) {

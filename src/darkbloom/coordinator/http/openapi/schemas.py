@@ -164,7 +164,13 @@ _MACHINE = obj({
         "Models it serves with other weights than the catalog pins (weight_hash): only your own requests "
         "reach it for them, and they earn nothing. Sorted; [] when offline.")},
     "trust_level": {"type": "string", "examples": ["none", "self_signed", "hardware", "untrusted"]},
-    "private_only": BOOLEAN, "last_seen": NULLABLE_INTEGER,
+    "private_only": BOOLEAN,
+    "device": {**NULLABLE_STRING, "examples": ["cpu", "metal", "cuda"], "description": (
+        "Where it runs its models: cpu, metal, cuda or another GPU backend of llama.cpp; null when offline "
+        "or unknown (an openai-backend node, an older node).")},
+    "backend": {**NULLABLE_STRING, "examples": ["llama-cpp", "openai"], "description": (
+        "Its inference backend; null when offline or unknown.")},
+    "last_seen": NULLABLE_INTEGER,
 })
 
 _ROUTES = obj({"owned": INTEGER, "shared": INTEGER, "fleet": INTEGER})
