@@ -25,7 +25,7 @@ PAGE_REQUESTS = {
     "/console/": {"/v1/models", "/v1/me/providers", "/v1/me/self-route-models"},  # My Machine on
     "/console/keys": {"/v1/keys"},
     "/console/machines": {"/v1/me/providers"},
-    "/console/sharing": {"/v1/shares", "/v1/me/providers"},  # and one /usage per share (none here)
+    "/console/sharing": {"/v1/shares", "/v1/me/providers", "/v1/me"},  # and one /usage per share (none here)
     "/console/usage": {"/v1/payments/balance", "/v1/payments/usage", "/v1/payments/usage/daily",
                        "/v1/provider/earnings"},
     "/console/link": set(),

@@ -159,3 +159,12 @@ def test_without_mail_settings_verification_says_to_use_an_invite_code(tmp_path:
         finally:
             api.close()
             process.stop()
+
+
+def test_redeeming_an_invite_is_one_resource_not_a_share_named_accept(api: Api) -> None:
+    account = api.signup()
+    assert api.request("OPTIONS", "/v1/shares/accept").headers["allow"] == "OPTIONS, POST"
+    for method in ("DELETE", "PATCH"):
+        refused = api.request(method, "/v1/shares/accept", headers=account.auth, json={})
+        assert_error(refused, 405, "method_not_allowed")
+    assert_error(api.get("/v1/shares/accept/usage", headers=account.auth), 404, "share_not_found")

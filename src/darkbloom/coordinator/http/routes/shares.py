@@ -6,6 +6,7 @@ import time
 from typing import Any
 
 from fastapi import APIRouter, Depends, Query, Request, Response
+from starlette.convertors import Convertor, register_url_convertor
 
 from darkbloom.coordinator.http.auth import require_account_writer, require_caller
 from darkbloom.coordinator.http.json_body import json_object
@@ -20,6 +21,22 @@ from darkbloom.wire.crypto import new_token, token_hash
 from darkbloom.wire.openai.errors import ApiError, invalid_request
 
 router = APIRouter()
+
+
+class _ShareId(Convertor[str]):
+    """A share id in a path: any segment but ``accept``, so that /v1/shares/accept (redeeming an
+    invite code) is one resource whose only method is POST, not also share "accept"."""
+
+    regex = r"(?!accept$)[^/]+"
+
+    def convert(self, value: str) -> str:
+        return value
+
+    def to_string(self, value: str) -> str:
+        return value
+
+
+register_url_convertor("share_id", _ShareId())
 
 
 @router.post("/v1/shares", status_code=201)
@@ -39,7 +56,7 @@ async def create_share(request: Request, caller: Caller = Depends(require_accoun
     return {**share_view(row), "invite_code": invite_code}
 
 
-@router.patch("/v1/shares/{share_id}")
+@router.patch("/v1/shares/{share_id:share_id}")
 async def change_share(share_id: str, request: Request, caller: Caller = Depends(require_account_writer),
                        services: Services = Depends(get_services)) -> dict[str, Any]:
     """The owner's changes; new prices or machines put the share back to pending until its grantee
@@ -76,13 +93,13 @@ async def accept_invite(request: Request, caller: Caller = Depends(require_accou
         return await _received_view(conn, share_id, caller)
 
 
-@router.post("/v1/shares/{share_id}/accept")
+@router.post("/v1/shares/{share_id:share_id}/accept")
 async def accept_share(share_id: str, request: Request, caller: Caller = Depends(require_account_writer),
                        services: Services = Depends(get_services)) -> dict[str, Any]:
     return await _answer(share_id, "accepted", request, caller, services)
 
 
-@router.post("/v1/shares/{share_id}/decline")
+@router.post("/v1/shares/{share_id:share_id}/decline")
 async def decline_share(share_id: str, request: Request, caller: Caller = Depends(require_account_writer),
                         services: Services = Depends(get_services)) -> dict[str, Any]:
     return await _answer(share_id, "declined", request, caller, services)
@@ -129,7 +146,7 @@ async def list_shares(caller: Caller = Depends(require_caller),
             "received": [share_view(r, machine_names=names.get(r["owner_account_id"], {})) for r in received]}
 
 
-@router.delete("/v1/shares/{share_id}", status_code=204)
+@router.delete("/v1/shares/{share_id:share_id}", status_code=204)
 async def revoke_share(share_id: str, caller: Caller = Depends(require_account_writer),
                        services: Services = Depends(get_services)) -> Response:
     """Owner or grantee; new requests on it are refused at once on every replica (routing reads the
@@ -140,7 +157,7 @@ async def revoke_share(share_id: str, caller: Caller = Depends(require_account_w
     return Response(status_code=204)
 
 
-@router.get("/v1/shares/{share_id}/usage")
+@router.get("/v1/shares/{share_id:share_id}/usage")
 async def share_usage(share_id: str, limit: int = Query(100, ge=1, le=500), caller: Caller = Depends(require_caller),
                       services: Services = Depends(get_services)) -> dict[str, Any]:
     async with services.engine.connect() as conn:
