@@ -221,3 +221,12 @@ async def test_a_frame_in_pieces_and_a_ping_inside_a_fragmented_message_keep_the
     await _until_received(app, 3)
     assert app.received == ["one byte at a time", "fragmented", "last"]
     writer.close()
+
+
+def test_the_python_unmasking_is_websockets_own() -> None:
+    from websockets.utils import apply_mask
+
+    from darkbloom.coordinator.websocket_protocol import _xor_mask
+    for size in (0, 1, 3, 4, 5, 125, 126, 4000, SMALL_FRAME):
+        payload, mask = os.urandom(size), os.urandom(4)
+        assert _xor_mask(payload, mask) == apply_mask(payload, mask)

@@ -12,7 +12,8 @@ This side sits in front of websockets and frames the stream itself: it hands web
 frames' bytes only (a frame it passes on, it passes on to its last byte before it reads the next
 header), and it knows whether websockets is assembling a fragmented message, so it knows without
 looking inside websockets that websockets waits for the start of a frame when it reads one here.
-Only websockets' public sans-I/O API is used (``Protocol.receive_data``, ``Protocol.state``).
+Only websockets' public sans-I/O API is needed (``Protocol.receive_data``, ``Protocol.state``); its C
+unmasking is used when it is there, else the same XOR in Python.
 A client that sends frames before the handshake's answer (pipelined behind its request) has every
 byte read by websockets. The subclass reads uvicorn's protocol attributes (the queue, the pause, the
 transport), which is why pyproject.toml bounds uvicorn; tests/coordinator/test_websocket_protocol.py
@@ -219,10 +220,16 @@ def _frame_header(data: bytes, start: int, end: int) -> tuple[int, int, bool, in
     return first, first & 0x0F, masked, length, header
 
 
-def _unmask(payload: bytes, mask: bytes) -> bytes:
+def _xor_mask(payload: bytes, mask: bytes) -> bytes:
     """RFC 6455 5.3: the payload XOR the 4-byte mask repeated, as one integer operation."""
     if not payload:
         return payload
     size = len(payload)
     key = (mask * (size // 4 + 1))[:size]
     return (int.from_bytes(payload, "big") ^ int.from_bytes(key, "big")).to_bytes(size, "big")
+
+
+try:  # websockets' C unmasking (13.0 to 17.4 have it; not public API, so a release without it only costs time)
+    from websockets.speedups import apply_mask as _unmask
+except ImportError:  # pragma: no cover - a websockets built without its C extension
+    _unmask = _xor_mask
