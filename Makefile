@@ -131,5 +131,15 @@ bench-floor: $(STAMP) wrk bench-litellm
 	@echo "Running bench/relay_floor.py: direct, the bare floor, self-route, paid and LiteLLM at c=1 (about 3 minutes)…"
 	$(PY) bench/relay_floor.py $(BENCH_ARGS)
 
+# bench/node_engine.py: the node's engine beside llama.cpp's own llama-server, built on first use from
+# the llama.cpp in the installed llama-cpp-python's sdist into ~/.cache/darkbloom-bench (bench only)
+.PHONY: bench-node
+bench-node: $(STAMP)
+	@v=$$($(PY) -c "import importlib.metadata as m; print(m.version('llama-cpp-python'))"); \
+	test -x "$${XDG_CACHE_HOME:-$$HOME/.cache}/darkbloom-bench/llama-server-$$v/build/bin/llama-server" || \
+	echo "First run with llama-cpp-python $$v: downloading its sdist and building llama-server with CMake (about 7 minutes on 2 cores; cached in ~/.cache/darkbloom-bench)…"
+	@echo "Running bench/node_engine.py: the node, then llama-server, at C=1,2,4,8 on the bundled model (about 8 minutes)…"
+	$(PY) bench/node_engine.py $(BENCH_ARGS)
+
 clean:
 	rm -rf $(VENV) $(LITELLM_VENV) build src/*.egg-info .pytest_cache
