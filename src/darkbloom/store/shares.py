@@ -37,11 +37,14 @@ async def create(conn: AsyncConnection, owner_account_id: str, fields: dict[str,
 
 async def get(conn: AsyncConnection, share_id: str) -> dict[str, Any] | None:
     """A share that is not revoked (expired ones included), with the owner's email."""
-    row = (await conn.execute(
-        select(shares, accounts.c.email.label("owner_email"))
-        .join(accounts, accounts.c.id == shares.c.owner_account_id)
-        .where(shares.c.id == share_id, shares.c.revoked_at.is_(None)))).mappings().first()
+    row = (await conn.execute(_with_owner_email().where(shares.c.id == share_id))).mappings().first()
     return dict(row) if row else None
+
+
+def _with_owner_email() -> Any:
+    """Shares not revoked, each with its owner's email."""
+    return (select(shares, accounts.c.email.label("owner_email"))
+            .join(accounts, accounts.c.id == shares.c.owner_account_id).where(shares.c.revoked_at.is_(None)))
 
 
 def _verified_email_of(account_id: str) -> Any:
@@ -69,11 +72,9 @@ async def addressed_to(conn: AsyncConnection, share_id: str, account_id: str) ->
 
 async def visible_to(conn: AsyncConnection, share_id: str, account_id: str) -> dict[str, Any] | None:
     """The share when ``account_id`` is its owner or has received it; None for anyone else."""
-    row = (await conn.execute(
-        select(shares, accounts.c.email.label("owner_email"))
-        .join(accounts, accounts.c.id == shares.c.owner_account_id)
-        .where(shares.c.id == share_id, shares.c.revoked_at.is_(None),
-               or_(shares.c.owner_account_id == account_id, _received_by(account_id))))).mappings().first()
+    row = (await conn.execute(_with_owner_email().where(
+        shares.c.id == share_id, or_(shares.c.owner_account_id == account_id, _received_by(account_id))
+    ))).mappings().first()
     return dict(row) if row else None
 
 
@@ -94,10 +95,7 @@ async def received(conn: AsyncConnection, grantee_account_id: str, *, usable_at:
     else:
         condition = and_(shares.c.grantee_account_id == grantee_account_id, shares.c.status == "accepted",
                          or_(shares.c.expires_at.is_(None), shares.c.expires_at > int(usable_at)))
-    query = (select(shares, accounts.c.email.label("owner_email"))
-             .join(accounts, accounts.c.id == shares.c.owner_account_id)
-             .where(condition, shares.c.revoked_at.is_(None))
-             .order_by(shares.c.created_at, shares.c.id))
+    query = _with_owner_email().where(condition).order_by(shares.c.created_at, shares.c.id)
     return [dict(r) for r in (await conn.execute(query)).mappings()]
 
 

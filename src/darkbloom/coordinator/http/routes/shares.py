@@ -90,7 +90,7 @@ async def accept_invite(request: Request, caller: Caller = Depends(require_accou
         share_id = await shares.redeem(conn, token_hash(code.strip()), caller.account_id)
         if share_id is None:
             raise share_not_found()
-        return await _received_view(conn, share_id, caller)
+        return await _received_view(conn, share_id)
 
 
 @router.post("/v1/shares/{share_id:share_id}/accept")
@@ -125,10 +125,10 @@ async def _answer(share_id: str, status: str, request: Request, caller: Caller,
             raise ApiError(409, "share_terms_changed",
                            "The share's prices or machines changed since you saw them: read it again "
                            "(GET /v1/shares) and answer the terms it has now.")
-        return await _received_view(conn, share_id, caller)
+        return await _received_view(conn, share_id)
 
 
-async def _received_view(conn: Any, share_id: str, caller: Caller) -> dict[str, Any]:
+async def _received_view(conn: Any, share_id: str) -> dict[str, Any]:
     row = await shares.get(conn, share_id)
     assert row is not None
     names = await shares.machine_names(conn, {row["owner_account_id"]})
