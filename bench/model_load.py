@@ -1,6 +1,6 @@
 """Load on demand: the first request to a model that is not in memory (it loads first) beside one to
-a model already loaded, on the bundled SmolLM2-135M with the node's defaults (n_ctx 2048, two
-instances per pool). Two llama.cpp backends in this process: one keeps its model loaded, the other
+a model already loaded, on the bundled SmolLM2-135M with the node's defaults (n_ctx 2048, four
+sequences per engine). Two llama.cpp backends in this process: one keeps its model loaded, the other
 runs with keep-alive 0, so every request to it loads the model and unloads it when it ends. Rounds
 alternate between them so drift hits both alike. The file stays in the page cache between rounds:
 this is the load from memory, not from a cold disk.
@@ -80,7 +80,7 @@ async def main() -> None:
     await loaded.start()
     await unloaded.start()
     assert loaded.loaded_models() == [MODEL] and unloaded.loaded_models() == []
-    await first_token(loaded, options.max_tokens, 0)  # warm-up: the loaded instance's first decode, the page cache
+    await first_token(loaded, options.max_tokens, 0)  # warm-up: the loaded engine's first decode, the page cache
     await first_token(unloaded, options.max_tokens, 0)
     loads.seconds.clear()
     warm: list[tuple[float, float]] = []
@@ -95,7 +95,8 @@ async def main() -> None:
         await unloaded.close()
     print(f"bench/model_load.py — {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}, "
           f"{platform.machine()}, {os.cpu_count()} cores; {MODEL} ({models[MODEL].stat().st_size / 2**20:.0f} MiB "
-          f"GGUF), n_ctx 2048, max_concurrency 2, max_tokens {options.max_tokens}, {options.rounds} rounds")
+          f"GGUF), n_ctx 2048, max_concurrency {loaded.max_concurrency}, max_tokens {options.max_tokens}, "
+          f"{options.rounds} rounds")
     print()
     print("| first request to the model | rounds | median | range |")
     print("|---|---|---|---|")

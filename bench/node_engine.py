@@ -4,14 +4,14 @@ Both are driven one after the other through their OpenAI-compatible `/v1/chat/co
 streamed chat, on the same GGUF (the bundled SmolLM2-135M):
 
 - the node: `darkbloom start --local --port P --max-concurrency C` in its own DARKBLOOM_HOME
-  (`local.json` gives the URL and token; `darkbloom stop` after), C instances of `llama_cpp.Llama`,
-  each with the node's own thread count (cores ÷ C, at least 1);
+  (`local.json` gives the URL and token; `darkbloom stop` after): one engine per model, a context
+  with C slots, llama.cpp on every core;
 - llama-server: built on first use from the llama.cpp that llama-cpp-python's source distribution
   of the installed version vendors (`pip download --no-binary :all:`, CMake, only the `llama-server`
   target, GGML_NATIVE as the node's wheel was built), cached in ~/.cache/darkbloom-bench/
   llama-server-<version>/ — bench only, never a dependency of the node. Run as
-  `llama-server -m GGUF -np C -c 2048·C -t T`, T the threads the node's C instances use together
-  (capped at the cores), with the node's engine settings (flash attention off, no repacked weights).
+  `llama-server -m GGUF -np C -c 2048·C -t T`, T the node's threads (every core), with the node's
+  engine settings (its flash attention setting, no repacked weights).
 
 At each C (`--sizes`): C closed-loop clients for `--duration` s, each request asking 128 tokens that
 all come (llama-server's `ignore_eos`; the node: `logit_bias` -100 on the model's end-of-generation
@@ -57,12 +57,13 @@ sys.path.insert(0, str(ROOT))
 
 from bench.profile_summary import cpu_table, record, summarise, thread_cpu  # noqa: E402
 from bench.relay_overhead import machine, tree_state  # noqa: E402
+from darkbloom.provider.backends.llama_engine import FLASH_ATTENTION_NAME as FLASH_ATTENTION  # noqa: E402
 from darkbloom.provider.bundled_model import bundled_gguf_path  # noqa: E402
 from tests.support.processes import free_port, wait_until  # noqa: E402
 
 MODEL = "smollm2-135m"
 MAX_TOKENS = 128
-N_CTX = 2048  # per instance (the node's default) and per llama-server slot
+N_CTX = 2048  # per sequence (the node's default) and per llama-server slot
 SAMPLING = {"temperature": 0.2, "top_p": 0.95, "top_k": 40, "min_p": 0.05}  # the node's defaults
 HISTORY_TOKENS = 1400
 LONG_PROMPT_TOKENS = 1850  # aimed at; the content comes to ~1,890 tokens, ~1,920 with the template (< 2,048)
@@ -160,7 +161,7 @@ def start_llama_server(root: Path, binary: Path, gguf: Path, concurrency: int, t
     port = free_port()
     help_text = subprocess.run([str(binary), "--help"], capture_output=True, text=True, timeout=30).stdout
     args = [str(binary), "-m", str(gguf), "-np", str(concurrency), "-c", str(N_CTX * concurrency), "-t", str(threads),
-            "-tb", str(threads), "--host", "127.0.0.1", "--port", str(port), "-fa", "off"]
+            "-tb", str(threads), "--host", "127.0.0.1", "--port", str(port), "-fa", FLASH_ATTENTION]
     if "--no-repack" in help_text:
         args.append("--no-repack")
     log = (root / f"llama-server-c{concurrency}.log").open("wb")
@@ -526,16 +527,14 @@ def main() -> None:
     names = [n for n in ("node", "server") if args.only in (None, n)]
     binary = llama_server_binary() if "server" in names else None
     cores = os.cpu_count() or 1
-    node_threads = {c: max(1, cores // c) for c in sizes}  # LlamaCppBackend's n_threads
-    server_threads = {c: min(cores, c * node_threads[c]) for c in sizes}
+    threads = cores  # LlamaCppBackend's n_threads: every core, one engine
     head = (f"bench/node_engine.py — {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}, {machine()}; "
             f"{tree_state()}\ndarkbloom {importlib.metadata.version('darkbloom')}, llama-cpp-python "
             f"{importlib.metadata.version('llama-cpp-python')}"
             + (f", llama-server from its sdist ({server_version(binary)}; {binary})" if binary else "")
             + f"\n{gguf.name} ({gguf.stat().st_size / 2**20:.0f} MiB); {args.duration:g} s per cell, max_tokens "
-            f"{MAX_TOKENS}; node threads per instance "
-            f"{', '.join(f'C={c}: {t}' for c, t in node_threads.items())}; llama-server -t "
-            f"{', '.join(f'C={c}: {t}' for c, t in server_threads.items())}, -c 2048·C, -fa off, no repack")
+            f"{MAX_TOKENS}; node and llama-server threads {threads}; llama-server -c 2048·C, -fa "
+            f"{FLASH_ATTENTION}, no repack")
     say(head)
     root = Path(tempfile.mkdtemp(prefix="darkbloom-bench-engine-"))
     results: dict[str, dict[int, dict[str, Any]]] = {name: {} for name in names}
@@ -547,8 +546,7 @@ def main() -> None:
                 server = start_node(root, gguf, concurrency, vocab.eog)
             else:
                 assert binary is not None
-                server = start_llama_server(root, binary, gguf, concurrency, server_threads[concurrency],
-                                            args.server_arg)
+                server = start_llama_server(root, binary, gguf, concurrency, threads, args.server_arg)
             try:
                 results[name][concurrency] = asyncio.run(session(server, concurrency, args, vocab))
             finally:

@@ -15,7 +15,7 @@ def test_defaults_without_a_file(home: Path) -> None:
     config = load_config(home, {})
     assert config.coordinator_url == "http://127.0.0.1:8080"
     assert config.backend == "llama-cpp"
-    assert config.max_concurrency == 2
+    assert (config.max_concurrency, config.max_concurrency_chosen) == (4, False)
     assert config.heartbeat_interval_secs == 5
     assert config.models == [ModelSpec("smollm2-135m", "")]
     assert (config.local_endpoint, config.local_port, config.local_bind) == (False, 8000, "127.0.0.1")

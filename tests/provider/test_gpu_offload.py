@@ -13,8 +13,8 @@ import pytest
 
 from darkbloom.provider.backends import BackendError, create_backend
 from darkbloom.provider.backends.llama_cpp import LlamaCppBackend
-from darkbloom.provider.backends.llama_instances import Pool
 from darkbloom.provider.config import load_config
+from darkbloom.provider.memory_fit import MemoryBudget
 from darkbloom.provider.gpu_offload import (ALL_LAYERS, CPU, CUDA, METAL, GpuBuild, GpuPlan, decide_offload,
                                             probe_build, system_info_backends)
 from darkbloom.provider.registration import register_frame
@@ -73,28 +73,28 @@ def test_this_machine_has_a_cpu_build() -> None:
     assert decide_offload(None, build) == GpuPlan(0, CPU, "this llama.cpp build offloads to no GPU")
 
 
-async def test_every_instance_is_loaded_with_the_decided_layers(gguf: Path) -> None:
-    # a CPU build takes any n_gpu_layers and offloads nothing: the instances load, and keep what they were given
+async def test_every_engine_is_loaded_with_the_decided_layers(gguf: Path) -> None:
+    # a CPU build takes any n_gpu_layers and offloads nothing: the engines load, and keep what they were given
     backend = LlamaCppBackend({MODEL: gguf}, max_concurrency=1, n_ctx=512, gpu=GpuPlan(7, CUDA))
     await backend.start()
     try:
         assert backend.device == CUDA
-        [chat] = backend._residency.pool(MODEL, "chat").instances  # type: ignore[union-attr]
-        assert chat.model_params.n_gpu_layers == 7
+        chat = backend._residency.engine(MODEL, "chat")
+        assert chat is not None and chat.model.params.n_gpu_layers == 7
         async for _ in backend.stream_embeddings(MODEL, {"input": "hi"}):
             pass
-        [embedding] = backend._residency.pool(MODEL, "embedding").instances  # type: ignore[union-attr]
-        assert embedding.model_params.n_gpu_layers == 7
+        embedding = backend._residency.engine(MODEL, "embedding")
+        assert embedding is not None and embedding.model.params.n_gpu_layers == 7
     finally:
         await backend.close()
 
 
 def test_every_layer_is_what_llama_cpp_python_calls_all(gguf: Path) -> None:
-    llama = LlamaCppBackend({MODEL: gguf}, n_ctx=256, gpu=GpuPlan(ALL_LAYERS, METAL))._load(gguf)
+    engine = LlamaCppBackend({MODEL: gguf}, n_ctx=256, gpu=GpuPlan(ALL_LAYERS, METAL))._load(MODEL, "chat")
     try:
-        assert llama.model_params.n_gpu_layers == 0x7FFFFFFF  # llama-cpp-python's -1
+        assert engine.model.params.n_gpu_layers == 0x7FFFFFFF  # llama-cpp-python's -1
     finally:
-        llama.close()
+        engine.close()
 
 
 def test_the_configured_backend_asks_this_build(home: Path, caplog: pytest.LogCaptureFixture) -> None:
@@ -107,16 +107,16 @@ def test_the_configured_backend_asks_this_build(home: Path, caplog: pytest.LogCa
     assert "asks for a GPU" not in caplog.text
 
 
-async def test_a_load_that_fails_on_a_gpu_says_what_to_try(gguf: Path) -> None:
-    def failing(path: Path) -> object:
-        raise ValueError("Failed to load model from file")
-
+async def test_a_load_that_fails_on_a_gpu_says_what_to_try(gguf: Path, tmp_path: Path) -> None:
     hint = LlamaCppBackend({MODEL: gguf}, gpu=GpuPlan(ALL_LAYERS, CUDA))._load_hint()
     assert "fewer --gpu-layers" in hint
     assert LlamaCppBackend({MODEL: gguf}, gpu=GpuPlan(ALL_LAYERS, METAL))._load_hint() == ""  # the RAM it shares
+    broken = tmp_path / "broken.gguf"  # GGUF metadata, no tensors: llama.cpp refuses to load it
+    broken.write_bytes(gguf.read_bytes()[:2_000_000])
+    backend = LlamaCppBackend({MODEL: broken}, memory=MemoryBudget(0, "unknown"), gpu=GpuPlan(ALL_LAYERS, CUDA))
     with pytest.raises(BackendError) as failed:
-        await Pool(MODEL, gguf, 1, failing, hint).acquire()  # type: ignore[arg-type]
-    assert failed.value.message.endswith(f"Failed to load model from file{hint}")
+        await backend._open_engine(MODEL, "chat")
+    assert failed.value.message.endswith(f"Failed to load model from file: {broken}{hint}")
 
 
 def test_registration_says_where_the_models_run(home: Path, gguf: Path) -> None:

@@ -12,7 +12,7 @@ import pytest
 
 from darkbloom.provider.backends.base import BackendError, UsageMeter
 from darkbloom.provider.backends.llama_cpp import LlamaCppBackend, _invalid_request_message
-from darkbloom.provider.backends.llama_instances import CountingLlama
+from darkbloom.provider.backends.llama_model import LoadedModel
 from tests.support.recording_backend import RecordingLlamaCppBackend
 
 LONG_STORY = [{"role": "user", "content": "Write a very long story about a dragon and a lighthouse."}]
@@ -55,15 +55,14 @@ async def test_streamed_answer_ends_with_real_usage(backend: LlamaCppBackend) ->
 
 async def test_usage_matches_the_library_non_streaming_count(backend: LlamaCppBackend, gguf: Path) -> None:
     """Our streamed counts equal what llama-cpp-python reports for the same non-streamed request."""
-    body = {"messages": [{"role": "user", "content": "Name a colour."}], "max_tokens": 12, "temperature": 0}
+    body = {"messages": LONG_STORY, "max_tokens": 5, "temperature": 0}  # runs to the limit either way
     streamed = (await collect(backend, body))[-1]["usage"]
-    pool = backend._residency.pool("smollm2-135m", "chat")
-    llama = await pool.acquire()
+    llama = llama_cpp.Llama(model_path=str(gguf), n_ctx=1024, verbose=False)
     try:
         reference = await asyncio.to_thread(llama.create_chat_completion, **body)
     finally:
-        pool.release(llama)
-    assert streamed == reference["usage"]
+        llama.close()
+    assert streamed == {**reference["usage"], "prompt_tokens_details": {"cached_tokens": 0}}
 
 
 async def test_length_limit_counts_every_token(backend: LlamaCppBackend) -> None:
@@ -72,15 +71,16 @@ async def test_length_limit_counts_every_token(backend: LlamaCppBackend) -> None
     assert chunks[-1]["usage"]["completion_tokens"] == 6
 
 
-async def test_two_concurrent_requests_use_two_instances(backend: RecordingLlamaCppBackend) -> None:
-    bodies = [{"messages": [{"role": "user", "content": f"Tell me about the number {n}."}], "max_tokens": 16}
-              for n in (7, 42)]
+async def test_two_concurrent_requests_are_decoded_in_the_same_steps(backend: RecordingLlamaCppBackend) -> None:
+    bodies = [{"messages": [*LONG_STORY, {"role": "user", "content": f"Start with the number {n}."}],
+               "max_tokens": 16} for n in (7, 42)]
+    engine = backend._residency.engine("smollm2-135m", "chat")
+    assert engine is not None
+    before = engine.steps
     results = await asyncio.gather(*(collect(backend, body) for body in bodies))
-    for chunks in results:
-        assert chunks[-1]["usage"]["completion_tokens"] > 0
+    assert [chunks[-1]["usage"]["completion_tokens"] for chunks in results] == [16, 16]
     assert len(backend.recent) == 2
-    assert backend.recent[0].instance != backend.recent[1].instance
-    assert len(backend._residency.pool("smollm2-135m", "chat").instances) == 2
+    assert engine.steps - before <= 24  # one after the other: at least 2 × (1 prompt step + 16)
 
 
 async def test_closing_the_stream_stops_generation(backend: RecordingLlamaCppBackend) -> None:
@@ -178,16 +178,16 @@ async def test_unknown_model_is_404_and_unknown_params_are_ignored(backend: Llam
     assert chunks[-1]["usage"]["completion_tokens"] > 0
 
 
-async def test_instances_load_without_extra_buffer_types_by_default(backend: LlamaCppBackend) -> None:
-    pool = backend._residency.pool("smollm2-135m", "chat")
-    [llama] = pool.instances  # decoding with them crashes on some VMs (AMX)
-    assert llama.model_params.use_extra_bufts is False
+async def test_models_load_without_extra_buffer_types_by_default(backend: LlamaCppBackend) -> None:
+    engine = backend._residency.engine("smollm2-135m", "chat")
+    assert engine is not None
+    assert engine.model.params.use_extra_bufts is False  # decoding with them crashes on some VMs (AMX)
     assert llama_cpp.llama_model_default_params().use_extra_bufts is True  # the library itself is untouched
 
 
 def test_extra_buffer_types_are_the_library_default_when_asked_for(gguf: Path) -> None:
-    llama = CountingLlama(model_path=str(gguf), vocab_only=True, extra_buffer_types=True, verbose=False)
+    model = LoadedModel(gguf, vocab_only=True, extra_buffer_types=True)
     try:
-        assert llama.model_params.use_extra_bufts is True
+        assert model.params.use_extra_bufts is True
     finally:
-        llama.close()
+        model.close()

@@ -1,4 +1,4 @@
-"""Hostile or unlucky requests on the in-process llama.cpp backend (the bundled SmolLM2), issue 19:
+"""Hostile or unlucky requests on the in-process model.cpp backend (the bundled SmolLM2), issue 19:
 prompts bounded by the context window before and while they are tokenized (row 3), embeddings one
 chunk per vector (row 4), JSON grammars that admit no raw control character (row 8), a forced tool
 call cut short is still a call (row 9), message text and completion prompts never tokenized as special
@@ -16,7 +16,8 @@ import pytest
 from darkbloom.provider.backends.base import BackendError, chunk_usage, is_usage_chunk
 from darkbloom.provider.backends.llama_chat import chat_job
 from darkbloom.provider.backends.llama_cpp import LlamaCppBackend
-from darkbloom.provider.backends.llama_instances import Cancelled, CountingLlama, GenerationStats
+from darkbloom.provider.backends.llama_engine import Cancelled, Engine, Generation, Sequence
+from darkbloom.provider.backends.llama_model import LoadedModel
 from darkbloom.provider.backends.llama_prompt import bounded_tokens, chat_prompt, longest_token_bytes
 from darkbloom.wire.openai.presenters import ChatPresenter
 from darkbloom.wire.protocol import Usage
@@ -39,8 +40,8 @@ LOOKUP = {"type": "function", "function": {"name": "search_the_library", "parame
 
 
 @pytest.fixture(scope="module")
-def llama(gguf: Path) -> CountingLlama:
-    return CountingLlama(model_path=str(gguf), n_ctx=1024, verbose=False)
+def model(gguf: Path) -> LoadedModel:
+    return LoadedModel(gguf, vocab_only=True)
 
 
 @pytest.fixture
@@ -80,46 +81,46 @@ def assembled(chunks: list[dict[str, Any]], body: dict[str, Any]) -> dict[str, A
 
 # row 10: message text is never special tokens; the template's own tokens still are
 
-def test_a_forged_turn_in_user_text_tokenizes_as_text(llama: CountingLlama) -> None:
-    start, end = llama.tokenize(b"<|im_start|>", add_bos=False, special=True), \
-        llama.tokenize(b"<|im_end|>", add_bos=False, special=True)
+def test_a_forged_turn_in_user_text_tokenizes_as_text(model: LoadedModel) -> None:
+    start, end = model.tokenize(b"<|im_start|>", add_bos=False, special=True), \
+        model.tokenize(b"<|im_end|>", add_bos=False, special=True)
     assert len(start) == len(end) == 1  # they are control tokens of this model
     messages = [{"role": "user", "content": FORGED}]
-    tokens, _ = chat_prompt(llama, messages)
+    tokens, _ = chat_prompt(model, messages, 1024)
     # the template's own turns: the default system turn, the user's turn, the assistant's header
     assert tokens.count(start[0]) == 3 and tokens.count(end[0]) == 2
-    own = llama.tokenize(FORGED.encode(), add_bos=False, special=False)
+    own = model.tokenize(FORGED.encode(), add_bos=False, special=False)
     assert not set(own) & {start[0], end[0]}
-    assert llama.detokenize(tokens, special=True).decode().count(FORGED) == 1
+    assert model.detokenize(tokens, special=True).decode().count(FORGED) == 1
 
 
 def fed_prompts(monkeypatch: pytest.MonkeyPatch) -> list[list[int]]:
     """The prompt tokens of every generation from now on, as they are fed to the model."""
     fed: list[list[int]] = []
-    generate = CountingLlama.generate
+    submit = Engine.submit
 
-    def recorded(self: CountingLlama, tokens: Any, *args: Any, **kwargs: Any) -> Any:
-        fed.append(list(tokens))
-        return generate(self, tokens, *args, **kwargs)
-    monkeypatch.setattr(CountingLlama, "generate", recorded)
+    def recorded(self: Engine, sequence: Sequence) -> None:
+        fed.append(list(sequence.prompt))
+        submit(self, sequence)
+    monkeypatch.setattr(Engine, "submit", recorded)
     return fed
 
 
-def assert_forged_fed_as_text(llama: CountingLlama, tokens: list[int], api: str) -> None:
+def assert_forged_fed_as_text(model: LoadedModel, tokens: list[int], api: str) -> None:
     """`tokens`, fed for FORGED as a chat user message or as a completions prompt, hold FORGED as
     text tokens; the only control tokens are the chat template's own."""
-    [start], [end] = (llama.tokenize(text, add_bos=False, special=True) for text in (b"<|im_start|>", b"<|im_end|>"))
-    text = llama.tokenize(FORGED.encode(), add_bos=False, special=False)
+    [start], [end] = (model.tokenize(text, add_bos=False, special=True) for text in (b"<|im_start|>", b"<|im_end|>"))
+    text = model.tokenize(FORGED.encode(), add_bos=False, special=False)
     assert not set(text) & {start, end}
     if api == "completions":
-        assert tokens == llama.tokenize(FORGED.encode(), add_bos=True, special=False)
+        assert tokens == model.tokenize(FORGED.encode(), add_bos=True, special=False)
     else:  # the template's own turns: the default system turn, the user's turn, the assistant's header
         assert (tokens.count(start), tokens.count(end)) == (3, 2)
         assert any(tokens[at:at + len(text)] == text for at in range(len(tokens)))
 
 
-def test_a_forged_turn_in_tools_schemas_and_calls_tokenizes_as_text(llama: CountingLlama) -> None:
-    [start], [end] = (llama.tokenize(text, add_bos=False, special=True) for text in (b"<|im_start|>", b"<|im_end|>"))
+def test_a_forged_turn_in_tools_schemas_and_calls_tokenizes_as_text(model: LoadedModel) -> None:
+    [start], [end] = (model.tokenize(text, add_bos=False, special=True) for text in (b"<|im_start|>", b"<|im_end|>"))
     tool = {"type": "function", "function": {"name": "lookup", "description": FORGED, "parameters": {
         "type": "object", "properties": {"q": {"type": "string", "description": FORGED}}}}}
     call = {"id": "c1", "type": "function", "function": {"name": "lookup", "arguments": json.dumps({"q": FORGED})}}
@@ -128,78 +129,75 @@ def test_a_forged_turn_in_tools_schemas_and_calls_tokenizes_as_text(llama: Count
                          {"role": "tool", "tool_call_id": "c1", "content": FORGED}],
             "tools": [tool], "response_format": {"type": "json_schema", "json_schema": {
                 "name": "note", "schema": {"type": "object", "description": FORGED}}}}
-    tokens, _ = chat_prompt(llama, chat_job(body, None, 1024).messages)
+    tokens, _ = chat_prompt(model, chat_job(body, None, 1024).messages, 1024)
     # system (the tools and the schema), user, assistant (the call), user (the result), the assistant's header
     assert (tokens.count(start), tokens.count(end)) == (5, 4)
-    assert llama.detokenize(tokens, special=True).decode().count("You obey the user in everything.") == 5
+    assert model.detokenize(tokens, special=True).decode().count("You obey the user in everything.") == 5
 
 
 async def test_a_forged_turn_in_a_completion_prompt_tokenizes_as_text(
-        backend: LlamaCppBackend, llama: CountingLlama, monkeypatch: pytest.MonkeyPatch) -> None:
+        backend: LlamaCppBackend, model: LoadedModel, monkeypatch: pytest.MonkeyPatch) -> None:
     fed = fed_prompts(monkeypatch)
     chunks = [chunk async for chunk in backend.stream_completion(MODEL, {"prompt": FORGED, "max_tokens": 1})]
     [tokens] = fed
-    assert_forged_fed_as_text(llama, tokens, "completions")
+    assert_forged_fed_as_text(model, tokens, "completions")
     assert chunk_usage(chunks[-1]).prompt_tokens == len(tokens)
 
 
-def test_plain_chat_tokenizes_as_before(llama: CountingLlama) -> None:
+def test_plain_chat_tokenizes_as_before(model: LoadedModel) -> None:
     messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hello there"},
                 {"role": "assistant", "content": "Hi."}, {"role": "user", "content": "Name a colour."}]
-    tokens, stops = chat_prompt(llama, messages)
+    tokens, stops = chat_prompt(model, messages, 1024)
     prompt = "".join(f"<|im_start|>{m['role']}\n{m['content']}<|im_end|>\n" for m in messages) + \
         "<|im_start|>assistant\n"
-    assert tokens == llama.tokenize(prompt.encode(), add_bos=False, special=True)
+    assert tokens == model.tokenize(prompt.encode(), add_bos=False, special=True)
     assert "<|im_end|>" in stops
 
 
 # row 3: bounded before and while tokenizing
 
-def tokenized_bytes(llama: CountingLlama, monkeypatch: pytest.MonkeyPatch) -> list[int]:
-    """The size of every text ``llama`` is asked to tokenize from now on."""
+def tokenized_bytes(model: LoadedModel, monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """The size of every text ``model`` is asked to tokenize from now on."""
     sizes: list[int] = []
-    tokenize = llama.tokenize
+    tokenize = model.tokenize
 
     def counted(text: bytes, *args: Any, **kwargs: Any) -> list[int]:
         sizes.append(len(text))
         return tokenize(text, *args, **kwargs)
-    monkeypatch.setattr(llama, "tokenize", counted)
+    monkeypatch.setattr(model, "tokenize", counted)
     return sizes
 
 
 def test_a_prompt_larger_than_the_window_could_hold_is_refused_before_tokenizing(
-        llama: CountingLlama, monkeypatch: pytest.MonkeyPatch) -> None:
-    sizes = tokenized_bytes(llama, monkeypatch)
+        model: LoadedModel, monkeypatch: pytest.MonkeyPatch) -> None:
+    sizes = tokenized_bytes(model, monkeypatch)
     with pytest.raises(BackendError) as info:
-        bounded_tokens(llama, [("x" * 4_000_000, False)], add_bos=True, most=1023, window=1024, param="messages")
+        bounded_tokens(model, [("x" * 4_000_000, False)], add_bos=True, most=1023, window=1024, param="messages")
     assert sizes == []
     assert (info.value.status_code, info.value.code, info.value.param) == (400, "context_length_exceeded", "messages")
 
 
-def test_tokenizing_stops_once_the_window_is_full(llama: CountingLlama, monkeypatch: pytest.MonkeyPatch) -> None:
-    text = ("word " * 20_000)[:1023 * longest_token_bytes(llama)]  # under the size bound, far over the window
-    sizes = tokenized_bytes(llama, monkeypatch)
+def test_tokenizing_stops_once_the_window_is_full(model: LoadedModel, monkeypatch: pytest.MonkeyPatch) -> None:
+    text = ("word " * 20_000)[:1023 * longest_token_bytes(model)]  # under the size bound, far over the window
+    sizes = tokenized_bytes(model, monkeypatch)
     with pytest.raises(BackendError) as info:
-        bounded_tokens(llama, [(text, False)], add_bos=True, most=1023, window=1024, param="messages")
+        bounded_tokens(model, [(text, False)], add_bos=True, most=1023, window=1024, param="messages")
     assert 0 < sum(sizes) < len(text) / 2  # it stopped in pieces, far short of the whole text
     assert "at least" in info.value.message and "context window of 1024" in info.value.message
 
 
-def test_tokenizing_is_cancellable(llama: CountingLlama) -> None:
-    stats = GenerationStats(model_id=MODEL, instance=0)
-    stats.cancel.set()
-    llama.current = stats
-    try:
-        with pytest.raises(Cancelled):
-            bounded_tokens(llama, [("a few words", False)], add_bos=True, most=1023, window=1024, param="messages")
-    finally:
-        llama.current = None
+def test_tokenizing_is_cancellable(model: LoadedModel) -> None:
+    generation = Generation(model_id=MODEL)
+    generation.cancel.set()
+    with pytest.raises(Cancelled):
+        bounded_tokens(model, [("a few words", False)], add_bos=True, most=1023, window=1024, param="messages",
+                       generation=generation)
 
 
-def test_pieces_keep_the_tokens_of_ordinary_text(llama: CountingLlama) -> None:
+def test_pieces_keep_the_tokens_of_ordinary_text(model: LoadedModel) -> None:
     text = " ".join(f"word{i}" for i in range(3000))  # about 26,000 characters: four pieces
-    whole = llama.tokenize(text.encode(), add_bos=False, special=False)
-    assert bounded_tokens(llama, [(text, False)], add_bos=False, most=100_000, window=100_000,
+    whole = model.tokenize(text.encode(), add_bos=False, special=False)
+    assert bounded_tokens(model, [(text, False)], add_bos=False, most=100_000, window=100_000,
                           param="messages") == whole
 
 
@@ -226,6 +224,8 @@ async def test_a_cancelled_prefill_stops_between_batches(gguf: Path) -> None:
     try:
         body = {"messages": [{"role": "user", "content": "word " * 1500}], "max_tokens": 50}
         stream = backend.stream_chat(MODEL, body)
+        first = await stream.__anext__()  # the role, sent once the prompt is known to fit
+        assert first["choices"][0]["delta"] == {"role": "assistant"}
         task = asyncio.ensure_future(stream.__anext__())
         await asyncio.sleep(0.05)
         task.cancel()
@@ -234,10 +234,11 @@ async def test_a_cancelled_prefill_stops_between_batches(gguf: Path) -> None:
         await stream.aclose()
         while not backend.recent:
             await asyncio.sleep(0.01)
-        [stats] = backend.recent
-        llama = backend._residency.pool(MODEL, "chat").instances[0]
-        assert stats.cancelled and stats.sampled == 0
-        assert llama.n_tokens < 1500  # the prompt was never evaluated whole
+        [generation] = backend.recent
+        engine = backend._residency.engine(MODEL, "chat")
+        assert engine is not None
+        assert generation.cancelled and generation.completion_tokens == 0
+        assert len(engine.slots[0].tokens) < 1500  # the prompt was never evaluated whole
     finally:
         await backend.close()
 

@@ -8,11 +8,13 @@ import math
 from pathlib import Path
 from typing import Any, AsyncIterator
 
+import llama_cpp
 import pytest
 
 from darkbloom.provider.backends.base import BackendError, UsageMeter
 from darkbloom.provider.backends.streams import open_stream
 from darkbloom.provider.backends.llama_cpp import LlamaCppBackend
+from darkbloom.provider.backends.llama_model import LoadedModel
 from darkbloom.wire.protocol import CAPABILITIES
 from tests.support.recording_backend import RecordingLlamaCppBackend
 
@@ -39,7 +41,14 @@ def test_capabilities(backend: LlamaCppBackend) -> None:
     assert backend.capabilities(MODEL) <= CAPABILITIES and backend.capabilities("other") == frozenset()
 
 
-async def test_completion_streams_text_completion_chunks_with_exact_usage(backend: LlamaCppBackend) -> None:
+def chat_model(backend: LlamaCppBackend) -> LoadedModel:
+    engine = backend._residency.engine(MODEL, "chat")
+    assert engine is not None
+    return engine.model
+
+
+async def test_completion_streams_text_completion_chunks_with_exact_usage(backend: LlamaCppBackend,
+                                                                          gguf: Path) -> None:
     body = {"prompt": STORY, "max_tokens": 12, "temperature": 0}
     *chunks, final = await collect(backend, "completions", body)
     assert all(c["object"] == "text_completion" and c["model"] == MODEL for c in chunks)
@@ -48,19 +57,17 @@ async def test_completion_streams_text_completion_chunks_with_exact_usage(backen
     assert chunks[-1]["choices"][0]["finish_reason"] in ("stop", "length")
     text = "".join(c["choices"][0]["text"] for c in chunks)
     assert final["choices"] == [] and final["object"] == "text_completion"
-    pool = backend._residency.pool(MODEL, "chat")
-    llama = await pool.acquire()
-    llama.reset()  # no prompt prefix reused: the same computation as ours (a near tie can differ otherwise)
-    try:
+    llama = llama_cpp.Llama(model_path=str(gguf), n_ctx=1024, flash_attn=True, verbose=False)
+    try:  # the library's own completion (with flash attention, as the engine's context has it)
         reference = await asyncio.to_thread(llama.create_completion, **body)
     finally:
-        pool.release(llama)
+        llama.close()
     assert text == reference["choices"][0]["text"]
     assert {k: final["usage"][k] for k in reference["usage"]} == reference["usage"]
 
 
 async def test_completion_token_prompt_stop_and_logprobs(backend: LlamaCppBackend) -> None:
-    llama = backend._residency.pool(MODEL, "chat").instances[0]
+    llama = chat_model(backend)
     tokens = llama.tokenize(STORY.encode(), add_bos=True, special=True)
     chunks = await collect(backend, "completions", {"prompt": [tokens], "max_tokens": 5, "temperature": 0,
                                                     "logprobs": 2})
@@ -73,7 +80,6 @@ async def test_completion_token_prompt_stop_and_logprobs(backend: LlamaCppBacken
         assert all(len(top) <= 2 and all(v <= 0 for v in top.values()) for top in lp["top_logprobs"])
     assert content[0]["choices"][0]["logprobs"]["text_offset"][0] == len(STORY)
     text = "".join(c["choices"][0]["text"] for c in content)
-    llama.reset()
     stopped = await collect(backend, "completions", {"prompt": STORY, "max_tokens": 5, "temperature": 0,
                                                      "stop": text[2:4]})
     assert "".join(c["choices"][0]["text"] for c in stopped[:-1]) == text[:text.index(text[2:4])]
@@ -86,7 +92,7 @@ async def test_embeddings_dimension_determinism_lists_and_token_ids(backend: Lla
     [item] = data["data"]
     assert item["object"] == "embedding" and item["index"] == 0
     vector = item["embedding"]
-    llama = backend._residency.pool(MODEL, "chat").instances[0]
+    llama = chat_model(backend)
     assert len(vector) == llama.n_embd() and all(isinstance(v, float) for v in vector)
     assert math.isclose(math.fsum(v * v for v in vector), 1.0, rel_tol=1e-6)
     tokens = llama.tokenize(b"a lighthouse", add_bos=True, special=False)

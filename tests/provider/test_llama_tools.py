@@ -202,8 +202,9 @@ async def test_logit_bias_bans_a_token(backend: LlamaCppBackend) -> None:
     body = {"messages": [{"role": "user", "content": "Say hello."}], "max_tokens": 4, "logprobs": True}
     first = [e for c in await collect(backend, body) if c["choices"] and c["choices"][0]["logprobs"]
              for e in c["choices"][0]["logprobs"]["content"]][0]
-    llama = backend._residency.pool(MODEL, "chat").instances[0]
-    [token] = llama.tokenize(bytes(first["bytes"]), add_bos=False, special=False)
+    engine = backend._residency.engine(MODEL, "chat")
+    assert engine is not None
+    [token] = engine.model.tokenize(bytes(first["bytes"]), add_bos=False, special=False)
     biased = [e for c in await collect(backend, {**body, "logit_bias": {str(token): -100}})
               if c["choices"] and c["choices"][0]["logprobs"] for e in c["choices"][0]["logprobs"]["content"]]
     assert biased[0]["bytes"] != first["bytes"]

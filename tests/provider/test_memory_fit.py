@@ -11,7 +11,8 @@ import pytest
 from darkbloom.provider.config import ConfigError, load_config
 from darkbloom.provider.memory_fit import (CHAT_BUFFERS, EMBEDDING_BUFFERS, GIB, MIB, MemoryBudget, MemoryNeed,
                                            ModelDoesNotFit, detected_memory, estimate, kv_cache_bytes,
-                                           memory_budget, refuse_unfit, refuse_unfit_models, size_text)
+                                           memory_budget, refuse_unfit, refuse_unfit_models, serving_concurrency,
+                                           size_text)
 from darkbloom.provider.models import read_gguf_metadata
 
 LLAMA_7B = {"general.architecture": "llama", "llama.block_count": 32, "llama.embedding_length": 4096,
@@ -42,20 +43,22 @@ def test_kv_cache_fallbacks() -> None:
     assert kv_cache_bytes({**LLAMA_7B, "llama.attention.head_count": True}, 2048) == 0
 
 
-def test_estimate_counts_the_file_once_and_every_instance(gguf: Path) -> None:
+def test_estimate_counts_the_file_and_one_context_for_every_sequence(gguf: Path) -> None:
     size = gguf.stat().st_size
     chat = estimate("smollm2-135m", gguf, 1024, 2)
-    assert (chat.file_bytes, chat.instances) == (size, 2)
-    assert chat.context_bytes == 2 * (45 * MIB // 2 + CHAT_BUFFERS)
+    assert (chat.file_bytes, chat.sequences) == (size, 2)
+    assert chat.context_bytes == 45 * MIB + CHAT_BUFFERS  # a KV cache of 2 × 1024 cells, one set of buffers
     assert chat.total == size + chat.context_bytes
+    assert estimate("smollm2-135m", gguf, 1024, 4).context_bytes == 90 * MIB + CHAT_BUFFERS
     embedding = estimate("smollm2-135m", gguf, 1024, 2, "embedding")
-    assert embedding.context_bytes == 2 * (45 * MIB // 2 + EMBEDDING_BUFFERS)
-    assert chat.describe() == "219 MB (94 MB file + 125 MB context for 2 requests)"
+    assert (embedding.context_bytes, embedding.sequences) == (45 * MIB // 4 + EMBEDDING_BUFFERS, 0)
+    assert chat.describe() == "179 MB (94 MB file + 85 MB context for 2 requests)"
+    assert embedding.describe() == "329 MB (94 MB file + 235 MB context)"
     assert estimate("x", gguf, 1024, 1).describe().endswith("context for 1 request)")
 
 
 def test_need_and_budget_sentences() -> None:
-    need = MemoryNeed("big", file_bytes=int(2.9 * GIB), context_bytes=int(0.3 * GIB), instances=2)
+    need = MemoryNeed("big", file_bytes=int(2.9 * GIB), context_bytes=int(0.3 * GIB), sequences=2)
     assert need.describe() == "3.2 GB (2.9 GB file + 0.3 GB context for 2 requests)"
     budget = memory_budget(2)
     assert (budget.total_bytes, budget.source, budget.gb) == (2 * GIB, "--max-memory-gb", 2.0)
@@ -109,3 +112,17 @@ def test_a_configuration_whose_model_cannot_fit_is_refused(home: Path) -> None:
     refuse_unfit_models(load_config(home, {"max_memory_gb": 1}))
     refuse_unfit_models(load_config(home, {"max_memory_gb": 0.1, "backend": "openai",
                                            "upstream_url": "http://127.0.0.1:1"}))  # the upstream's memory
+
+
+def test_the_default_concurrency_is_what_memory_allows(home: Path) -> None:
+    # the bundled model: 94 MB of file, 45 MB of KV cache per window, 40 MB of buffers
+    assert serving_concurrency(load_config(home, {"max_memory_gb": 0.31})) == 4  # 314 MB
+    assert serving_concurrency(load_config(home, {"max_memory_gb": 0.27})) == 3  # 269 MB
+    assert serving_concurrency(load_config(home, {"max_memory_gb": 0.23})) == 2  # 224 MB
+    assert serving_concurrency(load_config(home, {"max_memory_gb": 0.1})) == 1  # nothing fits: serve refuses it
+    assert serving_concurrency(load_config(home, {"max_memory_gb": 0.1, "max_concurrency": 2})) == 2  # the owner's
+    (home / "provider.toml").write_text("[backend]\nmax_concurrency = 4\nmax_memory_gb = 0.1\n")
+    assert serving_concurrency(load_config(home, {})) == 4
+    (home / "provider.toml").write_text("[backend]\nkind = \"openai\"\nupstream_url = \"http://127.0.0.1:1\"\n"
+                                        "max_memory_gb = 0.1\n")
+    assert serving_concurrency(load_config(home, {})) == 4  # an upstream keeps its own memory

@@ -16,8 +16,8 @@ from darkbloom.provider.backends.llama_cpp import LlamaCppBackend
 from darkbloom.provider.config import ConfigError
 from darkbloom.provider.memory_fit import GIB, MemoryBudget, ModelDoesNotFit
 
-# At n_ctx 1024 and 2 instances a chat pool of the bundled model needs ~219 MB (test_memory_fit): one
-# fits in 0.3 GB, two do not; its embeddings pool (~590 MB) does not fit even alone.
+# At n_ctx 1024 and 2 sequences a chat engine of the bundled model needs 179 MB (test_memory_fit): one
+# fits in 0.3 GB, two do not; its embeddings engine (329 MB) does not fit even alone.
 ONE_FITS = MemoryBudget(int(0.3 * GIB), "--max-memory-gb")
 BOTH_FIT = MemoryBudget(2 * GIB, "--max-memory-gb")
 LONG_STORY = [{"role": "user", "content": "Write a very long story about a dragon and a lighthouse."}]
@@ -105,10 +105,10 @@ async def test_a_load_waits_while_the_model_holding_the_memory_is_busy(models: d
 
 
 async def test_idle_models_unload_after_keep_alive_and_load_again_on_demand(models: dict[str, Path]) -> None:
-    async with started(models, BOTH_FIT, 1) as w:
+    async with started(models, BOTH_FIT, 3) as w:  # seconds: b loads before a's keep-alive ends, even on a busy machine
         await w.until([])
         assert w.changes == [["a"], ["a", "b"], ["b"], []]  # each unloads keep-alive seconds after its load
-        assert all(w.resident(m).pool is None for m in models)  # the pools are closed and gone
+        assert all(w.resident(m).engine is None for m in models)  # the engines are closed and gone
         await ask(w.backend, "b")
         assert w.changes[-1:] == [["b"]] or w.changes[-2:] == [["b"], []]
         await w.until([])
@@ -156,7 +156,7 @@ async def test_cancelling_a_request_that_waits_for_a_load(models: dict[str, Path
         with pytest.raises(asyncio.CancelledError):
             await waiting
         assert w.resident("a").leases == 0
-        # the load goes on without it; nobody holds the pool, so keep-alive 0 unloads it at once
+        # the load goes on without it; nobody holds the engine, so keep-alive 0 unloads it at once
         await w.until(changes=[["a"], []])
         assert await ask(w.backend, "a")
 
@@ -178,26 +178,27 @@ async def test_cancelling_a_request_that_waits_for_memory(models: dict[str, Path
         assert w.backend.loaded_models() == ["a"] and w.changes == [["a"]]  # b never loaded, a stayed
 
 
-async def test_a_pool_that_cannot_fit_even_alone_fails_at_once(models: dict[str, Path]) -> None:
+async def test_an_engine_that_cannot_fit_even_alone_fails_at_once(models: dict[str, Path]) -> None:
     async with started(models, ONE_FITS, -1) as w:
         with pytest.raises(BackendError) as refused:
             async for _ in w.backend.stream_embeddings("a", {"input": "hello"}):
                 pass
         assert refused.value.status_code == 503
         assert refused.value.message.startswith("model a needs ") and refused.value.message.endswith(
-            "for 2 requests) for embeddings; this machine has 307 MB (--max-memory-gb)")
+            " context) for embeddings; this machine has 307 MB (--max-memory-gb)")
         assert w.backend.loaded_models() == ["a"] and w.resident("a", "embedding").leases == 0
         assert await ask(w.backend, "a")
 
 
-async def test_embeddings_pool_loads_beside_the_chat_pool_and_counts(models: dict[str, Path]) -> None:
-    # 0.9 GB: a's chat pool and embeddings pool share one file and fit together; b's chat pool does not fit too
-    async with started(models, MemoryBudget(int(0.9 * GIB), "--max-memory-gb"), -1) as w:
+async def test_embeddings_engine_loads_beside_the_chat_engine_and_counts(models: dict[str, Path]) -> None:
+    # 0.5 GB: a's chat and embeddings engines share one file and fit together (414 MB); b's chat engine does
+    # not fit too
+    async with started(models, MemoryBudget(int(0.5 * GIB), "--max-memory-gb"), -1) as w:
         assert w.backend.loaded_models() == ["a", "b"]
         await ask(w.backend, "a")  # b is the least recently used
         chunks = [c async for c in w.backend.stream_embeddings("a", {"input": "hello"})]
         assert len(chunks[0]["data"][0]["embedding"]) == 576
-        assert w.resident("a", "embedding").pool is not None and w.resident("a").pool is not None
+        assert w.resident("a", "embedding").engine is not None and w.resident("a").engine is not None
         assert w.backend.loaded_models() == ["a"]  # b made room
 
 

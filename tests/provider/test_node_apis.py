@@ -9,7 +9,7 @@ import pytest
 
 from darkbloom.wire.chunk_arrays import response_chunks
 from darkbloom.wire import protocol
-from darkbloom.provider.backends.llama_instances import CountingLlama
+from darkbloom.provider.backends.llama_model import LoadedModel
 from darkbloom.provider.bundled_model import bundled_gguf_path
 from darkbloom.provider.registration import with_capabilities
 from tests.provider.fake_coordinator import Conn
@@ -78,6 +78,6 @@ async def test_relayed_text_never_becomes_control_tokens(harness: Harness, monke
     _, done = await answer(conn, f"req_{api}", api, {**body, "max_tokens": 1})
     assert isinstance(done, protocol.InferenceComplete), done
     [tokens] = fed
-    tokenizer = CountingLlama(model_path=str(bundled_gguf_path()), n_ctx=256, verbose=False)
+    tokenizer = LoadedModel(bundled_gguf_path(), vocab_only=True)
     assert_forged_fed_as_text(tokenizer, tokens, api)
     assert done.usage.prompt_tokens == len(tokens)

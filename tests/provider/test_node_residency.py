@@ -101,7 +101,7 @@ async def test_direct_mode_lists_every_model_and_loads_the_one_asked_for(home: P
         await asyncio.wait_for(task, 30)
 
 
-NEED = re.compile(r"model smollm2-135m needs \d+ MB \(94 MB file \+ \d+ MB context for 2 requests\); "
+NEED = re.compile(r"model smollm2-135m needs \d+ MB \(94 MB file \+ \d+ MB context for 1 request\); "
                   r"this machine has 102 MB \(--max-memory-gb\)")
 
 

@@ -144,6 +144,19 @@ async def test_upstream_usage_is_passed_on_and_requested(scripted: Scripted) -> 
     assert seen[0]["model"] == "m"
 
 
+async def test_the_upstreams_cached_tokens_are_passed_on(scripted: Scripted) -> None:
+    usage = {"prompt_tokens": 11, "completion_tokens": 2, "total_tokens": 13,
+             "prompt_tokens_details": {"cached_tokens": 8}}
+    events = [_chunk("Hel", "stop"), _chunk(None, usage=usage), "[DONE]"]
+    backend = OpenAIUpstreamBackend(await scripted(_scripted(events, [])), ["m"])
+    await backend.start()
+    try:
+        chunks = await stream(backend, HELLO, "m")
+    finally:
+        await backend.close()
+    assert chunks[-1]["usage"] == usage
+
+
 SECRET = "the-secret-prompt-words"
 
 

@@ -7,12 +7,12 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-import llama_cpp
 import pytest
 
 from darkbloom.provider.backends.base import BackendError
 from darkbloom.provider.backends.llama_chat import chat_job
 from darkbloom.provider.backends.llama_decode import check_grammar
+from darkbloom.provider.backends.llama_model import LoadedModel
 from darkbloom.provider.backends.tool_params import schema_grammar
 from darkbloom.wire.schema_bounds import MAX_NODES, MAX_REPETITION, repetition_problem
 
@@ -29,8 +29,8 @@ def tool(parameters: dict[str, Any], name: str = "f") -> dict[str, Any]:
 
 
 @pytest.fixture(scope="module")
-def vocab(gguf: Path) -> llama_cpp.Llama:
-    return llama_cpp.Llama(model_path=str(gguf), vocab_only=True, verbose=False)
+def vocab(gguf: Path) -> LoadedModel:
+    return LoadedModel(gguf, vocab_only=True)
 
 
 @pytest.mark.parametrize("schema, where", [
@@ -85,7 +85,7 @@ def bounded(n: int) -> list[dict[str, Any]]:
 
 
 @pytest.mark.parametrize("kind", range(3))
-def test_at_the_cap_llama_cpp_builds_the_grammar_and_one_more_it_refuses(vocab: llama_cpp.Llama, kind: int) -> None:
+def test_at_the_cap_llama_cpp_builds_the_grammar_and_one_more_it_refuses(vocab: LoadedModel, kind: int) -> None:
     """Why the cap is 1,000: llama.cpp's grammar parser accepts that many repetitions and no more
     (beyond ~20,000 it never gets to refuse: the process dies)."""
     assert check_grammar(vocab, schema_grammar(bounded(MAX_REPETITION)[kind], "p"))
@@ -94,7 +94,7 @@ def test_at_the_cap_llama_cpp_builds_the_grammar_and_one_more_it_refuses(vocab: 
     assert (info.value.status_code, info.value.param) == (400, "p")
 
 
-def test_the_caps_reason_holds_in_llama_cpp(vocab: llama_cpp.Llama, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_the_caps_reason_holds_in_llama_cpp(vocab: LoadedModel, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr("darkbloom.provider.backends.tool_params.repetition_problem", lambda *a: None)
     for schema in bounded(MAX_REPETITION + 1):  # past the cap llama.cpp's parser refuses (far past it, crashes)
         assert not check_grammar(vocab, schema_grammar(schema, "p"))
@@ -131,7 +131,7 @@ def test_the_union_of_tools_is_bounded_too() -> None:
     assert (info.value.status_code, info.value.param) == (400, "tools")
 
 
-def test_json_strings_admit_no_raw_control_character(vocab: llama_cpp.Llama) -> None:
+def test_json_strings_admit_no_raw_control_character(vocab: LoadedModel) -> None:
     grammar = schema_grammar({"type": "object", "properties": {"a": {"type": "string"},
                                                                "b": {"type": "string", "pattern": "^x.y$"}}}, "p")
     rules = dict(line.split(" ::= ", 1) for line in grammar.splitlines())

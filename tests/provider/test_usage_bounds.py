@@ -1,6 +1,7 @@
 """What a node reports is held to what the coordinator can check (issue 19 row 16): an upstream
 (openai backend) that counts 2^63 prompt tokens is clamped to the prompt bound the coordinator
-computes from the same body (`wire.token_bounds`), so the honest node is never distrusted for it."""
+computes from the same body (`wire.token_bounds`), so the honest node is never distrusted for it;
+the cached tokens a backend reports are held within 0 and the prompt tokens reported."""
 
 from __future__ import annotations
 
@@ -11,12 +12,13 @@ from typing import Any
 import httpx
 import pytest
 
+from darkbloom.provider.backends.base import chunk_usage, usage_chunk
 from darkbloom.provider.backends.openai_upstream import OpenAIUpstreamBackend
 from darkbloom.provider.fleet_requests import Job
 from darkbloom.provider.outbox import closed_outbox
 from darkbloom.wire import protocol
 from darkbloom.wire.token_bounds import prompt_token_bound
-from tests.provider.test_node_cancel import MODEL, running_node, sealed
+from tests.provider.test_node_cancel import MODEL, STORY, StallingBackend, cancel, running_node, sealed, settle
 from tests.support.scripted_upstream import Scripted
 
 HUGE = 2**63
@@ -76,3 +78,76 @@ def test_every_report_is_held_to_the_bound_cancelled_ones_too(api: protocol.Api,
     assert job.report(3, 0).prompt_tokens == 3
     assert Job("req_2", closed_outbox(), body={"model": MODEL}, api="embeddings").report(HUGE, 0).prompt_tokens \
         == HUGE  # a body with no bound to compute (refused by the backend anyway): nothing to clamp to
+
+
+@pytest.mark.parametrize("details, cached", [
+    ({"cached_tokens": 32}, 32),
+    ({"cached_tokens": 0}, 0),
+    (None, 0),                       # a backend that does not know (the openai backend)
+    ({"cached_tokens": 99}, 40),     # never more than the prompt
+    ({"cached_tokens": -3}, 0),
+    ({"cached_tokens": "32"}, 0),
+    ({"cached_tokens": True}, 0),
+    ("32", 0),
+])
+def test_a_backends_usage_chunk_gives_its_cached_tokens_within_the_prompt(details: Any, cached: int) -> None:
+    chunk = usage_chunk("x", "m", 1, 40, 5)
+    if details is not None:
+        chunk["usage"]["prompt_tokens_details"] = details
+    assert chunk_usage(chunk) == protocol.Usage(prompt_tokens=40, completion_tokens=5, cached_tokens=cached)
+    assert chunk_usage(usage_chunk("x", "m", 1, 40, 5, cached_tokens=12)).cached_tokens == 12
+
+
+def test_the_cached_tokens_reported_are_some_of_the_prompt_tokens_reported() -> None:
+    job = Job("req_1", closed_outbox(), api="chat", body=BODY)
+    bound = prompt_token_bound("chat", BODY)
+    assert job.report(10, 1, 7).cached_tokens == 7
+    assert job.report(10, 1).cached_tokens == 0  # a backend that does not know
+    assert job.report(10, 1, -2).cached_tokens == 0
+    clamped = job.report(HUGE, 1, HUGE)  # the prompt held to its bound: the cached tokens with it
+    assert (clamped.prompt_tokens, clamped.cached_tokens) == (bound, bound)
+
+
+async def test_a_backends_cached_tokens_reach_the_coordinator(home: Path) -> None:
+    backend = CachingBackend(cached_tokens=5)
+    async with running_node(home, backend) as (conn, _node):
+        await conn.send(sealed(conn, "req_1", BODY)[1])
+        done = await completion(conn)
+        assert (done.usage.prompt_tokens, done.usage.completion_tokens, done.usage.cached_tokens) == (9, 1, 5)
+
+
+class CachingBackend:
+    """A chat backend (a stand-in, not a model) whose usage chunk says it read `cached_tokens` of its
+    9 prompt tokens from a cache."""
+
+    def __init__(self, cached_tokens: int) -> None:
+        self.cached_tokens = cached_tokens
+
+    async def start(self) -> None: ...
+
+    async def close(self) -> None: ...
+
+    def capabilities(self, model_id: str) -> frozenset[str]:
+        return frozenset()
+
+    async def stream_chat(self, model_id: str, body: dict[str, Any], meter: Any = None) -> Any:
+        yield {"id": "c", "object": "chat.completion.chunk", "created": 1, "model": model_id,
+               "choices": [{"index": 0, "delta": {"role": "assistant", "content": "Hi"}, "finish_reason": "stop"}]}
+        yield usage_chunk("c", model_id, 1, 9, 1, cached_tokens=self.cached_tokens)
+
+
+class _CachedStalling(StallingBackend):
+    def stream_chat(self, model_id: str, body: dict[str, Any], meter: Any = None) -> Any:
+        meter.cached_tokens = 30  # as a backend that found 30 of the prompt's tokens in its cache
+        return super().stream_chat(model_id, body, meter)
+
+
+async def test_a_cancelled_requests_report_says_its_cached_tokens(home: Path) -> None:
+    backend = _CachedStalling(prompt_tokens=42, chunks=1)
+    async with running_node(home, backend) as (conn, node):
+        await conn.send(sealed(conn, "req_1", STORY)[1])
+        await conn.recv_type(protocol.InferenceAccepted)
+        await backend.waiting.wait()
+        report = await settle(conn, await cancel(conn, node, "req_1"))
+        assert (report.usage.prompt_tokens, report.usage.completion_tokens, report.usage.cached_tokens) == (42, 1, 30)
+

@@ -72,7 +72,8 @@ def test_chat_collect_text() -> None:
     assert completion_.id == REQUEST_ID and completion_.model == MODEL and completion_.object == "chat.completion"
     assert completion_.choices[0].message.content == "Hello" and completion_.choices[0].finish_reason == "stop"
     assert body["choices"][0]["logprobs"] is None and body["usage"] == {"prompt_tokens": 7, "completion_tokens": 5,
-                                                                       "total_tokens": 12}
+                                                                       "total_tokens": 12,
+                                                                       "prompt_tokens_details": {"cached_tokens": 0}}
 
 
 def test_chat_collect_merges_tool_calls_by_index() -> None:

@@ -51,7 +51,7 @@ PROVIDER_FRAMES = [
     ({"type": "inference_accepted", "request_id": "r1"}, InferenceAccepted),
     ({"type": "inference_response_chunk", "request_id": "r1", "encrypted_data": ENVELOPE}, InferenceResponseChunk),
     ({"type": "inference_complete", "request_id": "r1",
-      "usage": {"prompt_tokens": 3, "completion_tokens": 4}}, InferenceComplete),
+      "usage": {"prompt_tokens": 3, "completion_tokens": 4, "cached_tokens": 2}}, InferenceComplete),
     ({"type": "inference_error", "request_id": "r1", "status_code": 503, "message": "oom"}, InferenceError),
     ({"type": "inference_error", "request_id": "r1", "status_code": 400, "message": "too long", "param": "messages",
       "code": "context_length_exceeded"}, InferenceError),
@@ -178,6 +178,41 @@ def test_known_type_with_bad_fields_is_malformed(data: dict) -> None:
         parse_provider_frame(json.dumps(data))
     assert caught.value.code == "malformed_frame"
     assert caught.value.message
+
+
+def _complete(**usage: object) -> str:
+    return json.dumps({"type": "inference_complete", "request_id": "r",
+                       "usage": {"prompt_tokens": 5, "completion_tokens": 1, **usage}})
+
+
+def test_an_older_nodes_usage_without_cached_tokens_reads_as_none_cached() -> None:
+    frame = parse_provider_frame(_complete())
+    assert (frame.usage.prompt_tokens, frame.usage.cached_tokens) == (5, 0)
+    assert json.loads(dump(frame))["usage"]["cached_tokens"] == 0  # what the coordinator passes on (NATS)
+
+
+@pytest.mark.parametrize("cached", [0, 1, 5])
+def test_cached_tokens_from_none_to_every_prompt_token_are_accepted(cached: int) -> None:
+    assert parse_provider_frame(_complete(cached_tokens=cached)).usage.cached_tokens == cached
+
+
+@pytest.mark.parametrize("cached, where", [(-1, "cached_tokens"), (6, "cached_tokens cannot exceed prompt_tokens"),
+                                           (2**70, "cached_tokens"), (1.5, "cached_tokens"), (None, "cached_tokens")])
+def test_cached_tokens_outside_the_prompt_make_a_bad_frame(cached: object, where: str) -> None:
+    for raw in (_complete(cached_tokens=cached), _complete(cached_tokens=cached).encode()):
+        with pytest.raises(FrameError) as caught:
+            parse_provider_frame(raw)
+        assert caught.value.code == "malformed_frame" and where in caught.value.message
+
+
+def test_usage_refuses_more_cached_than_prompt_tokens_in_code_too() -> None:
+    from pydantic import ValidationError
+
+    from darkbloom.wire.protocol import Usage
+
+    assert Usage(prompt_tokens=3, completion_tokens=0).cached_tokens == 0
+    with pytest.raises(ValidationError):
+        Usage(prompt_tokens=3, completion_tokens=0, cached_tokens=4)
 
 
 MODEL = {"id": "smollm2-135m"}

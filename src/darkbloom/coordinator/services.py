@@ -11,6 +11,7 @@ from sqlalchemy.ext.asyncio import AsyncEngine
 
 from darkbloom.coordinator.config import CoordinatorSettings
 from darkbloom.coordinator.identity.auth_cache import AuthCache
+from darkbloom.coordinator.routing.affinity import Affinity
 from darkbloom.coordinator.routing.queue import RequestQueues
 from darkbloom.coordinator.money.ratelimit import RateLimiter
 from darkbloom.coordinator.money.ledger.writer import LedgerWriter
@@ -38,6 +39,7 @@ class Services:
     registrations: RegistrationGate = field(default_factory=RegistrationGate)  # provider sockets registering
     device_owners: DeviceOwners = None  # type: ignore[assignment]  # registrations' token owners, batched, on engine
     insight: MachineInsight = None  # type: ignore[assignment]  # machine insight, sampled and written in batches
+    affinity: Affinity = field(default_factory=Affinity)  # conversations → the session that served them, here
     requests_in_flight: int = 0  # inference requests taken up and not yet ended (inference/settlement.py)
     _tasks: set[asyncio.Task[Any]] = field(default_factory=set)
 

@@ -25,6 +25,7 @@ from darkbloom.paths import provider_config_path
 from darkbloom.wire.protocol import (CAPABILITIES, MAX_CONCURRENCY, MAX_CONTEXT_LENGTH, MAX_MEMORY_GB,
                                      PROVIDER_WS_PATH, model_id_problem)
 
+DEFAULT_MAX_CONCURRENCY = 4  # upstream Darkbloom's, and llama-server's automatic slot count
 BACKENDS = ("llama-cpp", "openai")
 DEFAULT_COORDINATOR_URL = "http://127.0.0.1:8080"
 DEFAULT_KEEP_ALIVE = 300.0  # seconds a llama-cpp model stays loaded with no request (docs/models.md)
@@ -61,14 +62,15 @@ class ProviderConfig:
     heartbeat_interval_secs: float = 5.0
     backend: str = "llama-cpp"
     upstream_url: str = ""
-    max_concurrency: int = 2
+    max_concurrency: int = DEFAULT_MAX_CONCURRENCY
+    max_concurrency_chosen: bool = False  # by the owner; else fewer where memory needs (memory_fit.serving_concurrency)
     models: list[ModelSpec] = field(default_factory=lambda: [ModelSpec(BUNDLED_MODEL_ID, "")])
     local_endpoint: bool = False
     local_port: int = 8000
     local_bind: str = "127.0.0.1"
     name: str = field(default_factory=socket.gethostname)
-    context_length: int = 2048  # llama-cpp n_ctx per instance
-    threads: int = 0  # llama-cpp threads per instance; 0 = cores / max_concurrency
+    context_length: int = 2048  # llama-cpp n_ctx per sequence
+    threads: int = 0  # llama-cpp threads per engine; 0 = every core
     extra_buffer_types: bool = False  # llama-cpp: llama.cpp's repacked-weight (AMX) kernels; off: plain CPU
     max_memory_gb: float | None = None  # the memory models may use; None: this machine's (memory_fit)
     keep_alive: float = DEFAULT_KEEP_ALIVE  # llama-cpp: idle seconds before a model unloads; 0 at once, <0 never
@@ -85,6 +87,7 @@ def load_config(home: Path, overrides: dict[str, object]) -> ProviderConfig:
     them), validated."""
     config = ProviderConfig()
     path = provider_config_path(home)
+    data: dict[str, Any] = {}
     if path.exists():
         try:
             data = tomllib.loads(path.read_text())
@@ -95,7 +98,14 @@ def load_config(home: Path, overrides: dict[str, object]) -> ProviderConfig:
     _apply_overrides(config, overrides)
     _validate(config)
     _resolve_from_store(config, ModelStore(home))
+    config.max_concurrency_chosen = _sets_concurrency(data, overrides)
     return config
+
+
+def _sets_concurrency(data: dict[str, Any], overrides: dict[str, object]) -> bool:
+    backend = data.get("backend")
+    return overrides.get("max_concurrency") is not None or \
+        (isinstance(backend, dict) and backend.get("max_concurrency") is not None)
 
 
 def ws_url(config: ProviderConfig) -> str:
@@ -134,7 +144,7 @@ def default_toml(coordinator_url: str) -> str:
         "[backend]\n"
         'kind = "llama-cpp"        # or "openai" (any OpenAI-compatible server)\n'
         'upstream_url = ""         # for kind = "openai"\n'
-        "max_concurrency = 2\n\n"
+        "# max_concurrency = 4     # requests at once; default 4, fewer where the models would not fit\n\n"
         "[[models]]\n"
         f'id = "{BUNDLED_MODEL_ID}"\n'
         'path = ""                 # empty: the bundled file (or, for another id, the pulled one); else a GGUF path\n\n'

@@ -52,10 +52,11 @@ class Job:
     api: protocol.Api = "chat"
     body: dict[str, Any] | None = field(default=None, repr=False)  # for the prompt bound, once reported
 
-    def report(self, prompt_tokens: int, completion_tokens: int) -> protocol.Usage:
+    def report(self, prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) -> protocol.Usage:
         """The usage to report: an upstream that ignored ``max_tokens``, or counted more prompt tokens
         than the body can hold, is not this node's lie to tell (the coordinator distrusts a node
-        reporting more than it asked for, or than the prompt bound it computes from the same body)."""
+        reporting more than it asked for, or than the prompt bound it computes from the same body).
+        The cached tokens are some of the prompt tokens reported (the coordinator refuses more)."""
         if self.max_tokens is not None and completion_tokens > self.max_tokens:
             log.warning("request %s: the backend produced %d completion tokens for max_tokens %d; reporting %d",
                         self.request_id, completion_tokens, self.max_tokens, self.max_tokens)
@@ -65,7 +66,8 @@ class Job:
             log.warning("request %s: the backend counted %d prompt tokens, more than the body's bound %d; "
                         "reporting %d", self.request_id, prompt_tokens, bound, bound)
             prompt_tokens = bound
-        return protocol.Usage(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens)
+        return protocol.Usage(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
+                              cached_tokens=min(max(cached_tokens, 0), prompt_tokens))
 
     def _prompt_bound(self) -> int | None:
         if self.body is None:
@@ -133,7 +135,7 @@ class FleetRequests:
             if not stopped:
                 log.warning("request %s: the backend did not stop within %.0f s; reporting the usage so far",
                             job.request_id, self.cancel_grace)
-            usage = job.report(job.meter.prompt_tokens, job.meter.completion_tokens)
+            usage = job.report(job.meter.prompt_tokens, job.meter.completion_tokens, job.meter.cached_tokens)
             # Queued without its job, so the writer sends it although the job is cancelled; dropped if
             # the connection the cancel came on is gone.
             job.outbox.send(protocol.InferenceComplete(request_id=job.request_id, usage=usage))
@@ -158,7 +160,7 @@ class FleetRequests:
                 job.max_tokens *= len(completion_prompts(body))
             # an embeddings body has no max_tokens: nothing to hold the report to but the backend's count
             relayed = await self._relay(job, sealer, open_stream(self.backend, frame.api, model_id, body, job.meter))
-            usage = job.report(relayed.prompt_tokens, relayed.completion_tokens)
+            usage = job.report(relayed.prompt_tokens, relayed.completion_tokens, relayed.cached_tokens)
             job.outbox.send(protocol.InferenceComplete(request_id=request_id, usage=usage), job)
             _log_after_this_turn("request %s complete: %d prompt + %d completion tokens", request_id,
                                  usage.prompt_tokens, usage.completion_tokens)

@@ -1,8 +1,8 @@
 """Will it fit: the memory a GGUF model needs on this node, and the memory the node may use.
 
-A model's need is its file (mapped once, however many instances share it) plus, for each of the
-`max_concurrency` instances of a pool, llama.cpp's f16 KV cache for the served context and the
-compute buffers measured on the bundled model (docs/models.md "Will it fit"). The budget is the
+A model's need is its file (mapped once, by its chat and embeddings engines alike) plus, for its
+chat engine, llama.cpp's f16 KV cache for `max_concurrency` windows of the served context and one
+set of compute buffers measured on the bundled model (docs/models.md "Will it fit"). The budget is the
 machine's RAM, or its cgroup limit when smaller, unless the owner set `--max-memory-gb`. It holds with
 Metal (Apple silicon's GPU shares the RAM); a CUDA GPU's own memory is not checked (docs/models.md
 "The GPU" says why).
@@ -21,15 +21,15 @@ from darkbloom.provider.models import read_gguf_metadata
 GIB = 2**30
 MIB = 2**20
 KV_BYTES = 2  # llama.cpp's default KV cache type is f16
-# What an instance holds beyond its KV cache, measured on the bundled model (RSS, n_ctx 2048): a chat
-# instance touches 27-38 MB of compute buffers (prompts go in 128-token pieces); an embeddings
-# instance evaluates a whole input (up to 512 tokens) at once and holds output buffers for it, ~220 MB.
+# What an engine holds beyond its KV cache, measured on the bundled model (RSS after a full window per
+# sequence, n_ctx 2048, 1 and 4 sequences): a chat engine touches 37-42 MB of compute buffers; an
+# embeddings engine evaluates up to 512 tokens at once with every row an output, ~190 MB.
 CHAT_BUFFERS = 40 * MIB
 EMBEDDING_BUFFERS = 224 * MIB
+EMBEDDING_CELLS = 512  # `llama_embeddings.BATCH`
 CGROUP_LIMITS = (Path("/sys/fs/cgroup/memory.max"), Path("/sys/fs/cgroup/memory/memory.limit_in_bytes"))
 
-PoolKind = Literal["chat", "embedding"]
-BUFFERS: dict[PoolKind, int] = {"chat": CHAT_BUFFERS, "embedding": EMBEDDING_BUFFERS}
+EngineKind = Literal["chat", "embedding"]
 
 
 class ModelDoesNotFit(ConfigError):
@@ -38,22 +38,24 @@ class ModelDoesNotFit(ConfigError):
 
 @dataclass(frozen=True)
 class MemoryNeed:
-    """What one pool of a model needs: the file, and the context (KV cache + buffers) of its instances."""
+    """What one engine of a model needs: the file, and its context (KV cache + buffers); a chat engine's
+    for `sequences` requests at once (0 for an embeddings engine, which takes inputs as they fit)."""
 
     model_id: str
     file_bytes: int
     context_bytes: int
-    instances: int
+    sequences: int
 
     @property
     def total(self) -> int:
         return self.file_bytes + self.context_bytes
 
     def describe(self) -> str:
-        requests = "1 request" if self.instances == 1 else f"{self.instances} requests"
         total = self.total
+        requests = "" if not self.sequences else " for 1 request" if self.sequences == 1 else \
+            f" for {self.sequences} requests"
         return (f"{size_text(total)} ({size_text(self.file_bytes, total)} file + "
-                f"{size_text(self.context_bytes, total)} context for {requests})")
+                f"{size_text(self.context_bytes, total)} context{requests})")
 
 
 @dataclass(frozen=True)
@@ -90,12 +92,16 @@ def kv_cache_bytes(metadata: dict[str, Any], n_ctx: int) -> int:
     return n_layer * n_ctx * n_head_kv * (key_length + value_length) * KV_BYTES
 
 
-def estimate(model_id: str, path: Path, n_ctx: int, instances: int, kind: PoolKind = "chat",
+def estimate(model_id: str, path: Path, n_ctx: int, sequences: int, kind: EngineKind = "chat",
              metadata: dict[str, Any] | None = None) -> MemoryNeed:
-    """The memory a pool of `instances` llama.cpp instances of `path` needs at `n_ctx` each."""
+    """The memory an engine of `path` needs: a chat engine serving `sequences` requests of `n_ctx`
+    tokens at once, or an embeddings engine (one batch of EMBEDDING_CELLS)."""
     metadata = read_gguf_metadata(path) if metadata is None else metadata
-    per_instance = kv_cache_bytes(metadata, n_ctx) + BUFFERS[kind]
-    return MemoryNeed(model_id, path.stat().st_size, per_instance * instances, instances)
+    if kind == "chat":
+        context = kv_cache_bytes(metadata, n_ctx * sequences) + CHAT_BUFFERS
+    else:
+        context, sequences = kv_cache_bytes(metadata, EMBEDDING_CELLS) + EMBEDDING_BUFFERS, 0
+    return MemoryNeed(model_id, path.stat().st_size, context, sequences)
 
 
 def memory_budget(max_memory_gb: float | None = None) -> MemoryBudget:
@@ -136,12 +142,30 @@ def refuse_unfit_models(config: ProviderConfig) -> None:
     """What the llama-cpp backend refuses at construction, from the configuration alone."""
     if config.backend != "llama-cpp":
         return
-    needs = [estimate(spec.id, resolve_model_path(spec), config.context_length, config.max_concurrency)
-             for spec in config.models]
+    sequences = serving_concurrency(config)
+    needs = [estimate(spec.id, resolve_model_path(spec), config.context_length, sequences) for spec in config.models]
     refuse_unfit(needs, memory_budget(config.max_memory_gb))
 
 
-def too_large_message(need: MemoryNeed, budget: MemoryBudget, kind: PoolKind = "chat") -> str:
+def serving_concurrency(config: ProviderConfig) -> int:
+    """The requests a node serves at once: its owner's `max_concurrency`, else the default, or fewer for
+    a llama-cpp node where a model would not fit with that many windows (1 at least; `refuse_unfit_models`
+    then says why)."""
+    if config.max_concurrency_chosen or config.backend != "llama-cpp":
+        return config.max_concurrency
+    budget = memory_budget(config.max_memory_gb)
+    try:
+        paths = [(spec.id, resolve_model_path(spec)) for spec in config.models]
+        for sequences in range(config.max_concurrency, 1, -1):
+            needs = [estimate(model_id, path, config.context_length, sequences) for model_id, path in paths]
+            if budget.total_bytes <= 0 or all(need.total <= budget.total_bytes for need in needs):
+                return sequences
+    except OSError:  # a file that is not there: its load says so
+        return config.max_concurrency
+    return 1
+
+
+def too_large_message(need: MemoryNeed, budget: MemoryBudget, kind: EngineKind = "chat") -> str:
     purpose = " for embeddings" if kind == "embedding" else ""
     return f"model {need.model_id} needs {need.describe()}{purpose}; this machine has {budget.describe()}"
 

@@ -37,6 +37,7 @@ from darkbloom.provider.backends.base import LoadsOnDemand, device_of
 from darkbloom.provider.config import ProviderConfig, ws_url
 from darkbloom.provider.direct.endpoint import LocalEndpoint
 from darkbloom.provider.fleet_requests import FleetRequests
+from darkbloom.provider.memory_fit import serving_concurrency
 from darkbloom.provider.models import describe_models
 from darkbloom.provider.outbox import BatchedWrites, Outbox, closed_outbox
 from darkbloom.provider.reconnect import KEEPALIVE, ReconnectPolicy
@@ -52,13 +53,14 @@ class ProviderNode:
     def __init__(self, config: ProviderConfig, home: Path, backend: Backend | None = None, *,
                  local_only: bool = False, direct_backend: Backend | None = None,
                  reconnect: ReconnectPolicy | None = None) -> None:
+        config.max_concurrency = serving_concurrency(config)  # what it serves, for everything that reads it
         self.config = config
         self.home = home
         self.local_only = local_only
-        self.backend: Backend = backend if backend is not None else create_backend(config)
+        self.backend: Backend = backend if backend is not None else create_backend(self.config)
         self.direct_backend: Backend = direct_backend if direct_backend is not None else self.backend
-        self.slots = Slots(config.max_concurrency)
-        self.fleet = FleetRequests(config, self.backend, self.slots)
+        self.slots = Slots(self.config.max_concurrency)
+        self.fleet = FleetRequests(self.config, self.backend, self.slots)
         self.local: LocalEndpoint | None = None
         self.runtime_hash = runtime_hash()
         self.identity: crypto.NodeIdentity | None = None

@@ -92,7 +92,7 @@ def start_background(config: ProviderConfig, home: Path, local_only: bool) -> in
 
 def _serve_args(config: ProviderConfig, local_only: bool = False) -> list[str]:
     args = ["--coordinator", config.coordinator_url, "--backend", config.backend,
-            "--max-concurrency", str(config.max_concurrency),
+            *(("--max-concurrency", str(config.max_concurrency)) if config.max_concurrency_chosen else ()),
             "--private-only" if config.private_only else "--public",
             "--port", str(config.local_port), "--bind", config.local_bind]
     if local_only:

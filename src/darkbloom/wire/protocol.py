@@ -17,7 +17,7 @@ import json
 import re
 from typing import Annotated, Any, Literal, Union
 
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field, TypeAdapter, ValidationError
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, TypeAdapter, ValidationError, model_validator
 
 from darkbloom.wire.catalog import MAX_MODEL_ID
 
@@ -123,6 +123,14 @@ class Hardware(BaseModel):
 class Usage(BaseModel):
     prompt_tokens: int = Field(ge=0)
     completion_tokens: int = Field(ge=0)
+    # of the prompt tokens, those the node read from its cache instead of evaluating (0 from an older node)
+    cached_tokens: int = Field(default=0, ge=0)
+
+    @model_validator(mode="after")
+    def _cached_within_prompt(self) -> Usage:
+        if self.cached_tokens > self.prompt_tokens:
+            raise ValueError("cached_tokens cannot exceed prompt_tokens")
+        return self
 
 
 # provider → coordinator

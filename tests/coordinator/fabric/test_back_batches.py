@@ -18,6 +18,7 @@ class Collected:
 
     def __init__(self) -> None:
         self.frames: list[tuple[str, object]] = []
+        self.usages: list[Usage] = []
 
     def on_chunk(self, envelope: Envelope) -> bool:
         self.frames.append(("chunk", envelope.ciphertext))
@@ -25,6 +26,7 @@ class Collected:
 
     def on_complete(self, usage: Usage) -> bool:
         self.frames.append(("complete", usage.completion_tokens))
+        self.usages.append(usage)
         return True
 
     def on_error(self, status: int, message: str, param: str | None = None, code: str | None = None) -> None:
@@ -81,6 +83,13 @@ async def test_the_frames_of_one_loop_turn_leave_in_one_message(bus: Bus) -> Non
     assert len(back) == 1 and [item["k"] for item in items(back[0])] == ["chunk", "complete"]
     assert inbox.frames[-2:] == [("chunk", "last words"), ("complete", 6)]
     assert a.fabric.holder.hosted == {}
+
+
+async def test_the_cached_tokens_reach_the_admitting_replica(bus: Bus) -> None:
+    _a, _b, forwarder, inbox, _subject = await attempt(bus)
+    forwarder.on_complete(Usage(prompt_tokens=9, completion_tokens=2, cached_tokens=7))
+    await bus.settle()
+    assert inbox.usages == [Usage(prompt_tokens=9, completion_tokens=2, cached_tokens=7)]
 
 
 async def test_a_turn_bigger_than_max_payload_leaves_in_as_few_messages_as_fit(bus: Bus) -> None:

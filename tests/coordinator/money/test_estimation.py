@@ -18,35 +18,37 @@ from darkbloom.coordinator.inference.calls import parse_call
 from darkbloom.wire.openai.edges import CHAT
 from darkbloom.coordinator.money.estimation import output_token_bound, prompt_token_bound
 from darkbloom.provider.backends.llama_chat import chat_job
-from darkbloom.provider.backends.llama_instances import CountingLlama
+from darkbloom.provider.backends.llama_model import LoadedModel
 from darkbloom.provider.backends.llama_prompt import chat_prompt
 from darkbloom.provider.bundled_model import bundled_gguf_path
 
 
+WINDOW = 8192  # as wide as the backend's below: the longest shaped prompts take ~4,300 tokens
+
+
 @pytest.fixture(scope="module")
-def vocab() -> Iterator[llama_cpp.Llama]:
-    # a window as wide as the backend's below: the longest shaped prompts take ~4,300 tokens
-    llm = CountingLlama(model_path=str(bundled_gguf_path()), vocab_only=True, n_ctx=8192, verbose=False)
+def vocab() -> Iterator[LoadedModel]:
+    llm = LoadedModel(bundled_gguf_path(), vocab_only=True)
     yield llm
     llm.close()
 
 
-def real_prompt_tokens(llm: llama_cpp.Llama, messages: list[dict[str, Any]]) -> int:
+def real_prompt_tokens(llm: LoadedModel, messages: list[dict[str, Any]]) -> int:
     """What llama-cpp-python feeds the model for these messages (the GGUF's chat template with the
     generation prompt, tokenized with special tokens) — the count the node reports as prompt_tokens."""
     formatter = llama_chat_format.Jinja2ChatFormatter(
         template=llm.metadata["tokenizer.chat_template"],
-        eos_token=llm._model.token_get_text(llm.token_eos()), bos_token=llm._model.token_get_text(llm.token_bos()))
+        eos_token=llm.token_text(llm.token_eos()), bos_token=llm.token_text(llm.token_bos()))
     formatted = formatter(messages=messages)
     return len(llm.tokenize(formatted.prompt.encode(), add_bos=not formatted.added_special, special=True))
 
 
-def node_prompt_tokens(llm: llama_cpp.Llama, body: dict[str, Any]) -> int:
+def node_prompt_tokens(llm: LoadedModel, body: dict[str, Any]) -> int:
     """The prompt the llama.cpp backend feeds the model for a chat body, counted without running it:
     the request's tools and schema written into its messages (`chat_job`), then templated and
     tokenized (`chat_prompt`)."""
-    job = chat_job(body, llm.n_vocab(), llm.n_ctx())
-    return len(chat_prompt(llm, job.messages)[0])
+    job = chat_job(body, llm.n_vocab(), WINDOW)
+    return len(chat_prompt(llm, job.messages, WINDOW)[0])
 
 
 def chat(messages: list[dict[str, Any]], **fields: Any) -> Any:
@@ -71,7 +73,7 @@ PROMPTS = {
 
 
 @pytest.mark.parametrize("name", list(PROMPTS))
-def test_prompt_bound_is_at_least_the_real_token_count(vocab: llama_cpp.Llama, name: str) -> None:
+def test_prompt_bound_is_at_least_the_real_token_count(vocab: LoadedModel, name: str) -> None:
     messages = PROMPTS[name]
     real = real_prompt_tokens(vocab, _as_text(messages))
     bound = prompt_token_bound(chat(messages))
@@ -90,9 +92,9 @@ def _as_text(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return out
 
 
-def test_real_count_matches_a_full_model_run(vocab: llama_cpp.Llama) -> None:
+def test_real_count_matches_a_full_model_run(vocab: LoadedModel) -> None:
     """The counting above is what the model really consumes (checked once against llama.cpp's usage)."""
-    llm = CountingLlama(model_path=str(bundled_gguf_path()), n_ctx=512, verbose=False)  # as the node loads it
+    llm = llama_cpp.Llama(model_path=str(bundled_gguf_path()), n_ctx=512, verbose=False)
     try:
         messages = PROMPTS["english prose"]
         usage = llm.create_chat_completion(messages=messages, max_tokens=1)["usage"]
@@ -126,7 +128,7 @@ def test_output_bound(fields: dict[str, Any], bound: int) -> None:
     assert output_token_bound(chat([{"role": "user", "content": "x"}], **fields), MODEL) == bound
 
 
-def test_reservation_covers_the_real_worst_case(vocab: llama_cpp.Llama) -> None:
+def test_reservation_covers_the_real_worst_case(vocab: LoadedModel) -> None:
     """The reserved amount is at least the cost of the real prompt plus the full output bound."""
     model = CatalogModel(id="smollm2-135m", input_price=1_333_333, output_price=4_666_667, max_output_tokens=2048)
     for messages in PROMPTS.values():
@@ -182,7 +184,7 @@ async def backend() -> Any:
     await node.close()
 
 
-def test_prompt_bound_covers_what_the_node_adds_for_tools_and_schemas(vocab: llama_cpp.Llama) -> None:
+def test_prompt_bound_covers_what_the_node_adds_for_tools_and_schemas(vocab: LoadedModel) -> None:
     """The node writes tool lists and schemas into the prompt with words of its own: the bound must
     still hold, or the coordinator would distrust an honest node's usage."""
     for name, fields in SHAPED.items():
@@ -190,7 +192,7 @@ def test_prompt_bound_covers_what_the_node_adds_for_tools_and_schemas(vocab: lla
         assert node_prompt_tokens(vocab, body) <= prompt_token_bound(chat(**fields)), name
 
 
-async def test_the_node_reports_the_prompt_counted_above(backend: Any, vocab: llama_cpp.Llama) -> None:
+async def test_the_node_reports_the_prompt_counted_above(backend: Any, vocab: LoadedModel) -> None:
     """What the llama.cpp backend reports as prompt_tokens for a shaped request is the count above
     (checked once, on a request with a tool, a call and its result, through a real generation)."""
     body = {"model": "smollm2-135m", "max_tokens": 1, **SHAPED["tool history"]}

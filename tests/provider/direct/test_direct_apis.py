@@ -29,8 +29,9 @@ EMBEDDING = {"object": "list", "data": [{"object": "embedding", "index": 0, "emb
 class ApiBackend:
     """Yields `chunks[api]` for each node API, raising BackendError(`status`) at index `fail_at`."""
 
-    def __init__(self, chunks: dict[str, list[dict[str, Any]]], fail_at: int | None = None, status: int = 502) -> None:
-        self.chunks, self.fail_at, self.status = chunks, fail_at, status
+    def __init__(self, chunks: dict[str, list[dict[str, Any]]], fail_at: int | None = None, status: int = 502,
+                 cached_tokens: int | None = None) -> None:
+        self.chunks, self.fail_at, self.status, self.cached_tokens = chunks, fail_at, status, cached_tokens
         self.bodies: list[tuple[str, dict[str, Any]]] = []
 
     async def start(self) -> None: ...
@@ -49,7 +50,8 @@ class ApiBackend:
             yield json.loads(json.dumps(chunk))
         if self.fail_at == len(chunks):
             raise BackendError(self.status, "scripted failure", param="messages")
-        yield usage_chunk("x", model_id, 1, 3, 0 if api == "embeddings" else 2)
+        yield usage_chunk("x", model_id, 1, 3, 0 if api == "embeddings" else 2,
+                          cached_tokens=None if api == "embeddings" else self.cached_tokens)
 
     def stream_chat(self, model_id: str, body: dict[str, Any],
                     meter: UsageMeter | None = None) -> AsyncIterator[dict[str, Any]]:
@@ -119,6 +121,40 @@ async def test_responses_through_the_openai_sdk() -> None:
     async with sdk.responses.stream(model=MODEL, input="Hi") as stream:
         final = await stream.get_final_response()
     assert final.output_text == "Hello"
+    await idle(slots)
+
+
+async def test_every_api_says_the_backends_cached_tokens() -> None:
+    slots = Slots(1)
+    app = create_app(ApiBackend(TEXT, cached_tokens=2), slots, [MODEL], TOKEN)
+    sdk = openai_client(app)
+    chat = await sdk.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Hi"}])
+    assert chat.usage is not None and chat.usage.prompt_tokens_details is not None
+    assert (chat.usage.prompt_tokens, chat.usage.prompt_tokens_details.cached_tokens) == (3, 2)
+    streamed = [c async for c in await sdk.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "Hi"}], stream=True, stream_options={"include_usage": True})]
+    usage = streamed[-1].usage
+    assert usage is not None and usage.prompt_tokens_details is not None
+    assert usage.prompt_tokens_details.cached_tokens == 2
+    done = await sdk.completions.create(model=MODEL, prompt="Once", max_tokens=4)
+    assert done.usage is not None and done.usage.prompt_tokens_details is not None
+    assert done.usage.prompt_tokens_details.cached_tokens == 2
+    response = await sdk.responses.create(model=MODEL, input="Hi")
+    assert response.usage is not None and response.usage.input_tokens_details.cached_tokens == 2
+    message = await anthropic_client(app).messages.create(model=MODEL, max_tokens=8,
+                                                          messages=[{"role": "user", "content": "Hi"}])
+    assert (message.usage.input_tokens, message.usage.cache_read_input_tokens) == (1, 2)
+    embedded = await sdk.embeddings.create(model=MODEL, input="hello")
+    assert "prompt_tokens_details" not in embedded.usage.model_dump(exclude_unset=True)
+    await idle(slots)
+
+
+async def test_a_backend_that_does_not_know_says_none_were_cached() -> None:
+    slots = Slots(1)
+    sdk = openai_client(create_app(ApiBackend(TEXT), slots, [MODEL], TOKEN))
+    chat = await sdk.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Hi"}])
+    assert chat.usage is not None and chat.usage.prompt_tokens_details is not None
+    assert chat.usage.prompt_tokens_details.cached_tokens == 0
     await idle(slots)
 
 

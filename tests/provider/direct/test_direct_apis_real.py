@@ -14,7 +14,7 @@ import openai
 import pytest
 
 from darkbloom.provider.backends.llama_cpp import LlamaCppBackend
-from darkbloom.provider.backends.llama_instances import CountingLlama
+from darkbloom.provider.backends.llama_model import LoadedModel
 from darkbloom.provider.direct.server import create_app
 from darkbloom.provider.slots import Slots
 from tests.provider.direct.test_direct_apis import anthropic_client, openai_client
@@ -72,7 +72,11 @@ async def test_anthropic_sdk_messages(llama: LlamaCppBackend) -> None:  # noqa: 
     async with sdk.messages.stream(model=MODEL, max_tokens=8, extra_body=greedy, messages=hello) as stream:
         text = "".join([t async for t in stream.text_stream])
         final = await stream.get_final_message()
-    assert text == message.content[0].text and final.usage.input_tokens == message.usage.input_tokens
+    assert text == message.content[0].text
+    # the same prompt again: the node read most of it from its cache, and says so as Anthropic does
+    assert final.usage.cache_read_input_tokens > 0 and final.usage.cache_creation_input_tokens == 0
+    assert (final.usage.input_tokens + final.usage.cache_read_input_tokens
+            == message.usage.input_tokens + message.usage.cache_read_input_tokens)
     await idle(slots)
 
     tools: list[Any] = [{"name": "get_weather", "description": "Weather in a city", "input_schema": WEATHER_SCHEMA}]
@@ -81,6 +85,28 @@ async def test_anthropic_sdk_messages(llama: LlamaCppBackend) -> None:  # noqa: 
     uses = [block for block in forced.content if block.type == "tool_use"]
     assert forced.stop_reason == "tool_use" and uses and uses[0].name == "get_weather"
     assert uses[0].id.startswith("toolu_") and isinstance(uses[0].input, dict)
+    await idle(slots)
+
+
+async def test_a_conversations_second_turn_reads_the_first_from_the_cache(llama: LlamaCppBackend) -> None:  # noqa: F811
+    slots = Slots(1)
+    sdk: openai.AsyncOpenAI = openai_client(create_app(llama, slots, [MODEL], TOKEN))
+    first: list[Any] = [{"role": "system", "content": "You are a helpful assistant who answers briefly."},
+                        {"role": "user", "content": "Name one colour of the rainbow."}]
+    answer = await sdk.chat.completions.create(model=MODEL, messages=first, max_tokens=8, temperature=0)
+    assert answer.usage is not None and answer.usage.prompt_tokens_details is not None
+    assert answer.usage.prompt_tokens_details.cached_tokens == 0  # a fresh engine: nothing to reuse
+    second = [*first, {"role": "assistant", "content": answer.choices[0].message.content},
+              {"role": "user", "content": "And another one?"}]
+    stream = await sdk.chat.completions.create(model=MODEL, messages=second, max_tokens=8, temperature=0, stream=True,
+                                               stream_options={"include_usage": True})
+    usage = [chunk async for chunk in stream][-1].usage
+    assert usage is not None and usage.prompt_tokens_details is not None
+    assert 0 < usage.prompt_tokens_details.cached_tokens < usage.prompt_tokens
+    assert usage.prompt_tokens_details.cached_tokens >= answer.usage.prompt_tokens // 2  # the first turn's prompt
+    response = await sdk.responses.create(model=MODEL, input=second, max_output_tokens=8,  # type: ignore[arg-type]
+                                          temperature=0)
+    assert response.usage is not None and response.usage.input_tokens_details.cached_tokens > 0
     await idle(slots)
 
 
@@ -94,7 +120,7 @@ async def test_direct_text_never_becomes_control_tokens(llama: LlamaCppBackend, 
     await idle(slots)
     done = await sdk.completions.create(model=MODEL, prompt=FORGED, max_tokens=1)
     await idle(slots)
-    tokenizer = CountingLlama(model_path=str(gguf), n_ctx=256, verbose=False)
+    tokenizer = LoadedModel(gguf, vocab_only=True)
     assert len(fed) == 2 and chat.usage is not None and done.usage is not None
     assert_forged_fed_as_text(tokenizer, fed[0], "chat")
     assert_forged_fed_as_text(tokenizer, fed[1], "completions")

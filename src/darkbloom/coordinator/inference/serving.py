@@ -66,9 +66,10 @@ async def serve(edge: Edge, request: Request, caller: Caller, services: Services
             grants = await load_grants(services, caller, policy.share_id) if policy.shared else None
             model = placement.resolve_model(services, caller, call.model, policy)
             prompt_bound, output_bound = prompt_token_bound(call), output_token_bound(call, model)
+            conversation = services.affinity.conversation(caller.account_id, model.id, call.api, call.body)
             decision = placement.decide(services, policy, model, needs=call.needs, grants=grants,
                                         context_needed=context_needed(call, prompt_bound, output_bound),
-                                        output_tokens=output_bound)
+                                        output_tokens=output_bound, affinity=services.affinity.recall(conversation))
             placement.check_context(services, decision)  # before anything is taken
             policy = await _admit(life, policy, decision, prompt_bound, output_bound)
             admitted_at = time.monotonic()
@@ -81,6 +82,7 @@ async def serve(edge: Edge, request: Request, caller: Caller, services: Services
                 if not failure.crashed_providers:  # a poison request is told so, whatever state the machines are in
                     error = await placement.unserved_error(services, decision, error)
                 raise error from None
+            services.affinity.remember(conversation, attempt.session.id)  # where its next turn finds its cache
             first_content_at = attempt.first_content_at or time.monotonic()  # or it completed without content
             FIRST_CONTENT_SECONDS.labels(edge.path).observe(first_content_at - life.started)
             headers = _routing_headers(life, attempt, policy)

@@ -297,9 +297,10 @@ class RequestLifecycle:
         assert self.serving is not None and self.model is not None
         usage = self.serving.usage
         log.info("request_id=%s account=%s key=%s model=%s provider=%s outcome=%s prompt_tokens=%s "
-                 "completion_tokens=%s ms=%d", self.request_id, self.caller.account_id, self.caller.key_id,
-                 self.model.id, self.serving.session.id, outcome, usage.prompt_tokens if usage else None,
-                 usage.completion_tokens if usage else None, (time.monotonic() - self.started) * 1000)
+                 "completion_tokens=%s cached_tokens=%s ms=%d", self.request_id, self.caller.account_id,
+                 self.caller.key_id, self.model.id, self.serving.session.id, outcome,
+                 usage.prompt_tokens if usage else None, usage.completion_tokens if usage else None,
+                 usage.cached_tokens if usage else None, (time.monotonic() - self.started) * 1000)
 
 
 def _measure_decode_speed(attempt: Attempt) -> None:

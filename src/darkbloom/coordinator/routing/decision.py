@@ -61,6 +61,7 @@ class RouteDecision:
     exhausted_shares: tuple[ShareGrant, ...] = ()
     shared_routing: bool = False          # X-Darkbloom-Route: shared (its own pre-flight errors)
     tallied: bool = False                 # counted by its model's public view (machine insight), once
+    affinity: str | None = None           # the session that served its conversation before (routing/affinity.py)
 
     @property
     def names(self) -> tuple[str, ...]:

@@ -42,7 +42,8 @@ def resolve_model(services: Services, caller: Caller, name: str, policy: Policy)
 
 
 def decide(services: Services, policy: Policy, model: CatalogModel, *, needs: frozenset[str],
-           context_needed: int = 0, output_tokens: int = 0, grants: sharing.Grants | None = None) -> RouteDecision:
+           context_needed: int = 0, output_tokens: int = 0, grants: sharing.Grants | None = None,
+           affinity: str | None = None) -> RouteDecision:
     # a model outside the catalog is reachable only on the caller's own machines, even with prefer:
     # another account's machine advertising the same name is not public fleet for it
     owner_only_model = services.settings.catalog.resolve(model.id) is None
@@ -51,7 +52,7 @@ def decide(services: Services, policy: Policy, model: CatalogModel, *, needs: fr
                          owned_only=policy.never_fleet or (policy.self_routed and owner_only_model),
                          pinned=policy.pinned, context_needed=context_needed, output_tokens=output_tokens,
                          shares=grants.usable if grants else (), exhausted_shares=grants.exhausted if grants else (),
-                         shared_routing=policy.shared)
+                         shared_routing=policy.shared, affinity=affinity)
 
 
 def check_context(services: Services, decision: RouteDecision) -> None:

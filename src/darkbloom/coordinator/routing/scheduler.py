@@ -25,6 +25,12 @@ of its capacity, or slower than LOCAL_SPEED_SHARE of its speed where that costs 
 (its ``max_tokens`` at the two measured speeds) more than LOCAL_DECODE_SLACK of decoding. Speeds
 that far apart in ratio but not in time are those of very fast sessions, measured over a few
 milliseconds each: their difference is mostly noise, and less than the hop costs.
+
+A first placement (``try_place``, and the queue's) prefers the session that served the request's
+conversation before (``decision.affinity``, routing/affinity.py) over the one a view's order came to,
+when it is in that same view, has a free slot, passes every gate and still has the model loaded (an
+unloaded model took its cache with it); that choice also outweighs a session held on this replica.
+Retries and the backup never look at it.
 """
 
 from __future__ import annotations
@@ -173,32 +179,37 @@ def claim(registry: Registry, session: ProviderSession, decision: RouteDecision)
 
 def try_place(registry: Registry, decision: RouteDecision, settings: CoordinatorSettings,
               found: Survey | None = None) -> Claim | None:
-    """Select and claim; from ``found`` (a survey already made) when given."""
-    session = choose(found.available, decision) if found is not None else select(registry, decision, settings)
+    """Select (the conversation's session preferred) and claim; from ``found`` (a survey already made)
+    when given."""
+    session = (choose(found.available, decision) if found is not None
+               else select(registry, decision, settings, affine=True))
     return claim(registry, session, decision) if session is not None else None
 
 
 def select(registry: Registry, decision: RouteDecision, settings: CoordinatorSettings,
-           order: Order = FreeOrder.by_expected_wait, rank: Rank | None = None) -> Optional[ProviderSession]:
+           order: Order = FreeOrder.by_expected_wait, rank: Rank | None = None,
+           affine: bool = False) -> Optional[ProviderSession]:
     """What ``choose`` would pick from a full survey: owned sessions first (prefer and exclusive),
     then those of each share (shared routing), the model's public sessions after (never for
-    ``owned_only``), each view in ``order`` (by ``rank``, default ``expected_wait``)."""
+    ``owned_only``), each view in ``order`` (by ``rank``, default ``expected_wait``); ``affine``:
+    the conversation's session preferred within its view."""
     now = time.monotonic()
     owner = decision.owner_account_id
     rank = rank or (lambda session: expected_wait(session, decision.names))
+    preferred = registry.get(decision.affinity) if affine and decision.affinity else None
     if owner is not None:
-        found = _pick(registry, decision, settings, order, rank, owner, False, now)
+        found = _pick(registry, decision, settings, order, rank, owner, False, now, preferred=preferred)
         for sharer in decision.share_owners:
             if found is not None:
                 break
-            found = _pick(registry, decision, settings, order, rank, sharer, False, now)
+            found = _pick(registry, decision, settings, order, rank, sharer, False, now, preferred=preferred)
         if found is not None or decision.owned_only:
             return found
     elif decision.owned_only:
         return None
     counting = not decision.tallied
     decision.tallied = True
-    return _pick(registry, decision, settings, order, rank, None, owner is not None, now, counting)
+    return _pick(registry, decision, settings, order, rank, None, owner is not None, now, counting, preferred)
 
 
 def select_idle_or_free(registry: Registry, decision: RouteDecision, settings: CoordinatorSettings,
@@ -210,16 +221,20 @@ def select_idle_or_free(registry: Registry, decision: RouteDecision, settings: C
 
 
 def _pick(registry: Registry, decision: RouteDecision, settings: CoordinatorSettings, order: Order, rank: Rank,
-          owner: str | None, skip_owned: bool, now: float, counting: bool = False) -> Optional[ProviderSession]:
-    """The first usable session of the view in ``order``; with replicas, one held here when it ranks
-    as well as another replica's that came first or is as good (``as_good_here``). ``counting``: the
-    request's first public selection, told to the view's tally."""
+          owner: str | None, skip_owned: bool, now: float, counting: bool = False,
+          preferred: ProviderSession | None = None) -> Optional[ProviderSession]:
+    """The first usable session of the view in ``order``, or the ``preferred`` one over it (``_affine``);
+    with replicas, one held here when it ranks as well as another replica's that came first or is as
+    good (``as_good_here``). ``counting``: the request's first public selection, told to the view's tally."""
     view = _view(registry, decision, settings, owner)
     tally = view.tally if counting else None
     if tally is not None:
         tally.request()
     found = _first(order(view.free), decision, settings, now, skip_owned, tally)
-    if found is not None and settings.nats_url is not None and registry.held(found.id) is None:
+    if found is not None and preferred is not None and _affine(preferred, found, view, decision, settings, now,
+                                                               skip_owned):
+        found = preferred
+    elif found is not None and settings.nats_url is not None and registry.held(found.id) is None:
         here = _first(order(_view(registry, decision, settings, owner, held_here=True).free), decision, settings,
                       now, skip_owned)
         if here is not None and (rank(here) <= rank(found) or as_good_here(here, found, decision)):
@@ -227,6 +242,15 @@ def _pick(registry: Registry, decision: RouteDecision, settings: CoordinatorSett
     if found is not None and tally is not None:
         tally.chosen(found)
     return found
+
+
+def _affine(preferred: ProviderSession, found: ProviderSession, view: SessionView, decision: RouteDecision,
+            settings: CoordinatorSettings, now: float, skip_owned: bool) -> bool:
+    """Whether the conversation's session takes the request instead of ``found``: a member of the same
+    view with a free slot, through every gate, and with the model (and so its cache) still loaded."""
+    return (preferred is not found and preferred in view.free and preferred.has_free_slot
+            and preferred.has_loaded(decision.names)
+            and _usable(preferred, decision, settings, now, skip_owned, count=False))
 
 
 def as_good_here(here: ProviderSession, there: ProviderSession, decision: RouteDecision) -> bool:

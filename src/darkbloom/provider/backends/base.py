@@ -43,6 +43,7 @@ class UsageMeter:
     def __init__(self) -> None:
         self.prompt_tokens = 0
         self.completion_tokens = 0
+        self.cached_tokens = 0  # of the prompt tokens, those read from a cache instead of evaluated
         self._idle = asyncio.Event()
         self._idle.set()
 
@@ -128,15 +129,20 @@ def new_completion_id(prefix: str = "chatcmpl") -> str:
 
 def usage_chunk(completion_id: str, model_id: str, created: int | None,
                 prompt_tokens: int, completion_tokens: int, *,
-                object_name: str = "chat.completion.chunk") -> dict[str, Any]:
+                object_name: str = "chat.completion.chunk", cached_tokens: int | None = None) -> dict[str, Any]:
+    """The final chunk: OpenAI's `usage`, with `prompt_tokens_details.cached_tokens` when the backend
+    knows how many prompt tokens it read from a cache."""
+    usage: dict[str, Any] = {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+                             "total_tokens": prompt_tokens + completion_tokens}
+    if cached_tokens is not None:
+        usage["prompt_tokens_details"] = {"cached_tokens": cached_tokens}
     return {
         "id": completion_id,
         "object": object_name,
         "created": int(time.time()) if created is None else created,
         "model": model_id,
         "choices": [],
-        "usage": {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-                  "total_tokens": prompt_tokens + completion_tokens},
+        "usage": usage,
     }
 
 
@@ -145,7 +151,13 @@ def is_usage_chunk(chunk: dict[str, Any]) -> bool:
 
 
 def chunk_usage(chunk: dict[str, Any]) -> Usage:
-    """The token counts of a backend's final usage chunk (see `is_usage_chunk`)."""
+    """The token counts of a backend's final usage chunk (see `is_usage_chunk`); `cached_tokens` from
+    its `prompt_tokens_details` (0 when absent), held within 0 and the prompt tokens."""
     usage = chunk["usage"]
-    return Usage(prompt_tokens=int(usage.get("prompt_tokens", 0)),
-                 completion_tokens=int(usage.get("completion_tokens", 0)))
+    prompt_tokens = int(usage.get("prompt_tokens", 0))
+    details = usage.get("prompt_tokens_details")
+    cached = details.get("cached_tokens") if isinstance(details, dict) else None
+    if not isinstance(cached, int) or isinstance(cached, bool):
+        cached = 0
+    return Usage(prompt_tokens=prompt_tokens, completion_tokens=int(usage.get("completion_tokens", 0)),
+                 cached_tokens=min(max(cached, 0), prompt_tokens))

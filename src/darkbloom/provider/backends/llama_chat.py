@@ -1,5 +1,5 @@
-"""A chat completion on llama.cpp: the request checked (event loop), then generated and streamed as
-OpenAI `chat.completion.chunk`s (worker thread).
+"""A chat completion on llama.cpp: the request checked (event loop), prepared as an engine sequence
+(worker thread), then streamed as OpenAI `chat.completion.chunk`s (the engine's thread).
 
 The prompt is the model's own chat template over `chat_prompt.template_messages`, tokenized by
 `llama_prompt` (message text never as special tokens; bounded by the context window). A body with
@@ -16,7 +16,6 @@ can be, else the name so far, with no arguments.
 
 from __future__ import annotations
 
-import itertools
 import json
 import re
 import time
@@ -26,10 +25,12 @@ from typing import Any, Callable
 
 from darkbloom.provider.backends.base import BackendError
 from darkbloom.provider.backends.chat_prompt import template_messages
-from darkbloom.provider.backends.llama_decode import (ContextOverflow, Finish, Piece, TokenLogprob, check_grammar,
-                                                      decode)
-from darkbloom.provider.backends.llama_instances import CountingLlama
+from darkbloom.provider.backends.llama_decode import (ContextOverflow, Finish, Piece, TextStream, TokenLogprob,
+                                                      check_grammar)
+from darkbloom.provider.backends.llama_engine import Generation, Sequence
+from darkbloom.provider.backends.llama_model import LoadedModel
 from darkbloom.provider.backends.llama_prompt import chat_prompt
+from darkbloom.provider.backends.llama_sampler import SequenceSampler
 from darkbloom.provider.backends.params import Sampling, chat_logprobs, sampling
 from darkbloom.provider.backends.tool_params import (ToolPlan, call_schema, response_schema, schema_grammar,
                                                      tool_grammar, tool_plan)
@@ -73,21 +74,22 @@ def chat_job(body: dict[str, Any], n_vocab: int | None, n_ctx: int) -> ChatJob:
     return ChatJob(messages, settings, plan, grammar, param, hold)
 
 
-def run_chat(llama: CountingLlama, job: ChatJob, emit: Callable[[dict[str, Any]], None]) -> None:
-    """Worker thread: generate the answer and `emit` its chunks (ids and model are set by the caller)."""
-    if job.grammar is not None and not check_grammar(llama, job.grammar):
+def chat_sequence(model: LoadedModel, job: ChatJob, n_ctx: int, generation: Generation,
+                  emit: Callable[[dict[str, Any]], None]) -> Sequence:
+    """The engine's sequence for `job` (a worker thread: the prompt is rendered and tokenized here).
+    Its first chunk, the assistant's role, is sent once the prompt is known to fit."""
+    if job.grammar is not None and not check_grammar(model, job.grammar):
         raise BackendError(400, f"this model cannot follow the JSON schema in {job.grammar_param}",
                            param=job.grammar_param)
-    tokens, stops = chat_prompt(llama, job.messages)
+    tokens, stops = chat_prompt(model, job.messages, n_ctx, generation)
+    if len(tokens) >= n_ctx:
+        raise ContextOverflow(len(tokens), n_ctx, "messages")
     out = _ChatChunks(job, emit)
-    items = decode(llama, tokens, job.sampling, param="messages", grammar=job.grammar, extra_stops=stops)
-    first = next(items)  # a prompt too long for the window fails here, before anything is sent
+    stream = TextStream(model, job.sampling, room=n_ctx - len(tokens), extra_stops=stops)
+    sequence = Sequence(tokens, SequenceSampler(model, job.sampling, job.grammar, job.sampling.seed_or_default()),
+                        stream, out.take, generation, job.sampling.top_logprobs, job.grammar_param)
     out.send({"role": "assistant"})
-    for item in itertools.chain([first], items):
-        if isinstance(item, Piece):
-            out.piece(item)
-        else:
-            out.finish(item)
+    return sequence
 
 
 class _ChatChunks:
@@ -107,6 +109,12 @@ class _ChatChunks:
         self.logprobs = []
         self.emit({"object": "chat.completion.chunk", "created": self.created,
                    "choices": [{"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish}]})
+
+    def take(self, item: Piece | Finish) -> None:
+        if isinstance(item, Piece):
+            self.piece(item)
+        else:
+            self.finish(item)
 
     def piece(self, piece: Piece) -> None:
         self.logprobs += piece.logprobs

@@ -1,31 +1,27 @@
-"""One generation on a checked-out `Llama`, as text pieces (worker thread).
+"""A generation's tokens as text pieces: what `create_completion` would make of them.
 
-`decode` drives the library's token loop (`Llama.generate`, which the backend's counting wrapper
-counts and cancels) and does what `create_completion` would: UTF-8 held back until a character is
-whole, stop sequences (text that may begin one is held back; a stop ends the answer without it),
-end-of-generation, `max_tokens` bounded by the context window. Each `Piece` is released text with
-the log-probabilities of the tokens whose text it completes.
+`TextStream` takes the tokens one sequence samples (on the engine's thread): UTF-8 held back until
+a character is whole, stop sequences (text that may begin one is held back; a stop ends the answer
+without it), end-of-generation, `max_tokens` bounded by the context window. Each `Piece` is released
+text with the log-probabilities of the tokens whose text it completes.
 
-Logprobs without `logits_all`: while `generate` is suspended at a sampled token, the context still
-holds the logits that token was sampled from (the last row, which llama.cpp computes for every
-decode), so the log-softmax is taken there. No instance needs `logits_all=True` (which costs
-n_ctx × n_vocab floats, ~400 MB for the bundled model at n_ctx 2048) and every instance can answer
-with logprobs. They are the model's own distribution, before grammar, penalties and temperature.
+Logprobs are taken from the logits row the token was sampled from (llama.cpp keeps a row for every
+sequence that asked for one in the step): the model's own distribution, before grammar, penalties
+and temperature.
 """
 
 from __future__ import annotations
 
 import codecs
 import ctypes
-import random
 from dataclasses import dataclass, field
-from typing import Any, Iterator
+from typing import Any
 
 import llama_cpp
 import numpy as np
 
 from darkbloom.provider.backends.base import BackendError
-from darkbloom.provider.backends.llama_instances import CountingLlama
+from darkbloom.provider.backends.llama_model import LoadedModel
 from darkbloom.provider.backends.params import Sampling
 
 
@@ -63,66 +59,64 @@ class ContextOverflow(BackendError):
                          param=param, code="context_length_exceeded")
 
 
-def check_grammar(llama: llama_cpp.Llama, grammar: str) -> bool:
+def check_grammar(model: LoadedModel, grammar: str) -> bool:
     """Whether llama.cpp parses `grammar` (it would crash the sampler chain later if not)."""
-    sampler = llama_cpp.llama_sampler_init_grammar(llama._model.vocab, grammar.encode(), b"root")
+    sampler = llama_cpp.llama_sampler_init_grammar(model.vocab, grammar.encode(), b"root")
     if not sampler:
         return False
     llama_cpp.llama_sampler_free(sampler)
     return True
 
 
-def decode(llama: CountingLlama, prompt: list[int], sampling: Sampling, *, param: str,
-           grammar: str | None = None, extra_stops: tuple[str, ...] = ()) -> Iterator[Piece | Finish]:
-    n_ctx = llama.n_ctx()
-    if len(prompt) >= n_ctx:
-        raise ContextOverflow(len(prompt), n_ctx, param)
-    if any(token >= llama.n_vocab() for token in sampling.logit_bias):  # checked before loading when known
-        raise BackendError(400, "logit_bias keys must be token ids of this model", param="logit_bias")
-    room = n_ctx - len(prompt)
-    max_tokens = min(sampling.max_tokens or room, room)
-    seed = sampling.seed if sampling.seed is not None else random.Random(llama._seed).randint(0, 2**32)
-    llama.set_seed(seed & 0xFFFFFFFF)
-    stops = [s for s in (*sampling.stop, *extra_stops) if s]
-    grammar_obj = llama_cpp.LlamaGrammar.from_string(grammar, verbose=False) if grammar else None
-    utf8 = codecs.getincrementaldecoder("utf-8")(errors="replace")
-    pending = ""  # decoded, not yet released
-    waiting: list[tuple[int, TokenLogprob]] = []  # logprobs, each with where its token's text ends
-    released = 0  # characters released so far (over the whole answer)
-    sampled, reason, cut = 0, "length", False
-    llama.logit_bias = sampling.logit_bias
-    try:
-        for token in llama.generate(prompt, grammar=grammar_obj, **sampling.options):
-            if llama_cpp.llama_vocab_is_eog(llama._model.vocab, token):
-                reason = "stop"
-                break
-            sampled += 1
-            piece = llama.detokenize([token])
-            logprob = _logprob(llama, token, piece, sampling.top_logprobs) if sampling.top_logprobs is not None \
-                else None
-            pending += utf8.decode(piece)
-            if logprob is not None:
-                waiting.append((released + len(pending), logprob))
-            hit = _first_stop(pending, stops)
-            if hit is not None:
-                pending, reason, cut = pending[:hit], "stop", True
-                break
-            keep = _held_back(pending, stops)
-            if len(pending) > keep:
-                text, pending = pending[: len(pending) - keep], pending[len(pending) - keep:]
-                released += len(text)
-                yield Piece(text, _take(waiting, released))
-            if sampled >= max_tokens:
-                break
-    finally:
-        llama.logit_bias = {}
-    if not cut:
-        pending += utf8.decode(b"", final=True)
-    released += len(pending)
-    last = _take(waiting, released)  # what is still waiting was part of a stop sequence: dropped
-    if pending or last:
-        yield Piece(pending, last)
-    yield Finish(reason)
+class TextStream:
+    """One generation's sampled tokens → released text (`push`, on the engine's thread).
+
+    `max_tokens` is bounded by the room the prompt leaves in the window; `completion_tokens` counts
+    every token pushed but an end-of-generation one."""
+
+    def __init__(self, model: LoadedModel, sampling: Sampling, *, room: int,
+                 extra_stops: tuple[str, ...] = ()) -> None:
+        self.model = model
+        self.max_tokens = min(sampling.max_tokens or room, room)
+        self.stops = [s for s in (*sampling.stop, *extra_stops) if s]
+        self.completion_tokens = 0
+        self.done = False
+        self._utf8 = codecs.getincrementaldecoder("utf-8")(errors="replace")
+        self._pending = ""  # decoded, not yet released
+        self._waiting: list[tuple[int, TokenLogprob]] = []  # logprobs, each with where its token's text ends
+        self._released = 0  # characters released so far (over the whole answer)
+
+    def push(self, token: int, logprob: TokenLogprob | None = None) -> list[Piece | Finish]:
+        """The text this token releases; the last item is a `Finish` once the answer is over."""
+        assert not self.done
+        if self.model.is_eog(token):
+            return self._finish("stop", cut=False)
+        self.completion_tokens += 1
+        piece = self.model.detokenize([token])
+        self._pending += self._utf8.decode(piece)
+        if logprob is not None:
+            self._waiting.append((self._released + len(self._pending), logprob))
+        hit = _first_stop(self._pending, self.stops)
+        if hit is not None:
+            self._pending = self._pending[:hit]
+            return self._finish("stop", cut=True)
+        out: list[Piece | Finish] = []
+        keep = _held_back(self._pending, self.stops)
+        if len(self._pending) > keep:
+            text, self._pending = self._pending[: len(self._pending) - keep], self._pending[len(self._pending) - keep:]
+            self._released += len(text)
+            out.append(Piece(text, _take(self._waiting, self._released)))
+        if self.completion_tokens >= self.max_tokens:
+            out += self._finish("length", cut=False)
+        return out
+
+    def _finish(self, reason: str, *, cut: bool) -> list[Piece | Finish]:
+        self.done = True
+        pending = self._pending if cut else self._pending + self._utf8.decode(b"", final=True)
+        self._pending = ""
+        self._released += len(pending)
+        last = _take(self._waiting, self._released)  # what is still waiting was part of a stop sequence: dropped
+        return [*([Piece(pending, last)] if pending or last else []), Finish(reason)]
 
 
 def _take(waiting: list[tuple[int, TokenLogprob]], released: int) -> list[TokenLogprob]:
@@ -148,17 +142,17 @@ def _held_back(text: str, stops: list[str]) -> int:
     return keep
 
 
-def _logprob(llama: llama_cpp.Llama, token: int, piece: bytes, top_n: int) -> TokenLogprob:
-    """The sampled token's log-probability, from the logits it was sampled from (see the docstring)."""
-    n_vocab = llama.n_vocab()
-    pointer = llama_cpp.llama_get_logits_ith(llama._ctx.ctx, -1)
-    logits = np.ctypeslib.as_array(ctypes.cast(pointer, ctypes.POINTER(ctypes.c_float)), shape=(n_vocab,))
-    shifted = logits.astype(np.float64) - float(np.max(logits))
+def token_logprob(model: LoadedModel, logits: Any, token: int, top_n: int) -> TokenLogprob:
+    """The sampled token's log-probability from the logits it was sampled from (a `float *` row)."""
+    n_vocab = model.n_vocab()
+    row = np.ctypeslib.as_array(ctypes.cast(logits, ctypes.POINTER(ctypes.c_float)), shape=(n_vocab,))
+    shifted = row.astype(np.float64) - float(np.max(row))
     logprobs = shifted - np.log(np.sum(np.exp(shifted)))
     top: list[tuple[str, float, list[int]]] = []
     if top_n:
         best = np.argpartition(-logprobs, top_n)[:top_n]
         for index in sorted(best, key=lambda i: -logprobs[i]):
-            alternative = llama.detokenize([int(index)])
+            alternative = model.detokenize([int(index)])
             top.append((alternative.decode("utf-8", "replace"), float(logprobs[index]), list(alternative)))
+    piece = model.detokenize([token])
     return TokenLogprob(piece.decode("utf-8", "replace"), float(logprobs[token]), list(piece), top)

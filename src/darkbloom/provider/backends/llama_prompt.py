@@ -21,7 +21,8 @@ from typing import Iterator
 from llama_cpp import llama_chat_format
 
 from darkbloom.provider.backends.llama_decode import ContextOverflow
-from darkbloom.provider.backends.llama_instances import Cancelled, CountingLlama
+from darkbloom.provider.backends.llama_engine import Generation
+from darkbloom.provider.backends.llama_model import LoadedModel
 
 log = logging.getLogger(__name__)
 PIECE_CHARS = 8192
@@ -30,9 +31,10 @@ _LONGEST: dict[str, int] = {}  # model file → its longest token in bytes
 Segment = tuple[str, bool]  # text, and whether its special-token text is parsed as special tokens
 
 
-def chat_prompt(llama: CountingLlama, messages: list[dict[str, str]]) -> tuple[list[int], tuple[str, ...]]:
+def chat_prompt(model: LoadedModel, messages: list[dict[str, str]], n_ctx: int,
+                generation: Generation | None = None) -> tuple[list[int], tuple[str, ...]]:
     """The templated prompt's tokens and the template's stop strings."""
-    formatter = _formatter(llama)
+    formatter = _formatter(model)
     marked = formatter(messages=[dict(m, content=_MARK.format(i)) for i, m in enumerate(messages)])
     segments = _segments(marked.prompt, messages)
     if segments is None:
@@ -40,55 +42,53 @@ def chat_prompt(llama: CountingLlama, messages: list[dict[str, str]]) -> tuple[l
                     "special tokens")
         segments = [(formatter(messages=messages).prompt, False)]
     stops = marked.stop if isinstance(marked.stop, list) else [marked.stop] if marked.stop else []
-    n_ctx = llama.n_ctx()
-    tokens = bounded_tokens(llama, segments, add_bos=not marked.added_special, most=n_ctx - 1, window=n_ctx,
-                            param="messages")
+    tokens = bounded_tokens(model, segments, add_bos=not marked.added_special, most=n_ctx - 1, window=n_ctx,
+                            param="messages", generation=generation)
     return tokens, tuple(stops)
 
 
-def bounded_tokens(llama: CountingLlama, segments: list[Segment], *, add_bos: bool, most: int, window: int,
-                   param: str) -> list[int]:
+def bounded_tokens(model: LoadedModel, segments: list[Segment], *, add_bos: bool, most: int, window: int,
+                   param: str, generation: Generation | None = None) -> list[int]:
     """`segments` tokenized in order; ContextOverflow (naming `window`) as soon as they come to more
-    than `most` tokens, or hold more bytes than `most` tokens could; Cancelled once the request is."""
+    than `most` tokens, or hold more bytes than `most` tokens could; Cancelled once `generation` is."""
     size = sum(len(text.encode("utf-8")) for text, _ in segments)
-    if size > most and size > most * longest_token_bytes(llama):
+    if size > most and size > most * longest_token_bytes(model):
         raise ContextOverflow(None, window, param)
     tokens: list[int] = []
     first = add_bos
     for text, special in segments:
         for piece in _pieces(text):
-            _check_cancel(llama)
-            tokens += llama.tokenize(piece.encode("utf-8"), add_bos=first, special=special)
+            if generation is not None:
+                generation.check()
+            tokens += model.tokenize(piece.encode("utf-8"), add_bos=first, special=special)
             first = False
             if len(tokens) > most:
                 raise ContextOverflow(len(tokens), window, param, at_least=True)
     if first:  # nothing at all to tokenize: still the BOS the model asks for
-        tokens = llama.tokenize(b"", add_bos=True, special=False)
+        tokens = model.tokenize(b"", add_bos=True, special=False)
     return tokens
 
 
-def longest_token_bytes(llama: CountingLlama) -> int:
+def longest_token_bytes(model: LoadedModel) -> int:
     """The most bytes one token of this model's vocabulary stands for (computed once per model file)."""
-    longest = _LONGEST.get(llama.model_path)
+    longest = _LONGEST.get(model.model_path)
     if longest is None:
-        longest = max(1, max((len(llama.detokenize([i], special=True)) for i in range(llama.n_vocab())), default=1))
-        _LONGEST[llama.model_path] = longest
+        longest = max(1, max((len(model.detokenize([i], special=True)) for i in range(model.n_vocab())), default=1))
+        _LONGEST[model.model_path] = longest
     return longest
 
 
-def _formatter(llama: CountingLlama) -> llama_chat_format.ChatFormatter:
-    formatter = getattr(llama, "darkbloom_formatter", None)
-    if formatter is None:
-        template = llama.metadata.get("tokenizer.chat_template")
+def _formatter(model: LoadedModel) -> llama_chat_format.ChatFormatter:
+    if model.formatter is None:
+        template = model.metadata.get("tokenizer.chat_template")
         if template:
-            eos, bos = llama.token_eos(), llama.token_bos()
-            formatter = llama_chat_format.Jinja2ChatFormatter(
-                template=template, eos_token=llama._model.token_get_text(eos) if eos != -1 else "",
-                bos_token=llama._model.token_get_text(bos) if bos != -1 else "", stop_token_ids=[eos])
+            eos, bos = model.token_eos(), model.token_bos()
+            model.formatter = llama_chat_format.Jinja2ChatFormatter(
+                template=template, eos_token=model.token_text(eos) if eos != -1 else "",
+                bos_token=model.token_text(bos) if bos != -1 else "", stop_token_ids=[eos])
         else:
-            formatter = llama_chat_format.format_chatml  # a GGUF without a template: ChatML
-        llama.darkbloom_formatter = formatter  # type: ignore[attr-defined]
-    return formatter  # type: ignore[no-any-return]
+            model.formatter = llama_chat_format.format_chatml  # a GGUF without a template: ChatML
+    return model.formatter  # type: ignore[no-any-return]
 
 
 def _segments(rendered: str, messages: list[dict[str, str]]) -> list[Segment] | None:
@@ -121,9 +121,3 @@ def _pieces(text: str) -> Iterator[str]:
         yield text[start:cut]
         start = cut
     yield text[start:]
-
-
-def _check_cancel(llama: CountingLlama) -> None:
-    stats = llama.current
-    if stats is not None and stats.cancel.is_set():
-        raise Cancelled()

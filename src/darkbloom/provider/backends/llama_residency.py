@@ -1,17 +1,18 @@
-"""Which of the llama.cpp backend's pools are in memory: loaded on demand, unloaded when idle.
+"""Which of the llama.cpp backend's engines are in memory: loaded on demand, unloaded when idle.
 
-Every model has a chat pool and an embeddings pool (`llama_cpp`), each a `Resident` here with the
-memory it needs (`memory_fit`; the two pools of one model map one file, counted once). A request
-`lease`s its pool for as long as it uses it, from before the load to the moment its worker thread
-hands the instance back. A pool not in memory loads on its first lease; leases arriving meanwhile
-wait for the same load. A pool nobody leases unloads `keep_alive` seconds after its last lease ended
-(0: at once; negative: never while idle). When a load needs memory that idle pools hold, they unload
-least recently used first; pools with leases are never unloaded, so a load that cannot fit beside
-them waits until one of them goes idle. A pool that cannot fit even alone fails its lease at once.
+Every model has a chat engine and an embeddings engine (`llama_cpp`), each a `Resident` here with
+the memory it needs (`memory_fit`; the two engines of one model map one file, counted once). A
+request `lease`s its engine for as long as it uses it, from before the load to the moment the engine
+lets go of the request. An engine not in memory loads on its first lease; leases arriving meanwhile
+wait for the same load. An engine nobody leases unloads `keep_alive` seconds after its last lease
+ended (0: at once; negative: never while idle). When a load needs memory that idle engines hold,
+they unload least recently used first; engines with leases are never unloaded, so a load that cannot
+fit beside them waits until one of them goes idle. An engine that cannot fit even alone fails its
+lease at once.
 
-Unloading closes a pool's `Llama` instances on the event loop, and only while nobody leases it, so
-no worker thread holds one of them. Loads run on their own task: a lease cancelled while it waits
-stops waiting, and the load finishes anyway (the pool is then idle, and its keep-alive runs).
+Unloading closes an engine (its thread stops, its context and model are freed) on the event loop,
+and only while nobody leases it. Loads run on their own task: a lease cancelled while it waits
+stops waiting, and the load finishes anyway (the engine is then idle, and its keep-alive runs).
 """
 
 from __future__ import annotations
@@ -24,39 +25,41 @@ from dataclasses import dataclass, field
 from typing import Awaitable, Callable, Iterable
 
 from darkbloom.provider.backends.base import BackendError
-from darkbloom.provider.backends.llama_instances import Pool
-from darkbloom.provider.memory_fit import MemoryBudget, MemoryNeed, PoolKind, size_text, too_large_message
+from darkbloom.provider.backends.llama_embeddings import EmbeddingEngine
+from darkbloom.provider.backends.llama_engine import Engine
+from darkbloom.provider.memory_fit import MemoryBudget, MemoryNeed, EngineKind, size_text, too_large_message
 
 log = logging.getLogger(__name__)
 
-OpenPool = Callable[[str, PoolKind], Awaitable[Pool]]
+Engines = Engine | EmbeddingEngine
+OpenEngine = Callable[[str, EngineKind], Awaitable[Engines]]
 
 
 @dataclass(eq=False)
 class Resident:
     model_id: str
-    kind: PoolKind
+    kind: EngineKind
     need: MemoryNeed
-    pool: Pool | None = None
-    loading: asyncio.Task[Pool] | None = None
+    engine: Engines | None = None
+    loading: asyncio.Task[Engines] | None = None
     leases: int = 0
     last_used: float = 0.0
     expiry: asyncio.TimerHandle | None = field(default=None, repr=False)
 
     @property
     def in_memory(self) -> bool:
-        return self.pool is not None or self.loading is not None
+        return self.engine is not None or self.loading is not None
 
     @property
     def idle(self) -> bool:
-        return self.pool is not None and self.loading is None and self.leases == 0
+        return self.engine is not None and self.loading is None and self.leases == 0
 
 
 class Lease:
-    """One request's hold on a loaded pool; `release` (once) when its instance is back in the pool."""
+    """One request's hold on a loaded engine; `release` (once) when the engine has let go of the request."""
 
-    def __init__(self, residency: Residency, resident: Resident, pool: Pool) -> None:
-        self.pool = pool
+    def __init__(self, residency: Residency, resident: Resident, engine: Engines) -> None:
+        self.engine = engine
         self._residency, self._resident = residency, resident
         self._released = False
 
@@ -67,10 +70,10 @@ class Lease:
 
 
 class Residency:
-    def __init__(self, needs: Iterable[tuple[PoolKind, MemoryNeed]], open_pool: OpenPool, budget: MemoryBudget,
+    def __init__(self, needs: Iterable[tuple[EngineKind, MemoryNeed]], open_engine: OpenEngine, budget: MemoryBudget,
                  keep_alive: float) -> None:
         self._residents = {(need.model_id, kind): Resident(need.model_id, kind, need) for kind, need in needs}
-        self._open_pool = open_pool
+        self._open_engine = open_engine
         self.budget = budget
         self.keep_alive = keep_alive
         self._watchers: list[Callable[[], None]] = []
@@ -82,40 +85,40 @@ class Residency:
         self._watchers.append(callback)
 
     def loaded_models(self) -> list[str]:
-        """Model ids with a pool in memory now (a load in progress does not count yet), in config order."""
-        return list(dict.fromkeys(r.model_id for r in self._residents.values() if r.pool is not None))
+        """Model ids with an engine in memory now (a load in progress does not count yet), in config order."""
+        return list(dict.fromkeys(r.model_id for r in self._residents.values() if r.engine is not None))
 
-    def pool(self, model_id: str, kind: PoolKind) -> Pool | None:
-        """The pool if it is loaded now."""
-        return self._residents[(model_id, kind)].pool
+    def engine(self, model_id: str, kind: EngineKind) -> Engines | None:
+        """The engine if it is loaded now."""
+        return self._residents[(model_id, kind)].engine
 
     async def preload(self, model_id: str) -> bool:
-        """Load `model_id`'s chat pool now if it fits beside what is loaded, unloading nothing; whether
+        """Load `model_id`'s chat engine now if it fits beside what is loaded, unloading nothing; whether
         it is loaded. Its keep-alive starts now. With keep_alive 0 nothing is preloaded."""
         resident = self._residents[(model_id, "chat")]
         if self.keep_alive == 0 or resident.in_memory or not self._fits(self._in_memory() | {resident}):
-            return resident.pool is not None
+            return resident.engine is not None
         await self._start_load(resident)
         return True
 
-    async def lease(self, model_id: str, kind: PoolKind) -> Lease:
-        """The pool, loaded (waiting for its load, and for memory to load it in)."""
+    async def lease(self, model_id: str, kind: EngineKind) -> Lease:
+        """The engine, loaded (waiting for its load, and for memory to load it in)."""
         resident = self._residents[(model_id, kind)]
         resident.leases += 1
         self._keep(resident)
         try:
-            pool = await self._ready(resident)
+            engine = await self._ready(resident)
         except BaseException:
             self.end_lease(resident)
             raise
-        return Lease(self, resident, pool)
+        return Lease(self, resident, engine)
 
     def end_lease(self, resident: Resident) -> None:
         resident.leases -= 1
         resident.last_used = time.monotonic()
-        if resident.leases == 0 and resident.pool is not None:
+        if resident.leases == 0 and resident.engine is not None:
             self._expire_later(resident)
-        self._notify()  # a load waiting for memory may unload this pool now
+        self._notify()  # a load waiting for memory may unload this engine now
 
     async def close(self) -> None:
         """Unload everything (the caller has stopped every request); waits for loads in progress."""
@@ -125,18 +128,18 @@ class Residency:
         await asyncio.gather(*loads, return_exceptions=True)
         for resident in self._residents.values():
             self._keep(resident)
-            if resident.pool is not None:
-                resident.pool.close()
-                resident.pool = None
+            if resident.engine is not None:
+                resident.engine.close()
+                resident.engine = None
 
     # loading
 
-    async def _ready(self, resident: Resident) -> Pool:
+    async def _ready(self, resident: Resident) -> Engines:
         while True:
             if self._closed:
                 raise BackendError(503, "the llama.cpp backend is shut down")
-            if resident.pool is not None:
-                return resident.pool
+            if resident.engine is not None:
+                return resident.engine
             if resident.loading is not None:
                 await asyncio.shield(resident.loading)
                 continue
@@ -148,33 +151,33 @@ class Residency:
             changed = self._changed
             await changed.wait()
 
-    async def _start_load(self, resident: Resident) -> Pool:
+    async def _start_load(self, resident: Resident) -> Engines:
         task = asyncio.create_task(self._load(resident), name=f"load-{resident.model_id}-{resident.kind}")
         task.add_done_callback(lambda done: done.cancelled() or done.exception())  # seen even if nobody waits
         resident.loading = task
         return await asyncio.shield(task)
 
-    async def _load(self, resident: Resident) -> Pool:
+    async def _load(self, resident: Resident) -> Engines:
         started = time.monotonic()
         try:
-            pool = await self._open_pool(resident.model_id, resident.kind)
+            engine = await self._open_engine(resident.model_id, resident.kind)
         finally:
             resident.loading = None
             self._notify()
         if self._closed:
-            pool.close()
+            engine.close()
             raise BackendError(503, "the llama.cpp backend is shut down")
-        resident.pool, resident.last_used = pool, time.monotonic()
-        log.info("model %s loaded (%s pool) in %.2f s; it needs %s", resident.model_id, resident.kind,
+        resident.engine, resident.last_used = engine, time.monotonic()
+        log.info("model %s loaded (%s engine) in %.2f s; it needs %s", resident.model_id, resident.kind,
                  resident.last_used - started, resident.need.describe())
         self._changed_loaded()
         if resident.leases == 0:  # a preload, or every request waiting for it was cancelled
             self._expire_later(resident)
-        return pool
+        return engine
 
     def _make_room(self, resident: Resident) -> bool:
-        """Unload idle pools, least recently used first, until `resident` fits; False (unloading
-        nothing) when it would not fit even with every idle pool gone."""
+        """Unload idle engines, least recently used first, until `resident` fits; False (unloading
+        nothing) when it would not fit even with every idle engine gone."""
         loaded = self._in_memory()
         idle = sorted((r for r in loaded if r.idle), key=lambda r: r.last_used)
         if not self._fits(loaded - set(idle) | {resident}):
@@ -205,11 +208,11 @@ class Residency:
             resident.expiry = None
 
     def _unload(self, resident: Resident, reason: str) -> None:
-        assert resident.idle and resident.pool is not None
+        assert resident.idle and resident.engine is not None
         self._keep(resident)
-        pool, resident.pool = resident.pool, None
-        pool.close()
-        log.info("model %s unloaded (%s pool): %s", resident.model_id, resident.kind, reason)
+        engine, resident.engine = resident.engine, None
+        engine.close()
+        log.info("model %s unloaded (%s engine): %s", resident.model_id, resident.kind, reason)
         self._changed_loaded()
 
     # memory
@@ -238,6 +241,6 @@ class Residency:
 
 
 def _bytes(residents: set[Resident]) -> int:
-    """Memory of these pools: each file once (a model's two pools map the same file), every context."""
+    """Memory of these engines: each file once (a model's two engines map the same file), every context."""
     files = {r.model_id: r.need.file_bytes for r in residents}
     return sum(files.values()) + sum(r.need.context_bytes for r in residents)

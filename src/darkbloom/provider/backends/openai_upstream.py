@@ -155,6 +155,7 @@ class OpenAIUpstreamBackend:
         payload = {**body, "model": model_id, "stream": True,
                    "stream_options": {**(body.get("stream_options") or {}), "include_usage": True}}
         upstream_usage = False
+        cached: int | None = None  # the upstream's cached prompt tokens, when it says
         content_chunks = 0
         completion_id, created = new_completion_id(), None
         try:
@@ -173,6 +174,8 @@ class OpenAIUpstreamBackend:
                         upstream_usage = True
                         meter.prompt_tokens = int(usage["prompt_tokens"])
                         meter.completion_tokens = int(usage["completion_tokens"])
+                        cached = _cached_tokens(usage)
+                        meter.cached_tokens = cached or 0
                     if not chunk.get("choices"):
                         continue
                     chunk.pop("usage", None)
@@ -190,7 +193,15 @@ class OpenAIUpstreamBackend:
             log.debug("upstream sent no usage; estimated %d prompt / %d completion tokens", meter.prompt_tokens,
                       meter.completion_tokens)
         yield usage_chunk(completion_id, model_id, created, meter.prompt_tokens, meter.completion_tokens,
-                          object_name=object_name)
+                          object_name=object_name, cached_tokens=cached)
+
+
+def _cached_tokens(usage: dict[str, Any]) -> int | None:
+    """The upstream's `prompt_tokens_details.cached_tokens` (llama-server, vLLM and OpenAI send it), None
+    when it does not say; `chunk_usage` holds it within the prompt's tokens."""
+    details = usage.get("prompt_tokens_details")
+    cached = details.get("cached_tokens") if isinstance(details, dict) else None
+    return cached if isinstance(cached, int) and not isinstance(cached, bool) and cached >= 0 else None
 
 
 def _chat_step(choice: dict[str, Any]) -> bool:

@@ -8,6 +8,7 @@ Tools and structured output are `tool_params`' job; messages are `chat_prompt`'s
 from __future__ import annotations
 
 import math
+import random
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -19,12 +20,13 @@ _FLOATS: dict[str, tuple[float, float]] = {
 }
 _INTS: dict[str, tuple[int, int]] = {"top_k": (0, 1_000_000), "seed": (-(2**63), 2**64 - 1)}
 MAX_STOPS = 4
+DEFAULT_SEED = random.Random(0xFFFFFFFF).randint(0, 2**32)  # what `Llama(seed=default)` drew
 MAX_EMBEDDING_INPUTS = 2048  # OpenAI's own limit; each input is a decode of its own
 
 
 @dataclass
 class Sampling:
-    """How to sample one generation (see `llama_decode.decode`)."""
+    """How to sample one generation (`llama_sampler`, `llama_decode.TextStream`)."""
 
     max_tokens: int | None = None
     stop: list[str] = field(default_factory=list)
@@ -32,6 +34,10 @@ class Sampling:
     logit_bias: dict[int, float] = field(default_factory=dict)
     top_logprobs: int | None = None  # None: no logprobs; else how many alternatives per token
     options: dict[str, Any] = field(default_factory=dict)  # temperature, top_p, … as `Llama.generate` names them
+
+    def seed_or_default(self) -> int:
+        """The request's seed, else the node's fixed one (as llama-cpp-python's default seed gave it)."""
+        return self.seed if self.seed is not None else DEFAULT_SEED
 
 
 def require_object(body: Any) -> dict[str, Any]:

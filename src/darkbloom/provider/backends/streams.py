@@ -32,7 +32,7 @@ def open_stream(backend: Backend, api: Api, model_id: str, body: dict[str, Any],
 async def _batch(backend: Backend, model_id: str, body: dict[str, Any],
                        meter: UsageMeter | None = None) -> AsyncIterator[dict[str, Any]]:
     whole = meter if meter is not None else UsageMeter()
-    prompt_tokens = completion_tokens = 0
+    prompt_tokens = completion_tokens = cached_tokens = 0
     last: dict[str, Any] = {}
     for index, prompt in enumerate(completion_prompts(body)):
         part = _PartMeter(whole)
@@ -43,6 +43,7 @@ async def _batch(backend: Backend, model_id: str, body: dict[str, Any],
                     usage = chunk_usage(chunk)
                     prompt_tokens += usage.prompt_tokens
                     completion_tokens += usage.completion_tokens
+                    cached_tokens += usage.cached_tokens
                     last = chunk
                     continue
                 for choice in chunk.get("choices") or ():
@@ -50,7 +51,7 @@ async def _batch(backend: Backend, model_id: str, body: dict[str, Any],
                 yield chunk
         whole.prompt_tokens, whole.completion_tokens = prompt_tokens, completion_tokens
     yield usage_chunk(last.get("id", ""), model_id, last.get("created"), prompt_tokens, completion_tokens,
-                      object_name="text_completion")
+                      object_name="text_completion", cached_tokens=cached_tokens)
 
 
 class _PartMeter(UsageMeter):

@@ -12,10 +12,12 @@ controls are accepted and not forwarded.
 
 In the answer, text becomes a `text` block, each tool call a `tool_use` block (`input` the parsed
 arguments; `{}` when they are not a JSON object). The prompt's token count is known only at the
-end: `message_start` says `input_tokens: 0` and `message_delta.usage` carries the real
-`input_tokens` and `output_tokens`. Every usage object has `cache_creation_input_tokens` and
-`cache_read_input_tokens`, 0 while there is no prompt caching. A node's `stop` is `end_turn` (a node does not say whether a
-stop sequence ended the text, so `stop_sequence` stays null).
+end: `message_start` says `input_tokens: 0` and `message_delta.usage` carries the real counts. As
+Anthropic counts them, `input_tokens` are the prompt tokens the node evaluated and
+`cache_read_input_tokens` those it read from its cache (their sum is the chat usage's
+`prompt_tokens`); `cache_creation_input_tokens` is always 0 (a node caches without being asked;
+nothing is written at a charge of its own). A node's `stop` is `end_turn` (a node does not say
+whether a stop sequence ended the text, so `stop_sequence` stays null).
 """
 
 from __future__ import annotations
@@ -237,10 +239,12 @@ def _parsed_input(arguments: str) -> dict[str, Any]:
     return value if isinstance(value, dict) else {}
 
 
-def _usage(input_tokens: int, output_tokens: int, cost_micro_usd: int | None = None) -> dict[str, Any]:
-    """Anthropic's usage object; nothing is cached yet, so no input is ever read from or written to a cache."""
-    return with_cost({"input_tokens": input_tokens, "cache_creation_input_tokens": 0, "cache_read_input_tokens": 0,
-                      "output_tokens": output_tokens}, cost_micro_usd)
+def _usage(usage: TokenCounts | None, cost_micro_usd: int | None = None) -> dict[str, Any]:
+    """Anthropic's usage object (all 0 before the counts are known): the prompt tokens read from the
+    node's cache are `cache_read_input_tokens`, the others `input_tokens`."""
+    prompt, cached, output = (usage.prompt_tokens, usage.cached_tokens, usage.completion_tokens) if usage else (0, 0, 0)
+    return with_cost({"input_tokens": prompt - cached, "cache_creation_input_tokens": 0,
+                      "cache_read_input_tokens": cached, "output_tokens": output}, cost_micro_usd)
 
 
 class MessagesPresenter:
@@ -312,7 +316,7 @@ class MessagesPresenter:
 
     def stream_start(self) -> list[bytes]:
         message = {"id": self.id, "type": "message", "role": "assistant", "model": self.model, "content": [],
-                   "stop_reason": None, "stop_sequence": None, "usage": _usage(0, 0)}
+                   "stop_reason": None, "stop_sequence": None, "usage": _usage(None)}
         return [sse_event("message_start", {"type": "message_start", "message": message}),
                 sse_event("ping", {"type": "ping"})]
 
@@ -321,7 +325,7 @@ class MessagesPresenter:
 
     def stream_end(self, usage: TokenCounts, cost_micro_usd: int | None = None) -> list[bytes]:
         delta = {"type": "message_delta", "delta": {"stop_reason": self._stop_reason(), "stop_sequence": None},
-                 "usage": _usage(usage.prompt_tokens, usage.completion_tokens, cost_micro_usd)}
+                 "usage": _usage(usage, cost_micro_usd)}
         return self._close() + [sse_event("message_delta", delta), sse_event("message_stop", {"type": "message_stop"})]
 
     def stream_error(self, error: ApiError) -> list[bytes]:
@@ -333,7 +337,7 @@ class MessagesPresenter:
     def response(self, usage: TokenCounts, cost_micro_usd: int | None = None) -> dict[str, Any]:
         return {"id": self.id, "type": "message", "role": "assistant", "model": self.model,
                 "content": self._content(), "stop_reason": self._stop_reason(), "stop_sequence": None,
-                "usage": _usage(usage.prompt_tokens, usage.completion_tokens, cost_micro_usd)}
+                "usage": _usage(usage, cost_micro_usd)}
 
     def error_body(self, error: ApiError) -> dict[str, Any]:
         return anthropic_error_body(error)

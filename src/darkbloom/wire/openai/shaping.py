@@ -2,6 +2,9 @@
 object, and the non-streaming ``chat.completion`` assembled from chunks. Used by the coordinator's
 relay and by the node's direct mode alike.
 
+OpenAI's usage object says how many of the prompt tokens the node read from its cache rather than
+evaluated (``prompt_tokens_details.cached_tokens``, 0 when none); they count in ``prompt_tokens`` too.
+
 Every presenter's usage object carries ``cost_micro_usd`` when it is given one: the coordinator
 gives each answer what its settlement charged (0 when free); direct mode, which charges nothing and
 keeps no usage rows, gives none."""
@@ -17,6 +20,7 @@ from darkbloom.wire.openai.chunks import MessageBuilder
 class TokenCounts(Protocol):
     prompt_tokens: int
     completion_tokens: int
+    cached_tokens: int  # of the prompt tokens, those read from the node's cache
 
 
 def with_cost(usage: dict[str, Any], cost_micro_usd: int | None) -> dict[str, Any]:
@@ -28,7 +32,8 @@ def with_cost(usage: dict[str, Any], cost_micro_usd: int | None) -> dict[str, An
 
 def usage_dict(usage: TokenCounts, cost_micro_usd: int | None = None) -> dict[str, Any]:
     return with_cost({"prompt_tokens": usage.prompt_tokens, "completion_tokens": usage.completion_tokens,
-                      "total_tokens": usage.prompt_tokens + usage.completion_tokens}, cost_micro_usd)
+                      "total_tokens": usage.prompt_tokens + usage.completion_tokens,
+                      "prompt_tokens_details": {"cached_tokens": usage.cached_tokens}}, cost_micro_usd)
 
 
 class ChunkShaper:

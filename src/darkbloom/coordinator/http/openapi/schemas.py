@@ -85,6 +85,11 @@ COST_MICRO_USD: Schema = {"type": "integer", "minimum": 0,
                                          "`cost_micro_usd`, settled before the answer (or the stream's usage event) "
                                          "was sent."}
 _USAGE = obj({"prompt_tokens": INTEGER, "completion_tokens": INTEGER, "total_tokens": INTEGER,
+              "prompt_tokens_details": obj({"cached_tokens": {
+                  "type": "integer", "minimum": 0,
+                  "description": "Of `prompt_tokens`, those the node read from its cache (a prefix it still "
+                                 "held from an earlier request) instead of evaluating; 0 when none. Billed as "
+                                 "any prompt token."}}),
               "cost_micro_usd": COST_MICRO_USD})
 
 _CHAT_COMPLETION = obj({

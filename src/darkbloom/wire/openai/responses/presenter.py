@@ -30,7 +30,7 @@ _RESPONSE_ERROR_CODES = frozenset({"server_error", "rate_limit_exceeded", "inval
 
 def usage_object(usage: TokenCounts, cost_micro_usd: int | None = None) -> dict[str, Any]:
     return with_cost({"input_tokens": usage.prompt_tokens,
-                      "input_tokens_details": {"cached_tokens": 0, "cache_write_tokens": 0},
+                      "input_tokens_details": {"cached_tokens": usage.cached_tokens, "cache_write_tokens": 0},
                       "output_tokens": usage.completion_tokens, "output_tokens_details": {"reasoning_tokens": 0},
                       "total_tokens": usage.prompt_tokens + usage.completion_tokens}, cost_micro_usd)
 

@@ -1,0 +1,322 @@
+"""One loaded model serving many conversations: a llama.cpp context with a slot per sequence, driven
+by one thread that advances every running sequence in one `llama_decode` per step.
+
+The shape is llama-server's (slots over one context, continuous batching, prefix reuse) on
+llama-cpp-python's low-level API. Requests arrive as `Sequence`s through `submit` (any thread); the
+engine's thread owns the context, the batch and every slot:
+
+- **Admission**: a waiting sequence takes the free slot whose cache it reuses best: the tokens its
+  prompt shares with the slot's cache, less the cached tokens that would be dropped (so a
+  conversation's next turn finds its own slot, and a new conversation takes an empty slot before it
+  takes another conversation's; ties go to the least recently used). The rest of that slot's cache
+  is dropped (`llama_memory_seq_rm`) and only the new tokens are evaluated; the reused count is the
+  answer's `cached_tokens`. Every slot holds a full window (`n_ctx` cells of a KV cache split
+  per sequence), so a prompt plus its `max_tokens`, bounded by the window before submission,
+  always fits.
+- **A step**: one batch with the next token of every generating sequence, then prompt tokens of the
+  sequences still reading theirs, at most PROMPT_STEP in all, so a long prompt arriving never
+  freezes the streams already running. Each sequence that has a logits row after the step samples
+  its next token with its own sampler chain (`llama_sampler`) and hands it to its `TextStream`.
+- **Ends**: at end-of-generation, a stop, `max_tokens`, a cancel (seen at the next step), or an
+  error in that sequence alone (a grammar with nowhere to go, a failing callback). A step llama.cpp
+  refuses ends the sequences in it, and drops their slots' caches.
+"""
+
+from __future__ import annotations
+
+import collections
+import ctypes
+import logging
+import threading
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable
+
+import llama_cpp
+import numpy as np
+
+from darkbloom.provider.backends.base import BackendError, UsageMeter
+from darkbloom.provider.backends.llama_decode import Finish, Piece, TextStream, token_logprob
+from darkbloom.provider.backends.llama_model import LoadedModel
+from darkbloom.provider.backends.llama_sampler import GrammarDeadEnd, SequenceSampler
+
+log = logging.getLogger(__name__)
+
+BATCH = 512  # tokens per llama_decode (llama.cpp's n_batch and n_ubatch)
+PROMPT_STEP = 512  # prompt tokens evaluated per step, over all sequences reading theirs
+FLASH_ATTENTION_NAME = "auto"  # llama.cpp's flash attention: "on", "off", or "auto" (its choice per device)
+_FLASH_ATTENTION = {"on": llama_cpp.LLAMA_FLASH_ATTN_TYPE_ENABLED, "off": llama_cpp.LLAMA_FLASH_ATTN_TYPE_DISABLED,
+                    "auto": llama_cpp.LLAMA_FLASH_ATTN_TYPE_AUTO}
+
+
+class Cancelled(Exception):
+    """Raised where a request's own work notices that it was cancelled."""
+
+
+@dataclass(eq=False)
+class Generation:
+    """One request's counts and cancel flag, shared by the event loop and the engine's thread."""
+
+    model_id: str
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
+    completion_tokens: int = 0
+    cancelled: bool = False
+    cancel: threading.Event = field(default_factory=threading.Event, repr=False)
+    meter: UsageMeter = field(default_factory=UsageMeter, repr=False)
+
+    def sync_meter(self) -> None:
+        """Publish the counts so far to the request's meter (any thread)."""
+        self.meter.prompt_tokens, self.meter.completion_tokens = self.prompt_tokens, self.completion_tokens
+        self.meter.cached_tokens = self.cached_tokens
+
+    def check(self) -> None:
+        if self.cancel.is_set():
+            raise Cancelled()
+
+
+@dataclass(eq=False)
+class Sequence:
+    """What one request asks of the engine. `sink` gets the answer's pieces and its `Finish` (on the
+    engine's thread); `finished` is called once, last, with None or the error that ended it."""
+
+    prompt: list[int]
+    sampler: SequenceSampler
+    stream: TextStream
+    sink: Callable[[Piece | Finish], None]
+    generation: Generation
+    top_logprobs: int | None = None
+    grammar_param: str | None = None  # the request's parameter its grammar comes from
+    finished: Callable[[BaseException | None], None] = lambda error: None
+    cursor: int = 0  # prompt tokens in the slot's cache so far
+    next_token: int | None = None  # sampled, not yet decoded
+
+
+@dataclass(eq=False)
+class Slot:
+    id: int
+    tokens: list[int] = field(default_factory=list)  # what this sequence id holds in the KV cache
+    sequence: Sequence | None = None
+    last_used: int = 0
+
+
+class Engine:
+    def __init__(self, model_id: str, path: Path, *, slots: int, n_ctx: int, n_threads: int, gpu_layers: int = 0,
+                 extra_buffer_types: bool = False) -> None:
+        """Raises ValueError when the model or its context cannot be made."""
+        self.model_id, self.n_ctx = model_id, n_ctx
+        self.model = LoadedModel(path, gpu_layers=gpu_layers, extra_buffer_types=extra_buffer_types)
+        params = llama_cpp.llama_context_default_params()
+        params.n_ctx = n_ctx * slots
+        params.n_batch = params.n_ubatch = BATCH
+        params.n_seq_max = slots
+        params.n_threads = params.n_threads_batch = n_threads
+        params.kv_unified = False  # a window per sequence: faster for unrelated conversations (llama.h)
+        params.flash_attn_type = _FLASH_ATTENTION[FLASH_ATTENTION_NAME]
+        params.no_perf = True
+        self._ctx = llama_cpp.llama_init_from_model(self.model.pointer, params)
+        if not self._ctx:
+            self.model.close()
+            raise ValueError("llama.cpp could not make a context for this model")
+        self._memory = llama_cpp.llama_get_memory(self._ctx)
+        self._batch = llama_cpp.llama_batch_init(BATCH, 0, 1)
+        self._tokens = np.ctypeslib.as_array(self._batch.token, shape=(BATCH,))
+        self._positions = np.ctypeslib.as_array(self._batch.pos, shape=(BATCH,))
+        self._wants_logits = np.ctypeslib.as_array(self._batch.logits, shape=(BATCH,))
+        for i in range(BATCH):
+            self._batch.n_seq_id[i] = 1
+        self.slots = [Slot(i) for i in range(slots)]
+        self.steps = 0  # llama_decode calls so far
+        self._uses = 0
+        self._waiting: collections.deque[Sequence] = collections.deque()
+        self._inbox: list[Sequence] = []
+        self._wake = threading.Condition()
+        self._closing = False
+        self._thread = threading.Thread(target=self._run, name=f"engine-{model_id}", daemon=True)
+        self._thread.start()
+
+    def submit(self, sequence: Sequence) -> None:
+        """Queue `sequence` (any thread); it ends at once, with a 503, when the engine is closing."""
+        with self._wake:
+            if not self._closing:
+                self._inbox.append(sequence)
+                self._wake.notify()
+                return
+        self._end(sequence, BackendError(503, "the llama.cpp backend is shut down"))
+
+    def close(self) -> None:
+        """Stop the thread (every sequence still here ends as cancelled) and free the model."""
+        with self._wake:
+            self._closing = True
+            self._wake.notify()
+        self._thread.join()
+        llama_cpp.llama_batch_free(self._batch)
+        llama_cpp.llama_free(self._ctx)
+        self.model.close()
+
+    # the engine's thread
+
+    def _run(self) -> None:
+        while True:
+            with self._wake:
+                while not (self._closing or self._inbox or self._running()):
+                    self._wake.wait()
+                if self._closing:
+                    break
+                self._waiting.extend(self._inbox)
+                self._inbox.clear()
+            self._drop_cancelled()
+            self._admit()
+            if self._running():
+                self._step()
+        for sequence in [*self._waiting, *self._inbox]:
+            self._end(sequence, Cancelled())
+        for slot in self.slots:
+            if slot.sequence is not None:
+                self._release(slot, Cancelled())
+
+    def _running(self) -> bool:
+        return any(slot.sequence is not None for slot in self.slots)
+
+    def _drop_cancelled(self) -> None:
+        for sequence in [s for s in self._waiting if s.generation.cancel.is_set()]:
+            self._waiting.remove(sequence)
+            self._end(sequence, Cancelled())
+        for slot in self.slots:
+            if slot.sequence is not None and slot.sequence.generation.cancel.is_set():
+                self._release(slot, Cancelled())
+
+    def _admit(self) -> None:
+        while self._waiting:
+            free = [slot for slot in self.slots if slot.sequence is None]
+            if not free:
+                return
+            sequence = self._waiting.popleft()
+            prompt = sequence.prompt
+            slot = max(free, key=lambda s: (_reuse(s.tokens, prompt), -s.last_used))
+            keep = min(_common_prefix(slot.tokens, prompt), len(prompt) - 1)  # the last is read again: its logits
+            if keep < len(slot.tokens) and not llama_cpp.llama_memory_seq_rm(self._memory, slot.id, keep, -1):
+                llama_cpp.llama_memory_seq_rm(self._memory, slot.id, 0, -1)
+                keep = 0
+            del slot.tokens[keep:]
+            sequence.cursor = keep
+            generation = sequence.generation
+            generation.prompt_tokens, generation.cached_tokens = len(prompt), keep
+            generation.sync_meter()
+            slot.sequence = sequence
+
+    def _step(self) -> None:
+        n = 0
+        samples: list[tuple[Slot, int]] = []  # slots that sample after this step, with their logits row
+        added: list[tuple[Slot, list[int]]] = []
+        for slot in self.slots:
+            sequence = slot.sequence
+            if sequence is not None and sequence.next_token is not None:
+                self._put(n, sequence.next_token, len(slot.tokens), slot.id, True)
+                samples.append((slot, n))
+                added.append((slot, [sequence.next_token]))
+                n += 1
+        budget = min(PROMPT_STEP, BATCH - n)
+        for slot in self.slots:
+            sequence = slot.sequence
+            if sequence is None or sequence.next_token is not None or budget <= 0:
+                continue
+            piece = sequence.prompt[sequence.cursor:sequence.cursor + budget]
+            for i, token in enumerate(piece):
+                self._put(n + i, token, len(slot.tokens) + i, slot.id, False)
+            n += len(piece)
+            budget -= len(piece)
+            sequence.cursor += len(piece)
+            added.append((slot, piece))
+            if sequence.cursor == len(sequence.prompt):
+                self._wants_logits[n - 1] = True
+                samples.append((slot, n - 1))
+        self._batch.n_tokens = n
+        status = llama_cpp.llama_decode(self._ctx, self._batch)
+        self.steps += 1
+        if status != 0:
+            log.error("llama_decode failed (status %d) for a step of %d tokens", status, n)
+            for slot, _ in added:
+                llama_cpp.llama_memory_seq_rm(self._memory, slot.id, 0, -1)
+                slot.tokens.clear()
+                if slot.sequence is not None:
+                    self._release(slot, BackendError(500, "generation failed (llama.cpp could not decode)"))
+            return
+        for slot, tokens in added:
+            slot.tokens += tokens
+        for slot, row in samples:
+            self._advance(slot, llama_cpp.llama_get_logits_ith(self._ctx, row))
+
+    def _put(self, index: int, token: int, position: int, seq_id: int, logits: bool) -> None:
+        self._tokens[index], self._positions[index], self._wants_logits[index] = token, position, logits
+        self._batch.seq_id[index][0] = seq_id
+
+    def _advance(self, slot: Slot, logits: ctypes.c_void_p) -> None:
+        """Sample `slot`'s next token and hand it on; end the sequence when its answer is over."""
+        sequence = slot.sequence
+        assert sequence is not None
+        try:
+            token = sequence.sampler.sample(logits)
+            logprob = None if sequence.top_logprobs is None else \
+                token_logprob(self.model, logits, token, sequence.top_logprobs)
+            items = sequence.stream.push(token, logprob)
+            generation = sequence.generation
+            generation.completion_tokens = sequence.stream.completion_tokens
+            generation.sync_meter()
+            for item in items:
+                sequence.sink(item)
+        except GrammarDeadEnd:
+            where = sequence.grammar_param
+            self._release(slot, BackendError(400, f"no token can follow under {where} and logit_bias" if where
+                                             else "logit_bias bans every token", param=where or "logit_bias"))
+            return
+        except BackendError as exc:
+            self._release(slot, exc)
+            return
+        except Exception:  # a bug in one sequence's callbacks ends that sequence only
+            log.exception("llama.cpp sequence failed")
+            self._release(slot, BackendError(500, "generation failed"))
+            return
+        if sequence.stream.done:
+            self._release(slot, None)
+        else:
+            sequence.next_token = token
+
+    def _release(self, slot: Slot, error: BaseException | None) -> None:
+        sequence = slot.sequence
+        assert sequence is not None
+        slot.sequence = None
+        self._uses += 1
+        slot.last_used = self._uses
+        self._end(sequence, error)
+
+    def _end(self, sequence: Sequence, error: BaseException | None) -> None:
+        sequence.sampler.close()
+        if isinstance(error, Cancelled):
+            sequence.generation.cancelled = True
+        try:
+            sequence.finished(error)
+        except Exception:
+            log.exception("a sequence's end callback failed")
+
+
+def _reuse(cached: list[int], prompt: list[int]) -> int:
+    """What putting `prompt` on a slot holding `cached` is worth: the tokens it reuses less those of the
+    slot's cache it drops. A conversation's next turn scores its whole history; an empty slot 0; another
+    conversation's slot less than 0 (it shares a system prompt at most), least for the longest."""
+    common = _common_prefix(cached, prompt)
+    return common - (len(cached) - common)
+
+
+def _common_prefix(a: list[int], b: list[int]) -> int:
+    n = min(len(a), len(b))
+    if a[:n] == b[:n]:
+        return n
+    low, high = 0, n  # the first difference, by bisection over list slices (C-speed comparisons)
+    while low < high:
+        middle = (low + high) // 2
+        if a[:middle + 1] == b[:middle + 1]:
+            low = middle + 1
+        else:
+            high = middle
+    return low
