@@ -141,5 +141,11 @@ bench-node: $(STAMP)
 	@echo "Running bench/node_engine.py: the node, then llama-server, at C=1,2,4,8 on the bundled model (about 8 minutes)…"
 	$(PY) bench/node_engine.py $(BENCH_ARGS)
 
+# bench/conversation_turns.py: a conversation's second turn through the coordinator beside direct mode
+.PHONY: bench-turns
+bench-turns: $(STAMP)
+	@echo "Running bench/conversation_turns.py: a coordinator and three nodes, direct vs Self-Route vs public (about 3 minutes)…"
+	$(PY) bench/conversation_turns.py $(BENCH_ARGS)
+
 clean:
 	rm -rf $(VENV) $(LITELLM_VENV) build src/*.egg-info .pytest_cache

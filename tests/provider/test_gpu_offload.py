@@ -12,6 +12,7 @@ import llama_cpp
 import pytest
 
 from darkbloom.provider.backends import BackendError, create_backend
+from darkbloom.provider.backends import llama_engine
 from darkbloom.provider.backends.llama_cpp import LlamaCppBackend
 from darkbloom.provider.config import load_config
 from darkbloom.provider.memory_fit import MemoryBudget
@@ -139,3 +140,12 @@ def test_serve_and_start_refuse_a_gpu_layers_they_cannot_use(home: Path) -> None
     started = subprocess.run(darkbloom_cmd("start"), env=_env(home), capture_output=True, text=True, timeout=120)
     assert started.returncode == 1 and "provider.toml: [backend] gpu_layers must be 0" in started.stderr
     assert "got 1.5" in started.stderr
+
+
+def test_prompts_go_in_larger_steps_on_a_gpu(gguf: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    cpu = llama_engine.Engine(MODEL, gguf, slots=1, n_ctx=256, n_threads=1, gpu_layers=0)
+    cpu.close()
+    monkeypatch.setattr(llama_cpp, "llama_supports_gpu_offload", lambda: True)  # this build, as a GPU one says
+    gpu = llama_engine.Engine(MODEL, gguf, slots=1, n_ctx=256, n_threads=1, gpu_layers=ALL_LAYERS)
+    gpu.close()
+    assert (cpu.prompt_step, gpu.prompt_step) == (llama_engine.PROMPT_STEP_CPU, llama_engine.PROMPT_STEP_GPU)

@@ -98,8 +98,13 @@ class EmbeddingEngine:
                 if self._closing:
                     break
                 step = self._take()
-            if step:
-                self._decode(step)
+            try:
+                if step:
+                    self._decode(step)
+            except Exception:  # a bug of ours: this step's requests end, the engine goes on
+                log.exception("llama.cpp embeddings step failed")
+                for request in dict.fromkeys(r for r, _ in step):
+                    self._fail(request, BackendError(500, "embedding failed"))
         ended = {request for request, _ in self._queue}
         for request in ended:
             request.finished(Cancelled())
@@ -168,7 +173,7 @@ class EmbeddingEngine:
         return [float(v) for v in (vector / norm if norm > 0 else vector)]
 
     def _fail(self, request: EmbeddingRequest, error: BaseException) -> None:
-        if request.done >= 0:
+        if 0 <= request.done < len(request.inputs):  # not ended yet
             request.done = -1
             request.finished(error)
             with self._wake:  # its other inputs are not decoded

@@ -14,8 +14,8 @@ engine's thread owns the context, the batch and every slot:
   per sequence), so a prompt plus its `max_tokens`, bounded by the window before submission,
   always fits.
 - **A step**: one batch with the next token of every generating sequence, then prompt tokens of the
-  sequences still reading theirs, at most PROMPT_STEP in all, so a long prompt arriving never
-  freezes the streams already running. Each sequence that has a logits row after the step samples
+  sequences still reading theirs, at most `prompt_step` in all (fewer on the CPU than on a GPU), so a
+  long prompt arriving never freezes the streams already running. Each sequence that has a logits row after the step samples
   its next token with its own sampler chain (`llama_sampler`) and hands it to its `TextStream`.
 - **Ends**: at end-of-generation, a stop, `max_tokens`, a cancel (seen at the next step), or an
   error in that sequence alone (a grammar with nowhere to go, a failing callback). A step llama.cpp
@@ -43,7 +43,11 @@ from darkbloom.provider.backends.llama_sampler import GrammarDeadEnd, SequenceSa
 log = logging.getLogger(__name__)
 
 BATCH = 512  # tokens per llama_decode (llama.cpp's n_batch and n_ubatch)
-PROMPT_STEP = 512  # prompt tokens evaluated per step, over all sequences reading theirs
+# Prompt tokens evaluated per step, over all sequences reading theirs. On the CPU a step's time grows
+# with its tokens (128 took ~0.6 s beside three streams on 2 cores, 512 ~2.2 s; bench/RESULTS.md); a
+# GPU takes 512 about as fast as a few, and llama-server's own steps are larger still.
+PROMPT_STEP_CPU = 128
+PROMPT_STEP_GPU = BATCH
 FLASH_ATTENTION_NAME = "auto"  # llama.cpp's flash attention: "on", "off", or "auto" (its choice per device)
 _FLASH_ATTENTION = {"on": llama_cpp.LLAMA_FLASH_ATTN_TYPE_ENABLED, "off": llama_cpp.LLAMA_FLASH_ATTN_TYPE_DISABLED,
                     "auto": llama_cpp.LLAMA_FLASH_ATTN_TYPE_AUTO}
@@ -105,6 +109,8 @@ class Engine:
                  extra_buffer_types: bool = False) -> None:
         """Raises ValueError when the model or its context cannot be made."""
         self.model_id, self.n_ctx = model_id, n_ctx
+        self.prompt_step = PROMPT_STEP_GPU if gpu_layers != 0 and llama_cpp.llama_supports_gpu_offload() \
+            else PROMPT_STEP_CPU
         self.model = LoadedModel(path, gpu_layers=gpu_layers, extra_buffer_types=extra_buffer_types)
         params = llama_cpp.llama_context_default_params()
         params.n_ctx = n_ctx * slots
@@ -165,10 +171,18 @@ class Engine:
                     break
                 self._waiting.extend(self._inbox)
                 self._inbox.clear()
-            self._drop_cancelled()
-            self._admit()
-            if self._running():
-                self._step()
+            try:
+                self._drop_cancelled()
+                self._admit()
+                if self._running():
+                    self._step()
+            except Exception:  # a bug of ours: the sequences running end, the engine goes on
+                log.exception("llama.cpp engine step failed")
+                for slot in self.slots:
+                    llama_cpp.llama_memory_seq_rm(self._memory, slot.id, 0, -1)
+                    slot.tokens.clear()
+                    if slot.sequence is not None:
+                        self._release(slot, BackendError(500, "generation failed"))
         for sequence in [*self._waiting, *self._inbox]:
             self._end(sequence, Cancelled())
         for slot in self.slots:
@@ -216,7 +230,7 @@ class Engine:
                 samples.append((slot, n))
                 added.append((slot, [sequence.next_token]))
                 n += 1
-        budget = min(PROMPT_STEP, BATCH - n)
+        budget = min(self.prompt_step, BATCH - n)
         for slot in self.slots:
             sequence = slot.sequence
             if sequence is None or sequence.next_token is not None or budget <= 0:
