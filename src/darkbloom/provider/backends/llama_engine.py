@@ -27,6 +27,7 @@ from __future__ import annotations
 import collections
 import ctypes
 import logging
+import sys
 import threading
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -104,6 +105,11 @@ class Slot:
     last_used: int = 0
 
 
+# The engine's thread wants the GIL back the moment each llama_decode returns; with Python's default
+# switch interval (5 ms) it can wait that long behind the event loop's thread at every step.
+GIL_SWITCH_SECONDS = 0.001
+
+
 class Engine:
     def __init__(self, model_id: str, path: Path, *, slots: int, n_ctx: int, n_threads: int, gpu_layers: int = 0,
                  extra_buffer_types: bool = False) -> None:
@@ -138,6 +144,7 @@ class Engine:
         self._inbox: list[Sequence] = []
         self._wake = threading.Condition()
         self._closing = False
+        sys.setswitchinterval(min(sys.getswitchinterval(), GIL_SWITCH_SECONDS))
         self._thread = threading.Thread(target=self._run, name=f"engine-{model_id}", daemon=True)
         self._thread.start()
 

@@ -65,11 +65,12 @@ class SequenceSampler:
         except BaseException:
             self.close()
             raise
-        self._data = np.recarray((self._n_vocab,), dtype=_TOKEN_DATA)
+        self._data = np.zeros(self._n_vocab, dtype=_TOKEN_DATA)
+        self._id_column, self._logit_column, self._p_column = self._data["id"], self._data["logit"], self._data["p"]
         self._ids = np.arange(self._n_vocab, dtype=np.intc)
-        self._array = llama_cpp.llama_token_data_array(
-            data=self._data.ctypes.data_as(llama_cpp.llama_token_data_p), size=self._n_vocab, selected=-1,
-            sorted=False)
+        self._pointer = self._data.ctypes.data_as(llama_cpp.llama_token_data_p)
+        self._array = llama_cpp.llama_token_data_array(data=self._pointer, size=self._n_vocab, selected=-1,
+                                                       sorted=False)
 
     def _add(self, sampler: Any) -> None:
         llama_cpp.llama_sampler_chain_add(self._chain, sampler)
@@ -77,12 +78,11 @@ class SequenceSampler:
     def sample(self, logits: Any) -> int:
         """The next token from one logits row (a `float *`); GrammarDeadEnd when nothing may follow."""
         row = np.ctypeslib.as_array(ctypes.cast(logits, ctypes.POINTER(ctypes.c_float)), shape=(self._n_vocab,))
-        self._data.id[:] = self._ids
-        self._data.logit[:] = row
-        self._data.p[:] = 0
+        self._id_column[:] = self._ids  # the chain reorders and shortens the array: filled anew each time
+        self._logit_column[:] = row
+        self._p_column[:] = 0
         array = self._array
-        array.data = self._data.ctypes.data_as(llama_cpp.llama_token_data_p)
-        array.size, array.selected, array.sorted = self._n_vocab, -1, False
+        array.data, array.size, array.selected, array.sorted = self._pointer, self._n_vocab, -1, False
         llama_cpp.llama_sampler_apply(self._chain, ctypes.byref(array))
         selected = array.selected
         if not 0 <= selected < array.size:
