@@ -15,8 +15,9 @@ engine's thread owns the context, the batch and every slot:
   always fits.
 - **A step**: one batch with the next token of every generating sequence, then prompt tokens of the
   sequences still reading theirs, at most `prompt_step` in all (fewer on the CPU than on a GPU), so a
-  long prompt arriving never freezes the streams already running. Each sequence that has a logits row after the step samples
-  its next token with its own sampler chain (`llama_sampler`) and hands it to its `TextStream`.
+  long prompt arriving never freezes the streams already running. Each sequence that has a logits
+  row after the step samples its next token with its own sampler chain (`llama_sampler`) and hands
+  it to its `TextStream`.
 - **Ends**: at end-of-generation, a stop, `max_tokens`, a cancel (seen at the next step), or an
   error in that sequence alone (a grammar with nowhere to go, a failing callback). A step llama.cpp
   refuses ends the sequences in it, and drops their slots' caches.
@@ -45,8 +46,8 @@ log = logging.getLogger(__name__)
 
 BATCH = 512  # tokens per llama_decode (llama.cpp's n_batch and n_ubatch)
 # Prompt tokens evaluated per step, over all sequences reading theirs. On the CPU a step's time grows
-# with its tokens (128 took ~0.6 s beside three streams on 2 cores, 512 ~2.2 s; bench/RESULTS.md); a
-# GPU takes 512 about as fast as a few, and llama-server's own steps are larger still.
+# with its tokens and running streams wait for the whole step (bench/RESULTS.md compares 128 with 512);
+# a GPU takes 512 about as fast as a few.
 PROMPT_STEP_CPU = 128
 PROMPT_STEP_GPU = BATCH
 FLASH_ATTENTION_NAME = "auto"  # llama.cpp's flash attention: "on", "off", or "auto" (its choice per device)
