@@ -80,7 +80,7 @@ async def test_two_concurrent_requests_are_decoded_in_the_same_steps(backend: Re
     results = await asyncio.gather(*(collect(backend, body) for body in bodies))
     assert [chunks[-1]["usage"]["completion_tokens"] for chunks in results] == [16, 16]
     assert len(backend.recent) == 2
-    assert engine.steps - before <= 24  # one after the other: at least 2 × (1 prompt step + 16)
+    assert engine.steps - before <= 30  # one after the other: at least 2 × (1 prompt step + 16) = 34
 
 
 async def test_closing_the_stream_stops_generation(backend: RecordingLlamaCppBackend) -> None:
