@@ -3,18 +3,38 @@ from __future__ import annotations
 import contextlib
 import sys
 from pathlib import Path
-from typing import AsyncIterator, Iterator
+from typing import TYPE_CHECKING, AsyncIterator, Iterator
 
 import pytest
 
 from darkbloom.provider.bundled_model import bundled_gguf_path
+from darkbloom.wire.catalog import BUNDLED_MODEL_ID
 from tests.support.processes import listening_port, spawn, wait_http
 from tests.support.scripted_upstream import Handler, Scripted, scripted_upstream
+
+if TYPE_CHECKING:  # imported when the fixture runs: llama_cpp only for the tests that use it
+    from tests.support.recording_backend import RecordingLlamaCppBackend
 
 
 @pytest.fixture(scope="session")
 def gguf() -> Path:
     return bundled_gguf_path()
+
+
+@pytest.fixture
+async def backend(gguf: Path, request: pytest.FixtureRequest) -> AsyncIterator[RecordingLlamaCppBackend]:
+    """The bundled model on a started llama.cpp backend that records its generations; a module says how
+    large with `pytestmark = pytest.mark.llama(max_concurrency=…, n_ctx=…)` (default 1 and 1024)."""
+    from tests.support.recording_backend import RecordingLlamaCppBackend
+
+    marker = request.node.get_closest_marker("llama")
+    size = {"max_concurrency": 1, "n_ctx": 1024, **(marker.kwargs if marker is not None else {})}
+    instance = RecordingLlamaCppBackend({BUNDLED_MODEL_ID: gguf}, **size)
+    await instance.start()
+    try:
+        yield instance
+    finally:
+        await instance.close()
 
 
 @pytest.fixture

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import asyncio
 from pathlib import Path
-from typing import Any, AsyncIterator
+from typing import Any
 
 import jinja2
 import llama_cpp
@@ -18,14 +18,7 @@ from tests.support.recording_backend import RecordingLlamaCppBackend
 LONG_STORY = [{"role": "user", "content": "Write a very long story about a dragon and a lighthouse."}]
 
 
-@pytest.fixture
-async def backend(gguf: Path) -> AsyncIterator[RecordingLlamaCppBackend]:
-    instance = RecordingLlamaCppBackend({"smollm2-135m": gguf}, max_concurrency=2, n_ctx=1024)
-    await instance.start()
-    try:
-        yield instance
-    finally:
-        await instance.close()
+pytestmark = pytest.mark.llama(max_concurrency=2, n_ctx=1024)  # the backend fixture's size (conftest)
 
 
 async def collect(backend: LlamaCppBackend, body: dict[str, Any]) -> list[dict[str, Any]]:

@@ -7,7 +7,7 @@ from __future__ import annotations
 import asyncio
 import json
 from pathlib import Path
-from typing import Any, AsyncIterator
+from typing import Any
 
 import jsonschema
 import pytest
@@ -27,14 +27,7 @@ WEATHER = {"type": "function", "function": {
         "city": {"type": "string", "maxLength": 24}}, "required": ["city"]}}}
 
 
-@pytest.fixture
-async def backend(gguf: Path) -> AsyncIterator[RecordingLlamaCppBackend]:
-    instance = RecordingLlamaCppBackend({MODEL: gguf}, max_concurrency=4, n_ctx=1024)
-    await instance.start()
-    try:
-        yield instance
-    finally:
-        await instance.close()
+pytestmark = pytest.mark.llama(max_concurrency=4, n_ctx=1024)  # the backend fixture's size (conftest)
 
 
 def engine_of(backend: RecordingLlamaCppBackend) -> Engine:

@@ -9,7 +9,7 @@ from __future__ import annotations
 import asyncio
 import json
 from pathlib import Path
-from typing import Any, AsyncIterator
+from typing import Any
 
 import pytest
 
@@ -39,19 +39,12 @@ SEARCH = {"type": "function", "function": {"name": "search_the_web", "descriptio
 LOOKUP = {"type": "function", "function": {"name": "search_the_library", "parameters": {"type": "object"}}}
 
 
+pytestmark = pytest.mark.llama(max_concurrency=1, n_ctx=1024)  # the backend fixture's size (conftest)
+
+
 @pytest.fixture(scope="module")
 def model(gguf: Path) -> LoadedModel:
     return LoadedModel(gguf, vocab_only=True)
-
-
-@pytest.fixture
-async def backend(gguf: Path) -> AsyncIterator[RecordingLlamaCppBackend]:
-    instance = RecordingLlamaCppBackend({MODEL: gguf}, max_concurrency=1, n_ctx=1024)
-    await instance.start()
-    try:
-        yield instance
-    finally:
-        await instance.close()
 
 
 async def chunks_of(backend: LlamaCppBackend, body: dict[str, Any]) -> list[dict[str, Any]]:

@@ -22,14 +22,7 @@ MODEL = "smollm2-135m"
 STORY = "Once upon a time, in a lighthouse by the sea, there lived"
 
 
-@pytest.fixture
-async def backend(gguf: Path) -> AsyncIterator[RecordingLlamaCppBackend]:
-    instance = RecordingLlamaCppBackend({MODEL: gguf}, max_concurrency=1, n_ctx=512)
-    await instance.start()
-    try:
-        yield instance
-    finally:
-        await instance.close()
+pytestmark = pytest.mark.llama(max_concurrency=1, n_ctx=512)  # the backend fixture's size (conftest)
 
 
 async def collect(backend: LlamaCppBackend, api: str, body: dict[str, Any]) -> list[dict[str, Any]]:

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any, AsyncIterator
+from typing import Any
 
 import jsonschema
 import pytest
@@ -31,14 +31,7 @@ TIME = {"type": "function", "function": {
 ASK = [{"role": "user", "content": "What is the weather in Paris?"}]
 
 
-@pytest.fixture
-async def backend(gguf: Path) -> AsyncIterator[LlamaCppBackend]:
-    instance = LlamaCppBackend({MODEL: gguf}, max_concurrency=1, n_ctx=1024)
-    await instance.start()
-    try:
-        yield instance
-    finally:
-        await instance.close()
+pytestmark = pytest.mark.llama(max_concurrency=1, n_ctx=1024)  # the backend fixture's size (conftest)
 
 
 async def collect(backend: LlamaCppBackend, body: dict[str, Any]) -> list[dict[str, Any]]:
