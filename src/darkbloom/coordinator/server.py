@@ -22,7 +22,7 @@ def build_server(settings: CoordinatorSettings, log_level: str = "info", own_sig
                             forwarded_allow_ips=settings.forwarded_allow_ips, ws=SmallFrameWebSocketProtocol)
     logging.getLogger("uvicorn.error").addFilter(_no_line_per_socket)
     # what the imports and the app made lives as long as the process: the cyclic collector never walks
-    # it again (a full collection of it held the loop ~0.2 s whenever a burst of chunks set one off)
+    # it again (a full collection of it held the loop whenever a burst of chunks set one off)
     gc.collect()
     gc.freeze()
     return Server(config, own_signals=own_signals)

@@ -36,7 +36,7 @@ log = logging.getLogger(__name__)
 
 def _log_after_this_turn(message: str, *args: object) -> None:
     """An INFO line written after what the loop has ready now — the outbox's writer, woken by the frame
-    just queued, among it — so that writing it does not hold the frame back (~25 µs a line)."""
+    just queued, among it — so that writing it does not hold the frame back."""
     asyncio.get_running_loop().call_soon(log.info, message, *args)
 
 

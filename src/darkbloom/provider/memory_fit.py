@@ -21,9 +21,9 @@ from darkbloom.provider.models import read_gguf_metadata
 GIB = 2**30
 MIB = 2**20
 KV_BYTES = 2  # llama.cpp's default KV cache type is f16
-# What an engine holds beyond its KV cache, measured on the bundled model (RSS after a full window per
-# sequence, n_ctx 2048, 1 and 4 sequences): a chat engine touches 37-42 MB of compute buffers; an
-# embeddings engine evaluates up to 512 tokens at once with every row an output, ~190 MB.
+# What an engine holds beyond its KV cache, measured on the bundled model (docs/models.md "Will it
+# fit"): a chat engine's compute buffers; an embeddings engine evaluates up to 512 tokens at once with
+# every row an output.
 CHAT_BUFFERS = 40 * MIB
 EMBEDDING_BUFFERS = 224 * MIB
 EMBEDDING_CELLS = 512  # `llama_embeddings.BATCH`

@@ -108,7 +108,7 @@ class ReplyKey:
         self.sender = sender
 
     def prepare(self, recipient: PublicKey) -> "ReplyKey":
-        """Make the key agreement with ``recipient`` now (~40 µs), so sealing a request to it later does not."""
+        """Make the key agreement with ``recipient`` now, so sealing a request to it later does not."""
         self._boxes[b64e(bytes(recipient))] = Box(self._private, recipient)
         return self
 

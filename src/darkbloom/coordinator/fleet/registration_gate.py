@@ -2,10 +2,10 @@
 ``registered``); a socket beyond it is closed at once with 1013 "try again later", which a node
 takes as a refusal and retries with backoff (docs/protocol.md "Reconnecting").
 
-A safety valve, not a throttle: a registration costs ~1.5 ms of this process's one loop, so 1,024 in
-flight is ~1.5 s of queued work, and a storm the node's reconnect policy spreads stays below it (at
-2,000 nodes dropped at once, none was turned away; with a limit of 256, 563 were, for no faster
-convergence). Past it, queued registrations would wait behind thousands of others until the
+A safety valve, not a throttle: a registration costs a millisecond or two of this process's one
+loop, so 1,024 in flight is a second or two of queued work, and a storm the node's reconnect policy
+spreads stays below it (bench/fleet_scale.py's storms: none turned away at this limit; a quarter of
+it turned nodes away for no faster convergence; bench/RESULTS.md). Past it, queued registrations would wait behind thousands of others until the
 coordinator's own deadlines (the first challenge's 30 s) ran out on them; a refusal in a
 millisecond, retried with backoff, is better.
 """

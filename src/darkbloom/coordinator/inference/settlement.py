@@ -190,7 +190,7 @@ class RequestLifecycle:
         return self.cost_micro_usd
 
     def write_log(self) -> None:
-        """The request's line, once its answer has gone (``finish`` leaves it for then: ~40 µs that
+        """The request's line, once its answer has gone (``finish`` leaves it for then: formatting it
         need not stand between the settlement and the answer's bytes)."""
         outcome, self._log_outcome = self._log_outcome, None
         if outcome is not None:

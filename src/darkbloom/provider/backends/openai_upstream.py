@@ -6,8 +6,8 @@ Bounding concurrency is the node's job, not this module's; the backend keeps one
 connections to its upstream for its lifetime (one aiohttp session), as many as the node's
 `max_concurrency`, and reads each answer to its end (past `[DONE]`) so that its connection goes back
 to the pool for the next request instead of being closed. aiohttp, not httpx, on this path: the
-node's whole job per request is one streamed upstream call, and httpx cost ~2–3 ms of CPU for each
-(encode/httpcore#1035's pool bookkeeping among it) against ~0.3 ms for aiohttp (bench/RESULTS.md).
+node's whole job per request is one streamed upstream call, and httpx cost several times aiohttp's
+CPU for each (encode/httpcore#1035's pool bookkeeping among it; bench/RESULTS.md).
 
 Partial usage (a request stopped early): the `UsageMeter` always holds what the final usage chunk
 would say if the stream ended now — the upstream's own counts once a usage object has arrived

@@ -27,8 +27,9 @@ router = APIRouter()
 
 def add_inference_routes(app: FastAPI) -> None:
     """The inference POST routes, one per edge, as plain Starlette routes: FastAPI's per-request
-    machinery (dependency solving, its request and response wrappers) cost ~90 µs of the relay's ~2 ms
-    per request, and these routes read their body and their caller by hand anyway. The OpenAPI
+    machinery (dependency solving, its request and response wrappers) was a measurable part of the
+    relay's cost per request (bench/RESULTS.md), and these routes read their body and their caller by
+    hand anyway. The OpenAPI
     document lists them all the same (``http.openapi``)."""
     for edge in EDGES:
         app.add_route(edge.path, _endpoint(edge), methods=["POST"],

@@ -3,7 +3,7 @@
 ``ProviderSocketFirst`` serves it from the top of the app's middleware stack: a node's socket lives
 for hours, none of the HTTP layers (CORS, body limits, exception handlers, routing, dependency
 solving) applies to it, and what they keep per connection was a fifth of a connected node's memory
-(bench/fleet_scale.py at 2,000 nodes: 36 kB per session instead of 47).
+(bench/fleet_scale.py; bench/RESULTS.md).
 """
 
 from __future__ import annotations

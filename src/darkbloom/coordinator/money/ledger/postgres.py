@@ -75,8 +75,8 @@ SELECT 'u', request_id, NULL, NULL, NULL, NULL, NULL, NULL, NULL
 FROM usage_records WHERE request_id = ANY($5::text[])"""
 _SNAPSHOT, _LOCKED = _READ.format(lock=""), _READ.format(lock="FOR NO KEY UPDATE")
 # One statement writes everything, each table's rows as one JSON array (one parameter per table, typed
-# by json_populate_recordset from the table, where one array parameter per column cost asyncpg ~1 µs of
-# encoding each). First it locks, in the global order, the rows it changes and checks them: the
+# by json_populate_recordset from the table, where one array parameter per column cost asyncpg more
+# encoding; bench/RESULTS.md). First it locks, in the global order, the rows it changes and checks them: the
 # reservations it closes still open ($8), the windows it sets as read ($9), and each account it moves
 # ($1: what it adds to each pocket, the pockets as read, and the lowest the batch takes each below
 # that) able to give what it takes without a pocket going below 0 (a pocket it only adds to is not
