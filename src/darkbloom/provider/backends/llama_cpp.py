@@ -212,6 +212,7 @@ class LlamaCppBackend:
         generation = Generation(model_id=model_id, meter=meter if meter is not None else UsageMeter())
 
         def handed_back(error: BaseException | None) -> None:  # on the loop, once nothing works on it any more
+            generation.cancelled = isinstance(error, Cancelled)
             lease.release()
             generation.meter.end()
             self._ended(generation)

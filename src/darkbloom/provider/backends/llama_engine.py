@@ -67,7 +67,7 @@ class Generation:
     prompt_tokens: int = 0
     cached_tokens: int = 0
     completion_tokens: int = 0
-    cancelled: bool = False
+    cancelled: bool = False  # set when it has ended, if by a cancel
     cancel: threading.Event = field(default_factory=threading.Event, repr=False)
     meter: UsageMeter = field(default_factory=UsageMeter, repr=False)
 
@@ -314,8 +314,6 @@ class Engine:
 
     def _end(self, sequence: Sequence, error: BaseException | None) -> None:
         sequence.sampler.close()
-        if isinstance(error, Cancelled):
-            sequence.generation.cancelled = True
         try:
             sequence.finished(error)
         except Exception:
