@@ -58,10 +58,7 @@ class EmbeddingEngine:
         params.pooling_type = llama_cpp.LLAMA_POOLING_TYPE_UNSPECIFIED if own_pooling else \
             llama_cpp.LLAMA_POOLING_TYPE_MEAN
         params.no_perf = True
-        self._ctx = llama_cpp.llama_init_from_model(self.model.pointer, params)
-        if not self._ctx:
-            self.model.close()
-            raise ValueError("llama.cpp could not make an embeddings context for this model")
+        self._ctx = self.model.new_context(params)
         self._pooled = llama_cpp.llama_pooling_type(self._ctx) != llama_cpp.LLAMA_POOLING_TYPE_NONE
         self._memory = llama_cpp.llama_get_memory(self._ctx)
         self._batch = llama_cpp.llama_batch_init(BATCH, 0, 1)

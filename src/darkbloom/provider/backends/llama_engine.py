@@ -127,10 +127,7 @@ class Engine:
         params.kv_unified = False  # a window per sequence: faster for unrelated conversations (llama.h)
         params.flash_attn_type = _FLASH_ATTENTION[FLASH_ATTENTION_NAME]
         params.no_perf = True
-        self._ctx = llama_cpp.llama_init_from_model(self.model.pointer, params)
-        if not self._ctx:
-            self.model.close()
-            raise ValueError("llama.cpp could not make a context for this model")
+        self._ctx = self.model.new_context(params)
         self._memory = llama_cpp.llama_get_memory(self._ctx)
         self._batch = llama_cpp.llama_batch_init(BATCH, 0, 1)
         self._tokens = np.ctypeslib.as_array(self._batch.token, shape=(BATCH,))

@@ -66,5 +66,14 @@ class LoadedModel:
     def detokenize(self, tokens: list[int], special: bool = False) -> bytes:
         return self._model.detokenize(tokens, special=special)  # type: ignore[no-any-return]
 
+    def new_context(self, params: Any) -> Any:
+        """A llama.cpp context (`llama_context *`) over this model; ValueError, this model closed, when
+        llama.cpp cannot make one."""
+        context = llama_cpp.llama_init_from_model(self.pointer, params)
+        if not context:
+            self.close()
+            raise ValueError("llama.cpp could not make a context for this model")
+        return context
+
     def close(self) -> None:
         self._model.close()
