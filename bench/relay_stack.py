@@ -42,7 +42,7 @@ BUCKETS = {
     "FastAPI sync dependency in the thread pool (`run_in_threadpool`)": r"run_in_threadpool",
     "`inference/disconnect` (the request's disconnect watcher)": r"DisconnectWatch|until_disconnect|_wait_disconnect",
     "`wire/protocol.parse_provider_frame`": r"parse_provider_frame",
-    "`inference/attempt.Attempt.on_chunk` (open + parse each chunk)": r"on_chunk",
+    "`inference/attempts.Attempt.on_chunk` (open + parse each chunk)": r"on_chunk",
     "NaCl (seal/open)": r"\(nacl/",
     "`json` (stdlib, anywhere)": r"\(json/",
     "pydantic (anywhere)": r"\(pydantic",

@@ -81,7 +81,7 @@ SHARED = {
     **{f"tests/{module}.py": "llama-a" for module in (
         "provider/test_llama_backend", "provider/test_llama_hostile_requests", "provider/test_llama_text_apis")},
     **{f"tests/{module}.py": "llama-b" for module in (
-        "coordinator/money/test_estimation", "provider/direct/test_direct_apis_real",
+        "coordinator/inference/test_token_bounds", "provider/direct/test_direct_apis_real",
         "provider/direct/test_local_server", "provider/direct/test_node_direct", "provider/test_llama_tools",
         "provider/test_node", "provider/test_node_cancel", "provider/test_openai_backend")},
 }

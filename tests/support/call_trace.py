@@ -5,8 +5,8 @@
 within one file, a call from a library or the event loop are not entries). ``Spine`` reads a walk
 the way ``docs/architecture.md`` describes one: the root files (a route and the module it hands the
 work to), the files the roots enter, in the order first entered, and the *returns* — the distinct
-distinct entries from one of those files (not a root) into another file of the walk, each a place where a reader following the
-walk must go back to a file already left instead of back to the root.
+entries from one of those files (not a root) into another file of the walk, each a place where a
+reader following the walk must go back to a file already left instead of back to the root.
 """
 
 from __future__ import annotations

@@ -12,10 +12,9 @@ from typing import Any
 
 import pytest
 
-from darkbloom.coordinator.inference.attempts import MAX_ATTEMPTS, Attempts
+from darkbloom.coordinator.inference.attempts import MAX_ATTEMPTS, Attempt, Attempts
 from darkbloom.coordinator.fleet.registry import Registry
 from darkbloom.coordinator.inference.failures import ProviderFailure
-from darkbloom.coordinator.inference.attempt import Attempt
 from darkbloom.coordinator.routing.scheduler import try_place
 from darkbloom.coordinator.routing.decision import RouteDecision
 from tests.coordinator.routing.sim import (SimProvider, chat, decision, dispatched, end_as_gone, fleet, lifecycle,
@@ -33,7 +32,7 @@ def start(registry: Registry, route: RouteDecision | None = None,
     svc = services(registry, settings(first_content_timeout=BUDGET, **settings_fields))
     placement = try_place(registry, route, svc.settings)
     assert placement is not None
-    attempts = Attempts(lifecycle(svc, REQUEST_ID), route, chat(), max_tokens=64)
+    attempts = Attempts(lifecycle(svc, REQUEST_ID), route, "chat", chat().node_body(64))
     return attempts, asyncio.ensure_future(attempts.run(placement))
 
 
@@ -199,7 +198,8 @@ async def test_no_backup_when_no_other_session_is_idle() -> None:
     svc = services(registry, settings(first_content_timeout=BUDGET))
     placement = try_place(registry, route, svc.settings)
     assert placement is not None and placement.session is primary.session  # the idle one wins selection
-    run = asyncio.ensure_future(Attempts(lifecycle(svc, REQUEST_ID), route, chat(), max_tokens=64).run(placement))
+    attempts = Attempts(lifecycle(svc, REQUEST_ID), route, "chat", chat().node_body(64))
+    run = asyncio.ensure_future(attempts.run(placement))
     await primary.next_request()
     await past_half_budget()
     primary.reply(REQUEST_ID)
@@ -259,7 +259,8 @@ async def test_a_session_gone_before_dispatch_fails_over_at_once() -> None:
     placement = try_place(registry, route, svc.settings)
     assert placement is not None
     registry.remove(placement.session)  # what close_session does; it had no pending request yet
-    run = asyncio.ensure_future(Attempts(lifecycle(svc, REQUEST_ID), route, chat(), max_tokens=64).run(placement))
+    attempts = Attempts(lifecycle(svc, REQUEST_ID), route, "chat", chat().node_body(64))
+    run = asyncio.ensure_future(attempts.run(placement))
     other, = [p for p in providers if p.session is not placement.session]
     await other.next_request(timeout=2)
     other.reply(REQUEST_ID)

@@ -7,9 +7,8 @@ from typing import Any
 
 import pytest
 
-from darkbloom.coordinator.inference.calls import parse_call
+from darkbloom.coordinator.inference.calls import output_token_bound, parse_call, prompt_token_bound
 from darkbloom.wire.openai.edges import CHAT, COMPLETIONS, EMBEDDINGS, MESSAGES, RESPONSES, Edge
-from darkbloom.coordinator.money.estimation import output_token_bound, prompt_token_bound
 from darkbloom.wire.catalog import CatalogModel
 from darkbloom.wire.openai.errors import ApiError
 from darkbloom.wire.openai.legacy import LEGACY_DEFAULT_MAX_TOKENS
@@ -27,7 +26,7 @@ def test_legacy_completions_go_to_the_node_as_completions_with_openais_default_b
     call = _call(COMPLETIONS, prompt="Once upon a time")
     assert call.api == "completions" and call.needs == {"completions"}
     assert call.max_tokens == LEGACY_DEFAULT_MAX_TOKENS and output_token_bound(call, MODEL) == 16
-    forwarded = json.loads(call.for_provider("node-model", 16))
+    forwarded = call.node_body(16)
     assert forwarded["prompt"] == "Once upon a time" and forwarded["stream"] is True
     assert prompt_token_bound(call) >= len("Once upon a time")
     assert _call(COMPLETIONS, prompt="x", logprobs=2).needs == {"completions", "logprobs"}
@@ -38,8 +37,8 @@ def test_embeddings_reserve_no_output_and_bound_every_input() -> None:
     call = _call(EMBEDDINGS, input=["a", "bb"], encoding_format="base64")
     assert call.api == "embeddings" and call.needs == {"embeddings"} and call.stream is False
     assert output_token_bound(call, MODEL) == 0
-    forwarded = json.loads(call.for_provider("node-model", 0))
-    assert forwarded == {"model": "node-model", "input": ["a", "bb"]}  # no max_tokens, floats from the node
+    # no max_tokens, floats from the node (the node's own model id replaces the caller's at dispatch)
+    assert call.node_body(0) == {"model": "smollm2-135m", "input": ["a", "bb"]}
     assert prompt_token_bound(call) == (1 + 4) + (2 + 4) + TEMPLATE_ALLOWANCE
     tokens = _call(EMBEDDINGS, input=[1, 2, 3])
     assert prompt_token_bound(tokens) == 3 + 4 + TEMPLATE_ALLOWANCE

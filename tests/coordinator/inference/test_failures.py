@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 
 from darkbloom.coordinator.fleet.session import FRAME_TOO_LARGE
-from darkbloom.coordinator.inference.attempt import Attempt
+from darkbloom.coordinator.inference.attempts import Attempt
 from darkbloom.coordinator.fleet.slots import Slots
 from darkbloom.coordinator.inference.failures import Failed, ProviderFailure, failure_error, names_a_field
 from tests.coordinator.routing.sim import SimProvider

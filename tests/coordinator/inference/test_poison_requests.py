@@ -112,7 +112,8 @@ async def test_a_session_gone_before_the_request_went_out_is_no_takedown() -> No
     assert placement is not None
     gone, = [p for p in providers if p.session is placement.session]
     registry.remove(gone.session)  # placed, then disconnected before dispatch
-    run = asyncio.ensure_future(Attempts(lifecycle(svc, REQUEST_ID), route, chat(), max_tokens=64).run(placement))
+    attempts = Attempts(lifecycle(svc, REQUEST_ID), route, "chat", chat().node_body(64))
+    run = asyncio.ensure_future(attempts.run(placement))
     second = await dispatched([p for p in providers if p is not gone])
     crash(registry, second)
     third, = [p for p in providers if p not in (gone, second)]

@@ -9,7 +9,8 @@ import asyncio
 import time
 from typing import Any, AsyncIterator, Awaitable, Callable
 
-from darkbloom.coordinator.inference.attempt import Attempt, Chunk, Completed, Deadlines
+from darkbloom.coordinator.inference.attempts import Attempt
+from darkbloom.coordinator.inference.calls import Deadlines
 from darkbloom.coordinator.fleet.slots import Slots
 from darkbloom.wire.openai.presenters import ChatPresenter
 from darkbloom.wire.protocol import Usage
@@ -26,10 +27,10 @@ def _flooded(*, head: int = 0, queued: int = CHUNKS, complete: bool = True) -> A
     pending = Attempt("chatcmpl-drain", Slots().claim(SimProvider().session))
     pending.head.extend(_chunk("h") for _ in range(head))
     for _ in range(queued):
-        pending.events.put_nowait(Chunk(_chunk("x")))
+        pending.events.put_nowait(_chunk("x"))
     if complete:
         pending.usage = Usage(prompt_tokens=1, completion_tokens=queued)
-        pending.events.put_nowait(Completed(pending.usage))
+        pending.events.put_nowait(pending.usage)
     return pending
 
 

@@ -18,13 +18,14 @@ from sqlalchemy import select
 
 from darkbloom.coordinator.identity.caller import Caller
 from darkbloom.coordinator.inference.disconnect import ClientDisconnected
-from darkbloom.coordinator.inference.attempt import Attempt, Deadlines
-from darkbloom.coordinator.inference.attempts import Attempts
+from darkbloom.coordinator.inference.attempts import Attempt, Attempts
+from darkbloom.coordinator.inference.calls import Deadlines, TokenBounds
 from darkbloom.coordinator.inference.failures import ProviderFailure
 from darkbloom.coordinator.inference.settlement import RequestLifecycle
 from darkbloom.coordinator.money import admission, billing
 from darkbloom.coordinator.money.admission import take_request
 from darkbloom.coordinator.money.ratelimit import Charge, Decision, MemoryRateLimiter
+from darkbloom.coordinator.routing.decision import Policy
 from darkbloom.coordinator.routing.scheduler import try_place
 from darkbloom.coordinator.services import Services
 from darkbloom.store.schema import reservations, usage_records
@@ -69,13 +70,14 @@ class World:
         return RequestLifecycle(self.services, self.caller, request_id, CHAT.path)
 
     async def admit_and_place(self, life: RequestLifecycle) -> Attempts:
-        life.rate_headers.update(await take_request(self.services, self.caller))
-        await life.admit(MODEL, PROMPT_BOUND, OUTPUT_BOUND, self_routed=False, reserve=True)
-        placement = try_place(self.services.registry, decision(), self.services.settings)
+        await life.take_request()
+        route = decision()
+        await life.admit(Policy("public", None), route, TokenBounds(PROMPT_BOUND, OUTPUT_BOUND, 0))
+        placement = try_place(self.services.registry, route, self.services.settings)
         assert placement is not None
         life.hold(placement.slot)
         self.first = placement
-        return Attempts(life, decision(), chat(), OUTPUT_BOUND)
+        return Attempts(life, route, "chat", chat().node_body(OUTPUT_BOUND))
 
     async def dispatched(self, life: RequestLifecycle) -> asyncio.Task[tuple[Attempt, bool]]:
         """Admit and place the request, run its attempts; returns once the provider has the request."""

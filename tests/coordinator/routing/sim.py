@@ -23,7 +23,7 @@ from darkbloom.coordinator.fleet.registry import Registry
 from darkbloom.coordinator.fleet.slots import Slot, Slots
 from darkbloom.coordinator.fleet.session import ProviderSession
 from darkbloom.coordinator.fleet.socket_link import SocketLink
-from darkbloom.coordinator.routing.decision import RouteDecision
+from darkbloom.coordinator.routing.decision import RouteDecision, ShareGrant
 from darkbloom.coordinator.identity.caller import Caller
 from darkbloom.coordinator.inference.settlement import RequestLifecycle
 from darkbloom.coordinator.services import Services
@@ -61,6 +61,17 @@ async def end_as_gone(life: RequestLifecycle) -> None:
     gone = asyncio.CancelledError()
     await life.__aexit__(type(gone), gone, None)
     await life.services.drain(timeout=5)
+
+
+class NoLifecycle:
+    """A request lifecycle as placement sees it (``routing.route.Holder``), keeping nothing: its slots
+    are the test's to release, and a share's allowance is always there."""
+
+    def hold(self, slot: Slot) -> None:
+        pass
+
+    async def take_share(self, grant: ShareGrant) -> bool:
+        return True
 
 
 def decision(**fields: Any) -> RouteDecision:

@@ -12,12 +12,13 @@ from typing import Any
 import pytest
 
 from darkbloom.coordinator.fleet.registry import Registry
-from darkbloom.coordinator.routing import placement
+from darkbloom.coordinator.identity.caller import Caller
+from darkbloom.coordinator.routing import route
 from darkbloom.coordinator.routing.affinity import BLOCK_CHARS, Affinity, Conversation
-from darkbloom.coordinator.routing.policy import Policy
+from darkbloom.coordinator.routing.decision import Policy
 from darkbloom.coordinator.routing.queue import RequestQueues
 from darkbloom.coordinator.routing.scheduler import Claim, select_idle_or_free
-from tests.coordinator.routing.sim import MODEL, SimProvider, decision, fleet, services, settings
+from tests.coordinator.routing.sim import MODEL, NoLifecycle, SimProvider, chat, decision, fleet, services, settings
 
 ACCOUNT = "acct_caller"
 OWNER = "acct_owner"
@@ -229,21 +230,22 @@ async def test_the_digests_reach_no_log_line(caplog: pytest.LogCaptureFixture) -
     caplog.set_level(logging.DEBUG)
     first, second = turns("owls")
     talks = []
+    public = Policy(mode="public", owner_account_id=None)
     for body in (first, second):
-        talk = svc.affinity.conversation(ACCOUNT, MODEL.id, "chat", body)
-        talks.append(talk)
-        route = placement.decide(svc, Policy(mode="public", owner_account_id=None), MODEL, needs=frozenset(),
-                                 affinity=svc.affinity.recall(talk))
-        logging.getLogger("darkbloom").debug("placing %r with %r", route, talk)  # as any log of them would
-        claim = await placement.place(svc, route, Policy(mode="public", owner_account_id=None), lambda slot: None)
-        svc.affinity.remember(talk, claim.session.id)
+        made = await route.decide(svc, Caller(account_id=ACCOUNT, kind="api_key"), public, MODEL,
+                                  chat(**body), context_needed=0, output_tokens=0)
+        assert made.conversation is not None
+        talks.append(made.conversation)
+        logging.getLogger("darkbloom").debug("placing %r with %r", made, made.conversation)  # as any log would
+        claim = await route.place(svc, made, public, NoLifecycle())
+        route.remember(svc, made, claim.session)
         claim.slot.release()
-    assert route.affinity == claim.session.id  # the second turn was placed by affinity
+    assert made.affinity == claim.session.id  # the second turn was placed by affinity
     digests = [d for talk in talks for d in talk.prefixes]
     assert digests and caplog.text
     for digest in digests:
         assert digest.hex() not in caplog.text and repr(digest) not in caplog.text
-        assert digest.hex() not in repr(route)
+        assert digest.hex() not in repr(made)
 
 
 def test_an_affinity_is_a_session_id_on_the_decision() -> None:

@@ -10,9 +10,8 @@ import json
 import pytest
 
 from darkbloom.coordinator.fleet.registry import Registry
-from darkbloom.coordinator.inference.calls import parse_call
-from darkbloom.coordinator.money.estimation import context_needed, output_token_bound, prompt_token_bound
-from darkbloom.coordinator.routing.placement import check_context
+from darkbloom.coordinator.inference.calls import context_needed, output_token_bound, parse_call, prompt_token_bound
+from darkbloom.coordinator.routing.route import check_context
 from darkbloom.coordinator.routing.scheduler import longest_context, select, survey
 from darkbloom.wire.catalog import CatalogModel
 from darkbloom.wire.openai.edges import CHAT, EMBEDDINGS

@@ -27,12 +27,12 @@ from darkbloom.coordinator.fleet.session import ProviderSession
 from darkbloom.coordinator.identity.caller import Caller
 from darkbloom.coordinator.routing.decision import RouteDecision
 from darkbloom.coordinator.routing.model_views import list_models, owned_models
-from darkbloom.coordinator.routing.placement import check_context, place
-from darkbloom.coordinator.routing.policy import Policy
+from darkbloom.coordinator.routing.decision import Policy
+from darkbloom.coordinator.routing.route import check_context, place
 from darkbloom.coordinator.services import Services
 from darkbloom.store import accounts, create_engine, machines, migrate
 from darkbloom.wire.openai.errors import ApiError
-from tests.coordinator.routing.sim import MODEL, SimProvider, decision, fleet, services, settings
+from tests.coordinator.routing.sim import MODEL, NoLifecycle, SimProvider, decision, fleet, services, settings
 
 OWNER = "acct_owner"
 OTHER = "acct_other"
@@ -90,7 +90,7 @@ async def test_placement_reads_one_candidate_however_many_there_are() -> None:
         svc = services(registry)
 
         async def placed() -> None:
-            claim = await place(svc, decision(), Policy("public", None), lambda slot: None)
+            claim = await place(svc, decision(), Policy("public", None), NoLifecycle())
             claim.slot.release()
         return placed
 
@@ -108,7 +108,7 @@ async def test_a_model_nobody_can_serve_is_refused_without_a_survey() -> None:
 
         async def refused() -> None:
             with pytest.raises(ApiError) as error:
-                await place(svc, blocked, Policy("public", None), lambda slot: None)
+                await place(svc, blocked, Policy("public", None), NoLifecycle())
             assert error.value.code == "model_unavailable"
         return refused
 
@@ -122,7 +122,7 @@ async def test_a_capability_nobody_offers_is_named_from_one_session() -> None:
 
         async def refused() -> None:
             with pytest.raises(ApiError) as error:
-                await place(svc, decision(needs=frozenset({"images"})), Policy("public", None), lambda slot: None)
+                await place(svc, decision(needs=frozenset({"images"})), Policy("public", None), NoLifecycle())
             assert error.value.code == "model_capability_unsupported"
         return refused
 
@@ -206,7 +206,7 @@ async def test_the_preflight_and_the_machine_list_read_only_the_owners_sessions(
 
         async def preflight() -> None:
             with pytest.raises(ApiError) as error:
-                await place(svc, exclusive, Policy("exclusive", owner), lambda slot: None)
+                await place(svc, exclusive, Policy("exclusive", owner), NoLifecycle())
             assert error.value.code == "model_routing_blocked"
 
         async def listing() -> None:

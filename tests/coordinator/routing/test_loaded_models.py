@@ -123,7 +123,7 @@ async def test_the_load_counts_in_the_first_content_budget(monkeypatch: pytest.M
     route = decision()
     placement = try_place(registry, route, svc.settings)
     assert placement is not None
-    attempts = Attempts(lifecycle(svc, REQUEST_ID), route, chat(), max_tokens=64)
+    attempts = Attempts(lifecycle(svc, REQUEST_ID), route, "chat", chat().node_body(64))
     run = asyncio.ensure_future(attempts.run(placement))
     primary = await dispatched(providers)
     other, = [p for p in providers if p is not primary]

@@ -54,10 +54,6 @@ async def load_or_create_key(engine: AsyncEngine) -> CoordinatorKey:
     return CoordinatorKey(PrivateKey(b64d(stored["private_key"])))
 
 
-def is_sealed(content_type: str | None) -> bool:
-    return (content_type or "").split(";")[0].strip().lower() == SEALED_CONTENT_TYPE
-
-
 class Unsealed:
     """The opened request body and the box that seals the answer back to the client."""
 

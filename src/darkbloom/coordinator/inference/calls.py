@@ -1,10 +1,15 @@
-"""One inference request, whatever public API it came in on: the body a node receives, what it
-needs from the node, and the presenter that answers in the caller's API.
+"""One inference request, whatever public API it came in on: the body a node receives, checked, what it
+needs from the node, the presenter that answers in the caller's API, and its bounds: in tokens, and
+in time once its answer has started.
 
 Every API is a translation at the edge (`wire/openai`): the Responses API and Anthropic Messages
 become chat completions, legacy completions and embeddings go to the node as what they are. From
 here on a request is an `InferenceCall`, and admission, Self-Route, scheduling, sealing, relay and
 billing are the same for all of them.
+
+Its bounds are computed without the model's tokenizer: the prompt's, `wire.token_bounds` of the body
+the node receives (the node clamps what it reports to the same bound); the output's from max_tokens
+and the catalog; the context it may take from both.
 """
 
 from __future__ import annotations
@@ -12,20 +17,50 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Iterator
 
-from darkbloom.coordinator.inference.chat_validation import chat_needs, validate_chat_body
-from darkbloom.wire import json_codec
+from darkbloom.coordinator.config import CoordinatorSettings
+from darkbloom.wire import token_bounds
+from darkbloom.wire.catalog import CatalogModel
 from darkbloom.wire.openai.body import parse_json_object
 from darkbloom.wire.openai.edges import Edge
 from darkbloom.wire.openai.errors import invalid_request
 from darkbloom.wire.openai.legacy import completion_prompts
+from darkbloom.wire.openai.parameters import SAMPLING_RANGES
 from darkbloom.wire.openai.presenters import Presenter
 from darkbloom.wire.protocol import Api
 from darkbloom.wire.schema_bounds import repetition_problem
+
+BYTES_PER_TOKEN = 4  # about what English text takes per token with a byte-level BPE vocabulary
+_RESPONSE_FORMATS = ("text", "json_object", "json_schema")
+
+
+@dataclass(frozen=True)
+class TokenBounds:
+    """The most a request may take: its prompt's proven upper bound and its output bound (what it is
+    reserved and rate-charged for, and the most a provider may truthfully report), and the context it
+    needs of a session (0: not checked)."""
+
+    prompt: int
+    output: int
+    context: int
+
+
+@dataclass(frozen=True)
+class Deadlines:
+    """After first content: at most ``idle`` seconds between provider events, and the whole request
+    over by ``until`` (monotonic). A provider that misses either is stopped and the request fails."""
+
+    idle: float
+    until: float
+
+    @classmethod
+    def from_settings(cls, settings: CoordinatorSettings, started: float) -> "Deadlines":
+        return cls(idle=settings.idle_timeout, until=started + settings.request_timeout)
 
 
 @dataclass(frozen=True)
 class InferenceCall:
     edge: Edge
+    api: Api
     request: dict[str, Any]  # the caller's own body
     body: dict[str, Any]     # what the node receives, before its model id, `stream` and `max_tokens`
     model: str
@@ -34,23 +69,23 @@ class InferenceCall:
     max_tokens: int | None   # the output bound the caller asked for, if any (each choice's)
     choices: int = 1         # the answer's choices: a legacy completions batch has one per prompt
 
-    @property
-    def api(self) -> Api:
-        return self.edge.api
-
     def present(self, request_id: str) -> Presenter:
         return self.edge.presenter(request_id, self.model, self.request)
 
-    def for_provider(self, provider_model_id: str, max_tokens: int) -> bytes:
-        """The body the provider receives: its own model id, always streamed, output bounded by
-        what admission reserved for (``max_tokens``, shared evenly by the choices)."""
+    def node_body(self, max_tokens: int) -> dict[str, Any]:
+        """The body the provider receives, but for its own model id: always streamed, its output
+        bounded by what admission reserved for (``max_tokens``, shared evenly by the choices)."""
         if self.api == "embeddings":
-            forwarded = dict(self.body, model=provider_model_id)
-        else:
-            forwarded = dict(self.body, model=provider_model_id, stream=True, max_tokens=max_tokens // self.choices)
-            forwarded.pop("stream_options", None)
-            forwarded.pop("max_completion_tokens", None)
-        return json_codec.dumps(forwarded)
+            return dict(self.body)
+        body = dict(self.body, stream=True, max_tokens=max_tokens // self.choices)
+        body.pop("stream_options", None)
+        body.pop("max_completion_tokens", None)
+        return body
+
+    def bounds(self, model: CatalogModel) -> TokenBounds:
+        prompt = prompt_token_bound(self)
+        output = output_token_bound(self, model)
+        return TokenBounds(prompt, output, context_needed(self, prompt, output))
 
 
 def parse_call(raw: bytes, edge: Edge) -> InferenceCall:
@@ -81,8 +116,8 @@ def parse_call(raw: bytes, edge: Edge) -> InferenceCall:
             if isinstance(body.get(field), int) and not isinstance(body[field], bool):
                 max_tokens = body[field]
                 break
-    return InferenceCall(edge=edge, request=request, body=body, model=model.strip(), stream=stream, needs=needs,
-                         max_tokens=max_tokens, choices=choices)
+    return InferenceCall(edge=edge, api=edge.api, request=request, body=body, model=model.strip(), stream=stream,
+                         needs=needs, max_tokens=max_tokens, choices=choices)
 
 
 def _completion_logprobs(body: dict[str, Any]) -> frozenset[str]:
@@ -117,3 +152,122 @@ def _found(value: Any, steps: list[str], path: str) -> Iterator[tuple[Any, str]]
     elif isinstance(child, list):
         for index, item in enumerate(child):
             yield from _found(item, steps[1:], f"{where}[{index}]")
+
+
+# a chat body (also what the Responses and Messages edges translate to); unknown fields pass through
+
+def validate_chat_body(body: dict[str, Any]) -> None:
+    """400 naming the parameter for what no provider could serve; the rest is the provider's to judge."""
+    messages = body.get("messages")
+    if not isinstance(messages, list) or not messages:
+        raise invalid_request("'messages' must be a non-empty array of messages.", param="messages")
+    for index, message in enumerate(messages):
+        if not isinstance(message, dict) or not isinstance(message.get("role"), str):
+            raise invalid_request(f"messages[{index}] must be an object with a string 'role'.",
+                                  param=f"messages[{index}]")
+        _check_content(message.get("content"), f"messages[{index}].content")
+    n = body.get("n", 1)
+    if n is not None and (not isinstance(n, int) or isinstance(n, bool) or n < 1):
+        raise invalid_request("'n' must be a positive integer.", param="n")
+    if n is not None and n > 1:
+        raise invalid_request("Only n=1 is supported: ask for one choice per request.", param="n")
+    _validate_sampling(body)
+    for field in ("tools", "functions"):
+        if body.get(field) is not None and not isinstance(body[field], list):
+            raise invalid_request(f"'{field}' must be an array.", param=field)
+    response_format = body.get("response_format")
+    if response_format is not None and (not isinstance(response_format, dict)
+                                        or response_format.get("type") not in _RESPONSE_FORMATS):
+        raise invalid_request("'response_format.type' must be 'text', 'json_object' or 'json_schema'.",
+                              param="response_format")
+
+
+def _validate_sampling(body: dict[str, Any]) -> None:
+    """The output bound and the sampling numbers every generating API shares."""
+    for field in ("max_tokens", "max_completion_tokens"):
+        value = body.get(field)
+        if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
+            raise invalid_request(f"'{field}' must be a positive integer.", param=field)
+    for field, (low, high) in SAMPLING_RANGES.items():
+        value = body.get(field)
+        if value is not None and (not isinstance(value, (int, float)) or isinstance(value, bool)
+                                  or not low <= value <= high):
+            raise invalid_request(f"'{field}' must be a number from {low:g} to {high:g}.", param=field)
+
+
+def chat_needs(body: dict[str, Any]) -> frozenset[str]:
+    """The capabilities a chat request needs beyond plain text (routing sends it only where they are)."""
+    needs = set()
+    if (body.get("tools") and body.get("tool_choice") != "none") or \
+            (body.get("functions") and body.get("function_call") != "none"):
+        needs.add("tools")
+    if isinstance(body.get("response_format"), dict) and body["response_format"].get("type") != "text":
+        needs.add("structured_output")
+    if body.get("logprobs") is True or body.get("top_logprobs"):
+        needs.add("logprobs")
+    if _has_images(body["messages"]):
+        needs.add("images")
+    return frozenset(needs)
+
+
+def _check_content(content: Any, param: str) -> None:
+    """A message's content: text, null, or a list of typed parts whose text parts hold text."""
+    if content is None or isinstance(content, str):
+        return
+    if not isinstance(content, list):
+        raise invalid_request(f"'{param}' must be a string or an array of content parts.", param=param)
+    for index, part in enumerate(content):
+        where = f"{param}[{index}]"
+        if not isinstance(part, dict) or not isinstance(part.get("type"), str):
+            raise invalid_request(f"'{where}' must be an object with a string 'type'.", param=where)
+        if part["type"] in ("text", "input_text") and not isinstance(part.get("text"), str):
+            raise invalid_request(f"'{where}.text' must be a string.", param=f"{where}.text")
+
+
+def _has_images(messages: list[Any]) -> bool:
+    for message in messages:
+        content = message.get("content") if isinstance(message, dict) else None
+        if isinstance(content, list) and any(
+                isinstance(part, dict) and part.get("type") in ("image_url", "input_image") for part in content):
+            return True
+    return False
+
+
+# the bounds
+
+def prompt_token_bound(call: InferenceCall) -> int:
+    return token_bounds.prompt_token_bound(call.api, call.body)
+
+
+def output_token_bound(call: InferenceCall, model: CatalogModel) -> int:
+    """The request's output bound: max_completion_tokens / max_tokens, at most the catalog's maximum,
+    for each of its choices (embeddings generate nothing)."""
+    if call.api == "embeddings":
+        return 0
+    each = model.max_output_tokens if call.max_tokens is None else min(call.max_tokens, model.max_output_tokens)
+    return each * call.choices
+
+
+def context_needed(call: InferenceCall, prompt_bound: int, output_bound: int) -> int:
+    """The context the request may take (docs/models.md "Context length"): its prompt at
+    ``BYTES_PER_TOKEN``, plus the max_tokens it asked for (capped as the reservation caps it), or
+    plus one token when it asked for none (a node ends the answer where its context ends,
+    finish_reason "length"); for a completions batch, its longest prompt and one choice's output.
+    0 for embeddings: each input is its own sequence, which the node checks.
+
+    Not the prompt's bound: that counts a token per byte, about four times what ordinary text
+    takes, and would turn away prompts a node serves. A prompt this estimate counts low (code,
+    digits, other scripts) is refused by the node, which counts exactly."""
+    if call.api == "embeddings":
+        return 0
+    if call.choices > 1:  # a completions batch: each prompt is a sequence of its own
+        prompt_bound = max(token_bounds.prompt_token_bound(call.api, dict(call.body, prompt=prompt))
+                           for prompt in completion_prompts(call.body))
+        output_bound //= call.choices
+    return prompt_estimate(prompt_bound) + (output_bound if call.max_tokens is not None else 1)
+
+
+def prompt_estimate(prompt_bound: int) -> int:
+    """The prompt's tokens as the coordinator estimates them (its bound at ``BYTES_PER_TOKEN``): what
+    the context check counts, and what ``POST /v1/messages/count_tokens`` answers."""
+    return -(-prompt_bound // BYTES_PER_TOKEN)

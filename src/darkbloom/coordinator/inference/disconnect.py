@@ -1,22 +1,22 @@
 """Racing a request's work against the client going away (vLLM's ``with_cancellation``).
 
 One watcher task per request listens for ``http.disconnect`` while the watch is open (``with
-DisconnectWatch(request) as watch:``); while the handler awaits a piece of work through ``until``, a
-disconnect cancels that work in place (the handler's own task: no task per await) and ``until``
-raises ``ClientDisconnected``. The watcher starts once the work has taken ``WATCH_AFTER``: a request
-answered sooner (most, on an idle model) never makes one, and a client gone before then is noticed
-then (its disconnect waits in the server's queue), having cost at most that much more work.
+DisconnectWatch(request) as watch:``); while the handler runs a piece of work inside ``with
+watch.race():``, a disconnect cancels that work in place (the handler's own task: no task per await)
+and the block raises ``ClientDisconnected``. The watcher starts once the work has taken
+``WATCH_AFTER``: a request answered sooner (most, on an idle model) never makes one, and a client gone
+before then is noticed then (its disconnect waits in the server's queue), having cost at most that
+much more work.
 """
 
 from __future__ import annotations
 
 import asyncio
-import inspect
-from typing import Any, Awaitable, TypeVar
+import contextlib
+from typing import Any, Iterator
 
 from starlette.requests import Request
 
-T = TypeVar("T")
 WATCH_AFTER = 0.02  # seconds
 
 
@@ -29,15 +29,15 @@ class DisconnectWatch:
         self._request = request
         self._watcher: asyncio.Task[None] | None = None
         self._starting: asyncio.TimerHandle | None = None  # the watcher's start, until it is made
-        self._waiting: asyncio.Task[Any] | None = None  # the task inside ``until`` now
+        self._waiting: asyncio.Task[Any] | None = None  # the task inside ``race`` now
         self._cancelled_it = False
         self.gone = False
 
-    async def until(self, work: Awaitable[T]) -> T:
-        """Await ``work`` unless the client goes away first (then cancel it and raise ClientDisconnected)."""
+    @contextlib.contextmanager
+    def race(self) -> Iterator[None]:
+        """Run the block unless the client goes away first: then it is cancelled where it waits and
+        raises ClientDisconnected (at once, without running, when the client has gone already)."""
         if self.gone:
-            if inspect.iscoroutine(work):
-                work.close()
             raise ClientDisconnected()
         if self._starting is None:
             self._starting = asyncio.get_running_loop().call_later(WATCH_AFTER, self._start)
@@ -45,12 +45,7 @@ class DisconnectWatch:
         assert task is not None
         self._waiting = task
         try:
-            result = await work
-            if self._cancelled_it:  # the work swallowed our cancel (wait_for on 3.11 can): still gone
-                self._cancelled_it = False
-                task.uncancel()
-                raise ClientDisconnected()
-            return result
+            yield
         except asyncio.CancelledError:
             if self._cancelled_it:
                 self._cancelled_it = False
@@ -59,6 +54,10 @@ class DisconnectWatch:
             raise
         finally:
             self._waiting = None
+        if self._cancelled_it:  # the work swallowed our cancel (wait_for on 3.11 can): still gone
+            self._cancelled_it = False
+            task.uncancel()
+            raise ClientDisconnected()
 
     def __enter__(self) -> "DisconnectWatch":
         return self

@@ -1,7 +1,7 @@
-"""How an attempt fails (``Failed``, ``ProviderFailure``), and what a consumer is told when its provider
-fails: always the coordinator's own sentence, before the answer started (an HTTP error) or after
-(the stream's error event). Of a provider's refusal only ``param`` may pass, and only when it names a
-path of the caller's own body; and ``code`` when it is one the coordinator knows.
+"""How an attempt fails (``Failed``, ``ProviderFailure``, each way it can), and what a consumer is
+told when its provider fails: always the coordinator's own sentence, before the answer started (an
+HTTP error) or after (the stream's error event). Of a provider's refusal only ``param`` may pass, and
+only when it names a path of the caller's own body; and ``code`` when it is one the coordinator knows.
 """
 
 from __future__ import annotations
@@ -9,6 +9,8 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 from typing import Any
+
+from prometheus_client import Counter
 
 from darkbloom.coordinator.fleet.session import FRAME_TOO_LARGE
 from darkbloom.wire.openai.errors import ApiError
@@ -30,6 +32,8 @@ CRASHED_PROVIDERS = "request_crashed_providers"
 _CRASHED_MESSAGE = ("This request ended the connections of two providers before any output, so it was not "
                     "tried on another one. Change the request (a very large schema bound, say) before retrying.")
 _PATH_STEP = re.compile(r"\.?([^.\[\]]+)|\[(\d+)\]")
+CRASHED_COUNT = Counter("darkbloom_requests_crashed_providers_total",
+                        "Requests failed because their attempts took down two provider sessions before any output")
 
 
 @dataclass(frozen=True)
@@ -82,13 +86,31 @@ class ProviderFailure(Exception):
         return ApiError(502, failure.reason, failure.message)
 
 
+def provider_error(status: int, param: str | None, code: str | None) -> Failed:
+    """The provider failed the request (what it said is never kept: it never reaches a consumer)."""
+    return Failed(status, "The provider failed to serve the request.", "provider_error", param, code)
+
+
+PROVIDER_GONE = Failed(502, "The provider disconnected before finishing the request.", "provider_unavailable")
+UNTRUSTED_CHUNK = Failed(502, "The provider sent a response chunk that does not open (it failed decryption or is "
+                              "not a valid chunk).", "untrusted_chunk")
+UNTRUSTED_USAGE = Failed(502, "The provider reported impossible token usage for this request.", "untrusted_usage")
+
+
+def incomplete(why: str) -> Failed:
+    """An attempt that missed a deadline after its first content."""
+    return Failed(504, f"The provider {why}; the answer is incomplete.", "provider_timeout")
+
+
 def timed_out(budget: float) -> ProviderFailure:
     """The failure of an attempt that produced nothing within the first-content budget."""
     return ProviderFailure(Failed(504, f"The provider produced no output within {budget:g} s.", "provider_timeout"))
 
 
 def crashed_providers() -> ProviderFailure:
-    """The failure of a request whose attempts took down two provider sessions before any output."""
+    """The failure of a request whose attempts took down two provider sessions before any output
+    (counted in ``darkbloom_requests_crashed_providers_total``)."""
+    CRASHED_COUNT.inc()
     return ProviderFailure(Failed(502, _CRASHED_MESSAGE, CRASHED_PROVIDERS))
 
 

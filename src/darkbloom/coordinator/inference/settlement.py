@@ -1,12 +1,12 @@
 """A request's settlement: everything it takes is recorded on its ``RequestLifecycle`` as it is
 taken, and this is the one place that gives back what it did not use and settles what it did.
 
-A request takes, in order: its RPM charge (``admission.take_request``, before the body; never given
-back, so not recorded here), token charges (ITPM/OTPM), a reservation (paid and prefer requests, and
-shared ones that may use a priced share), provider slots (the first placement, retries, a backup)
-and, when placed on a shared machine, a share's daily allowance. The ``RequestLifecycle`` records
-each as it is taken and, when the request ends, gives back exactly what was not used — once, on
-every end:
+A request takes, in order: its RPM charge (``take_request``, before the body; never given back, so
+not recorded), token charges (ITPM/OTPM) and a reservation as its route needs them (``admit``: paid
+and prefer requests, and shared ones that may use a priced share), provider slots (the first
+placement, retries, a backup) and, when placed on a shared machine, a share's daily allowance. The
+``RequestLifecycle`` records each as it is taken and, when the request ends, gives back exactly what
+was not used — once, on every end:
 
 - refused before admission completed (bad body, unknown model, 429, 402): the token charges back;
 - admitted but never served (no provider, queue refused, every attempt failed, client gone or
@@ -20,13 +20,15 @@ Use it as ``async with RequestLifecycle(...) as life:``. A served answer settles
 before its usage is shown — the non-streamed body (and its ``X-Darkbloom-Cost-Micro-USD``) is built
 after it, a stream's last events follow it — so the ``cost_micro_usd`` the caller reads is what the
 settlement charged, the figure of the usage row; the request's log line (``write_log``) follows the
-answer. A streamed answer also takes the end over with ``hand_off()``: the response's end hook
-``end_unfinished`` ends a stream that stopped early (the client went away) with a partial charge.
+answer. A streamed answer also takes the end over with ``hand_off()``: the response tells the
+lifecycle its end (``answer_ended``), which ends a stream that stopped early (the client went away)
+with a partial charge.
 """
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import time
 from typing import Any, Awaitable, Callable, TypeVar
@@ -35,11 +37,12 @@ from prometheus_client import Histogram
 
 from darkbloom.coordinator.fleet.slots import Slot
 from darkbloom.coordinator.identity.caller import Caller
-from darkbloom.coordinator.inference.attempt import Attempt, UsageBounds
+from darkbloom.coordinator.inference.attempts import Attempt
+from darkbloom.coordinator.inference.calls import TokenBounds
 from darkbloom.coordinator.inference.disconnect import ClientDisconnected
 from darkbloom.coordinator.money import admission, billing
 from darkbloom.coordinator.money.ratelimit import Charge
-from darkbloom.coordinator.routing.decision import ShareGrant
+from darkbloom.coordinator.routing.decision import Policy, RouteDecision, ShareGrant
 from darkbloom.coordinator.routing.sharing import take_allowance
 from darkbloom.coordinator.services import Services
 from darkbloom.store import shares
@@ -70,10 +73,11 @@ class RequestLifecycle:
         self.rate_headers: dict[str, str] = {}
         self.reservation: billing.Reservation | None = None
         self.admitted = False
+        self.policy: Policy | None = None  # as admitted
         self.model: CatalogModel | None = None
         self.self_routed = False
         self.exclusive = False
-        self.usage_bounds: UsageBounds | None = None
+        self.bounds: TokenBounds | None = None  # the most a provider may report
         self.serving: Attempt | None = None  # the attempt whose content goes to the client
         self.share: ShareGrant | None = None  # the share whose allowance it took, and on which UTC day
         self.cost_micro_usd = 0  # what its settlement charged the caller (the usage row's cost_micro_usd)
@@ -87,6 +91,10 @@ class RequestLifecycle:
 
     # taking
 
+    async def take_request(self) -> None:
+        """The request against the caller's RPM buckets, before its body is read; never given back."""
+        self.rate_headers.update(await admission.take_request(self.services, self.caller))
+
     async def charge_rates(self, charges: list[Charge]) -> None:
         """Take every token charge or raise the 429 (then nothing more was taken)."""
         decision = await admission.acquire(self.services, charges)
@@ -94,19 +102,49 @@ class RequestLifecycle:
             self.rate_charges.extend(charges)
             self.rate_headers.update(decision.headers)
 
-    async def admit(self, model: CatalogModel, prompt_bound: int, output_bound: int, *, self_routed: bool,
-                    reserve: bool, reserve_at: CatalogModel | None = None, unreserved_if_short: bool = False,
-                    prefer: bool = False) -> None:
+    async def admit(self, policy: Policy, decision: RouteDecision, bounds: TokenBounds) -> Policy:
+        """Token charges and the reservation the route needs: none for exclusive self-route (no key spend
+        cap either; rate limits still apply), the worst case at the dearest priced share for shared
+        routing — and when the balance cannot hold that but the caller's own machines or a free share
+        could serve, no reservation and only those (docs/sharing.md "Money"). A prefer request whose key's
+        fallback budget cannot hold its worst case goes on as exclusive (docs/self-route.md "Fallback
+        budget"): the policy it is placed with is returned."""
+        model = decision.model
+        if not policy.shared:
+            prefer = policy.mode == "prefer"
+            await self._reserve(model, bounds, self_routed=policy.self_routed, reserve=not policy.exclusive,
+                                prefer=prefer)
+            if prefer and self.exclusive:
+                decision.owned_only = True
+                policy = dataclasses.replace(policy, mode="exclusive")
+            self.policy = policy
+            return policy
+        min_charge = self.services.settings.min_charge_micro_usd
+        priced = [grant.priced_model(model) for grant in decision.shares if grant.priced]
+        dearest = max(priced, key=lambda m: billing.worst_case(m, bounds.prompt, bounds.output, min_charge),
+                      default=None)
+        owned = self.services.registry.owned_by(self.caller.account_id)
+        free_route = (any(not grant.priced for grant in decision.shares)
+                      or any(name in s.advertised_models for s in owned for name in decision.names))
+        await self._reserve(model, bounds, self_routed=True, reserve=dearest is not None, reserve_at=dearest,
+                            unreserved_if_short=free_route)
+        if dearest is not None and self.reservation is None:
+            decision.shares = tuple(grant for grant in decision.shares if not grant.priced)
+        self.policy = policy
+        return policy
+
+    async def _reserve(self, model: CatalogModel, bounds: TokenBounds, *, self_routed: bool, reserve: bool,
+                       reserve_at: CatalogModel | None = None, unreserved_if_short: bool = False,
+                       prefer: bool = False) -> None:
         """ITPM/OTPM with the estimates, then the worst-case reservation (402 when it cannot be held), at
         the model's prices or ``reserve_at``'s (a priced share's). With ``unreserved_if_short``, a
         balance that cannot hold it admits the request without one (it then goes only where it is free).
         A ``prefer`` request also holds it against the key's fallback budget; when that cannot, it is
         admitted without a reservation, as exclusive (``self.exclusive``: own machines only, $0)."""
-        self.model, self.self_routed = model, self_routed
-        self.usage_bounds = UsageBounds(prompt_bound, output_bound)  # the most a provider may report
-        await self.charge_rates(admission.token_charges(self.services, self.caller, prompt_bound, output_bound))
+        self.model, self.self_routed, self.bounds = model, self_routed, bounds
+        await self.charge_rates(admission.token_charges(self.services, self.caller, bounds.prompt, bounds.output))
         if reserve:
-            amount = billing.worst_case(reserve_at or model, prompt_bound, output_bound,
+            amount = billing.worst_case(reserve_at or model, bounds.prompt, bounds.output,
                                         self.services.settings.min_charge_micro_usd)
             try:
                 self.reservation = await billing.reserve(self.services, self.request_id, self.caller.account_id,
@@ -123,9 +161,8 @@ class RequestLifecycle:
     async def take_share(self, grant: ShareGrant) -> bool:
         """One request and its worst-case tokens against the share's daily limits (False: a limit would
         be passed, nothing taken); given back unless the request is served through it."""
-        assert self.share is None and self.usage_bounds is not None
-        bounds = self.usage_bounds
-        day = await take_allowance(self.services, grant, bounds.prompt_tokens + bounds.completion_tokens)
+        assert self.share is None and self.bounds is not None
+        day = await take_allowance(self.services, grant, self.bounds.prompt + self.bounds.output)
         if day is None:
             return False
         self.share, self._share_day = grant, day
@@ -145,6 +182,19 @@ class RequestLifecycle:
     def hand_off(self) -> None:
         """The response stream ends this request from now on (the handler's ``async with`` exits early)."""
         self._handed_off = True
+
+    def answer_headers(self) -> dict[str, str]:
+        """What the answer says of the request: its id, the serving session, how it was routed and
+        billed, and the rate limits that applied."""
+        assert self.serving is not None and self.policy is not None
+        session, policy, share = self.serving.session, self.policy, self.share
+        owned = session.account_id == self.caller.account_id
+        shared = not owned and share is not None
+        priced_share = share is not None and share.priced
+        free = (owned and policy.self_routed) or policy.exclusive or (shared and not priced_share)
+        return {"X-Request-Id": self.request_id, "X-Provider-Id": session.id,
+                "X-Darkbloom-Routed": "owned" if owned else "shared" if shared else "fleet",
+                "X-Darkbloom-Billing": "free" if free else "charged", **self.rate_headers}
 
     # ending
 
@@ -196,8 +246,8 @@ class RequestLifecycle:
         if outcome is not None:
             self._log(outcome)
 
-    def end_unfinished(self) -> None:
-        """The handed-off response ended: a stream that ended without ``finish`` lost its client."""
+    def answer_ended(self) -> None:
+        """The handed-off answer ended: a stream that ended without ``finish`` lost its client."""
         if not self._ended:
             self._ended = True
             self.services.spawn(self._settle("client_disconnected", charge_partial=True))
@@ -267,8 +317,8 @@ class RequestLifecycle:
         grant, self.share = self.share, None
         if grant is None:
             return
-        assert self.usage_bounds is not None
-        held = self.usage_bounds.prompt_tokens + self.usage_bounds.completion_tokens
+        assert self.bounds is not None
+        held = self.bounds.prompt + self.bounds.output
         try:
             async with self.services.engine.begin() as conn:
                 if usage is not None:

@@ -2,7 +2,7 @@
 docs/api.md "Counting tokens").
 
 The count is the coordinator's own estimate of the prompt — the one its context check uses
-(``money.estimation.prompt_estimate`` of the translated chat prompt's bound) — not a tokenizer's
+(``inference.calls.prompt_estimate`` of the translated chat prompt's bound) — not a tokenizer's
 exact figure: no node is asked. Nothing is billed or written to the usage history, but the route
 takes one request from the caller's RPM buckets before the body is read, as every inference route
 does; the model must be one the caller may use (404 / 403 as for the request itself)."""
@@ -12,9 +12,8 @@ from __future__ import annotations
 from starlette.datastructures import Headers
 
 from darkbloom.coordinator.identity.caller import Caller
-from darkbloom.coordinator.money.estimation import prompt_estimate
-from darkbloom.coordinator.routing.placement import resolve_model
-from darkbloom.coordinator.routing.policy import resolve_policy
+from darkbloom.coordinator.inference.calls import prompt_estimate
+from darkbloom.coordinator.routing.route import resolve_model, resolve_policy
 from darkbloom.coordinator.services import Services
 from darkbloom.wire.openai.anthropic_messages import messages_prompt
 from darkbloom.wire.openai.body import parse_json_object

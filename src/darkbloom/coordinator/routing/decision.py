@@ -1,19 +1,49 @@
-"""The routing decision one request carries through first dispatch, retries, the backup and the queue,
-and the shares it may route through."""
+"""What one request's route is made of, as the scheduler, the queue, the gates and Self-Route read it:
+its policy (public, exclusive self-route, prefer or shared, an optional pinned machine and share), the
+shares it may route through, and the ``RouteDecision`` it carries through first dispatch, retries,
+the backup and the queue (``routing/route.py`` makes them)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import Literal, Optional
 
 from darkbloom.coordinator.fleet.session import ProviderSession
+from darkbloom.coordinator.routing.affinity import Conversation
 from darkbloom.wire.catalog import CatalogModel
+
+RouteMode = Literal["public", "exclusive", "prefer", "shared"]
 
 
 _NEED_NAMES = {"tools": "tools", "structured_output": "structured output (response_format)",
                "logprobs": "logprobs", "completions": "legacy completions",
                "completion_batches": "a list of prompts in one request", "embeddings": "embeddings",
                "images": "images"}
+
+
+@dataclass(frozen=True)
+class Policy:
+    mode: RouteMode
+    owner_account_id: str | None
+    pinned: str | None = None
+    share_id: str | None = None  # shared: only this share's machines (and the caller's own)
+
+    @property
+    def exclusive(self) -> bool:
+        return self.mode == "exclusive"
+
+    @property
+    def shared(self) -> bool:
+        return self.mode == "shared"
+
+    @property
+    def never_fleet(self) -> bool:
+        """Exclusive or shared: the caller's own machines (and shared ones), never the public fleet."""
+        return self.mode in ("exclusive", "shared")
+
+    @property
+    def self_routed(self) -> bool:
+        return self.mode != "public"
 
 
 @dataclass(frozen=True)
@@ -62,6 +92,7 @@ class RouteDecision:
     shared_routing: bool = False          # X-Darkbloom-Route: shared (its own pre-flight errors)
     tallied: bool = False                 # counted by its model's public view (machine insight), once
     affinity: str | None = None           # the session that served its conversation before (routing/affinity.py)
+    conversation: Conversation | None = None  # remembered with the session that serves it, for its next turn
 
     @property
     def names(self) -> tuple[str, ...]:

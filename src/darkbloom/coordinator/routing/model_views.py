@@ -11,9 +11,8 @@ from darkbloom.wire.catalog import MAX_MODEL_ID, CatalogModel
 from darkbloom.coordinator.identity.caller import Caller
 from darkbloom.wire.openai.errors import ApiError
 from darkbloom.coordinator.routing.scheduler import routable_public
-from darkbloom.coordinator.routing.decision import RouteDecision, ShareGrant
+from darkbloom.coordinator.routing.decision import Policy, RouteDecision, ShareGrant
 from darkbloom.coordinator.routing.gates import first_failed_gate
-from darkbloom.coordinator.routing.policy import Policy
 from darkbloom.coordinator.services import Services
 
 CREATED = 1735689600  # a fixed date: catalog entries carry no creation time

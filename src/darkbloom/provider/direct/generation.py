@@ -1,7 +1,7 @@
 """One direct-mode request on the node's backend, whatever its API, from its slot to the last event.
 
 A `Generation` holds a slot from before it starts until the backend has stopped generating
-(`finish_soon`, exactly once, whatever way the request ends). Its presenter (`wire.openai.presenters`)
+(`answer_ended`, exactly once, whatever way the request ends). Its presenter (`wire.openai.presenters`)
 gives the answer the caller's API shape. Streams send nothing before the first content chunk
 (`wire.openai.chunks.has_content`), so an early failure is a real HTTP error; then the presenter's
 events to its closing ones (chat: a usage chunk on request and one `data: [DONE]`). A failure after
@@ -82,7 +82,7 @@ class Generation:
             raise BackendError(502, "the backend finished without reporting token usage")
         return self.usage
 
-    def finish_soon(self) -> None:
+    def answer_ended(self) -> None:
         """Stop the backend (if still running) and free the slot once it has stopped, in a task of its
         own so that neither a cancelled response nor a vanished client can skip it."""
         if self._finishing:
@@ -137,4 +137,4 @@ async def events(generation: Generation, head: list[dict[str, Any]]) -> AsyncIte
 def generation_response(generation: Generation, head: list[dict[str, Any]],
                         headers: dict[str, str]) -> EventStreamResponse:
     """A streamed answer that always hands its slot back, however the response ends."""
-    return EventStreamResponse(events(generation, head), headers, generation.finish_soon)
+    return EventStreamResponse(events(generation, head), headers, generation)

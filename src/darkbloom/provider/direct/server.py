@@ -156,7 +156,7 @@ class _LocalApi:
             raise from_backend(exc) from None
         finally:
             if not handed_off:
-                generation.finish_soon()
+                generation.answer_ended()
 
 
 def _model_entry(model_id: str) -> dict[str, Any]:

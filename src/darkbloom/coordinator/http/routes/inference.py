@@ -10,14 +10,14 @@ from fastapi import APIRouter, Depends, FastAPI, Request, Response
 from fastapi.responses import JSONResponse, StreamingResponse
 
 from darkbloom.coordinator.http.auth import require_caller
-from darkbloom.coordinator.http.sealed_body import Unsealed, is_sealed, unseal
+from darkbloom.coordinator.http.sealed_body import SEALED_CONTENT_TYPE, Unsealed, unseal
 from darkbloom.coordinator.identity.caller import Caller
 from darkbloom.coordinator.inference.serving import serve
 from darkbloom.coordinator.inference.token_count import count_input_tokens
 from darkbloom.coordinator.money.admission import take_request
 from darkbloom.coordinator.routing.model_views import list_models, model_entry, owned_models
-from darkbloom.coordinator.routing.decision import ShareGrant
-from darkbloom.coordinator.routing.policy import Policy, resolve_policy
+from darkbloom.coordinator.routing.decision import Policy, ShareGrant
+from darkbloom.coordinator.routing.route import resolve_policy
 from darkbloom.coordinator.routing.sharing import load_grants
 from darkbloom.coordinator.services import Services, get_services
 from darkbloom.wire.openai.edges import EDGES, Edge
@@ -56,7 +56,8 @@ class _Body:
 
     async def read(self) -> bytes:
         raw = await self._request.body()
-        if not is_sealed(self._request.headers.get("content-type")):
+        media_type = self._request.headers.get("content-type", "").split(";")[0].strip().lower()
+        if media_type != SEALED_CONTENT_TYPE:
             return raw
         self._unsealed = unseal(raw, self._services.consumer_key)
         return self._unsealed.plaintext

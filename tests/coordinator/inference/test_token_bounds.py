@@ -14,9 +14,8 @@ from llama_cpp import llama_chat_format
 
 from darkbloom.wire.catalog import CatalogModel
 from darkbloom.coordinator.money import billing
-from darkbloom.coordinator.inference.calls import parse_call
+from darkbloom.coordinator.inference.calls import output_token_bound, parse_call, prompt_token_bound
 from darkbloom.wire.openai.edges import CHAT
-from darkbloom.coordinator.money.estimation import output_token_bound, prompt_token_bound
 from darkbloom.provider.backends.llama_chat import chat_job
 from darkbloom.provider.backends.llama_model import LoadedModel
 from darkbloom.provider.backends.llama_prompt import chat_prompt
