@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 from pathlib import Path
 from typing import Any
 
@@ -294,7 +295,7 @@ async def test_a_forced_call_cut_by_max_tokens_is_a_partial_call(backend: LlamaC
     else:
         assert streamed_name and all(t["function"]["name"].startswith(streamed_name) for t in tools)
     if max_tokens == 20:
-        assert arguments.startswith('{"query')
+        assert re.match(r'\{\s*"query', arguments)  # the grammar allows a space after the brace
     answer = assembled(chunks, body)  # not streamed: the same call
     assert answer["finish_reason"] == "length" and not answer["message"].get("content")
     [call] = answer["message"]["tool_calls"]
