@@ -14,6 +14,7 @@ from sqlalchemy.ext.asyncio import AsyncEngine
 from darkbloom.store import create_engine, migrate
 from tests.support.databases import database_for, postgres_database
 from tests.support.processes import Coordinator, start_coordinator
+from tests.support.replicas import ACROSS_REPLICAS
 
 # A shell's background job (`make check &`) ignores SIGINT, and a process inherits an ignored signal
 # through exec: the tests that stop a process with Ctrl-C (a pull, the demo, tshark) would signal
@@ -98,7 +99,7 @@ LONGEST_FIRST = ("tests/clients/", "tests/reliability/test_schemathesis.py", "ll
 
 # Packages whose every test is e2e: `make check` (-m "not e2e") does not import them at all (their
 # client SDKs cost each xdist worker seconds of collection); a test in them without the mark is an error
-E2E_PACKAGES = ("clients", "console", "e2e", "selfroute", "selfroute_replicas")
+E2E_PACKAGES = ("clients", "console", "e2e", "selfroute")
 TESTS = Path(__file__).parent
 
 
@@ -116,12 +117,12 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         if package in E2E_PACKAGES and item.get_closest_marker("e2e") is None:
             raise pytest.UsageError(f"{item.nodeid} is not marked e2e, and tests/{package}/ holds e2e tests only")
     if os.environ.get("PYTEST_XDIST_WORKER"):  # a worker's collection order is the scheduler's queue
-        items[:] = _longest_first(items, config.rootpath)
+        items[:] = _longest_first(items)
 
 
-def _longest_first(items: list[pytest.Item], root: Path) -> list[pytest.Item]:
+def _longest_first(items: list[pytest.Item]) -> list[pytest.Item]:
     """The items unit by unit, the units of LONGEST_FIRST first; within a unit, collection order."""
-    units = [work_unit(item.path.relative_to(root).as_posix()) for item in items]
+    units = [work_unit(item.nodeid) for item in items]
     first_seen = {unit: index for index, unit in reversed(list(enumerate(units)))}
     rank = {unit: position for position, unit in enumerate(LONGEST_FIRST)}
     order = sorted(range(len(items)), key=lambda i: (rank.get(units[i], len(rank)), first_seen[units[i]], i))
@@ -141,23 +142,27 @@ def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
 
     class ByUnit(LoadScopeScheduling):
         def _split_scope(self, nodeid: str) -> str:
-            return work_unit(nodeid.split("::", 1)[0])
+            return work_unit(nodeid)
 
     return ByUnit(config, log)
 
 
-def work_unit(module: str) -> str:
+def work_unit(nodeid: str) -> str:
     """The unit a worker runs whole: a module by default (its module-scoped coordinators and nodes
-    start once), a package where fixtures are package-scoped, or a group of modules sharing a resource."""
+    start once), a package where fixtures are package-scoped, or a group of modules sharing a resource.
+    A module whose tests run on one coordinator and across replicas (tests/selfroute/conftest.py) is
+    two units, one per stack, as two modules would be."""
+    module, _, test = nodeid.partition("::")
     for package in PACKAGES:
         if module.startswith(package):
             return package
+    if ACROSS_REPLICAS in test.partition("[")[2].rstrip("]").split("-"):
+        return f"{module}[{ACROSS_REPLICAS}]"
     return SHARED.get(module, module)
 
 
 def _uses_postgres(item: pytest.Item) -> bool:
-    """A fresh database from ``postgres_url``, the ``postgres`` case of a backend parameter, or
-    tests/selfroute run across replicas (on Postgres). Other replica sets are marked by their module."""
+    """A fresh database from ``postgres_url``, or the ``postgres`` case of a backend parameter. Replica
+    sets are marked where they are made: tests/selfroute's by the fixture parameter, others by their module."""
     callspec = getattr(item, "callspec", None)
-    return ("postgres_url" in item.fixturenames or "across_replicas" in item.fixturenames
-            or (callspec is not None and "postgres" in callspec.params.values()))
+    return "postgres_url" in item.fixturenames or (callspec is not None and "postgres" in callspec.params.values())

@@ -7,7 +7,7 @@ import asyncio
 import contextlib
 import json
 from pathlib import Path
-from typing import Any, AsyncIterator
+from typing import Any, AsyncIterator, NoReturn
 
 from pydantic import BaseModel
 from websockets.asyncio.server import Server, ServerConnection, serve
@@ -17,6 +17,7 @@ from darkbloom.provider.node import ProviderNode
 from darkbloom.provider.reconnect import ReconnectPolicy
 from darkbloom.wire.chunk_arrays import response_chunks
 from darkbloom.wire import crypto, protocol
+from tests.support.backends import BackendCall, MockBackend
 
 
 class Conn:
@@ -80,20 +81,9 @@ class FakeCoordinator:
         return await asyncio.wait_for(self.connections.get(), timeout)
 
 
-class IdleBackend:
-    """A node backend for tests where no inference happens."""
-
-    async def start(self) -> None:
-        pass
-
-    async def close(self) -> None:
-        pass
-
-    def capabilities(self, model_id: str) -> frozenset[str]:
-        return frozenset()
-
-    def stream_chat(self, *_args: Any) -> Any:  # pragma: no cover - never called
-        raise AssertionError("no inference expected")
+def no_inference(call: BackendCall) -> NoReturn:
+    """The `MockBackend` handler for tests where no inference happens."""
+    raise AssertionError(f"no inference expected, got a {call.api} request")
 
 
 @contextlib.asynccontextmanager
@@ -101,7 +91,7 @@ async def running_node(url: str, home: Path, policy: ReconnectPolicy) -> AsyncIt
     """A node (idle backend, heartbeats every 0.2 s) dialling ``url`` until the block ends."""
     config = load_config(home, {"coordinator_url": url})
     config.heartbeat_interval_secs = 0.2
-    node = ProviderNode(config, home, IdleBackend(), reconnect=policy)  # type: ignore[arg-type]
+    node = ProviderNode(config, home, MockBackend(no_inference), reconnect=policy)
     stop = asyncio.Event()
     task = asyncio.create_task(node.run(stop))
     try:

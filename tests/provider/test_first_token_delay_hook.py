@@ -6,43 +6,22 @@ from __future__ import annotations
 import argparse
 import asyncio
 from pathlib import Path
-from typing import Any, AsyncIterator
+from typing import Any
 
 import pytest
 
-from darkbloom.provider.backends.base import UsageMeter
 from darkbloom.provider.backends.openai_upstream import OpenAIUpstreamBackend
 from darkbloom.provider.config import load_config
-from tests.support.backends import FirstTokenDelayBackend
+from tests.support.backends import FirstTokenDelayBackend, MockBackend
 from tests.support.node_main import node_backend, parse, seconds
 from tests.support.processes import darkbloom_cmd, node_cmd
 
 OPENAI = {"backend": "openai", "upstream_url": "http://127.0.0.1:9", "models": ["m"]}
 
 
-class FakeBackend:
-    def __init__(self) -> None:
-        self.started = 0
-        self.streams_started = 0
-        self.streams_closed = 0
-
-    async def start(self) -> None:
-        self.started += 1
-
-    async def close(self) -> None:
-        pass
-
-    def capabilities(self, model_id: str) -> frozenset[str]:
-        return frozenset()
-
-    async def stream_chat(self, model_id: str, body: dict[str, Any],
-                          meter: UsageMeter | None = None) -> AsyncIterator[dict[str, Any]]:
-        self.streams_started += 1
-        try:
-            for word in ("a", "b", "c"):
-                yield {"choices": [{"index": 0, "delta": {"content": word}}]}
-        finally:
-            self.streams_closed += 1
+def three_words() -> MockBackend:
+    """The inner backend: streams "a", "b", "c"."""
+    return MockBackend(lambda call: [{"choices": [{"index": 0, "delta": {"content": word}}]} for word in "abc"])
 
 
 def test_the_delay_option() -> None:
@@ -73,16 +52,16 @@ def test_wraps_the_backend_the_config_names(tmp_path: Path) -> None:
 
 
 async def test_chunks_pass_through_after_the_delay() -> None:
-    inner = FakeBackend()
+    inner = three_words()
     backend = FirstTokenDelayBackend(inner, 0.01)
     await backend.start()
     chunks = [c async for c in backend.stream_chat("m", {})]
     assert [c["choices"][0]["delta"]["content"] for c in chunks] == ["a", "b", "c"]
-    assert inner.started == 1 and inner.streams_started == inner.streams_closed == 1
+    assert inner.starts == 1 and len(inner.calls) == 1 and inner.calls[0].ended.is_set()
 
 
 async def test_a_cancel_interrupts_the_delay() -> None:
-    inner = FakeBackend()
+    inner = three_words()
     backend = FirstTokenDelayBackend(inner, 3600)
 
     async def consume() -> list[dict[str, Any]]:
@@ -90,17 +69,17 @@ async def test_a_cancel_interrupts_the_delay() -> None:
 
     task = asyncio.ensure_future(consume())
     await asyncio.sleep(0)  # one loop turn: the consumer runs until it waits (all the way, were there no delay)
-    assert not task.done() and inner.streams_started == 0  # still waiting, nothing generated
+    assert not task.done() and not inner.calls  # still waiting, nothing generated
     task.cancel()
     with pytest.raises(asyncio.CancelledError):
         await asyncio.wait_for(task, 2)
-    assert inner.streams_started == 0
+    assert not inner.calls
 
 
 async def test_closing_early_closes_the_inner_stream() -> None:
-    inner = FakeBackend()
+    inner = three_words()
     stream = FirstTokenDelayBackend(inner, 0.01).stream_chat("m", {})
     first = await stream.__anext__()
     assert first["choices"][0]["delta"]["content"] == "a"
     await stream.aclose()  # what the node does on cancel or error
-    assert inner.streams_closed == 1
+    assert inner.calls[0].ended.is_set()

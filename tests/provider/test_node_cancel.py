@@ -2,8 +2,8 @@
 And inference_error messages (unsealed) never carry prompt or completion text.
 
 The node runs against the fake coordinator with the openai backend (a real llama_cpp.server
-upstream, or a scripted one) or with small stand-in backends for the timing corner cases; the
-llama.cpp backend's cancel is in test_node.py."""
+upstream, or a scripted one) or with stand-in backends (`MockBackend`) for the timing corner cases;
+the llama.cpp backend's cancel is in test_node.py."""
 
 from __future__ import annotations
 
@@ -23,12 +23,12 @@ from darkbloom.wire.chunk_arrays import response_chunks
 from darkbloom.wire import crypto
 from darkbloom.wire import protocol
 from darkbloom.provider.backends import Backend
-from darkbloom.provider.backends.base import UsageMeter
 from darkbloom.provider.backends.openai_upstream import OpenAIUpstreamBackend, _estimate_prompt_tokens
 from darkbloom.provider.config import load_config
 from darkbloom.provider.fleet_requests import Job
 from darkbloom.provider.node import ProviderNode
 from tests.provider.fake_coordinator import Conn, FakeCoordinator
+from tests.support.backends import BackendCall, MockBackend
 from tests.support.scripted_upstream import Scripted
 
 MODEL = "smollm2-135m"
@@ -100,59 +100,46 @@ async def idle_heartbeat(conn: Conn) -> None:
             return
 
 
-class StallingBackend:
-    """A backend still at work when the cancel comes: it meters `prompt_tokens` (when given) and one
-    token per chunk, yields `chunks` content chunks, then waits. With `ignores_stop` it stands for a
-    worker that never stops: the meter's `end()` never comes."""
+class Stall:
+    """A backend's work still going on when the cancel comes (a `MockBackend` handler): it meters
+    `prompt_tokens` (when given) and one token per chunk, yields `chunks` content chunks, sets
+    `waiting`, then waits. With `ignores_stop` it stands for a worker that never stops: the meter's
+    `end()` never comes."""
 
     def __init__(self, prompt_tokens: int | None = None, chunks: int = 0, ignores_stop: bool = False) -> None:
         self.prompt_tokens, self.chunks, self.ignores_stop = prompt_tokens, chunks, ignores_stop
-        self.entered, self.waiting, self.closed = asyncio.Event(), asyncio.Event(), asyncio.Event()
+        self.waiting = asyncio.Event()
 
-    async def start(self) -> None:
-        pass
-
-    async def close(self) -> None:
-        pass
-
-    def capabilities(self, model_id: str) -> frozenset[str]:
-        return frozenset()
-
-    async def stream_chat(self, model_id: str, body: dict[str, Any],
-                          meter: UsageMeter | None = None) -> AsyncIterator[dict[str, Any]]:
-        meter = meter if meter is not None else UsageMeter()
-        self.entered.set()
+    async def __call__(self, call: BackendCall) -> AsyncIterator[dict[str, Any]]:
         if self.ignores_stop:
-            meter.begin()
-        try:
-            if self.prompt_tokens is not None:
-                meter.prompt_tokens = self.prompt_tokens
-            for n in range(self.chunks):
-                meter.completion_tokens = n + 1
-                yield {"id": "c", "object": "chat.completion.chunk", "created": 1, "model": model_id,
-                       "choices": [{"index": 0, "delta": {"content": "tok"}, "finish_reason": None}]}
-            self.waiting.set()
-            await asyncio.Event().wait()
-        finally:
-            self.closed.set()
+            call.meter.begin()
+        if self.prompt_tokens is not None:
+            call.meter.prompt_tokens = self.prompt_tokens
+        for n in range(self.chunks):
+            call.meter.completion_tokens = n + 1
+            yield {"id": "c", "object": "chat.completion.chunk", "created": 1, "model": call.model_id,
+                   "choices": [{"index": 0, "delta": {"content": "tok"}, "finish_reason": None}]}
+        self.waiting.set()
+        await asyncio.Event().wait()
 
 
 @pytest.mark.parametrize("prompt_tokens, expected", [(None, (0, 0)), (42, (42, 0))])
 async def test_cancel_before_any_output_reports_the_prompt_if_known(home: Path, prompt_tokens: int | None,
                                                                    expected: tuple[int, int]) -> None:
-    backend = StallingBackend(prompt_tokens)
+    stall = Stall(prompt_tokens)
+    backend = MockBackend(stall)
     async with running_node(home, backend) as (conn, node):
         await conn.send(sealed(conn, "req_1", STORY)[1])
         await conn.recv_type(protocol.InferenceAccepted)
-        await backend.waiting.wait()
+        await stall.waiting.wait()
         report = await settle(conn, await cancel(conn, node, "req_1"))
         assert (report.usage.prompt_tokens, report.usage.completion_tokens) == expected
-        assert backend.closed.is_set() and node.fleet.jobs == {}
+        assert backend.calls[0].ended.is_set() and node.fleet.jobs == {}
         await idle_heartbeat(conn)
 
 
 async def test_cancel_before_the_request_task_ever_ran(home: Path) -> None:
-    backend = StallingBackend(prompt_tokens=42)
+    backend = MockBackend(Stall(prompt_tokens=42))
     async with running_node(home, backend) as (conn, node):
         _, request = sealed(conn, "req_1", STORY)
         node._handle(request)  # both in one step: the request's task is cancelled before it starts
@@ -160,19 +147,19 @@ async def test_cancel_before_the_request_task_ever_ran(home: Path) -> None:
         node._handle(protocol.Cancel(request_id="req_1"))
         report = await settle(conn, job)
         assert (report.usage.prompt_tokens, report.usage.completion_tokens) == (0, 0)
-        assert not backend.entered.is_set() and node.fleet.jobs == {}  # the slot is free again
+        assert not backend.calls and node.fleet.jobs == {}  # the slot is free again
         await idle_heartbeat(conn)
 
 
 async def test_a_backend_that_does_not_stop_is_reported_after_the_grace(home: Path,
                                                                       caplog: pytest.LogCaptureFixture) -> None:
-    backend = StallingBackend(prompt_tokens=42, chunks=3, ignores_stop=True)
-    async with running_node(home, backend, cancel_grace=0.5) as (conn, node):
+    stall = Stall(prompt_tokens=42, chunks=3, ignores_stop=True)
+    async with running_node(home, MockBackend(stall), cancel_grace=0.5) as (conn, node):
         reply_key, request = sealed(conn, "req_1", STORY)
         await conn.send(request)
         await conn.recv_type(protocol.InferenceAccepted)
         await conn.recv_chunks(reply_key, 2)
-        await backend.waiting.wait()
+        await stall.waiting.wait()
         with caplog.at_level(logging.INFO, logger="darkbloom.provider"):
             await conn.send(protocol.Cancel(request_id="req_1"))
             while not isinstance(frame := await conn.recv(), protocol.InferenceComplete):

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any
+from typing import Any, AsyncIterator
 
 import httpx
 import pytest
@@ -18,7 +18,8 @@ from darkbloom.provider.fleet_requests import Job
 from darkbloom.provider.outbox import closed_outbox
 from darkbloom.wire import protocol
 from darkbloom.wire.token_bounds import prompt_token_bound
-from tests.provider.test_node_cancel import MODEL, STORY, StallingBackend, cancel, running_node, sealed, settle
+from tests.provider.test_node_cancel import MODEL, STORY, Stall, cancel, running_node, sealed, settle
+from tests.support.backends import BackendCall, MockBackend
 from tests.support.scripted_upstream import Scripted
 
 HUGE = 2**63
@@ -109,45 +110,33 @@ def test_the_cached_tokens_reported_are_some_of_the_prompt_tokens_reported() -> 
 
 
 async def test_a_backends_cached_tokens_reach_the_coordinator(home: Path) -> None:
-    backend = CachingBackend(cached_tokens=5)
+    backend = caching_backend(cached_tokens=5)
     async with running_node(home, backend) as (conn, _node):
         await conn.send(sealed(conn, "req_1", BODY)[1])
         done = await completion(conn)
         assert (done.usage.prompt_tokens, done.usage.completion_tokens, done.usage.cached_tokens) == (9, 1, 5)
 
 
-class CachingBackend:
+def caching_backend(cached_tokens: int) -> MockBackend:
     """A chat backend (a stand-in, not a model) whose usage chunk says it read `cached_tokens` of its
     9 prompt tokens from a cache."""
-
-    def __init__(self, cached_tokens: int) -> None:
-        self.cached_tokens = cached_tokens
-
-    async def start(self) -> None: ...
-
-    async def close(self) -> None: ...
-
-    def capabilities(self, model_id: str) -> frozenset[str]:
-        return frozenset()
-
-    async def stream_chat(self, model_id: str, body: dict[str, Any], meter: Any = None) -> Any:
-        yield {"id": "c", "object": "chat.completion.chunk", "created": 1, "model": model_id,
-               "choices": [{"index": 0, "delta": {"role": "assistant", "content": "Hi"}, "finish_reason": "stop"}]}
-        yield usage_chunk("c", model_id, 1, 9, 1, cached_tokens=self.cached_tokens)
-
-
-class _CachedStalling(StallingBackend):
-    def stream_chat(self, model_id: str, body: dict[str, Any], meter: Any = None) -> Any:
-        meter.cached_tokens = 30  # as a backend that found 30 of the prompt's tokens in its cache
-        return super().stream_chat(model_id, body, meter)
+    return MockBackend(lambda call: [
+        {"id": "c", "object": "chat.completion.chunk", "created": 1, "model": call.model_id,
+         "choices": [{"index": 0, "delta": {"role": "assistant", "content": "Hi"}, "finish_reason": "stop"}]},
+        usage_chunk("c", call.model_id, 1, 9, 1, cached_tokens=cached_tokens)])
 
 
 async def test_a_cancelled_requests_report_says_its_cached_tokens(home: Path) -> None:
-    backend = _CachedStalling(prompt_tokens=42, chunks=1)
-    async with running_node(home, backend) as (conn, node):
+    stall = Stall(prompt_tokens=42, chunks=1)
+
+    def cached_stall(call: BackendCall) -> AsyncIterator[dict[str, Any]]:
+        call.meter.cached_tokens = 30  # as a backend that found 30 of the prompt's tokens in its cache
+        return stall(call)
+
+    async with running_node(home, MockBackend(cached_stall)) as (conn, node):
         await conn.send(sealed(conn, "req_1", STORY)[1])
         await conn.recv_type(protocol.InferenceAccepted)
-        await backend.waiting.wait()
+        await stall.waiting.wait()
         report = await settle(conn, await cancel(conn, node, "req_1"))
         assert (report.usage.prompt_tokens, report.usage.completion_tokens, report.usage.cached_tokens) == (42, 1, 30)
 

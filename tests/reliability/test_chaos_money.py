@@ -11,7 +11,9 @@ dropped after its first content, a plain request whose client times out), from
 - ``prefer``: a funded account that owns provider p1 and sends ``X-Darkbloom-Route: prefer`` (free and
   refunded while p1 serves it; paid on the public fleet once p1 is gone);
 - ``exclusive``/``exclusive-key``: an account with no money that owns provider p3, by header
-  (``X-Darkbloom-Route: self``) and by a ``self_route_only`` key (always free, never reserved).
+  (``X-Darkbloom-Route: self``) and by a ``self_route_only`` key (always free, never reserved)
+
+(tests/support/chaos.py makes them, and the plan of requests, for the run across replicas too).
 
 Mid-run p1 is SIGKILLed; later the coordinator is SIGKILLed and restarted on the same database and
 port (``--instance-stale-after`` short, so the restarted process refunds what the dead one left
@@ -42,13 +44,14 @@ from sqlalchemy.ext.asyncio import create_async_engine
 
 from darkbloom.store.schema import PLATFORM_ACCOUNT_ID
 
-from tests.support.billing import (billing_coordinator, check_trails, credit, money_snapshot,
-                                   new_key, node_home, open_reservations, read_db, signup, start_serve,
-                                   wait_registered, wait_settled, write_catalog)
+from tests.support.billing import (billing_coordinator, check_trails, money_snapshot, node_home,
+                                   open_reservations, read_db, start_serve, wait_registered, wait_settled,
+                                   write_catalog)
 from tests.support.money import check_ledger_consistency
 from tests.coordinator.money.test_conservation import (FEE_BPS, INPUT_PRICE, MODEL, OUTPUT_PRICE, Outcome,
                                                        Spender, one_request)
-from tests.support.accounts import Account, device_token
+from tests.support.accounts import device_token
+from tests.support.chaos import chaos_accounts, chaos_plan, route_clients
 from tests.support.databases import database_for
 from tests.support.processes import Coordinator, Process, start_coordinator, start_fixed_upstream, wait_until
 
@@ -60,9 +63,6 @@ MIN_SENT = 2_000
 NODE_KILL_AT = 350        # finished requests before p1 (the prefer account's machine) is SIGKILLed
 COORD_KILL_AT = 1_000     # finished requests before the coordinator is SIGKILLed
 STALE_AFTER = 2           # --instance-stale-after: the restarted process reconciles the dead one quickly
-CAP = 5_000               # µUSD: the capped key's hard limit (a handful of requests)
-POOR = 5_000              # µUSD: what the poor account is credited
-ROUTE = "X-Darkbloom-Route"
 
 
 @dataclass
@@ -118,9 +118,7 @@ async def run_phase(coord: Coordinator, clients: dict[str, httpx.AsyncClient], s
 
 async def drive(coord: Coordinator, spenders: dict[str, Spender], plan: list[tuple[Spender, ChaosOutcome]], phase: int, seed: int,
                 **kills: Any) -> list[ChaosOutcome]:
-    limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
-    routes = {"prefer": {ROUTE: "prefer"}, "exclusive": {ROUTE: "self"}}
-    clients = {name: httpx.AsyncClient(limits=limits, headers=routes.get(name, {})) for name in spenders}
+    clients = route_clients(spenders)
     try:
         return await run_phase(coord, clients, spenders, plan, phase, random.Random(seed), **kills)
     finally:
@@ -152,40 +150,16 @@ def test_chaos_money_run(backend: str, tmp_path: Path) -> None:
                                         "--instance-stale-after", str(STALE_AFTER))
             processes.append(coord.process)
             port = int(coord.base_url.rsplit(":", 1)[1])
-            credited = 0
-
-            def account(amount: int) -> tuple[str, str]:
-                nonlocal credited
-                account_id, session = signup(coord)
-                if amount:
-                    assert credit(coord, account_id, amount, f"chaos-{account_id}").status_code == 200
-                    credited += amount
-                return account_id, session
-
-            public, public_session = account(5_000_000)
-            capped, capped_session = account(1_000_000)
-            poor, poor_session = account(POOR)
-            prefer, prefer_session = account(2_000_000)
-            exclusive, exclusive_session = account(0)
-            by_name: dict[str, Spender] = {}
-            for name, account_id, session, fields in [
-                    ("public", public, public_session, {}),
-                    ("capped", capped, capped_session, {"limit_usd": CAP / 1_000_000, "limit_reset": "none"}),
-                    ("poor", poor, poor_session, {}),
-                    ("prefer", prefer, prefer_session, {}),
-                    ("exclusive", exclusive, exclusive_session, {}),
-                    ("exclusive-key", exclusive, exclusive_session, {"self_route_only": True})]:
-                key = new_key(coord, session, **fields)
-                by_name[name] = Spender(name, account_id, key["key"], key["id"],
-                                                 CAP if "limit_usd" in fields else None)
+            made = chaos_accounts([coord])
+            by_name, credited = made.spenders, made.credited
             spenders = list(by_name.values())
 
             # p1: the prefer account's machine (SIGKILLed mid-run); p2: unowned; p3: the exclusive account's
             nodes: dict[str, Process] = {}
-            owner_of_node = {"p1": prefer, "p2": None, "p3": exclusive}
-            for name, owner_id, session in [("p1", prefer, prefer_session), ("p2", None, None),
-                                            ("p3", exclusive, exclusive_session)]:
-                token = device_token(coord, Account(owner_id, session, "", "")) if owner_id else None
+            owner_account = {"p1": made.accounts["prefer"], "p2": None, "p3": made.accounts["exclusive"]}
+            owner_of_node = {name: account.account_id if account else None for name, account in owner_account.items()}
+            for name, account in owner_account.items():
+                token = device_token(coord, account) if account else None
                 node = start_serve(coord, node_home(tmp_path, name, token), "--backend", "openai", "--upstream-url",
                                    upstream_url, "--model", MODEL, "--max-concurrency", str(CONCURRENCY))
                 processes.append(node)
@@ -193,13 +167,7 @@ def test_chaos_money_run(backend: str, tmp_path: Path) -> None:
             for node in nodes.values():
                 wait_registered(node)
 
-            weights = {"public": 4, "capped": 1, "poor": 1, "prefer": 3, "exclusive": 1, "exclusive-key": 1}
-            plan = []
-            for _ in range(REQUESTS):
-                spender = rng.choices(spenders, [weights[s.name] for s in spenders])[0]
-                stream = rng.random() < 0.5
-                walk_away = rng.random() < (0.2 if stream else 0.06)
-                plan.append((spender, ChaosOutcome(spender.name, stream, walk_away)))
+            plan = chaos_plan(rng, spenders, REQUESTS, ChaosOutcome)
 
             # phase 1: p1 dies mid-run, then the coordinator
             before = asyncio.run(drive(coord, by_name, plan, 1, rng.randrange(2**32), kill_node=(NODE_KILL_AT, nodes["p1"]),

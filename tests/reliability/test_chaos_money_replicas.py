@@ -49,11 +49,11 @@ import pytest
 from sqlalchemy.ext.asyncio import create_async_engine
 
 import tests.reliability.test_chaos_money as chaos
-from tests.support.billing import (check_trails, credit, money_snapshot, new_key, node_home,
-                                   open_reservations, read_db, signup, wait_registered, wait_settled,
-                                   write_catalog)
+from tests.support.billing import (check_trails, money_snapshot, node_home, open_reservations, read_db,
+                                   wait_registered, wait_settled, write_catalog)
 from tests.coordinator.money.test_conservation import FEE_BPS, INPUT_PRICE, MODEL, OUTPUT_PRICE, Spender
-from tests.support.accounts import Account, device_token
+from tests.support.accounts import device_token
+from tests.support.chaos import chaos_accounts, chaos_plan, route_clients
 from tests.support.processes import Coordinator, Process, darkbloom_cmd, spawn, start_fixed_upstream, wait_until
 from tests.support.replicas import Replicas, TcpProxy, replica_set
 
@@ -68,8 +68,6 @@ OPEN_AT_KILL = 5         # reservations of replica 2's own open when it is kille
 # every max(1, this / 3) s, so this leaves a loaded live replica seconds of slack before it would be
 # taken for dead (which the log check below would catch)
 STALE_AFTER = 6
-CAP = chaos.CAP
-POOR = chaos.POOR
 
 
 @dataclass
@@ -93,9 +91,7 @@ async def drive(coords: list[Coordinator], replicas: Replicas, doomed: int, doom
     survivors. A request refused at the connection is planned again. Returns the outcomes and the
     reservations the dead replica left open, read right after the kill."""
     rng = random.Random(seed)
-    limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
-    routes = {"prefer": {chaos.ROUTE: "prefer"}, "exclusive": {chaos.ROUTE: "self"}}
-    clients = {name: httpx.AsyncClient(limits=limits, headers=routes.get(name, {})) for name in spenders}
+    clients = route_clients(spenders)
     tried: list[ReplicaOutcome] = []
     held: dict[str, dict[str, Any]] = {}
     state = {"finished": 0, "dead": False}
@@ -183,46 +179,20 @@ def test_chaos_money_across_three_replicas(tmp_path: Path) -> None:
         try:
             upstream, upstream_url = start_fixed_upstream(tmp_path / "upstream", "--delay", "0.02")
             processes.append(upstream)
-            credited = 0
-            made = 0
-
-            def account(amount: int) -> tuple[str, str]:
-                # signed up and credited through the replicas in turn: one database behind all of them
-                nonlocal credited, made
-                coord = coords[made % 3]
-                made += 1
-                account_id, session = signup(coord)
-                if amount:
-                    assert credit(coord, account_id, amount, f"chaos-{account_id}").status_code == 200
-                    credited += amount
-                return account_id, session
-
-            public, public_session = account(5_000_000)
-            capped, capped_session = account(1_000_000)
-            poor, poor_session = account(POOR)
-            prefer, prefer_session = account(2_000_000)
-            exclusive, exclusive_session = account(0)
-            by_name: dict[str, Spender] = {}
-            for index, (name, account_id, session, fields) in enumerate([
-                    ("public", public, public_session, {}),
-                    ("capped", capped, capped_session, {"limit_usd": CAP / 1_000_000, "limit_reset": "none"}),
-                    ("poor", poor, poor_session, {}),
-                    ("prefer", prefer, prefer_session, {}),
-                    ("exclusive", exclusive, exclusive_session, {}),
-                    ("exclusive-key", exclusive, exclusive_session, {"self_route_only": True})]):
-                key = new_key(coords[index % 3], session, **fields)
-                by_name[name] = Spender(name, account_id, key["key"], key["id"], CAP if "limit_usd" in fields else None)
+            made = chaos_accounts(coords)  # through the replicas in turn: one database behind all of them
+            by_name, credited = made.spenders, made.credited
             spenders = list(by_name.values())
+            prefer, exclusive = made.accounts["prefer"], made.accounts["exclusive"]
 
             # p1 on replica 0, p2 on replica 1, p3 and p4 on replica 2 through the "load balancer"
             proxy = TcpProxy(port_of(coords[2].base_url))
             nodes: dict[str, Process] = {}
-            owner_of_node = {"p1": prefer, "p2": None, "p3": exclusive, "p4": None}
-            for name, owner, session, target in [("p1", prefer, prefer_session, coords[0].base_url),
-                                                 ("p2", None, None, coords[1].base_url),
-                                                 ("p3", exclusive, exclusive_session, proxy.url),
-                                                 ("p4", None, None, proxy.url)]:
-                token = device_token(coords[1], Account(owner, session, "", "")) if owner else None
+            owner_account = {"p1": prefer, "p2": None, "p3": exclusive, "p4": None}
+            owner_of_node = {name: account.account_id if account else None for name, account in owner_account.items()}
+            for name, target in [("p1", coords[0].base_url), ("p2", coords[1].base_url), ("p3", proxy.url),
+                                 ("p4", proxy.url)]:
+                account = owner_account[name]
+                token = device_token(coords[1], account) if account else None
                 node = spawn(darkbloom_cmd("serve", "--coordinator", target, "--backend", "openai", "--upstream-url",
                                            upstream_url, "--model", MODEL, "--max-concurrency", str(CONCURRENCY)),
                              node_home(tmp_path, name, token), "node.log")
@@ -231,7 +201,7 @@ def test_chaos_money_across_three_replicas(tmp_path: Path) -> None:
             first_ids = {name: wait_registered(node) for name, node in nodes.items()}
             # every replica sees the whole fleet before the run (the model listed through each of them)
             for coord in coords:
-                for name, session in (("p1", prefer_session), ("p3", exclusive_session)):
+                for name, session in (("p1", prefer.session), ("p3", exclusive.session)):
                     wait_until(lambda: online(coord, session, {first_ids[name]}), timeout=30,
                                what=f"{name} online through {coord.base_url}")
 
@@ -250,13 +220,7 @@ def test_chaos_money_across_three_replicas(tmp_path: Path) -> None:
             instance = [reservation_of[o.request_id]["instance_id"] for o in warmups]
             assert len(set(instance)) == 3, instance
 
-            weights = {"public": 4, "capped": 1, "poor": 1, "prefer": 3, "exclusive": 1, "exclusive-key": 1}
-            plan = []
-            for _ in range(REQUESTS):
-                spender = rng.choices(spenders, [weights[s.name] for s in spenders])[0]
-                stream = rng.random() < 0.5
-                walk_away = rng.random() < (0.2 if stream else 0.06)
-                plan.append((spender, ReplicaOutcome(spender.name, stream, walk_away)))
+            plan = chaos_plan(rng, spenders, REQUESTS, ReplicaOutcome)
 
             outcomes, held = asyncio.run(drive(coords, replicas, 2, instance[2], proxy, by_name, plan,
                                                rng.randrange(2**32), nodes["p1"]))
@@ -270,7 +234,7 @@ def test_chaos_money_across_three_replicas(tmp_path: Path) -> None:
                            what=f"{name} to reconnect to a surviving replica")
             again = set(chaos.registrations(nodes["p3"])[1:])
             for coord in coords[:2]:
-                wait_until(lambda: online(coord, exclusive_session, again), timeout=30,
+                wait_until(lambda: online(coord, exclusive.session, again), timeout=30,
                            what=f"p3 online again through {coord.base_url}")
             finals = [ReplicaOutcome(name, stream, False, phase=2, replica=i)
                       for i in (0, 1) for name in ("public", "exclusive-key") for stream in (False, True)]

@@ -1,8 +1,8 @@
-"""Real processes for the Self-Route tests: one coordinator per module, provider nodes on the
-`openai` backend in front of bench/fixed_upstream.py (instant, deterministic answers) or on the
-bundled GGUF, and `RawProvider` sockets driven from a background thread for states a real node
-cannot easily be put in (an unverified runtime, a stale challenge) or to prove that a provider
-never saw a request.
+"""Real processes for the Self-Route tests: one coordinator (or three replicas of one) per module,
+provider nodes on the `openai` backend in front of bench/fixed_upstream.py (instant, deterministic
+answers) or on the bundled GGUF, and `RawProvider` sockets driven from a background thread for states
+a real node cannot easily be put in (an unverified runtime, a stale challenge) or to prove that a
+provider never saw a request.
 
 Everything a user can see goes through the HTTP API; the database is read (never written) only
 for money that no endpoint shows, such as the platform account's withdrawable balance.
@@ -61,16 +61,12 @@ class Node:
         self.process.kill()
 
 
-# Set by tests/selfroute_replicas: every Stack is then three coordinator replicas (Postgres, Redis,
-# NATS): machines connect to the first and the third in turn, every consumer request goes to the second.
-REPLICATED = False
-
-
 @dataclass
 class Stack:
-    """One coordinator (or, REPLICATED, three replicas of one) and what a module starts on it;
-    ``close`` stops everything. Machines connect to ``coordinator`` (and, REPLICATED, to the
-    ``machine_sides`` in turn); consumers call ``consumer``."""
+    """One coordinator (or, ``replicated``, three replicas of one on Postgres, Redis and NATS) and what
+    a module starts on it; ``close`` stops everything. Machines connect to ``coordinator`` (replicated:
+    to the first and the third replica, the ``machine_sides``, in turn); consumers call
+    ``consumer_side`` (replicated: the second replica)."""
 
     root: Path
     coordinator: Coordinator
@@ -82,8 +78,8 @@ class Stack:
     _linked: int = 0
 
     @classmethod
-    def start(cls, root: Path, *coordinator_args: str) -> "Stack":
-        if REPLICATED:
+    def start(cls, root: Path, *coordinator_args: str, replicated: bool = False) -> "Stack":
+        if replicated:
             replicas = contextlib.ExitStack()
             found = replicas.enter_context(replica_set(root / "replicas", 3, *coordinator_args))
             first, consumers, third = found.coordinators

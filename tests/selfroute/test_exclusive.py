@@ -1,7 +1,7 @@
 """Exclusive self-route (header `self`, key `self_route_only`): free, on the caller's own machine,
 never the public fleet; how the header is read; rate limits still apply; the official `openai` SDK.
 
-Acceptance points 1, 2, 3, 17, 18 and 19 of issue 5. One coordinator for the module: an owner with
+Acceptance points 1, 2, 3, 17, 18 and 19 of issue 5. One stack for the module: an owner with
 zero balance and one machine, a funded owner with one machine, and another account's machine that
 serves the same model to the public fleet (so a request that leaked to the fleet would show).
 """
@@ -32,9 +32,9 @@ class World:
 
 
 @pytest.fixture(scope="module")
-def world(tmp_path_factory: pytest.TempPathFactory) -> Iterator[World]:
+def world(tmp_path_factory: pytest.TempPathFactory, replicated: bool) -> Iterator[World]:
     root = tmp_path_factory.mktemp("exclusive")
-    stack = Stack.start(root)
+    stack = Stack.start(root, replicated=replicated)
     try:
         upstream, url = start_upstream(root / "upstream")
         stack.processes.append(upstream)

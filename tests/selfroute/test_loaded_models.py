@@ -31,8 +31,9 @@ class World:
 
 
 @pytest.fixture(scope="module")
-def world(tmp_path_factory: pytest.TempPathFactory) -> Iterator[World]:
-    stack = Stack.start(tmp_path_factory.mktemp("loaded-models"), "--min-trust", "self_signed")
+def world(tmp_path_factory: pytest.TempPathFactory, replicated: bool) -> Iterator[World]:
+    stack = Stack.start(tmp_path_factory.mktemp("loaded-models"), "--min-trust", "self_signed",
+                        replicated=replicated)
     try:
         host = stack.account()
         cold = stack.raw(host, answer="from the cold one", loaded=())

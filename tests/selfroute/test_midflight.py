@@ -35,9 +35,9 @@ class World:
 
 
 @pytest.fixture(scope="module")
-def world(tmp_path_factory: pytest.TempPathFactory) -> Iterator[World]:
+def world(tmp_path_factory: pytest.TempPathFactory, replicated: bool) -> Iterator[World]:
     root = tmp_path_factory.mktemp("midflight")
-    stack = Stack.start(root, "--platform-fee-bps", str(FEE_BPS))
+    stack = Stack.start(root, "--platform-fee-bps", str(FEE_BPS), replicated=replicated)
     try:
         upstream, url = start_upstream(root / "upstream")
         stack.processes.append(upstream)

@@ -34,9 +34,9 @@ class World:
 
 
 @pytest.fixture(scope="module")
-def world(tmp_path_factory: pytest.TempPathFactory) -> Iterator[World]:
+def world(tmp_path_factory: pytest.TempPathFactory, replicated: bool) -> Iterator[World]:
     root = tmp_path_factory.mktemp("models-view")
-    stack = Stack.start(root)
+    stack = Stack.start(root, replicated=replicated)
     try:
         upstream, url = start_upstream(root / "upstream")
         stack.processes.append(upstream)

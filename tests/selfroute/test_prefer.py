@@ -38,10 +38,11 @@ class World:
 
 
 @pytest.fixture(scope="module")
-def world(tmp_path_factory: pytest.TempPathFactory) -> Iterator[World]:
+def world(tmp_path_factory: pytest.TempPathFactory, replicated: bool) -> Iterator[World]:
     root = tmp_path_factory.mktemp("prefer")
     # a silent primary gets a speculative backup after 4 s (half the first-content budget)
-    stack = Stack.start(root, "--first-content-timeout", "8", "--platform-fee-bps", str(FEE_BPS))
+    stack = Stack.start(root, "--first-content-timeout", "8", "--platform-fee-bps", str(FEE_BPS),
+                        replicated=replicated)
     try:
         fast, fast_url = start_upstream(root / "fast")
         slow, slow_url = start_upstream(root / "slow", "--delay", "0.1")

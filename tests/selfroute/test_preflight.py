@@ -39,9 +39,9 @@ class World:
 
 
 @pytest.fixture(scope="module")
-def world(tmp_path_factory: pytest.TempPathFactory) -> Iterator[World]:
+def world(tmp_path_factory: pytest.TempPathFactory, replicated: bool) -> Iterator[World]:
     root = tmp_path_factory.mktemp("preflight")
-    stack = Stack.start(root, "--queue-max-wait", str(QUEUE_MAX_WAIT))
+    stack = Stack.start(root, "--queue-max-wait", str(QUEUE_MAX_WAIT), replicated=replicated)
     try:
         upstream, url = start_upstream(root / "upstream")
         stack.processes.append(upstream)
@@ -153,9 +153,9 @@ def test_unverified_runtime_blocks_routing(world: World) -> None:
         machine.close()
 
 
-def test_stale_challenge_blocks_routing(tmp_path: Path) -> None:
+def test_stale_challenge_blocks_routing(tmp_path: Path, replicated: bool) -> None:
     """A coordinator whose challenges go stale 1 s after they pass (and re-challenges only every 300 s)."""
-    s = Stack.start(tmp_path, "--challenge-freshness", "1", "--challenge-interval", "300")
+    s = Stack.start(tmp_path, "--challenge-freshness", "1", "--challenge-interval", "300", replicated=replicated)
     try:
         owner = s.account(credit=1_000_000)
         machine = s.raw(owner, answer="must not be asked")

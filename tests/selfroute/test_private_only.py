@@ -33,13 +33,13 @@ class World:
 
 
 @pytest.fixture(scope="module")
-def world(tmp_path_factory: pytest.TempPathFactory) -> Iterator[World]:
+def world(tmp_path_factory: pytest.TempPathFactory, replicated: bool) -> Iterator[World]:
     root = tmp_path_factory.mktemp("private-only")
     catalog = root / "catalog.json"
     catalog.write_text(json.dumps({"models": [
         {"id": MODEL, "input_price": 50_000, "output_price": 200_000},
         {"id": PRIVATE, "input_price": 50_000, "output_price": 200_000}]}))
-    stack = Stack.start(root, "--catalog", str(catalog), "--min-trust", "self_signed")
+    stack = Stack.start(root, "--catalog", str(catalog), "--min-trust", "self_signed", replicated=replicated)
     try:
         upstream, url = start_upstream(root / "upstream")
         stack.processes.append(upstream)

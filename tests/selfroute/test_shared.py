@@ -51,9 +51,9 @@ def clear_of_midnight() -> None:
 
 
 @pytest.fixture(scope="module")
-def world(tmp_path_factory: pytest.TempPathFactory) -> Iterator[World]:
+def world(tmp_path_factory: pytest.TempPathFactory, replicated: bool) -> Iterator[World]:
     root = tmp_path_factory.mktemp("shared")
-    stack = Stack.start(root, "--platform-fee-bps", str(FEE_BPS), "--queue-max-wait", "2")
+    stack = Stack.start(root, "--platform-fee-bps", str(FEE_BPS), "--queue-max-wait", "2", replicated=replicated)
     try:
         fast, fast_url = start_upstream(root / "fast")
         slow, slow_url = start_upstream(root / "slow", "--delay", "0.3")

@@ -31,9 +31,9 @@ class World:
 
 
 @pytest.fixture(scope="module")
-def world(tmp_path_factory: pytest.TempPathFactory) -> Iterator[World]:
+def world(tmp_path_factory: pytest.TempPathFactory, replicated: bool) -> Iterator[World]:
     root = tmp_path_factory.mktemp("trust-floor")
-    stack = Stack.start(root, "--min-trust", "hardware")
+    stack = Stack.start(root, "--min-trust", "hardware", replicated=replicated)
     try:
         upstream, url = start_upstream(root / "upstream")
         stack.processes.append(upstream)

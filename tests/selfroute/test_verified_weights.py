@@ -52,7 +52,7 @@ class World:
 
 
 @pytest.fixture(scope="module")
-def world(tmp_path_factory: pytest.TempPathFactory) -> Iterator[World]:
+def world(tmp_path_factory: pytest.TempPathFactory, replicated: bool) -> Iterator[World]:
     root = tmp_path_factory.mktemp("verified-weights")
     bundled = bundled_gguf_path()
     copy = root / "other-weights.gguf"
@@ -62,7 +62,8 @@ def world(tmp_path_factory: pytest.TempPathFactory) -> Iterator[World]:
     catalog = {"models": [{"id": MODEL, "input_price": 50_000, "output_price": 200_000, "max_output_tokens": 8192,
                            "weight_hash": sha256_of(bundled)}]}
     (root / "catalog.json").write_text(json.dumps(catalog))
-    stack = Stack.start(root, "--catalog", str(root / "catalog.json"), "--min-trust", "self_signed")
+    stack = Stack.start(root, "--catalog", str(root / "catalog.json"), "--min-trust", "self_signed",
+                        replicated=replicated)
     try:
         owner, host = stack.account(credit=CREDIT), stack.account()
         verified = stack.node("verified", host, models=(MODEL,))

@@ -27,6 +27,9 @@ NATS_URL = "nats://127.0.0.1:4222"
 REDIS_URL = "redis://127.0.0.1:6379"
 # short enough for tests to see a replica go within seconds; announcements are small
 FAST = ("--replica-heartbeat", "0.3", "--replica-timeout", "1.5")
+# The test id of a run across replicas, when a test runs on one coordinator and across replicas
+# (tests/selfroute/conftest.py); tests/conftest.py gives a module's runs across replicas a worker of their own
+ACROSS_REPLICAS = "across_replicas"
 
 
 def subject_prefix() -> str:

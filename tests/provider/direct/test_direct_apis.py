@@ -1,9 +1,9 @@
 """Direct mode's other APIs (`/v1/completions`, `/v1/embeddings`, `/v1/responses`, `/v1/messages`) in
 process, driven by the real openai and anthropic SDKs.
 
-`ApiBackend` is a stand-in (not a model) that sends exactly the chunks a test needs (a tool call,
-a failure at a given point) for each node API; `test_direct_apis_real` runs the same APIs on the
-bundled model.
+`api_backend` is a stand-in (a `MockBackend`, not a model) that sends exactly the chunks a test needs
+(a tool call, a failure at a given point) for each node API; `test_direct_apis_real` runs the same APIs
+on the bundled model.
 """
 
 from __future__ import annotations
@@ -17,53 +17,33 @@ import openai
 import pytest
 
 from darkbloom.provider.backends import BackendError
-from darkbloom.provider.backends.base import UsageMeter, usage_chunk
+from darkbloom.provider.backends.base import usage_chunk
 from darkbloom.provider.direct.server import create_app
 from darkbloom.provider.slots import Slots
 from tests.provider.direct.test_local_server import AUTH, MODEL, TOKEN, client, idle
+from tests.support.backends import BackendCall, MockBackend
 from tests.wire.node_chunks import completion, sse_events, text_chunks, tool_chunks
 
 EMBEDDING = {"object": "list", "data": [{"object": "embedding", "index": 0, "embedding": [0.5, -0.25, 1.0]}]}
 
 
-class ApiBackend:
+def api_backend(chunks: dict[str, list[dict[str, Any]]], fail_at: int | None = None, status: int = 502,
+                cached_tokens: int | None = None) -> MockBackend:
     """Yields `chunks[api]` for each node API, raising BackendError(`status`) at index `fail_at`."""
 
-    def __init__(self, chunks: dict[str, list[dict[str, Any]]], fail_at: int | None = None, status: int = 502,
-                 cached_tokens: int | None = None) -> None:
-        self.chunks, self.fail_at, self.status, self.cached_tokens = chunks, fail_at, status, cached_tokens
-        self.bodies: list[tuple[str, dict[str, Any]]] = []
-
-    async def start(self) -> None: ...
-
-    async def close(self) -> None: ...
-
-    def capabilities(self, model_id: str) -> frozenset[str]:
-        return frozenset()
-
-    async def _stream(self, api: str, model_id: str, body: dict[str, Any]) -> AsyncIterator[dict[str, Any]]:
-        self.bodies.append((api, body))
-        chunks = self.chunks.get(api, [])
-        for index, chunk in enumerate(chunks):
-            if index == self.fail_at:
-                raise BackendError(self.status, "scripted failure", param="messages")
+    async def handler(call: BackendCall) -> AsyncIterator[dict[str, Any]]:
+        scripted = chunks.get(call.api, [])
+        for index, chunk in enumerate(scripted):
+            if index == fail_at:
+                raise BackendError(status, "scripted failure", param="messages")
             yield json.loads(json.dumps(chunk))
-        if self.fail_at == len(chunks):
-            raise BackendError(self.status, "scripted failure", param="messages")
-        yield usage_chunk("x", model_id, 1, 3, 0 if api == "embeddings" else 2,
-                          cached_tokens=None if api == "embeddings" else self.cached_tokens)
+        if fail_at == len(scripted):
+            raise BackendError(status, "scripted failure", param="messages")
+        embeddings = call.api == "embeddings"
+        yield usage_chunk("x", call.model_id, 1, 3, 0 if embeddings else 2,
+                          cached_tokens=None if embeddings else cached_tokens)
 
-    def stream_chat(self, model_id: str, body: dict[str, Any],
-                    meter: UsageMeter | None = None) -> AsyncIterator[dict[str, Any]]:
-        return self._stream("chat", model_id, body)
-
-    def stream_completion(self, model_id: str, body: dict[str, Any],
-                          meter: UsageMeter | None = None) -> AsyncIterator[dict[str, Any]]:
-        return self._stream("completions", model_id, body)
-
-    def stream_embeddings(self, model_id: str, body: dict[str, Any],
-                          meter: UsageMeter | None = None) -> AsyncIterator[dict[str, Any]]:
-        return self._stream("embeddings", model_id, body)
+    return MockBackend(handler)
 
 
 def sdk_http(app: Any) -> httpx.AsyncClient:
@@ -89,30 +69,33 @@ WEATHER = {"type": "function", "name": "get_weather", "parameters": {"type": "ob
 
 async def test_completions_and_embeddings_through_the_openai_sdk() -> None:
     slots = Slots(1)
-    backend = ApiBackend(TEXT)
+    backend = api_backend(TEXT)
     sdk = openai_client(create_app(backend, slots, [MODEL], TOKEN))
     done = await sdk.completions.create(model=MODEL, prompt="Once", max_tokens=4)
     assert done.object == "text_completion" and done.id.startswith("cmpl-") and done.choices[0].text == " upon a"
     assert done.choices[0].finish_reason == "length" and done.usage is not None and done.usage.total_tokens == 5
-    assert backend.bodies[-1] == ("completions", {"model": MODEL, "prompt": "Once", "max_tokens": 4, "stream": True})
+    last = backend.calls[-1]
+    assert (last.api, last.body) == ("completions", {"model": MODEL, "prompt": "Once", "max_tokens": 4, "stream": True})
     chunks = [c async for c in await sdk.completions.create(model=MODEL, prompt="Once", stream=True)]
-    assert [c.choices[0].text for c in chunks] == [" upon", " a"] and backend.bodies[-1][1]["max_tokens"] == 16
+    assert [c.choices[0].text for c in chunks] == [" upon", " a"] and backend.calls[-1].body["max_tokens"] == 16
     for encoding in ("base64", "float"):  # the SDK asks for base64 unless told, and decodes it
         kwargs: dict[str, Any] = {"encoding_format": encoding} if encoding == "float" else {}
         embedded = await sdk.embeddings.create(model=MODEL, input="hello", **kwargs)
         assert embedded.data[0].embedding == [0.5, -0.25, 1.0] and embedded.usage.prompt_tokens == 3
-    assert backend.bodies[-1] == ("embeddings", {"model": MODEL, "input": "hello"})
+    last = backend.calls[-1]
+    assert (last.api, last.body) == ("embeddings", {"model": MODEL, "input": "hello"})
     await idle(slots)
 
 
 async def test_responses_through_the_openai_sdk() -> None:
     slots = Slots(1)
-    backend = ApiBackend(TEXT)
+    backend = api_backend(TEXT)
     sdk = openai_client(create_app(backend, slots, [MODEL], TOKEN))
     response = await sdk.responses.create(model=MODEL, input="Hi", instructions="Be brief.", max_output_tokens=8)
     assert response.output_text == "Hello" and response.id.startswith("resp_") and response.status == "completed"
     assert response.usage is not None and response.usage.output_tokens == 2
-    api, body = backend.bodies[-1]
+    last = backend.calls[-1]
+    api, body = last.api, last.body
     assert api == "chat" and body["messages"][0] == {"role": "system", "content": "Be brief."}
     assert body["max_tokens"] == 8 and body["stream"] is True
     events = [e async for e in await sdk.responses.create(model=MODEL, input="Hi", stream=True)]
@@ -126,7 +109,7 @@ async def test_responses_through_the_openai_sdk() -> None:
 
 async def test_every_api_says_the_backends_cached_tokens() -> None:
     slots = Slots(1)
-    app = create_app(ApiBackend(TEXT, cached_tokens=2), slots, [MODEL], TOKEN)
+    app = create_app(api_backend(TEXT, cached_tokens=2), slots, [MODEL], TOKEN)
     sdk = openai_client(app)
     chat = await sdk.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Hi"}])
     assert chat.usage is not None and chat.usage.prompt_tokens_details is not None
@@ -151,7 +134,7 @@ async def test_every_api_says_the_backends_cached_tokens() -> None:
 
 async def test_a_backend_that_does_not_know_says_none_were_cached() -> None:
     slots = Slots(1)
-    sdk = openai_client(create_app(ApiBackend(TEXT), slots, [MODEL], TOKEN))
+    sdk = openai_client(create_app(api_backend(TEXT), slots, [MODEL], TOKEN))
     chat = await sdk.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Hi"}])
     assert chat.usage is not None and chat.usage.prompt_tokens_details is not None
     assert chat.usage.prompt_tokens_details.cached_tokens == 0
@@ -160,17 +143,17 @@ async def test_a_backend_that_does_not_know_says_none_were_cached() -> None:
 
 async def test_a_responses_tool_call_and_its_round_trip() -> None:
     slots = Slots(1)
-    backend = ApiBackend({"chat": tool_chunks()})
+    backend = api_backend({"chat": tool_chunks()})
     sdk = openai_client(create_app(backend, slots, [MODEL], TOKEN))
     response = await sdk.responses.create(model=MODEL, input="Weather?", tools=[WEATHER],  # type: ignore[list-item]
                                           tool_choice="required")
     call = response.output[0]
     assert call.type == "function_call" and call.name == "get_weather" and call.arguments == '{"city": "Paris"}'
-    assert backend.bodies[-1][1]["tool_choice"] == "required"
+    assert backend.calls[-1].body["tool_choice"] == "required"
     await sdk.responses.create(model=MODEL, tools=[WEATHER], input=[  # type: ignore[list-item]
         {"role": "user", "content": "Weather?"}, call.model_dump(exclude_none=True),  # type: ignore[list-item]
         {"type": "function_call_output", "call_id": call.call_id, "output": "18C"}])
-    messages = backend.bodies[-1][1]["messages"]
+    messages = backend.calls[-1].body["messages"]
     assert messages[1]["tool_calls"][0]["id"] == call.call_id and messages[2] == {
         "role": "tool", "tool_call_id": call.call_id, "content": "18C"}
     with pytest.raises(openai.BadRequestError) as caught:
@@ -181,7 +164,7 @@ async def test_a_responses_tool_call_and_its_round_trip() -> None:
 
 async def test_messages_through_the_anthropic_sdk() -> None:
     slots = Slots(1)
-    backend = ApiBackend({"chat": text_chunks("Hel", "lo")})
+    backend = api_backend({"chat": text_chunks("Hel", "lo")})
     app = create_app(backend, slots, [MODEL], TOKEN)
     for auth in ({"api_key": TOKEN}, {"auth_token": TOKEN}):  # x-api-key, or Authorization: Bearer
         sdk = anthropic_client(app, **auth)
@@ -193,12 +176,12 @@ async def test_messages_through_the_anthropic_sdk() -> None:
         text = "".join([t async for t in stream.text_stream])
         final = await stream.get_final_message()
     assert text == "Hello" and final.usage.output_tokens == 2 and final.usage.input_tokens == 3
-    assert backend.bodies[-1][1]["max_tokens"] == 8
+    assert backend.calls[-1].body["max_tokens"] == 8
     await idle(slots)
 
 
 async def test_a_forced_tool_use_through_the_anthropic_sdk() -> None:
-    backend = ApiBackend({"chat": tool_chunks()})
+    backend = api_backend({"chat": tool_chunks()})
     sdk = anthropic_client(create_app(backend, Slots(1), [MODEL], TOKEN))
     tools = [{"name": "get_weather", "input_schema": {"type": "object", "properties": {}}}]
     message = await sdk.messages.create(model=MODEL, max_tokens=32, tools=tools,  # type: ignore[arg-type]
@@ -212,7 +195,7 @@ async def test_a_forced_tool_use_through_the_anthropic_sdk() -> None:
 
 
 async def test_anthropic_errors_are_anthropic_envelopes() -> None:
-    backend = ApiBackend({"chat": text_chunks("Hi")})
+    backend = api_backend({"chat": text_chunks("Hi")})
     app = create_app(backend, Slots(1), [MODEL], TOKEN)
     with pytest.raises(anthropic.AuthenticationError):
         await anthropic_client(app, api_key="dk-local-wrong").messages.create(
@@ -236,7 +219,7 @@ async def test_anthropic_errors_are_anthropic_envelopes() -> None:
         # x-api-key is Anthropic's header: the OpenAI routes still want the bearer token
         other = await http.post("/v1/responses", headers={"x-api-key": TOKEN}, json={"model": MODEL, "input": "Hi"})
         assert other.status_code == 401 and other.json()["error"]["code"] == "invalid_api_key"
-    assert len(backend.bodies) == 0
+    assert len(backend.calls) == 0
 
 
 @pytest.mark.parametrize("path, body", [
@@ -247,7 +230,7 @@ async def test_anthropic_errors_are_anthropic_envelopes() -> None:
 ])
 async def test_a_failure_before_the_first_content_is_a_real_http_error(path: str, body: dict[str, Any]) -> None:
     slots = Slots(1)
-    app = create_app(ApiBackend(TEXT, fail_at=0, status=400), slots, [MODEL], TOKEN)
+    app = create_app(api_backend(TEXT, fail_at=0, status=400), slots, [MODEL], TOKEN)
     async with client(app) as http:
         response = await http.post(path, headers=AUTH, json=body)
         assert response.status_code == 400
@@ -260,7 +243,7 @@ async def test_a_failure_before_the_first_content_is_a_real_http_error(path: str
 
 async def test_a_failure_after_the_first_content_ends_each_stream_in_its_api() -> None:
     slots = Slots(1)
-    app = create_app(ApiBackend(TEXT, fail_at=2), slots, [MODEL], TOKEN)
+    app = create_app(api_backend(TEXT, fail_at=2), slots, [MODEL], TOKEN)
     async with client(app) as http:
         responses = await http.post("/v1/responses", headers=AUTH, json={"model": MODEL, "input": "Hi", "stream": True})
         names = [name for name, _ in sse_events(responses.content)]
@@ -280,7 +263,7 @@ async def test_a_failure_after_the_first_content_ends_each_stream_in_its_api() -
 
 async def test_translation_errors_never_take_a_slot() -> None:
     slots = Slots(1)
-    backend = ApiBackend(TEXT)
+    backend = api_backend(TEXT)
     async with client(create_app(backend, slots, [MODEL], TOKEN)) as http:
         for path, body, param in (
                 ("/v1/responses", {"model": MODEL, "input": "Hi", "previous_response_id": "resp_1"},
@@ -291,4 +274,4 @@ async def test_translation_errors_never_take_a_slot() -> None:
                 ("/v1/embeddings", {"model": "other", "input": "x"}, "model")):
             response = await http.post(path, headers=AUTH, json=body)
             assert response.status_code in (400, 404) and response.json()["error"]["param"] == param, path
-    assert backend.bodies == [] and slots.active == 0
+    assert backend.calls == [] and slots.active == 0

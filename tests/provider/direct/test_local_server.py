@@ -1,8 +1,8 @@
 """The direct-mode ASGI app in process: auth, OpenAI shapes, errors, the shared concurrency limit.
 
 Happy paths run on the real llama.cpp backend with the bundled model. The error paths use
-`ScriptedBackend`, a stand-in (not a model) that fails exactly where a test needs it to, or sends
-exactly the chunks a test needs.
+`scripted_backend`, a stand-in (a `MockBackend`, not a model) that fails exactly where a test needs it
+to, or sends exactly the chunks a test needs.
 """
 
 from __future__ import annotations
@@ -17,11 +17,11 @@ import pytest
 
 from darkbloom.provider.bundled_model import bundled_gguf_path
 from darkbloom.provider.backends import BackendError
-from darkbloom.provider.backends.base import UsageMeter, usage_chunk
+from darkbloom.provider.backends.base import usage_chunk
 from darkbloom.provider.backends.llama_cpp import LlamaCppBackend
 from darkbloom.provider.direct.server import create_app
 from darkbloom.provider.slots import Slots
-from tests.support.backends import FailingBackend
+from tests.support.backends import BackendCall, FailingBackend, MockBackend
 
 TOKEN = "dk-local-test-token-0123456789abcdef"
 AUTH = {"Authorization": f"Bearer {TOKEN}"}
@@ -29,36 +29,25 @@ MODEL = "smollm2-135m"
 HELLO = {"model": MODEL, "messages": [{"role": "user", "content": "Say hello."}], "max_tokens": 8, "temperature": 0}
 
 
-class ScriptedBackend:
-    """Stand-in backend for error paths: yields `contents` as chunks, failing at index `fail_at`."""
+def scripted_backend(contents: list[str], fail_at: int | None = None, status: int = 502,
+                     gate: asyncio.Event | None = None, chunks: list[dict[str, Any]] | None = None) -> MockBackend:
+    """Stand-in backend for error paths: yields `contents` as chunks (or, given, `chunks`: the `choices`
+    of each chunk), failing at index `fail_at`; with `gate`, only once the gate is set."""
 
-    def __init__(self, contents: list[str], fail_at: int | None = None, status: int = 502,
-                 gate: asyncio.Event | None = None, chunks: list[dict[str, Any]] | None = None) -> None:
-        self.contents, self.fail_at, self.status, self.gate = contents, fail_at, status, gate
-        self.chunks = chunks  # given: these (the `choices` of each chunk) instead of `contents`
-        self.calls = 0
-
-    async def start(self) -> None: ...
-
-    async def close(self) -> None: ...
-
-    def capabilities(self, model_id: str) -> frozenset[str]:
-        return frozenset()
-
-    async def stream_chat(self, model_id: str, body: dict[str, Any],
-                          meter: UsageMeter | None = None) -> AsyncIterator[dict[str, Any]]:
-        self.calls += 1
-        if self.gate is not None:
-            await self.gate.wait()
-        choices = self.chunks or [{"index": 0, "delta": {"content": text}, "finish_reason": None}
-                                  for text in self.contents]
+    async def handler(call: BackendCall) -> AsyncIterator[dict[str, Any]]:
+        if gate is not None:
+            await gate.wait()
+        choices = chunks or [{"index": 0, "delta": {"content": text}, "finish_reason": None} for text in contents]
         for index, choice in enumerate(choices):
-            if index == self.fail_at:
-                raise BackendError(self.status, "scripted failure")
-            yield {"id": "x", "object": "chat.completion.chunk", "created": 1, "model": model_id, "choices": [choice]}
-        if self.fail_at == len(choices):
-            raise BackendError(self.status, "scripted failure")
-        yield usage_chunk("x", model_id, 1, 3, len(self.contents))
+            if index == fail_at:
+                raise BackendError(status, "scripted failure")
+            yield {"id": "x", "object": "chat.completion.chunk", "created": 1, "model": call.model_id,
+                   "choices": [choice]}
+        if fail_at == len(choices):
+            raise BackendError(status, "scripted failure")
+        yield usage_chunk("x", call.model_id, 1, 3, len(contents))
+
+    return MockBackend(handler)
 
 
 def client(app: Any) -> httpx.AsyncClient:
@@ -95,7 +84,7 @@ async def llama(gguf: Path) -> AsyncIterator[LlamaCppBackend]:
 
 
 async def test_health_is_open_everything_else_needs_the_token() -> None:
-    app = create_app(ScriptedBackend(["hi"]), Slots(1), [MODEL], TOKEN)
+    app = create_app(scripted_backend(["hi"]), Slots(1), [MODEL], TOKEN)
     async with client(app) as http:
         assert (await http.get("/health")).json() == {"status": "ok"}
         for headers in ({}, {"Authorization": "Bearer dk-local-wrong"}, {"Authorization": TOKEN},
@@ -147,7 +136,7 @@ async def test_completion_and_stream_on_the_real_model(llama: LlamaCppBackend) -
 
 
 async def test_request_errors_are_openai_envelopes() -> None:
-    backend = ScriptedBackend(["hi"])
+    backend = scripted_backend(["hi"])
     app = create_app(backend, Slots(1), [MODEL], TOKEN)
     async with client(app) as http:
         cases = [
@@ -164,11 +153,11 @@ async def test_request_errors_are_openai_envelopes() -> None:
             assert response.status_code == status, (raw[:40], response.text)
             assert response.json()["error"]["type"] == type_ and response.json()["error"]["param"] == param
         assert response.json()["error"]["message"] == "The request body is larger than 8 MiB."
-        assert backend.calls == 0
+        assert not backend.calls
 
 
 async def test_the_body_limit_is_the_configured_one() -> None:
-    backend = ScriptedBackend(["hi"])
+    backend = scripted_backend(["hi"])
     app = create_app(backend, Slots(1), [MODEL], TOKEN, max_body_bytes=1024)
     async with client(app) as http:
         small = await http.post("/v1/chat/completions", headers=AUTH, json=HELLO)
@@ -184,13 +173,13 @@ async def test_the_body_limit_is_the_configured_one() -> None:
             assert large.json()["error"] == {"message": "The request body is larger than 1 KiB.",
                                              "type": "request_too_large", "code": "request_too_large",
                                              "param": None}
-        assert backend.calls == 1
+        assert len(backend.calls) == 1
 
 
 @pytest.mark.parametrize("stream", [False, True])
 async def test_a_failure_before_the_first_content_is_a_real_http_error(stream: bool) -> None:
     slots = Slots(1)
-    app = create_app(ScriptedBackend(["never"], fail_at=0, status=400), slots, [MODEL], TOKEN)
+    app = create_app(scripted_backend(["never"], fail_at=0, status=400), slots, [MODEL], TOKEN)
     async with client(app) as http:
         response = await http.post("/v1/chat/completions", headers=AUTH, json={**HELLO, "stream": stream})
         assert response.status_code == 400
@@ -201,7 +190,7 @@ async def test_a_failure_before_the_first_content_is_a_real_http_error(stream: b
 
 async def test_a_failure_after_the_first_content_ends_the_stream_with_an_error_event() -> None:
     slots = Slots(1)
-    app = create_app(ScriptedBackend(["one", "two", "three"], fail_at=2), slots, [MODEL], TOKEN)
+    app = create_app(scripted_backend(["one", "two", "three"], fail_at=2), slots, [MODEL], TOKEN)
     async with client(app) as http:
         response = await http.post("/v1/chat/completions", headers=AUTH, json={**HELLO, "stream": True})
         assert response.status_code == 200
@@ -223,7 +212,7 @@ async def test_the_failing_test_backend_answers_its_status(stream: bool) -> None
         error = response.json()["error"]
         assert (error["type"], error["code"]) == ("server_error", "server_error") and "test hook" in error["message"]
         assert (await http.get("/v1/models", headers=AUTH)).status_code == 200
-    assert backend.calls == 1
+    assert len(backend.calls) == 1
     await idle(slots)
 
 
@@ -241,7 +230,7 @@ TOOL_CALL = {"index": 0, "delta": {"tool_calls": [{"index": 0, "id": "call_1", "
 async def test_the_stream_starts_at_the_first_content(choices: list[dict[str, Any]], fail_at: int,
                                                       status: int) -> None:
     slots = Slots(1)
-    app = create_app(ScriptedBackend([], fail_at=fail_at, status=400, chunks=choices), slots, [MODEL], TOKEN)
+    app = create_app(scripted_backend([], fail_at=fail_at, status=400, chunks=choices), slots, [MODEL], TOKEN)
     async with client(app) as http:
         response = await http.post("/v1/chat/completions", headers=AUTH, json={**HELLO, "stream": True})
         assert response.status_code == status
@@ -253,7 +242,7 @@ async def test_the_stream_starts_at_the_first_content(choices: list[dict[str, An
 
 async def test_a_reply_without_content_streams_whole() -> None:
     slots = Slots(1)
-    app = create_app(ScriptedBackend([], chunks=[ROLE, FINISH]), slots, [MODEL], TOKEN)
+    app = create_app(scripted_backend([], chunks=[ROLE, FINISH]), slots, [MODEL], TOKEN)
     async with client(app) as http:
         response = await http.post("/v1/chat/completions", headers=AUTH, json={**HELLO, "stream": True})
         assert response.status_code == 200
@@ -266,21 +255,21 @@ async def test_a_reply_without_content_streams_whole() -> None:
 async def test_direct_requests_share_the_fleet_concurrency_limit() -> None:
     slots = Slots(1)
     assert slots.try_acquire()  # a fleet request holds the node's only slot
-    backend = ScriptedBackend(["hi"])
+    backend = scripted_backend(["hi"])
     app = create_app(backend, slots, [MODEL], TOKEN, queue_wait=30)
     async with client(app) as http:
         waiting = asyncio.create_task(http.post("/v1/chat/completions", headers=AUTH, json=HELLO))
         while not slots.waiting:  # bounded by the test timeout
             await asyncio.sleep(0.01)
-        assert backend.calls == 0 and not waiting.done()
+        assert not backend.calls and not waiting.done()
         assert not slots.try_acquire()  # meanwhile a fleet request would be refused
         slots.release()  # the fleet request ends
         response = await waiting
-        assert response.status_code == 200 and backend.calls == 1
+        assert response.status_code == 200 and len(backend.calls) == 1
         await idle(slots)
 
         gate = asyncio.Event()
-        slow = ScriptedBackend(["hi"], gate=gate)
+        slow = scripted_backend(["hi"], gate=gate)
         busy_app = create_app(slow, slots, [MODEL], TOKEN, queue_wait=0.05)
         async with client(busy_app) as busy_http:
             running = asyncio.create_task(busy_http.post("/v1/chat/completions", headers=AUTH, json=HELLO))
