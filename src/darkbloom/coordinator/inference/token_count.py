@@ -16,7 +16,7 @@ from darkbloom.coordinator.money.estimation import prompt_estimate
 from darkbloom.coordinator.routing.placement import resolve_model
 from darkbloom.coordinator.routing.policy import resolve_policy
 from darkbloom.coordinator.services import Services
-from darkbloom.wire.openai.anthropic_messages import messages_prompt
+from darkbloom.wire.openai.anthropic_request import messages_prompt
 from darkbloom.wire.openai.body import parse_json_object
 from darkbloom.wire.token_bounds import prompt_token_bound
 

@@ -33,7 +33,7 @@ def resolve_model(services: Services, caller: Caller, name: str, policy: Policy)
         raise ApiError(404, "model_not_found",
                        f"The model '{shown}' does not exist. GET /v1/models lists the models you can use.",
                        param="model")
-    allowed = caller.key.get("allowed_models") if caller.key else None
+    allowed = caller.key.allowed_models if caller.key else None
     if allowed is not None and model.id not in allowed and name not in allowed:
         raise ApiError(403, "model_not_allowed",
                        f"This API key may not use '{name}'. Edit the key's allowed models or use another key.",

@@ -56,9 +56,9 @@ def resolve_policy(headers: Headers, caller: Caller, *, with_pin: bool = True) -
     values = headers.getlist(ROUTE_HEADER)
     first = values[0].split(",")[0].strip().lower() if values else ""
     mode = _MODES.get(first, "public")
-    if caller.key and caller.key.get("self_route_only"):
+    if caller.key and caller.key.self_route_only:
         mode = "exclusive"
-    elif caller.key and caller.key.get("shared_only"):
+    elif caller.key and caller.key.shared_only:
         mode = "shared"
     pinned = _one_id(headers, MACHINE_HEADER, "X-Darkbloom-Machine", "one machine", mode == "exclusive",
                      "an exclusive self-route request (X-Darkbloom-Route: self or a self_route_only key)"

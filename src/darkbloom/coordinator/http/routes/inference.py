@@ -58,6 +58,7 @@ class _Body:
         raw = await self._request.body()
         if not is_sealed(self._request.headers.get("content-type")):
             return raw
+        assert self._services.consumer_key is not None, "loaded at start"
         self._unsealed = unseal(raw, self._services.consumer_key)
         return self._unsealed.plaintext
 
