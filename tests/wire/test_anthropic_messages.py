@@ -10,8 +10,8 @@ import anthropic.types as at
 import pytest
 from pydantic import TypeAdapter
 
-from darkbloom.wire.openai.anthropic_messages import (MessagesPresenter, anthropic_error_body, messages_prompt,
-                                                      messages_to_chat)
+from darkbloom.wire.openai.anthropic_messages import MessagesPresenter, anthropic_error_body
+from darkbloom.wire.openai.anthropic_request import messages_prompt, messages_to_chat
 from darkbloom.wire.openai.errors import ApiError
 from tests.wire.node_chunks import chat, run_collect, run_stream, sse_events, text_chunks, tool_chunks
 

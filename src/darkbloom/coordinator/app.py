@@ -13,6 +13,7 @@ from fastapi.responses import JSONResponse
 from starlette.requests import ClientDisconnect
 
 from darkbloom.coordinator.config import CoordinatorSettings
+from darkbloom.coordinator.consumer_key import load_or_create_key
 from darkbloom.coordinator.console import routes as console_routes
 from darkbloom.coordinator.fleet import session_lifecycle
 from darkbloom.coordinator.fleet.registry import Registry
@@ -23,7 +24,6 @@ from darkbloom.coordinator.http.errors import install_handlers
 from darkbloom.coordinator.http.allowed_methods import install_allowed_methods
 from darkbloom.coordinator.http.openapi.document import install_openapi
 from darkbloom.coordinator.http.routes import account, admin, device, health, inference, keys, payments, provider_ws, shares
-from darkbloom.coordinator.http.sealed_body import load_or_create_key
 from darkbloom.coordinator.identity import auth_invalidation
 from darkbloom.coordinator.money import reconciliation
 from darkbloom.coordinator.money.ratelimit import create_rate_limiter

@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import asyncio
 from dataclasses import dataclass, field
-from typing import Any, Coroutine
+from typing import Coroutine, Protocol, TypeVar
 
 from fastapi import Request
 from sqlalchemy.ext.asyncio import AsyncEngine
 
 from darkbloom.coordinator.config import CoordinatorSettings
+from darkbloom.coordinator.consumer_key import CoordinatorKey
 from darkbloom.coordinator.identity.auth_cache import AuthCache
 from darkbloom.coordinator.routing.affinity import Affinity
 from darkbloom.coordinator.routing.queue import RequestQueues
@@ -22,6 +23,18 @@ from darkbloom.coordinator.fleet.registration_gate import RegistrationGate
 from darkbloom.coordinator.fleet.registry import Registry
 from darkbloom.wire.crypto import new_id
 
+T = TypeVar("T")
+
+
+class ReplicaFabric(Protocol):
+    """What the process asks of ``fabric.replica.Fabric`` (which is built on these services)."""
+
+    async def start(self) -> None: ...
+
+    async def stop(self) -> None: ...
+
+    def status(self) -> dict[str, object]: ...
+
 
 @dataclass
 class Services:
@@ -29,33 +42,28 @@ class Services:
     engine: AsyncEngine
     registry: Registry
     rate_limiter: RateLimiter
-    queues: RequestQueues = None  # type: ignore[assignment]  # built from registry + settings
-    consumer_key: Any = None  # sealed_body.CoordinatorKey, loaded at start (GET /v1/encryption-key)
+    consumer_key: CoordinatorKey | None = None  # loaded at start (GET /v1/encryption-key)
     instance_id: str = field(default_factory=lambda: new_id("inst_"))
     auth_cache: AuthCache = field(default_factory=AuthCache)  # token hash → grant (identity/auth_cache.py)
-    ledger: LedgerWriter = None  # type: ignore[assignment]  # the group-commit ledger writer, on engine
-    machine_book: MachineBook = None  # type: ignore[assignment]  # batched machines-table writes, on engine
-    fabric: Any = None  # fabric.replica.Fabric with --nats-url (replicas over NATS); None: one process
+    fabric: ReplicaFabric | None = None  # with --nats-url (replicas over NATS); None: one process
     registrations: RegistrationGate = field(default_factory=RegistrationGate)  # provider sockets registering
-    device_owners: DeviceOwners = None  # type: ignore[assignment]  # registrations' token owners, batched, on engine
-    insight: MachineInsight = None  # type: ignore[assignment]  # machine insight, sampled and written in batches
     affinity: Affinity = field(default_factory=Affinity)  # conversations → the session that served them, here
     requests_in_flight: int = 0  # inference requests taken up and not yet ended (inference/settlement.py)
-    _tasks: set[asyncio.Task[Any]] = field(default_factory=set)
+    queues: RequestQueues = field(init=False)            # per-model queues over the registry
+    ledger: LedgerWriter = field(init=False)             # the group-commit ledger writer, on engine
+    machine_book: MachineBook = field(init=False)        # batched machines-table writes, on engine
+    device_owners: DeviceOwners = field(init=False)      # registrations' token owners, batched, on engine
+    insight: MachineInsight = field(init=False)          # machine insight, sampled and written in batches
+    _tasks: set[asyncio.Task[object]] = field(default_factory=set)
 
     def __post_init__(self) -> None:
-        if self.queues is None:
-            self.queues = RequestQueues(self.registry, self.settings)
-        if self.ledger is None:
-            self.ledger = LedgerWriter(self.engine, quiet=lambda: self.requests_in_flight <= 1)
-        if self.machine_book is None:
-            self.machine_book = MachineBook(self.engine, self.settings.machine_flush_interval)
-        if self.device_owners is None:
-            self.device_owners = DeviceOwners(self.engine)
-        if self.insight is None:
-            self.insight = MachineInsight(self.registry, self.engine, self.settings.insight_interval)
+        self.queues = RequestQueues(self.registry, self.settings)
+        self.ledger = LedgerWriter(self.engine, quiet=lambda: self.requests_in_flight <= 1)
+        self.machine_book = MachineBook(self.engine, self.settings.machine_flush_interval)
+        self.device_owners = DeviceOwners(self.engine)
+        self.insight = MachineInsight(self.registry, self.engine, self.settings.insight_interval)
 
-    def spawn(self, work: Coroutine[Any, Any, Any]) -> asyncio.Task[Any]:
+    def spawn(self, work: Coroutine[object, None, T]) -> asyncio.Task[T]:
         """Run ``work`` to completion even if the request that started it goes away."""
         task = asyncio.get_running_loop().create_task(work)
         self._tasks.add(task)

@@ -173,7 +173,7 @@ def test_patch_non_boolean_self_route_only_is_400(api: Api, shared_account: Acco
     created = api.create_key(account, self_route_only=True)
     resp = api.patch(f"/v1/keys/{created['id']}", json={"self_route_only": value}, headers=account.auth)
     error = assert_error(resp, 400, "invalid_request_error")
-    assert error["message"] == "invalid value for self_route_only"
+    assert error["message"] == "'self_route_only' must be a boolean."
     assert error["param"] == "self_route_only"
     assert api.get(f"/v1/keys/{created['id']}", headers=account.auth).json()["self_route_only"] is True
 

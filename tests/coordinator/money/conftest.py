@@ -3,7 +3,6 @@ helpers that read the money tables straight from a coordinator's database."""
 
 from __future__ import annotations
 
-import dataclasses
 import secrets
 from typing import Any, AsyncIterator, Awaitable, Callable
 
@@ -12,6 +11,7 @@ from sqlalchemy import func, select
 
 from darkbloom.wire.catalog import CatalogModel
 from darkbloom.coordinator.config import CoordinatorSettings
+from darkbloom.coordinator.identity.api_keys import ApiKey
 from darkbloom.coordinator.money.ratelimit import MemoryRateLimiter
 from darkbloom.coordinator.fleet.registry import Registry
 from darkbloom.coordinator.services import Services
@@ -35,13 +35,7 @@ async def make_services(database_url: str) -> AsyncIterator[MakeServices]:
         await migrate(engine)
         config = CoordinatorSettings(database_url=database_url, **settings)
         registry = Registry()
-        extra: dict[str, Any] = {}
-        if "queues" in {f.name for f in dataclasses.fields(Services)}:  # the per-model queues (scheduler work)
-            from darkbloom.coordinator.routing.queue import RequestQueues
-
-            extra["queues"] = RequestQueues(registry, config)
-        services = Services(settings=config, engine=engine, registry=registry, rate_limiter=MemoryRateLimiter(),
-                            **extra)
+        services = Services(settings=config, engine=engine, registry=registry, rate_limiter=MemoryRateLimiter())
         built.append(services)
         return services
 
@@ -67,9 +61,10 @@ async def new_account(services: Services, credit: int = 0) -> str:
     return account_id
 
 
-async def new_key(services: Services, account_id: str, **fields: Any) -> dict[str, Any]:
+async def new_key(services: Services, account_id: str, **fields: Any) -> ApiKey:
     async with services.engine.begin() as conn:
-        return await keys.create(conn, account_id, secrets.token_hex(32), "dk-test", {"name": "test", **fields})
+        return ApiKey.from_row(await keys.create(conn, account_id, secrets.token_hex(32), "dk-test",
+                                                 {"name": "test", **fields}))
 
 
 async def pockets(services: Services, account_id: str) -> tuple[int, int]:

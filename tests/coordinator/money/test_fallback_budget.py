@@ -38,10 +38,10 @@ async def test_the_budget_holds_only_prefer_requests_and_refuses_without_a_trace
     account = await new_account(services, credit=100_000)
     key = await new_key(services, account, fallback_limit_micro_usd=2 * WORST)
     await billing.reserve(services, "plain", account, key, WORST)  # a public request: not the fallback budget
-    assert await _fallback_window(services, key["id"]) == (0, 0)
+    assert await _fallback_window(services, key.id) == (0, 0)
     held = await billing.reserve(services, "p1", account, key, WORST, prefer=True)
     await billing.reserve(services, "p2", account, key, WORST, prefer=True)
-    assert await _fallback_window(services, key["id"]) == (0, 2 * WORST)
+    assert await _fallback_window(services, key.id) == (0, 2 * WORST)
     before = await counts(services.engine)
     with pytest.raises(billing.FallbackExhausted):
         await billing.reserve(services, "p3", account, key, 1, prefer=True)
@@ -49,8 +49,8 @@ async def test_the_budget_holds_only_prefer_requests_and_refuses_without_a_trace
     assert await pockets(services, account) == (100_000 - 3 * WORST, 0)
     # served by the caller's own machine: free, and the budget is whole again
     owned = billing.Served("prov_mine", account)
-    await billing.settle_bill(services, _bill(held, key["id"]), Usage(prompt_tokens=5, completion_tokens=5), owned)
-    assert await _fallback_window(services, key["id"]) == (0, WORST)
+    await billing.settle_bill(services, _bill(held, key.id), Usage(prompt_tokens=5, completion_tokens=5), owned)
+    assert await _fallback_window(services, key.id) == (0, WORST)
     [row] = await rows(services, reservations, reservations.c.request_id == "p1")
     assert row["fallback_window_start"] == 0 and row["status"] == "settled"
     await billing.reserve(services, "p4", account, key, WORST, prefer=True)
@@ -61,19 +61,19 @@ async def test_a_budget_used_on_the_fleet_stays_used_and_the_spend_cap_still_app
     key = await new_key(services, account, fallback_limit_micro_usd=10 * WORST, limit_micro_usd=3 * WORST)
     held = await billing.reserve(services, "f1", account, key, 2 * WORST, prefer=True)
     fleet = billing.Served("prov_public", None)
-    settled = await billing.settle_bill(services, _bill(held, key["id"]),
+    settled = await billing.settle_bill(services, _bill(held, key.id),
                                         Usage(prompt_tokens=100, completion_tokens=100), fleet)
     assert settled is not None and 0 < settled.cost <= 2 * WORST
-    assert await _fallback_window(services, key["id"]) == (settled.cost, 0)
+    assert await _fallback_window(services, key.id) == (settled.cost, 0)
     # the spend cap is checked after the fallback budget: 402, and nothing taken from either
     with pytest.raises(ApiError) as caught:
         await billing.reserve(services, "f2", account, key, 3 * WORST, prefer=True)
     assert caught.value.type == "spend_cap_exceeded"
-    assert await _fallback_window(services, key["id"]) == (settled.cost, 0)
+    assert await _fallback_window(services, key.id) == (settled.cost, 0)
     # a refund gives the hold back to both windows
     again = await billing.reserve(services, "f3", account, key, WORST, prefer=True)
     assert await billing.refund(services, again)
-    assert await _fallback_window(services, key["id"]) == (settled.cost, 0)
+    assert await _fallback_window(services, key.id) == (settled.cost, 0)
 
 
 async def test_a_zero_budget_refuses_every_fallback_and_an_unfunded_owner_is_not_402(services: Services) -> None:
@@ -104,16 +104,16 @@ async def test_200_concurrent_prefer_reservations_never_pass_the_budget(make_ser
     assert len(held) == N
     window = billing.spend_window_start("daily")
     async with fleet[0].engine.connect() as conn:
-        assert await key_window_spend(conn, fallback_scope(key["id"]), window) == (0, N * WORST)
+        assert await key_window_spend(conn, fallback_scope(key.id), window) == (0, N * WORST)
     usage = Usage(prompt_tokens=10**6, completion_tokens=10**6)  # costs more than the hold: charged the hold
     charged = 0
     for reservation in held:
-        settled = await billing.settle_bill(fleet[0], _bill(reservation, key["id"]), usage,
+        settled = await billing.settle_bill(fleet[0], _bill(reservation, key.id), usage,
                                             billing.Served("prov_public", None))
         assert settled is not None
         charged += settled.cost
     assert charged == N * WORST
     async with fleet[0].engine.connect() as conn:
-        assert await key_window_spend(conn, fallback_scope(key["id"]), window) == (N * WORST, 0)
+        assert await key_window_spend(conn, fallback_scope(key.id), window) == (N * WORST, 0)
     assert await pockets(fleet[0], account) == (10_000_000 - N * WORST, 0)
     await check_ledger_consistency(fleet[0].engine)

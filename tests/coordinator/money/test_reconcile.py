@@ -52,7 +52,7 @@ async def test_stale_instances_reservations_are_refunded_live_ones_kept(
     assert status == {"lost-1": "refunded", "lost-2": "refunded", "kept-alive": "open", "kept-mine": "open",
                       "closed": "refunded"}
     async with me.engine.connect() as conn:
-        assert await key_window_spend(conn, key["id"], lost_1.window_start or 0) == (0, 7_000)
+        assert await key_window_spend(conn, key.id, lost_1.window_start or 0) == (0, 7_000)
     logged = " ".join(r.getMessage() for r in caplog.records)
     assert "lost-1" in logged and "lost-2" in logged and crashed.instance_id in logged
     assert "kept" not in logged

@@ -30,11 +30,11 @@ async def test_reserve_debits_balance_writes_reservation_and_ledger_entry(servic
     key = await new_key(services, account)
     reservation = await billing.reserve(services, "req-1", account, key, 3_000)
 
-    assert reservation == billing.Reservation("req-1", account, key["id"], 3_000, None)
+    assert reservation == billing.Reservation("req-1", account, key.id, 3_000, None)
     assert await pockets(services, account) == (7_000, 0)
     [row] = await rows(services, reservations, reservations.c.request_id == "req-1")
     assert (row["account_id"], row["key_id"], row["amount_micro_usd"], row["status"], row["instance_id"],
-            row["window_start"], row["closed_at"]) == (account, key["id"], 3_000, "open", services.instance_id,
+            row["window_start"], row["closed_at"]) == (account, key.id, 3_000, "open", services.instance_id,
                                                        None, None)
     [entry] = await ledger_for(services, "req-1")
     assert (entry["account_id"], entry["kind"], entry["pocket"], entry["amount_micro_usd"],
@@ -53,11 +53,11 @@ async def test_a_reused_request_id_is_refused_and_leaves_no_trace(services: Serv
     with pytest.raises(billing.DuplicateReservation):
         await billing.reserve(services, "req-dup", account, key, 2_000)
     assert await billing.reserve(services, "req-dup", account, key, 1_000) == billing.Reservation(
-        "req-dup", account, key["id"], 1_000, 0)
+        "req-dup", account, key.id, 1_000, 0)
     assert await pockets(services, account) == (9_000, 0)
     assert await counts(services.engine) == before
     async with services.engine.connect() as conn:
-        assert await key_window_spend(conn, key["id"], 0) == (0, 1_000)
+        assert await key_window_spend(conn, key.id, 0) == (0, 1_000)
 
 
 async def test_reserving_the_whole_balance_is_allowed(services: Services) -> None:
@@ -78,7 +78,7 @@ async def test_insufficient_funds_is_402_and_leaves_no_trace(services: Services,
     assert await pockets(services, account) == (1_000, 0)
     assert await counts(services.engine) == before
     async with services.engine.connect() as conn:
-        assert await key_window_spend(conn, key["id"], 0) == (0, 0)
+        assert await key_window_spend(conn, key.id, 0) == (0, 0)
 
 
 async def test_key_cap_is_hard_and_counts_open_reservations(services: Services) -> None:
@@ -94,7 +94,7 @@ async def test_key_cap_is_hard_and_counts_open_reservations(services: Services) 
     assert await pockets(services, account) == (97_000, 0)
     await billing.reserve(services, "cap-3", account, key, 2_000)  # exactly at the cap
     async with services.engine.connect() as conn:
-        assert await key_window_spend(conn, key["id"], 0) == (0, 5_000)
+        assert await key_window_spend(conn, key.id, 0) == (0, 5_000)
     # another key of the same account has its own cap; the account's balance is shared
     other = await new_key(services, account, limit_micro_usd=5_000)
     await billing.reserve(services, "cap-other", account, other, 5_000)
@@ -112,16 +112,16 @@ async def test_settling_frees_the_unused_part_of_the_cap(services: Services) -> 
                                       served())
     assert settlement is not None
     async with services.engine.connect() as conn:
-        assert await key_window_spend(conn, key["id"], 0) == (settlement.cost, 0)
+        assert await key_window_spend(conn, key.id, 0) == (settlement.cost, 0)
     await billing.reserve(services, "cap-c", account, key, 5_000 - settlement.cost)
     with pytest.raises(ApiError) as caught:
         await billing.reserve(services, "cap-d", account, key, 1)
     assert caught.value.type == "spend_cap_exceeded"
     # a refund gives the whole hold back
-    assert await billing.refund(services, billing.Reservation("cap-c", account, key["id"], 5_000 - settlement.cost,
+    assert await billing.refund(services, billing.Reservation("cap-c", account, key.id, 5_000 - settlement.cost,
                                                               0))
     async with services.engine.connect() as conn:
-        assert await key_window_spend(conn, key["id"], 0) == (settlement.cost, 0)
+        assert await key_window_spend(conn, key.id, 0) == (settlement.cost, 0)
 
 
 @pytest.mark.parametrize(("reset", "now", "start"), [
@@ -179,13 +179,13 @@ async def test_cap_resets_with_its_window(services: Services, monkeypatch: pytes
     second = await billing.reserve(services, f"{reset}-3", account, key, 4_000)
     assert second.window_start == billing.spend_window_start(reset, next_window) != first.window_start
     windows = {r["window_start"]: (r["spent_micro_usd"], r["reserved_micro_usd"])
-               for r in await rows(services, key_spend, key_spend.c.key_id == key["id"])}
+               for r in await rows(services, key_spend, key_spend.c.key_id == key.id)}
     assert windows == {first.window_start: (4_000, 0), second.window_start: (0, 4_000)}
     # settling the new window's reservation later still books it to its own window
     clock["now"] = datetime(2030, 1, 1, tzinfo=UTC)
     assert await billing.refund(services, second)
     windows = {r["window_start"]: (r["spent_micro_usd"], r["reserved_micro_usd"])
-               for r in await rows(services, key_spend, key_spend.c.key_id == key["id"])}
+               for r in await rows(services, key_spend, key_spend.c.key_id == key.id)}
     assert windows == {first.window_start: (4_000, 0), second.window_start: (0, 0)}
 
 

@@ -75,7 +75,7 @@ async def test_settle_charges_refunds_and_splits(make_services: MakeServices) ->
     assert {k: row[k] for k in ("account_id", "key_id", "model", "provider_id", "provider_account_id",
                                 "prompt_tokens", "completion_tokens", "cost_micro_usd", "platform_fee_micro_usd",
                                 "provider_payout_micro_usd", "self_routed", "routed")} == {
-        "account_id": caller, "key_id": key["id"], "model": "priced-model", "provider_id": "prov_abc",
+        "account_id": caller, "key_id": key.id, "model": "priced-model", "provider_id": "prov_abc",
         "provider_account_id": owner, "prompt_tokens": 100, "completion_tokens": 50, "cost_micro_usd": cost,
         "platform_fee_micro_usd": fee, "provider_payout_micro_usd": cost - fee, "self_routed": False,
         "routed": "fleet"}
@@ -85,7 +85,7 @@ async def test_settle_charges_refunds_and_splits(make_services: MakeServices) ->
                        (caller, "charge", "balance", -cost), (PLATFORM_ACCOUNT_ID, "platform_fee", "withdrawable", fee),
                        (owner, "payout", "withdrawable", cost - fee)]
     async with services.engine.connect() as conn:
-        assert await key_window_spend(conn, key["id"], 0) == (cost, 0)
+        assert await key_window_spend(conn, key.id, 0) == (cost, 0)
     await check_ledger_consistency(services.engine)
 
 
@@ -191,7 +191,7 @@ async def test_settle_after_refund_is_a_no_op(services: Services) -> None:
     assert await pockets(services, owner) == (0, 0)
     assert await rows(services, usage_records, usage_records.c.request_id == "late") == []
     async with services.engine.connect() as conn:
-        assert await key_window_spend(conn, key["id"], 0) == (0, 0)
+        assert await key_window_spend(conn, key.id, 0) == (0, 0)
 
 
 async def test_refund_is_idempotent(services: Services) -> None:
@@ -210,7 +210,7 @@ async def test_refund_is_idempotent(services: Services) -> None:
                                                                                                 "refund-me")]
     assert entries == [("reservation", -4_000, 6_000), ("refund", 4_000, 10_000)]
     async with services.engine.connect() as conn:
-        assert await key_window_spend(conn, key["id"], held.window_start or 0) == (0, 0)
+        assert await key_window_spend(conn, key.id, held.window_start or 0) == (0, 0)
     assert await rows(services, usage_records) == []
 
 

@@ -145,6 +145,9 @@ async def test_request_errors_are_openai_envelopes() -> None:
             (json.dumps({"messages": []}).encode(), 400, "invalid_request_error", "model"),
             (json.dumps({**HELLO, "model": "other"}).encode(), 404, "model_not_found", "model"),
             (json.dumps({**HELLO, "stream": "yes"}).encode(), 400, "invalid_request_error", "stream"),
+            (json.dumps({**HELLO, "n": 2}).encode(), 400, "invalid_request_error", "n"),  # the coordinator's checks
+            (json.dumps({**HELLO, "messages": [{"role": "user", "content": [{"type": "text"}]}]}).encode(), 400,
+             "invalid_request_error", "messages[0].content[0].text"),
             (b'{"model": "' + b"x" * (8 * 1024 * 1024) + b'"}', 413, "request_too_large", None),
         ]
         for raw, status, type_, param in cases:

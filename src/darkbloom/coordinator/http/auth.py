@@ -5,11 +5,11 @@ Tokens resolve through the process's AuthCache (coordinator/identity/auth_cache.
 from __future__ import annotations
 
 import time
-from typing import Any
 
 from fastapi import Depends, Request
 from sqlalchemy.ext.asyncio import AsyncEngine
 
+from darkbloom.coordinator.identity.api_keys import ApiKey
 from darkbloom.coordinator.identity.auth_cache import Grant, key_subject, machine_subject, session_subject
 from darkbloom.coordinator.identity.caller import Caller, CallerKind
 from darkbloom.coordinator.services import Services, get_services
@@ -52,7 +52,7 @@ async def _load_grant(engine: AsyncEngine, kind: CallerKind, digest: str) -> Gra
     async with engine.connect() as conn:
         if kind == "api_key":
             row = await keys.by_hash(conn, digest)
-            return Grant(Caller(row["account_id"], "api_key", key=row),
+            return Grant(Caller(row["account_id"], "api_key", key=ApiKey.from_row(row)),
                          (key_subject(row["id"]),)) if row else None
         if kind == "console_session":
             session = await console_sessions.session_for(conn, digest)
@@ -79,28 +79,18 @@ async def require_caller(request: Request, services: Services = Depends(get_serv
     return caller
 
 
-def _refuse_unusable(key: dict[str, Any]) -> None:
+def _refuse_unusable(key: ApiKey) -> None:
     """A disabled or expired key authenticates nothing (checked on every request: a cached grant carries
-    the row, and an expiry needs no change to be announced)."""
-    if key.get("disabled"):
+    the key, and an expiry needs no change to be announced)."""
+    if key.disabled:
         raise ApiError(401, "key_disabled", "This API key is disabled. Enable it again (PATCH /v1/keys/{id} with "
                                             "\"disabled\": false) or use another key.", headers=_BEARER)
-    expires_at = key.get("expires_at")
-    if expires_at is not None and expires_at <= time.time():
+    if key.expires_at is not None and key.expires_at <= time.time():
         raise ApiError(401, "key_expired", "This API key has expired. Set a later expires_at on it (or null) "
                                            "from a console session, or create a new key.", headers=_BEARER)
 
 
 _BEARER = {"WWW-Authenticate": "Bearer"}
-RESTRICTING_KEY_FIELDS = ("limit_micro_usd", "fallback_limit_micro_usd", "expires_at", "allowed_models",
-                          "rpm_limit", "itpm_limit", "otpm_limit", "max_shared_price")
-
-
-def restricted(key: dict[str, Any]) -> bool:
-    """A key someone chose to limit (self-route or shared only, a spend cap or fallback budget, an expiry, a
-    model list, rate limits, a ceiling on share prices): if it leaks, it must not be able to widen itself,
-    mint an unrestricted key or link a machine."""
-    return bool(key.get("self_route_only") or key.get("shared_only")) or any(key.get(name) is not None for name in RESTRICTING_KEY_FIELDS)
 
 
 async def require_account_writer(caller: Caller = Depends(require_caller)) -> Caller:
@@ -109,7 +99,7 @@ async def require_account_writer(caller: Caller = Depends(require_caller)) -> Ca
     if caller.kind == "device":
         raise ApiError(403, "forbidden", "A device token can run inference and read the account, not change it; "
                                          "use a console session or an unrestricted API key.")
-    if caller.key is not None and restricted(caller.key):
+    if caller.key is not None and caller.key.restricted:
         raise ApiError(403, "key_restricted", "This API key is restricted (self-route only, a spend limit, an "
                                               "expiry, allowed models, rate limits or a share price ceiling), so "
                                               "it cannot manage keys or "

@@ -5,53 +5,23 @@ with ``{kid, ephemeral_public_key, ciphertext}``: a NaCl box from its ephemeral 
 coordinator's key. The response — each SSE ``data:`` event when streaming — is sealed back to that
 ephemeral key as ``{"ciphertext": …}`` (the client opens it with its ephemeral private key and the
 coordinator's public key). Errors before any answer stay plain OpenAI envelopes. ``[DONE]`` is the
-stream's plain terminator. The key pair is stored in the database so replicas share it.
+stream's plain terminator. The key pair: ``coordinator/consumer_key.py``.
 """
 
 from __future__ import annotations
 
-import hashlib
 import json
-from dataclasses import dataclass
 from typing import Any, AsyncIterator
 
 from fastapi.responses import JSONResponse, StreamingResponse
 from nacl.exceptions import CryptoError
-from nacl.public import Box, PrivateKey
-from sqlalchemy.ext.asyncio import AsyncEngine
+from nacl.public import Box
 
-from darkbloom.wire.openai.errors import ApiError
+from darkbloom.coordinator.consumer_key import CoordinatorKey
 from darkbloom.wire.crypto import DecryptionError, b64d, b64e, public_key_from_b64
-from darkbloom.store import stored_settings
+from darkbloom.wire.openai.errors import ApiError
 
 SEALED_CONTENT_TYPE = "application/darkbloom-sealed+json"
-ALGORITHM = "x25519-nacl-box"
-_STORED_NAME = "consumer_encryption_key"
-
-
-@dataclass(frozen=True)
-class CoordinatorKey:
-    private: PrivateKey
-
-    @property
-    def public_key_b64(self) -> str:
-        return b64e(bytes(self.private.public_key))
-
-    @property
-    def kid(self) -> str:
-        return "kid_" + hashlib.sha256(bytes(self.private.public_key)).hexdigest()[:16]
-
-    def public_view(self) -> dict[str, str]:
-        return {"kid": self.kid, "public_key": self.public_key_b64, "algorithm": ALGORITHM}
-
-
-async def load_or_create_key(engine: AsyncEngine) -> CoordinatorKey:
-    """The stored key pair, created once; replicas racing to create it all end up with the winner's."""
-    async with engine.begin() as conn:
-        await stored_settings.add(conn, _STORED_NAME, {"private_key": b64e(bytes(PrivateKey.generate()))})
-        stored = await stored_settings.get(conn, _STORED_NAME)
-    assert stored is not None
-    return CoordinatorKey(PrivateKey(b64d(stored["private_key"])))
 
 
 class Unsealed:

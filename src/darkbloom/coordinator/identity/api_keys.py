@@ -1,111 +1,174 @@
-"""Validation and shaping of consumer API keys (docs/api.md "API keys", "API key fields")."""
+"""Consumer API keys (docs/api.md "API keys", "API key fields"): the key a request authenticated
+with, the fields a client may write, and the key as the API shows it."""
 
 from __future__ import annotations
 
 import math
 import time
+from dataclasses import dataclass
 from datetime import datetime, timezone
-from decimal import Decimal, InvalidOperation
-from typing import Any
+from decimal import Decimal
+from typing import Annotated, Any, Literal, Mapping
 
+from pydantic import Field, with_config
+from typing_extensions import NotRequired, Required, TypedDict
+
+from darkbloom.wire.openai.body_schema import CLOSED, BodySchema, Refusals
 from darkbloom.wire.openai.errors import invalid_request
 
-LIMIT_RESETS = ("none", "daily", "weekly", "monthly")
-_RATE_FIELDS = ("rpm_limit", "itpm_limit", "otpm_limit")
+LimitReset = Literal["none", "daily", "weekly", "monthly"]
+_EXPIRY = "'expires_at' must be an ISO-8601 date-time (e.g. 2030-01-31T00:00:00Z) or null."
+
+
+@dataclass(frozen=True, slots=True)
+class ApiKey:
+    """A stored, unrevoked key as authentication, admission, billing and routing read it."""
+
+    id: str
+    account_id: str
+    name: str
+    self_route_only: bool = False
+    shared_only: bool = False
+    disabled: bool = False
+    expires_at: int | None = None                 # Unix seconds
+    limit_micro_usd: int | None = None            # spend cap per limit_reset window
+    limit_reset: LimitReset = "none"
+    fallback_limit_micro_usd: int | None = None   # what prefer requests may spend on the fleet per window
+    fallback_limit_reset: LimitReset = "none"
+    rpm_limit: int | None = None
+    itpm_limit: int | None = None
+    otpm_limit: int | None = None
+    allowed_models: frozenset[str] | None = None
+    max_shared_price: int | None = None           # µUSD per 1M tokens
+
+    @classmethod
+    def from_row(cls, row: Mapping[str, Any]) -> ApiKey:
+        models = row["allowed_models"]
+        return cls(id=row["id"], account_id=row["account_id"], name=row["name"],
+                   self_route_only=bool(row["self_route_only"]), shared_only=bool(row["shared_only"]),
+                   disabled=bool(row["disabled"]), expires_at=row["expires_at"],
+                   limit_micro_usd=row["limit_micro_usd"], limit_reset=row["limit_reset"],
+                   fallback_limit_micro_usd=row["fallback_limit_micro_usd"],
+                   fallback_limit_reset=row["fallback_limit_reset"], rpm_limit=row["rpm_limit"],
+                   itpm_limit=row["itpm_limit"], otpm_limit=row["otpm_limit"],
+                   allowed_models=frozenset(models) if models is not None else None,
+                   max_shared_price=row["max_shared_price"])
+
+    @property
+    def restricted(self) -> bool:
+        """Someone chose to limit it (self-route or shared only, a spend cap or fallback budget, an
+        expiry, a model list, rate limits, a ceiling on share prices): if it leaks, it must not be able
+        to widen itself, mint an unrestricted key or link a machine."""
+        return self.self_route_only or self.shared_only or any(limit is not None for limit in (
+            self.limit_micro_usd, self.fallback_limit_micro_usd, self.expires_at, self.allowed_models,
+            self.rpm_limit, self.itpm_limit, self.otpm_limit, self.max_shared_price))
+
+
 _MAX_RATE = 2**31 - 1        # INTEGER column
 _MAX_MICRO_USD = 2**63 - 1   # BIGINT column
-KEY_FIELDS = ("name", "self_route_only", "shared_only", "limit_usd", "limit_reset", "fallback_limit_usd",
-              "fallback_limit_reset", "expires_at", "disabled", *_RATE_FIELDS, "allowed_models", "max_shared_price")
 _MAX_SHARED_PRICE = 10**12   # µUSD per 1M tokens, the highest price a share may carry
-_MONEY_FIELDS = {"limit_usd": ("limit_micro_usd", "limit_reset"),
-                 "fallback_limit_usd": ("fallback_limit_micro_usd", "fallback_limit_reset")}
+_MONEY_FIELDS = {"limit_usd": "limit_micro_usd", "fallback_limit_usd": "fallback_limit_micro_usd"}
+_COPIED = ("self_route_only", "shared_only", "disabled", "limit_reset", "fallback_limit_reset", "rpm_limit",
+           "itpm_limit", "otpm_limit", "max_shared_price")
+
+Dollars = Annotated[float, Field(ge=0, allow_inf_nan=False)]
+Rate = Annotated[int, Field(ge=1, le=_MAX_RATE)]
+
+
+@with_config(CLOSED)
+class _KeySettings(TypedDict, total=False):
+    self_route_only: Annotated[bool, Field(description="Serve only on your own machines, always free.")]
+    shared_only: Annotated[bool, Field(description="Serve only on your own machines and those shared with you "
+                                                   "(X-Darkbloom-Route: shared on every request).")]
+    limit_usd: Annotated[Dollars | None, Field(description="Spend cap in US dollars (≤ 6 decimals).")]
+    limit_reset: LimitReset
+    fallback_limit_usd: Annotated[Dollars | None, Field(description=(
+        "The most prefer requests on this key may spend on the public fleet per window, in US dollars; past it "
+        "(or when a request's worst case would pass it) prefer acts as exclusive until the window resets."))]
+    fallback_limit_reset: LimitReset
+    expires_at: Annotated[Annotated[str, Field(max_length=64)] | None, Field(
+        json_schema_extra={"format": "date-time"}, description=(
+            "ISO-8601, in the future (UTC when it names no offset); null: never expires. An expired key is 401 "
+            "key_expired."))]
+    disabled: Annotated[bool, Field(description="A disabled key is 401 key_disabled until enabled again.")]
+    rpm_limit: Rate | None
+    itpm_limit: Rate | None
+    otpm_limit: Rate | None
+    allowed_models: list[Annotated[str, Field(min_length=1)]] | None
+    max_shared_price: Annotated[Annotated[int, Field(ge=0, le=_MAX_SHARED_PRICE)] | None, Field(description=(
+        "Shared routing on this key never uses a share whose input or output price (µUSD per 1M tokens) is above "
+        "this; null: no ceiling."))]
+
+
+KeyName = Annotated[str, Field(pattern=r"\S", max_length=200)]
+
+
+@with_config(CLOSED)
+class ApiKeyCreate(_KeySettings):
+    name: Required[KeyName]
+
+
+@with_config(CLOSED)
+class ApiKeyUpdate(_KeySettings):
+    name: NotRequired[KeyName]
+
+
+_NAMED_400S: Refusals = {
+    "name": "'name' must be a non-empty string of at most 200 characters.",
+    **{flag: f"'{flag}' must be a boolean." for flag in ("self_route_only", "shared_only", "disabled")},
+    **{name: f"'{name}' must be a number of US dollars or null." for name in _MONEY_FIELDS},
+    **{f"{name}/greater_than_equal": f"'{name}' must be ≥ 0 with at most 6 decimal places." for name in _MONEY_FIELDS},
+    **{reset: f"'{reset}' must be one of none, daily, weekly, monthly."
+       for reset in ("limit_reset", "fallback_limit_reset")},
+    "expires_at": _EXPIRY,
+    **{rate: f"'{rate}' must be a positive integer (at most {_MAX_RATE}) or null."
+       for rate in ("rpm_limit", "itpm_limit", "otpm_limit")},
+    "allowed_models": "'allowed_models' must be a list of model ids or null.",
+    "max_shared_price": f"'max_shared_price' must be an integer from 0 to {_MAX_SHARED_PRICE} (µUSD per 1M tokens; "
+                        "0: free shares only) or null.",
+}
+_UNKNOWN = "Unknown or not supported API key field(s): {names}. A key takes {known}."
+KEY_CREATE = BodySchema(ApiKeyCreate, _NAMED_400S, unknown=_UNKNOWN)
+KEY_UPDATE = BodySchema(ApiKeyUpdate, _NAMED_400S, unknown=_UNKNOWN)
 
 
 def key_fields(body: dict[str, Any], *, creating: bool) -> dict[str, Any]:
     """Store columns from a create/patch body; every bad value and every unknown field is a named 400."""
-    _refuse_unknown(body)
-    fields: dict[str, Any] = {}
-    if "name" in body or creating:
-        name = body.get("name")
-        if not isinstance(name, str) or not name.strip() or len(name) > 200:
-            raise invalid_request("'name' must be a non-empty string of at most 200 characters.", param="name")
-        fields["name"] = name.strip()
-    for flag in ("self_route_only", "shared_only", "disabled"):
-        if flag in body:
-            if not isinstance(body[flag], bool):
-                raise invalid_request(f"invalid value for {flag}", param=flag)
-            fields[flag] = body[flag]
-    for name, (column, reset) in _MONEY_FIELDS.items():
+    (KEY_CREATE if creating else KEY_UPDATE).validate(body)
+    fields: dict[str, Any] = {name: body[name] for name in _COPIED if name in body}
+    if "name" in body:
+        fields["name"] = body["name"].strip()
+    for name, column in _MONEY_FIELDS.items():
         if name in body:
             fields[column] = _micro_usd(body[name], name)
-        if reset in body:
-            if body[reset] not in LIMIT_RESETS:
-                raise invalid_request(f"'{reset}' must be one of {', '.join(LIMIT_RESETS)}.", param=reset)
-            fields[reset] = body[reset]
     if "expires_at" in body:
         fields["expires_at"] = _expiry(body["expires_at"])
-    for field in _RATE_FIELDS:
-        if field in body:
-            value = body[field]
-            if value is not None and (not isinstance(value, int) or isinstance(value, bool)
-                                      or not 1 <= value <= _MAX_RATE):
-                raise invalid_request(f"'{field}' must be a positive integer (at most {_MAX_RATE}) or null.",
-                                      param=field)
-            fields[field] = value
     if "allowed_models" in body:
         models = body["allowed_models"]
-        if models is not None and (not isinstance(models, list)
-                                   or not all(isinstance(m, str) and m for m in models)):
-            raise invalid_request("'allowed_models' must be a list of model ids or null.", param="allowed_models")
         fields["allowed_models"] = sorted(set(models)) if models is not None else None
-    if "max_shared_price" in body:
-        ceiling = body["max_shared_price"]
-        if ceiling is not None and (not isinstance(ceiling, int) or isinstance(ceiling, bool)
-                                    or not 0 <= ceiling <= _MAX_SHARED_PRICE):
-            raise invalid_request("'max_shared_price' must be an integer from 0 to "
-                                  f"{_MAX_SHARED_PRICE} (µUSD per 1M tokens; 0: free shares only) or null.",
-                                  param="max_shared_price")
-        fields["max_shared_price"] = ceiling
     return fields
 
 
-def _refuse_unknown(body: dict[str, Any]) -> None:
-    unknown = [name[:64] for name in body if name not in KEY_FIELDS]
-    if unknown:
-        names = ", ".join(f"'{name}'" for name in unknown[:5]) + (", …" if len(unknown) > 5 else "")
-        raise invalid_request(f"Unknown or not supported API key field(s): {names}. "
-                              f"A key takes {', '.join(KEY_FIELDS)}.", param=unknown[0])
-
-
-def _micro_usd(value: Any, name: str) -> int | None:
+def _micro_usd(value: float | None, name: str) -> int | None:
+    """Exact µUSD from a checked dollar amount (ints stay exact; a float as its shortest decimal)."""
     if value is None:
         return None
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or (
-            isinstance(value, float) and not math.isfinite(value)):
-        raise invalid_request(f"'{name}' must be a number of US dollars or null.", param=name)
-    try:
-        micro = Decimal(str(value)) * 1_000_000
-    except InvalidOperation:
-        raise invalid_request(f"'{name}' must be a number of US dollars or null.", param=name) from None
-    if micro < 0 or micro != micro.to_integral_value():
+    micro = Decimal(str(value)) * 1_000_000
+    if micro != micro.to_integral_value():
         raise invalid_request(f"'{name}' must be ≥ 0 with at most 6 decimal places.", param=name)
     if micro > _MAX_MICRO_USD:
         raise invalid_request(f"'{name}' is too large.", param=name)
     return int(micro)
 
 
-def _expiry(value: Any) -> int | None:
+def _expiry(value: str | None) -> int | None:
     """Unix seconds from an ISO-8601 date-time in the future (UTC when it names no offset); null clears."""
     if value is None:
         return None
-    bad = invalid_request("'expires_at' must be an ISO-8601 date-time (e.g. 2030-01-31T00:00:00Z) or null.",
-                          param="expires_at")
-    if not isinstance(value, str) or len(value) > 64:
-        raise bad
     try:
         when = datetime.fromisoformat(value.strip())
     except ValueError:
-        raise bad from None
+        raise invalid_request(_EXPIRY, param="expires_at") from None
     if when.tzinfo is None:
         when = when.replace(tzinfo=timezone.utc)
     seconds = math.ceil(when.timestamp())

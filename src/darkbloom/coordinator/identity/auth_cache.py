@@ -2,7 +2,7 @@
 
 What is cached: for each bearer token that authenticated (API key ``dk-``, console session ``dks-``,
 device token ``dkp-``), its SHA-256 hash (as the database stores it) → a ``Grant``: what the token
-resolves to (the caller the HTTP edge builds, with the key's row as billing and rate limits read it),
+resolves to (the caller the HTTP edge builds, with its ``ApiKey`` as billing and rate limits read it),
 the subjects a change is announced under (``key:<id>``, ``session:<hash>``, ``machine:<id>``) and,
 for a console session, its expiry. An unknown token is never cached: a miss always asks the
 database, so a key created a moment ago is never refused.
@@ -28,9 +28,11 @@ import logging
 import time
 from collections import OrderedDict
 from dataclasses import dataclass
-from typing import Any, Awaitable, Callable, Iterable
+from typing import Awaitable, Callable, Iterable
 
 from prometheus_client import Counter
+
+from darkbloom.coordinator.identity.caller import Caller
 
 log = logging.getLogger("darkbloom.auth")
 
@@ -57,7 +59,7 @@ def machine_subject(machine_id: str) -> str:
 
 @dataclass(frozen=True, slots=True)
 class Grant:
-    value: Any                     # what the token resolves to (treat as read-only: it is shared)
+    value: Caller                  # what the token resolves to (frozen: grants are shared)
     subjects: tuple[str, ...]      # a change announced under any of these drops the grant
     expires_at: int | None = None  # Unix seconds (console sessions); None: valid until a change
 

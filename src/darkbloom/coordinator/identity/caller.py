@@ -4,18 +4,20 @@ session it came with (``http/auth.py`` makes one from the request's token)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Literal
+
+from darkbloom.coordinator.identity.api_keys import ApiKey
 
 CallerKind = Literal["api_key", "console_session", "device"]
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class Caller:
     account_id: str
     kind: CallerKind
-    key: dict[str, Any] | None = None  # the API key row when kind == "api_key"
-    machine_id: str | None = None      # the machine when kind == "device"
+    key: ApiKey | None = None        # the API key when kind == "api_key"
+    machine_id: str | None = None    # the machine when kind == "device"
 
     @property
     def key_id(self) -> str | None:
-        return self.key["id"] if self.key else None
+        return self.key.id if self.key else None

@@ -6,15 +6,18 @@ from __future__ import annotations
 
 import asyncio
 import os
-import re
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from functools import lru_cache
+from typing import Annotated, Any
 
 from argon2 import PasswordHasher
 from argon2.exceptions import InvalidHashError, VerificationError
+from pydantic import Field, with_config
+from typing_extensions import TypedDict
 
-from darkbloom.wire.openai.errors import ApiError, invalid_request
+from darkbloom.wire.openai.body_schema import OPEN, BodySchema, described
+from darkbloom.wire.openai.errors import ApiError
 from darkbloom.coordinator.identity import auth_throttle
 from darkbloom.coordinator.identity.auth_cache import session_subject
 from darkbloom.coordinator.identity.auth_invalidation import changing
@@ -26,7 +29,6 @@ from darkbloom.store import accounts, console_sessions
 # log-ins waits for these threads, and hashing takes at most half the cores.
 HASH_THREADS = max(1, min(4, (os.cpu_count() or 2) // 2))
 _hashing = ThreadPoolExecutor(HASH_THREADS, thread_name_prefix="argon2")
-_EMAIL = re.compile(r"^[^@\s]+@[^@\s]+\.[^@\s]+$")
 MIN_PASSWORD = 8
 
 
@@ -41,20 +43,32 @@ def _hasher(services: Services) -> PasswordHasher:
     return _hasher_of(settings.password_hash_memory_kib, settings.password_hash_time_cost)
 
 
-def _validate(email: object, password: object) -> tuple[str, str]:
-    if not isinstance(email, str) or not _EMAIL.match(email.strip()) or len(email) > 320:
-        raise invalid_request("Enter a valid email address.", param="email")
-    if not isinstance(password, str) or len(password) < MIN_PASSWORD or len(password) > 1024:
-        raise invalid_request(f"The password must be {MIN_PASSWORD} to 1024 characters long.", param="password")
-    return email.strip().lower(), password
+@with_config(OPEN)
+class Credentials(TypedDict):
+    email: Annotated[str, Field(max_length=320, pattern=r"^\s*[^@\s]+@[^@\s]+\.[^@\s]+\s*$",
+                                json_schema_extra={"format": "email"})]
+    password: Annotated[str, Field(min_length=MIN_PASSWORD, max_length=1024)]
+
+
+@with_config(OPEN)
+class LogIn(TypedDict, total=False):
+    """Any email and password: one that cannot be right is the same 401 as a wrong one."""
+
+    email: Annotated[Any, described({"type": "string", "format": "email"})]
+    password: Annotated[Any, described({"type": "string"})]
+
+
+SIGNUP = BodySchema(Credentials, {"email": "Enter a valid email address.",
+                                  "password": f"The password must be {MIN_PASSWORD} to 1024 characters long."})
+LOGIN = BodySchema(LogIn)
 
 
 async def _hashed(work: Callable[..., object], *args: str) -> object:
     return await asyncio.get_running_loop().run_in_executor(_hashing, work, *args)
 
 
-async def signup(services: Services, email: object, password: object, address: str) -> tuple[str, str]:
-    email, password = _validate(email, password)
+async def signup(services: Services, credentials: Credentials, address: str) -> tuple[str, str]:
+    email, password = credentials["email"].strip().lower(), credentials["password"]
     await auth_throttle.take(services, auth_throttle.signup_charges(services, address))
     password_hash = str(await _hashed(_hasher(services).hash, password))
     try:
@@ -65,8 +79,9 @@ async def signup(services: Services, email: object, password: object, address: s
     return account_id, await _new_console_session(services, account_id)
 
 
-async def login(services: Services, email: object, password: object, address: str) -> tuple[str, str]:
+async def login(services: Services, given: LogIn, address: str) -> tuple[str, str]:
     """Every attempt counts against the email and the address until it succeeds."""
+    email, password = given.get("email"), given.get("password")
     if not isinstance(email, str) or not isinstance(password, str):
         raise _invalid_credentials()
     email = email.strip().lower()

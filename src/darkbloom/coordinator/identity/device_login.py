@@ -4,9 +4,13 @@ from __future__ import annotations
 
 import secrets
 import time
-from typing import Any
+from typing import Annotated, Any
 
-from darkbloom.wire.openai.errors import ApiError, invalid_request
+from pydantic import Field, with_config
+from typing_extensions import TypedDict
+
+from darkbloom.wire.openai.body_schema import OPEN, BodySchema
+from darkbloom.wire.openai.errors import ApiError
 from darkbloom.coordinator.services import Services
 from darkbloom.wire.crypto import new_token, token_hash
 from darkbloom.store import devices, machines
@@ -31,10 +35,22 @@ async def start(services: Services) -> dict[str, Any]:
             "expires_in": settings.device_code_ttl, "interval": settings.device_poll_interval}
 
 
-async def approve(services: Services, account_id: str, user_code: object) -> None:
-    if not isinstance(user_code, str) or not user_code.strip():
-        raise invalid_request("'user_code' is required: the XXXX-XXXX code `darkbloom login` printed.",
-                              param="user_code")
+@with_config(OPEN)
+class DeviceApproval(TypedDict):
+    user_code: Annotated[str, Field(pattern=r"\S", examples=["ABCD-EFGH"])]
+
+
+@with_config(OPEN)
+class DeviceTokenRequest(TypedDict):
+    device_code: Annotated[str, Field(min_length=1)]
+
+
+DEVICE_APPROVAL = BodySchema(DeviceApproval, {
+    "user_code": "'user_code' is required: the XXXX-XXXX code `darkbloom login` printed."})
+DEVICE_TOKEN_REQUEST = BodySchema(DeviceTokenRequest, {"device_code": "'device_code' is required."})
+
+
+async def approve(services: Services, account_id: str, user_code: str) -> None:
     code = user_code.strip().upper()
     async with services.engine.begin() as conn:
         row = await devices.by_user_code(conn, code)
@@ -48,10 +64,8 @@ async def approve(services: Services, account_id: str, user_code: object) -> Non
             raise ApiError(409, "already_used", "This code was already used. Run `darkbloom login` again for a new one.")
 
 
-async def exchange(services: Services, device_code: object) -> dict[str, Any]:
+async def exchange(services: Services, device_code: str) -> dict[str, Any]:
     """Poll for the token: pending, or the device token exactly once (a new linked machine)."""
-    if not isinstance(device_code, str) or not device_code:
-        raise invalid_request("'device_code' is required.", param="device_code")
     async with services.engine.begin() as conn:
         row = await devices.by_device_code(conn, token_hash(device_code))
         if row is None or row["status"] == "issued":

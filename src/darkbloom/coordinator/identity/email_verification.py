@@ -7,10 +7,13 @@ from __future__ import annotations
 import secrets
 import time
 from email.message import EmailMessage
+from typing import Annotated
 from urllib.parse import unquote, urlsplit
 
 import aiosmtplib
+from pydantic import Field, with_config
 from sqlalchemy import delete, select, update
+from typing_extensions import TypedDict
 
 from darkbloom.coordinator.services import Services
 from darkbloom.store import accounts
@@ -18,6 +21,7 @@ from darkbloom.store.db import insert_ignore
 from darkbloom.store.schema import accounts as accounts_table
 from darkbloom.store.schema import email_verifications
 from darkbloom.wire.crypto import constant_time_equal, token_hash
+from darkbloom.wire.openai.body_schema import OPEN, BodySchema
 from darkbloom.wire.openai.errors import ApiError, invalid_request
 
 CODE_ALPHABET = "ABCDEFGHJKMNPQRSTUVWXYZ23456789"  # the device codes' alphabet: nothing to misread
@@ -93,10 +97,16 @@ async def _mail(services: Services, to: str, code: str) -> None:
         use_tls=implicit_tls, start_tls=None if not implicit_tls else False, timeout=SEND_TIMEOUT)
 
 
-async def verify(services: Services, account_id: str, code: object) -> None:
+@with_config(OPEN)
+class EmailCode(TypedDict):
+    code: Annotated[str, Field(pattern=r"\S", max_length=64, examples=["ABCD-EFGH"])]
+
+
+EMAIL_CODE = BodySchema(EmailCode, {"code": "'code' must be the code from the verification mail."})
+
+
+async def verify(services: Services, account_id: str, code: str) -> None:
     """The account's address is verified when ``code`` is the one last mailed to it, in time."""
-    if not isinstance(code, str) or not code.strip() or len(code) > 64:
-        raise invalid_request("'code' must be the code from the verification mail.", param="code")
     now = int(time.time())
     async with services.engine.begin() as conn:  # a wrong code's attempt is counted: it commits, then refuses
         row = (await conn.execute(select(email_verifications).where(

@@ -15,7 +15,7 @@ from darkbloom.coordinator.identity.caller import Caller
 from darkbloom.coordinator.inference.calls import prompt_estimate
 from darkbloom.coordinator.routing.route import resolve_model, resolve_policy
 from darkbloom.coordinator.services import Services
-from darkbloom.wire.openai.anthropic_messages import messages_prompt
+from darkbloom.wire.openai.anthropic_request import messages_prompt
 from darkbloom.wire.openai.body import parse_json_object
 from darkbloom.wire.token_bounds import prompt_token_bound
 

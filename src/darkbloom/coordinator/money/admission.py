@@ -18,10 +18,12 @@ def _buckets(services: Services, caller: Caller, dimension: Dimension) -> list[B
     settings = services.settings
     account_limit = {"requests": settings.account_rpm, "input_tokens": settings.account_itpm,
                      "output_tokens": settings.account_otpm}[dimension]
-    key_field = {"requests": "rpm_limit", "input_tokens": "itpm_limit", "output_tokens": "otpm_limit"}[dimension]
+    key = caller.key
+    key_limit = None if key is None else {"requests": key.rpm_limit, "input_tokens": key.itpm_limit,
+                                          "output_tokens": key.otpm_limit}[dimension]
     buckets = []
-    if caller.key and caller.key.get(key_field):
-        buckets.append(Bucket(f"key:{caller.key['id']}", dimension, int(caller.key[key_field])))
+    if key and key_limit:
+        buckets.append(Bucket(f"key:{key.id}", dimension, key_limit))
     if account_limit:
         buckets.append(Bucket(f"acct:{caller.account_id}", dimension, int(account_limit)))
     return buckets

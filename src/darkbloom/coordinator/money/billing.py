@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from datetime import datetime, timedelta, timezone
 from typing import Any, Callable
 
+from darkbloom.coordinator.identity.api_keys import ApiKey
 from darkbloom.wire.catalog import CatalogModel
 from darkbloom.wire.openai.errors import ApiError
 from darkbloom.coordinator.money.ledger import rules
@@ -79,19 +80,19 @@ def worst_case(model: CatalogModel, prompt_tokens: int, output_bound: int, min_c
     return max(_minimum(model, min_charge), model.cost(prompt_tokens, output_bound))
 
 
-async def reserve(services: Services, request_id: str, account_id: str, key: dict[str, Any] | None,
+async def reserve(services: Services, request_id: str, account_id: str, key: ApiKey | None,
                   amount: int, *, prefer: bool = False) -> Reservation:
     """Hold ``amount`` against the key's cap (and, for a prefer request, its fallback budget) and debit
     it from the balance, atomically, or raise 402 — or ``FallbackExhausted`` when the fallback budget
     cannot hold it (nothing taken: the request goes as exclusive, docs/self-route.md "Fallback budget").
     Returns once the reservation is committed (the request may then be dispatched)."""
-    cap = key.get("limit_micro_usd") if key else None
-    window = spend_window_start(key["limit_reset"]) if key and cap is not None else None
-    fallback_cap = key.get("fallback_limit_micro_usd") if key and prefer else None
-    fallback_window = spend_window_start(key["fallback_limit_reset"]) if key and fallback_cap is not None else None
-    key_id = key["id"] if key else None
-    step = rules.Reserve(request_id, account_id, key_id, amount, None if cap is None else int(cap), window,
-                         services.instance_id, None if fallback_cap is None else int(fallback_cap), fallback_window)
+    cap = key.limit_micro_usd if key else None
+    window = spend_window_start(key.limit_reset) if key and cap is not None else None
+    fallback_cap = key.fallback_limit_micro_usd if key and prefer else None
+    fallback_window = spend_window_start(key.fallback_limit_reset) if key and fallback_cap is not None else None
+    key_id = key.id if key else None
+    step = rules.Reserve(request_id, account_id, key_id, amount, cap, window,
+                         services.instance_id, fallback_cap, fallback_window)
     future = services.ledger.submit(step)
     try:
         result = await asyncio.shield(future)

@@ -22,8 +22,8 @@ def _entry(model_id: str, owned_by: str) -> dict[str, Any]:
     return {"id": model_id, "object": "model", "created": CREATED, "owned_by": owned_by}
 
 
-def _allowed(caller: Caller) -> list[str] | None:
-    return caller.key.get("allowed_models") if caller.key else None
+def _allowed(caller: Caller) -> frozenset[str] | None:
+    return caller.key.allowed_models if caller.key else None
 
 
 def owned_models(services: Services, account_id: str, shares: tuple[ShareGrant, ...] = ()) -> dict[str, str]:

@@ -68,9 +68,9 @@ def resolve_policy(headers: Headers, caller: Caller, *, with_pin: bool = True) -
     values = headers.getlist(ROUTE_HEADER)
     first = values[0].split(",")[0].strip().lower() if values else ""
     mode = _MODES.get(first, "public")
-    if caller.key and caller.key.get("self_route_only"):
+    if caller.key and caller.key.self_route_only:
         mode = "exclusive"
-    elif caller.key and caller.key.get("shared_only"):
+    elif caller.key and caller.key.shared_only:
         mode = "shared"
     pinned = _one_id(headers, MACHINE_HEADER, "X-Darkbloom-Machine", "one machine", mode == "exclusive",
                      "an exclusive self-route request (X-Darkbloom-Route: self or a self_route_only key)"
@@ -118,7 +118,7 @@ def resolve_model(services: Services, caller: Caller, name: str, policy: Policy)
         raise ApiError(404, "model_not_found",
                        f"The model '{shown}' does not exist. GET /v1/models lists the models you can use.",
                        param="model")
-    allowed = caller.key.get("allowed_models") if caller.key else None
+    allowed = caller.key.allowed_models if caller.key else None
     if allowed is not None and model.id not in allowed and name not in allowed:
         raise ApiError(403, "model_not_allowed",
                        f"This API key may not use '{name}'. Edit the key's allowed models or use another key.",

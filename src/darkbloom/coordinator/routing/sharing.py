@@ -70,7 +70,7 @@ async def load_grants(services: Services, caller: Caller, share_id: str | None) 
     split by whether today's request limit still has room."""
     now = time.time()
     day = shares.utc_day(now)
-    ceiling = caller.key.get("max_shared_price") if caller.key else None
+    ceiling = caller.key.max_shared_price if caller.key else None
     async with services.engine.connect() as conn:
         rows = await shares.received(conn, caller.account_id, usable_at=now)
         if share_id is not None:

@@ -33,7 +33,7 @@ from darkbloom.wire import crypto
 from darkbloom.wire.openai.answers import JsonAnswer
 from darkbloom.wire.openai.body import DEFAULT_MAX_BODY_BYTES, read_json_object
 from darkbloom.wire.openai.edges import EDGES, Edge
-from darkbloom.wire.openai.errors import ApiError, invalid_request, unauthorized
+from darkbloom.wire.openai.errors import ApiError, unauthorized
 from darkbloom.wire.openai.handlers import (api_error_handler, error_response, http_error_handler,
                                             path_error_response, speaks_anthropic)
 from darkbloom.provider.backends import Backend, BackendError
@@ -121,15 +121,11 @@ class _LocalApi:
 
     async def infer(self, request: Request, edge: Edge) -> Response:
         body = await read_json_object(request, self.max_body_bytes)
-        model = body.get("model")
-        if not isinstance(model, str) or not model:
-            raise invalid_request("model is required: a model id from GET /v1/models.", param="model")
+        node_body = edge.to_node(body)  # each API's schema, as on the coordinator
+        model: str = body["model"]
         if model not in self.model_ids:
             raise model_not_found(model)
-        stream = body.get("stream", False) if edge.streams else False
-        if not isinstance(stream, bool):
-            raise invalid_request("stream must be true or false.", param="stream")
-        node_body = edge.to_node(body)
+        stream = bool(body.get("stream")) if edge.streams else False
         node_body = dict(node_body, model=model) if edge.api == "embeddings" else dict(node_body, model=model,
                                                                                         stream=True)
         if not await self.slots.acquire(self.queue_wait):

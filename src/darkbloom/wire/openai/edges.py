@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Callable
 
-from darkbloom.wire.openai import anthropic_messages, legacy
+from darkbloom.wire.openai import anthropic_messages, anthropic_request, chat_request, legacy
 from darkbloom.wire.openai.responses.presenter import ResponsesPresenter
 from darkbloom.wire.openai.responses.request import responses_to_chat
 from darkbloom.wire.openai.presenters import ChatPresenter, CompletionsPresenter, EmbeddingsPresenter, Presenter
@@ -25,16 +25,12 @@ class Edge:
     schemas: tuple[str, ...] = ()
 
 
-def _as_sent(body: dict[str, Any]) -> dict[str, Any]:
-    return body
-
-
-CHAT = Edge("/v1/chat/completions", "chat", "chatcmpl-", _as_sent, ChatPresenter,
+CHAT = Edge("/v1/chat/completions", "chat", "chatcmpl-", chat_request.checked, ChatPresenter,
             schemas=("response_format.json_schema.schema", "response_format.schema", "tools[*].function.parameters",
                      "functions[*].parameters"))
 RESPONSES = Edge("/v1/responses", "chat", "resp_", responses_to_chat, ResponsesPresenter,
                  schemas=("text.format.schema", "tools[*].parameters", "tools[*].function.parameters"))
-MESSAGES = Edge("/v1/messages", "chat", "msg_", anthropic_messages.messages_to_chat,
+MESSAGES = Edge("/v1/messages", "chat", "msg_", anthropic_request.messages_to_chat,
                 anthropic_messages.MessagesPresenter, schemas=("tools[*].input_schema",))
 COMPLETIONS = Edge("/v1/completions", "completions", "cmpl-", legacy.completions_request, CompletionsPresenter)
 EMBEDDINGS = Edge("/v1/embeddings", "embeddings", "embd-", legacy.embeddings_request, EmbeddingsPresenter,

@@ -1,9 +1,10 @@
 """The coordinator's OpenAPI document, served at GET /openapi.json.
 
-FastAPI generates the paths and parameters from the routes; since the routes read their bodies by
-hand (to keep their own messages and codes), this module adds what the generator cannot see: each
-request body, every response with its status (errors with the OpenAI envelope), the Self-Route
-request headers, the routing response headers and the security schemes. Each operation's part
+FastAPI generates the paths and parameters from the routes; since the routes read their bodies
+themselves (each with its ``BodySchema``, to keep their own messages and codes), this module adds
+what the generator cannot see: each request body (the JSON Schema of the type that validates it),
+every response with its status (errors with the OpenAI envelope), the Self-Route request headers,
+the routing response headers and the security schemes. Each operation's part
 comes from ``operations.OPERATIONS``; a route missing there is an error when the document
 is built, so a new route cannot go undocumented.
 """

@@ -6,11 +6,12 @@ from __future__ import annotations
 
 from darkbloom.coordinator.http.openapi.operations import CHAT_ERRORS, ROUTED, Answer, Operation
 from darkbloom.coordinator.http.openapi.schemas import (COST_MICRO_USD, INTEGER, NULLABLE_STRING, STRING, TIMESTAMP,
-                                                        Schema, obj, ref)
+                                                        Schema, obj, ref, request_bodies)
 from darkbloom.coordinator.http.sealed_body import SEALED_CONTENT_TYPE
-from darkbloom.wire.catalog import BUNDLED_MODEL_ID
+from darkbloom.wire.openai.anthropic_request import MESSAGE_PROMPT, MESSAGE_REQUEST
+from darkbloom.wire.openai.legacy import COMPLETION_REQUEST, EMBEDDING_REQUEST
+from darkbloom.wire.openai.responses.request import RESPONSE_REQUEST
 
-_MODEL = {"type": "string", "minLength": 1, "examples": [BUNDLED_MODEL_ID]}
 _OPEN = {"type": "object", "additionalProperties": True}
 # the API's own usage object, with what the request cost
 _USAGE = {**obj({"cost_micro_usd": COST_MICRO_USD}), "additionalProperties": True}
@@ -26,10 +27,7 @@ def _event(data: Schema, description: str) -> Schema:
 
 
 INFERENCE_SCHEMAS: dict[str, Schema] = {
-    "ResponseRequest": {**obj({"model": _MODEL, "input": {"anyOf": [STRING, {"type": "array", "items": _OPEN}]}},
-                              ("model", "input")), "additionalProperties": True,
-                        "description": "OpenAI Responses API, stateless: `store: true` and "
-                                       "`previous_response_id` are refused with 400."},
+    **request_bodies(RESPONSE_REQUEST, MESSAGE_REQUEST, MESSAGE_PROMPT, COMPLETION_REQUEST, EMBEDDING_REQUEST),
     "Response": {**obj({"id": STRING, "object": {"const": "response"}, "created_at": TIMESTAMP, "model": STRING,
                         "status": STRING, "output": {"type": "array", "items": _OPEN}, "usage": _USAGE},
                        ("id", "object", "model", "output")), "additionalProperties": True},
@@ -37,9 +35,6 @@ INFERENCE_SCHEMAS: dict[str, Schema] = {
                             "`event: <type>` and `data: {…}` lines, `response.created` … `response.completed` (its "
                             "`response.usage` has `cost_micro_usd`); "
                             "a failure after the first output ends with `error` and `response.failed`."),
-    "MessageRequest": {**obj({"model": _MODEL, "max_tokens": {"type": "integer", "minimum": 1},
-                              "messages": {"type": "array", "minItems": 1, "items": _OPEN}}),
-                       "additionalProperties": True, "description": "Anthropic Messages."},
     "Message": {**obj({"id": STRING, "type": {"const": "message"}, "role": {"const": "assistant"},
                        "model": STRING, "content": {"type": "array", "items": _OPEN}, "stop_reason": NULLABLE_STRING,
                        "usage": _USAGE}, ("id", "type", "role", "content")), "additionalProperties": True},
@@ -52,19 +47,12 @@ INFERENCE_SCHEMAS: dict[str, Schema] = {
                                           "context check uses), not an exact tokenizer count."),
     "AnthropicError": obj({"type": {"const": "error"}, "error": obj({"type": STRING, "message": STRING})},
                           description="The error envelope of /v1/messages and every path under it."),
-    "CompletionRequest": {**obj({"model": _MODEL, "prompt": {"anyOf": [STRING, {"type": "array"}]},
-                                 "max_tokens": {"type": ["integer", "null"], "minimum": 1, "default": 16}},
-                                ("model", "prompt")), "additionalProperties": True,
-                          "description": "OpenAI legacy completions (a raw prompt, no chat template)."},
     "Completion": {**obj({"id": STRING, "object": {"const": "text_completion"}, "created": TIMESTAMP,
                           "model": STRING, "choices": {"type": "array", "items": _OPEN}, "usage": ref("Usage")},
                          ("id", "object", "model", "choices")), "additionalProperties": True},
     "CompletionEvent": _event({**obj({"object": {"const": "text_completion"}}), "additionalProperties": True},
                               "A `data:` line per `text_completion` chunk, the usage chunk only with "
                               "`stream_options.include_usage`, then `data: [DONE]`."),
-    "EmbeddingRequest": {**obj({"model": _MODEL, "input": {"anyOf": [STRING, {"type": "array", "minItems": 1}]},
-                                "encoding_format": {"enum": ["float", "base64"]}}, ("model", "input")),
-                         "additionalProperties": True},
     "EmbeddingList": {**obj({"object": {"const": "list"}, "data": {"type": "array", "items": _OPEN},
                              "model": STRING, "usage": _USAGE}), "additionalProperties": True},
 }
@@ -94,7 +82,7 @@ INFERENCE_OPERATIONS: dict[tuple[str, str], Operation] = {
         error_schema="AnthropicError"),
     ("post", "/v1/messages/count_tokens"): Operation(
         "inference", "Count a message's input tokens (Anthropic Messages)", auth="caller",
-        body={"application/json": "MessageRequest"}, route_headers=("X-Darkbloom-Route",),
+        body={"application/json": "MessagePrompt"}, route_headers=("X-Darkbloom-Route",),
         errors={400: ("invalid_request_error",), 403: ("model_not_allowed",), 404: ("model_not_found",),
                 429: ("rate_limit_exceeded",), 503: ("service_unavailable",)},
         answers={200: Answer("`{\"input_tokens\": N}`: the coordinator's estimate.",

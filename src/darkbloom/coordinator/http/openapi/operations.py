@@ -118,7 +118,7 @@ OPERATIONS: dict[tuple[str, str], Operation] = {
         description="By default at most 20 sign-ups per client address an hour (429 with Retry-After)."),
     ("post", "/v1/auth/login"): Operation(
         "accounts", "Log in", {200: json_answer("Session", "A new console session (dks-).")},
-        body=_json_body("Credentials"), errors={400: INVALID, 401: ("invalid_credentials",), **_THROTTLED},
+        body=_json_body("LogIn"), errors={400: INVALID, 401: ("invalid_credentials",), **_THROTTLED},
         description="By default at most 10 failed log-ins per email and 100 per client address in 15 minutes "
                     "(429 with Retry-After); a successful log-in is not counted."),
     ("post", "/v1/auth/logout"): Operation(
@@ -227,7 +227,7 @@ OPERATIONS: dict[tuple[str, str], Operation] = {
         "device", "Start a device login", {200: json_answer("DeviceCode", "Show user_code; poll with device_code.")}),
     ("post", "/v1/device/approve"): Operation(
         "device", "Approve a device's user_code", {200: json_answer("Status", "`{\"status\": \"approved\"}`.")},
-        auth="manager", body=_json_body("DeviceApprove"),
+        auth="manager", body=_json_body("DeviceApproval"),
         errors={400: INVALID, 404: ("invalid_code",), 409: ("already_used",), 410: ("expired_code",)}),
     ("post", "/v1/device/token"): Operation(
         "device", "Poll for the device token", {200: json_answer("DeviceToken", "Pending, or the token (once).")},

@@ -1,11 +1,20 @@
 """JSON Schemas of the OpenAPI document's bodies (``components/schemas``): what every route takes
-and answers. Documentation only: the routes parse their bodies by hand, with their own messages."""
+and answers. A request body's is its ``BodySchema``'s, the same type that validates it; answers are
+described here."""
 
 from __future__ import annotations
 
 from typing import Any
 
-from darkbloom.wire.catalog import BUNDLED_MODEL_ID, MAX_MODEL_ID, Catalog
+from darkbloom.coordinator.http.routes.admin import CATALOG, CREDIT_REQUEST
+from darkbloom.coordinator.identity.api_keys import KEY_CREATE, KEY_UPDATE
+from darkbloom.coordinator.identity.console_login import LOGIN, SIGNUP
+from darkbloom.coordinator.identity.device_login import DEVICE_APPROVAL, DEVICE_TOKEN_REQUEST
+from darkbloom.coordinator.identity.email_verification import EMAIL_CODE
+from darkbloom.coordinator.identity.shares import SHARE_ANSWER, SHARE_CREATE, SHARE_INVITE, SHARE_UPDATE
+from darkbloom.wire.catalog import MAX_MODEL_ID
+from darkbloom.wire.openai.body_schema import BodySchema
+from darkbloom.wire.openai.chat_request import CHAT_REQUEST
 
 Schema = dict[str, Any]
 
@@ -27,58 +36,22 @@ def obj(properties: dict[str, Schema], required: tuple[str, ...] | None = None, 
             "required": list(properties if required is None else required), **extra}
 
 
+def request_bodies(*bodies: BodySchema[Any]) -> dict[str, Schema]:
+    """The schemas of request bodies and of every type they refer to, by name (one name, one type)."""
+    found: dict[str, Schema] = {}
+    for body in bodies:
+        for name, schema in body.json_schemas().items():
+            if found.setdefault(name, schema) != schema:
+                raise ValueError(f"two request body types are named {name}")
+    return found
+
+
 def page_of(item: str, **extra: Schema) -> Schema:
     """A list (docs/api.md "Conventions"): ``{"object": "list", "data": [...], "next_cursor": str|null}``."""
     return obj({"object": {"const": "list"}, "data": {"type": "array", "items": ref(item)},
                 "next_cursor": {**NULLABLE_STRING, "description": "Pass as ?cursor= for the next page."},
                 **extra})
 
-
-_CONTENT_PART = {
-    "type": "object", "required": ["type"], "additionalProperties": True,
-    "description": "A typed content part; text parts (`text`, `input_text`) carry a string `text`.",
-    "properties": {"type": STRING, "text": STRING, "image_url": {}},
-}
-
-_CHAT_MESSAGE = {
-    "type": "object", "required": ["role"], "additionalProperties": True,
-    "properties": {
-        "role": {"type": "string", "examples": ["system", "user", "assistant", "tool"]},
-        "content": {"anyOf": [{"type": "string"}, {"type": "null"},
-                              {"type": "array", "items": ref("ContentPart")}]},
-        "name": STRING, "tool_calls": {"type": "array", "items": {"type": "object"}}, "tool_call_id": STRING,
-    },
-}
-
-
-def _bounded_number(low: float, high: float) -> Schema:
-    return {"type": ["number", "null"], "minimum": low, "maximum": high}
-
-
-_CHAT_REQUEST = {
-    "type": "object", "required": ["model", "messages"], "additionalProperties": True,
-    "description": "OpenAI chat completions. Fields not listed pass through to the provider untouched.",
-    "properties": {
-        "model": {"type": "string", "minLength": 1, "examples": [BUNDLED_MODEL_ID],
-                  "description": "A catalog model id or alias, or (self-routed) a model your own machines serve."},
-        "messages": {"type": "array", "minItems": 1, "items": ref("ChatMessage")},
-        "stream": {"type": ["boolean", "null"], "default": False},
-        "stream_options": {"type": ["object", "null"], "properties": {"include_usage": BOOLEAN},
-                           "description": "`include_usage: true` ends a stream with a `choices: []` usage chunk."},
-        "n": {"type": ["integer", "null"], "minimum": 1, "maximum": 1, "description": "Only 1 is supported."},
-        "max_tokens": {"type": ["integer", "null"], "minimum": 1},
-        "max_completion_tokens": {"type": ["integer", "null"], "minimum": 1},
-        "temperature": _bounded_number(0, 2), "top_p": _bounded_number(0, 1),
-        "presence_penalty": _bounded_number(-2, 2), "frequency_penalty": _bounded_number(-2, 2),
-        "stop": {"anyOf": [{"type": "string"}, {"type": "array", "items": STRING}, {"type": "null"}]},
-        "seed": NULLABLE_INTEGER,
-        "tools": {"type": "array", "items": {"type": "object"}}, "tool_choice": {},
-        "parallel_tool_calls": BOOLEAN,
-        "functions": {"type": "array", "items": {"type": "object"}}, "function_call": {},
-        "response_format": {"type": "object", "properties": {"type": {
-            "type": "string", "examples": ["text", "json_object", "json_schema"]}}},
-    },
-}
 
 COST_MICRO_USD: Schema = {"type": "integer", "minimum": 0,
                           "description": "What the request was charged, in µUSD (0 when free): its usage row's "
@@ -124,29 +97,6 @@ _CHAT_EVENT = {
             "contentSchema": {"anyOf": [ref("ChatCompletionChunk"), ref("Error"), ref("SealedResponse")]}}]},
         "event": STRING, "id": STRING, "retry": INTEGER,
     },
-}
-
-_KEY_FIELDS = {
-    "name": {"type": "string", "minLength": 1, "maxLength": 200},
-    "self_route_only": {"type": "boolean", "description": "Serve only on your own machines, always free."},
-    "shared_only": {"type": "boolean", "description": "Serve only on your own machines and those shared with you "
-                                                      "(X-Darkbloom-Route: shared on every request)."},
-    "limit_usd": {"type": ["number", "null"], "minimum": 0, "description": "Spend cap in US dollars (≤ 6 decimals)."},
-    "limit_reset": {"enum": ["none", "daily", "weekly", "monthly"]},
-    "fallback_limit_usd": {"type": ["number", "null"], "minimum": 0, "description": (
-        "The most prefer requests on this key may spend on the public fleet per window, in US dollars; past it "
-        "(or when a request's worst case would pass it) prefer acts as exclusive until the window resets.")},
-    "fallback_limit_reset": {"enum": ["none", "daily", "weekly", "monthly"]},
-    "expires_at": {"type": ["string", "null"], "format": "date-time", "description": (
-        "ISO-8601, in the future (UTC when it names no offset); null: never expires. An expired key is 401 "
-        "key_expired.")},
-    "disabled": {"type": "boolean", "description": "A disabled key is 401 key_disabled until enabled again."},
-    **{field: {"type": ["integer", "null"], "minimum": 1, "maximum": 2**31 - 1}
-       for field in ("rpm_limit", "itpm_limit", "otpm_limit")},
-    "allowed_models": {"type": ["array", "null"], "items": {"type": "string", "minLength": 1}},
-    "max_shared_price": {"type": ["integer", "null"], "minimum": 0, "maximum": 10**12, "description": (
-        "Shared routing on this key never uses a share whose input or output price (µUSD per 1M tokens) is above "
-        "this; null: no ceiling.")},
 }
 
 _API_KEY = obj({
@@ -223,22 +173,6 @@ _SHARE = obj({
 }, required=("id", "object", "grantee_email", "machines", "daily_request_limit", "daily_token_limit", "input_price",
              "output_price", "expires_at", "created_at", "status"))
 
-_SHARE_TERMS = {
-    "machines": {"anyOf": [{"type": "array", "items": STRING, "minItems": 1, "maxItems": 1000}, {"const": "all"},
-                           {"type": "null"}], "description": "Left out (or null, or \"all\"): all your machines, "
-                                                             "present and future."},
-    "input_price": {"type": "integer", "minimum": 0}, "output_price": {"type": "integer", "minimum": 0},
-}
-
-_SHARE_CHANGES = {
-    **_SHARE_TERMS,
-    "daily_request_limit": {"type": ["integer", "null"], "minimum": 1},
-    "daily_token_limit": {"type": ["integer", "null"], "minimum": 1},
-    "expires_at": {"type": ["string", "null"], "format": "date-time"},
-}
-_SHARE_CREATE = obj({"email": {"type": "string", "format": "email", "maxLength": 320}, **_SHARE_CHANGES},
-                    ("email",), additionalProperties=False)
-
 _EARNINGS_ROW = obj({
     "request_id": STRING, "created_at": TIMESTAMP, "model": STRING, "provider_id": NULLABLE_STRING,
     "prompt_tokens": INTEGER, "completion_tokens": INTEGER, "payout_micro_usd": INTEGER,
@@ -258,16 +192,10 @@ ERROR_ENVELOPE = obj({"error": obj({
 }, additionalProperties=False)}, additionalProperties=False)
 
 
-def _catalog_schemas() -> dict[str, Schema]:
-    """The catalog's own pydantic schema, so the document follows the model that validates it."""
-    schema = Catalog.model_json_schema(ref_template="#/components/schemas/{model}")
-    definitions = schema.pop("$defs", {})
-    return {**definitions, "Catalog": schema}
-
-
 SCHEMAS: dict[str, Schema] = {
     "Error": ERROR_ENVELOPE,
-    "ChatCompletionRequest": _CHAT_REQUEST, "ChatMessage": _CHAT_MESSAGE, "ContentPart": _CONTENT_PART,
+    **request_bodies(CHAT_REQUEST, SIGNUP, LOGIN, EMAIL_CODE, KEY_CREATE, KEY_UPDATE, SHARE_CREATE, SHARE_UPDATE,
+                     SHARE_ANSWER, SHARE_INVITE, DEVICE_APPROVAL, DEVICE_TOKEN_REQUEST, CREDIT_REQUEST, CATALOG),
     "ChatCompletion": _CHAT_COMPLETION, "ChatCompletionChunk": _CHAT_CHUNK, "ChatCompletionEvent": _CHAT_EVENT,
     "Usage": _USAGE,
     "SealedRequest": obj({"kid": STRING, "ephemeral_public_key": STRING, "ciphertext": STRING}, description=(
@@ -287,8 +215,6 @@ SCHEMAS: dict[str, Schema] = {
                         "unsynced_replicas": {"type": "array", "items": STRING}},
                        required=("status", "database")),
     "EncryptionKey": obj({"kid": STRING, "public_key": STRING, "algorithm": {"const": "x25519-nacl-box"}}),
-    "Credentials": obj({"email": {"type": "string", "format": "email", "maxLength": 320},
-                        "password": {"type": "string", "minLength": 8, "maxLength": 1024}}),
     "Session": obj({"account_id": STRING, "token": {"type": "string", "description": "The dks- session token."}}),
     "Status": obj({"status": STRING}),
     "Machine": _MACHINE, "MachineList": page_of("Machine"),
@@ -301,25 +227,16 @@ SCHEMAS: dict[str, Schema] = {
         "date": {"type": "string", "format": "date"}, "requests": INTEGER, "prompt_tokens": INTEGER,
         "completion_tokens": INTEGER, "cost_micro_usd": INTEGER})}}),
     "MachineStats": _MACHINE_STATS,
-    "Share": _SHARE, "ShareCreate": _SHARE_CREATE,
-    "ShareUpdate": obj(_SHARE_CHANGES, (), additionalProperties=False, description=(
-        "New prices or machines put the share back to pending until its grantee accepts them.")),
-    "ShareAnswer": obj(_SHARE_TERMS, (), additionalProperties=False, description=(
-        "Optionally the terms you were shown: a share whose terms differ now is not answered (409).")),
-    "ShareInvite": obj({"invite_code": {"type": "string", "maxLength": 256}}, ("invite_code",),
-                       additionalProperties=False),
+    "Share": _SHARE,
     "Account": obj({"id": STRING, "object": {"const": "account"}, "email": NULLABLE_STRING,
                     "email_verified": BOOLEAN, "created_at": TIMESTAMP}),
     "EmailCodeSent": obj({"status": {"const": "sent"}, "email": STRING}),
-    "EmailCode": obj({"code": {"type": "string", "maxLength": 64, "examples": ["ABCD-EFGH"]}}, ("code",)),
     "ShareLists": obj({"given": {"type": "array", "items": ref("Share")},
                        "received": {"type": "array", "items": ref("Share")}}),
     "ShareUsage": obj({"share_id": STRING,
                        "today": obj({"requests": INTEGER, "prompt_tokens": INTEGER, "completion_tokens": INTEGER}),
                        "data": {"type": "array", "items": ref("UsageRow")}}),
     "EarningsRow": _EARNINGS_ROW, "EarningsPage": page_of("EarningsRow", total_micro_usd=INTEGER),
-    "ApiKeyCreate": obj(_KEY_FIELDS, ("name",), additionalProperties=False),
-    "ApiKeyUpdate": obj(_KEY_FIELDS, (), additionalProperties=False),
     "ApiKey": _API_KEY,
     "ApiKeyWithSecret": {"allOf": [ref("ApiKey"), obj({"key": {
         "type": "string", "description": "The dk- secret, shown only in this answer."}})]},
@@ -330,16 +247,8 @@ SCHEMAS: dict[str, Schema] = {
     "DeviceCode": obj({"device_code": STRING, "user_code": {"type": "string", "pattern": "^[A-Z2-9]{4}-[A-Z2-9]{4}$"},
                        "verification_uri": STRING, "verification_uri_complete": STRING,
                        "expires_in": INTEGER, "interval": INTEGER}),
-    "DeviceApprove": obj({"user_code": {"type": "string", "examples": ["ABCD-EFGH"]}}),
-    "DeviceTokenRequest": obj({"device_code": STRING}),
     "DeviceToken": _DEVICE_TOKEN,
-    "CreditRequest": obj({"account_id": STRING, "email": STRING,
-                          "amount_micro_usd": {"type": "integer", "minimum": 1, "maximum": 10**15},
-                          "reference": {"type": "string", "minLength": 1, "maxLength": 200,
-                                        "description": "Makes the credit idempotent."}},
-                         ("amount_micro_usd", "reference"), description="Name the account by account_id or email."),
     "CreditResult": obj({"account_id": STRING, "balance_micro_usd": INTEGER}),
     "Enrollment": obj({"machine_id": STRING, "trust_level": {"const": "hardware"},
                        "certificate": {"type": "string", "description": "PEM, from the enrollment CA."}}),
-    **_catalog_schemas(),
 }

@@ -22,17 +22,15 @@ router = APIRouter()
 
 @router.post("/v1/auth/signup", status_code=201)
 async def signup(request: Request, services: Services = Depends(get_services)) -> dict[str, str]:
-    body = await json_object(request)
-    account_id, token = await console_login.signup(services, body.get("email"), body.get("password"),
-                                                   client_address(request))
+    credentials = console_login.SIGNUP.validate(await json_object(request))
+    account_id, token = await console_login.signup(services, credentials, client_address(request))
     return {"account_id": account_id, "token": token}
 
 
 @router.post("/v1/auth/login")
 async def login(request: Request, services: Services = Depends(get_services)) -> dict[str, str]:
-    body = await json_object(request)
-    account_id, token = await console_login.login(services, body.get("email"), body.get("password"),
-                                                  client_address(request))
+    given = console_login.LOGIN.validate(await json_object(request))
+    account_id, token = await console_login.login(services, given, client_address(request))
     return {"account_id": account_id, "token": token}
 
 
@@ -65,7 +63,8 @@ async def send_email_code(caller: Caller = Depends(require_account_writer),
 @router.post("/v1/me/email/verify")
 async def verify_email(request: Request, caller: Caller = Depends(require_account_writer),
                        services: Services = Depends(get_services)) -> dict[str, Any]:
-    await email_verification.verify(services, caller.account_id, (await json_object(request)).get("code"))
+    body = email_verification.EMAIL_CODE.validate(await json_object(request))
+    await email_verification.verify(services, caller.account_id, body["code"])
     return await me(caller, services)
 
 

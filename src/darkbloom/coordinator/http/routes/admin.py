@@ -2,14 +2,16 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Annotated, Any
 
 from fastapi import APIRouter, Depends, Request
-from pydantic import ValidationError
+from pydantic import Field, with_config
+from typing_extensions import NotRequired, TypedDict
 
 from darkbloom.wire.catalog import Catalog
 from darkbloom.coordinator.http.auth import require_admin
 from darkbloom.coordinator.routing.live_catalog import store_catalog
+from darkbloom.wire.openai.body_schema import OPEN, BodySchema
 from darkbloom.wire.openai.errors import ApiError, invalid_request
 from darkbloom.coordinator.http.json_body import json_object
 from darkbloom.coordinator.fleet.machines import enroll_machine
@@ -21,25 +23,37 @@ MAX_CREDIT = 10**15        # µUSD in one credit: a billion dollars
 MAX_BALANCE = 2**62        # far below the 64-bit columns' limit, so no sum of pockets can overflow
 
 
+@with_config(OPEN)
+class CreditRequest(TypedDict):
+    """Name the account by account_id or email."""
+
+    account_id: NotRequired[str | None]
+    email: NotRequired[str | None]
+    amount_micro_usd: Annotated[int, Field(ge=1, le=MAX_CREDIT)]
+    reference: Annotated[str, Field(pattern=r"\S", max_length=200, description="Makes the credit idempotent.")]
+
+
+CREDIT_REQUEST = BodySchema(CreditRequest, {
+    "amount_micro_usd": f"'amount_micro_usd' must be a positive integer (µUSD), at most {MAX_CREDIT}.",
+    "reference": "'reference' must be a non-empty string (it makes the credit idempotent).",
+})
+CATALOG = BodySchema(Catalog)
+
+
 @router.post("/credit")
 async def credit(request: Request, services: Services = Depends(get_services)) -> dict[str, Any]:
-    body = await json_object(request)
-    amount, reference = body.get("amount_micro_usd"), body.get("reference")
-    if not isinstance(amount, int) or isinstance(amount, bool) or not 0 < amount <= MAX_CREDIT:
-        raise invalid_request(f"'amount_micro_usd' must be a positive integer (µUSD), at most {MAX_CREDIT}.",
-                              param="amount_micro_usd")
-    if not isinstance(reference, str) or not reference.strip() or len(reference) > 200:
-        raise invalid_request("'reference' must be a non-empty string (it makes the credit idempotent).",
-                              param="reference")
+    body = CREDIT_REQUEST.validate(await json_object(request))
+    amount, reference = body["amount_micro_usd"], body["reference"].strip()
     try:
         async with services.engine.begin() as conn:
             account_id = body.get("account_id")
-            if not account_id and isinstance(body.get("email"), str):
-                row = await accounts.get_by_email(conn, body["email"].strip().lower())
+            email = body.get("email")
+            if not account_id and email is not None:
+                row = await accounts.get_by_email(conn, email.strip().lower())
                 account_id = row["id"] if row else None
-            if not isinstance(account_id, str):
+            if not account_id:
                 raise ApiError(404, "account_not_found", "No account with this id or email.")
-            balance = await accounts.credit(conn, account_id, amount, reference.strip(), max_balance=MAX_BALANCE)
+            balance = await accounts.credit(conn, account_id, amount, reference, max_balance=MAX_BALANCE)
     except accounts.BalanceCapExceeded:
         raise invalid_request(f"This credit would take the balance past {MAX_BALANCE} µUSD.",
                               param="amount_micro_usd") from None
@@ -55,10 +69,7 @@ async def get_catalog(services: Services = Depends(get_services)) -> dict[str, A
 
 @router.put("/catalog")
 async def put_catalog(request: Request, services: Services = Depends(get_services)) -> dict[str, Any]:
-    try:
-        catalog = Catalog.model_validate(await json_object(request))
-    except ValidationError as exc:
-        raise invalid_request(f"invalid catalog: {exc.errors()[0]['msg']}") from None
+    catalog = CATALOG.validate(await json_object(request))
     await store_catalog(services, catalog)
     return catalog.model_dump()
 

@@ -23,12 +23,12 @@ async def device_code(services: Services = Depends(get_services)) -> dict[str, A
 @router.post("/v1/device/approve")
 async def approve(request: Request, caller: Caller = Depends(require_account_writer),
                   services: Services = Depends(get_services)) -> dict[str, str]:
-    body = await json_object(request)
-    await device_login.approve(services, caller.account_id, body.get("user_code"))
+    body = device_login.DEVICE_APPROVAL.validate(await json_object(request))
+    await device_login.approve(services, caller.account_id, body["user_code"])
     return {"status": "approved"}
 
 
 @router.post("/v1/device/token")
 async def token(request: Request, services: Services = Depends(get_services)) -> dict[str, Any]:
-    body = await json_object(request)
-    return await device_login.exchange(services, body.get("device_code"))
+    body = device_login.DEVICE_TOKEN_REQUEST.validate(await json_object(request))
+    return await device_login.exchange(services, body["device_code"])

@@ -33,7 +33,8 @@ async def readyz(services: Services = Depends(get_services)) -> JSONResponse:
 @router.get("/v1/encryption-key")
 async def encryption_key(services: Services = Depends(get_services)) -> dict[str, str]:
     """The key a client may seal request bodies to (docs/api.md "Sealed bodies")."""
-    return services.consumer_key.public_view()  # type: ignore[no-any-return]
+    assert services.consumer_key is not None, "loaded at start"
+    return services.consumer_key.public_view()
 
 
 @router.get("/metrics")

@@ -59,6 +59,7 @@ class _Body:
         media_type = self._request.headers.get("content-type", "").split(";")[0].strip().lower()
         if media_type != SEALED_CONTENT_TYPE:
             return raw
+        assert self._services.consumer_key is not None, "loaded at start"
         self._unsealed = unseal(raw, self._services.consumer_key)
         return self._unsealed.plaintext
 

@@ -12,13 +12,13 @@ from darkbloom.coordinator.http.auth import require_account_writer, require_call
 from darkbloom.coordinator.http.json_body import json_object
 from darkbloom.coordinator.identity.caller import Caller
 from darkbloom.coordinator.money.usage_history import row_view
-from darkbloom.coordinator.identity.shares import (email_not_verified, share_changes, share_fields, share_not_found,
-                                                   share_view, shown_terms)
+from darkbloom.coordinator.identity.shares import (SHARE_INVITE, email_not_verified, share_changes, share_fields,
+                                                   share_not_found, share_view, shown_terms)
 from darkbloom.coordinator.routing.selfroute import machine_not_found
 from darkbloom.coordinator.services import Services, get_services
 from darkbloom.store import accounts, machines, shares
 from darkbloom.wire.crypto import new_token, token_hash
-from darkbloom.wire.openai.errors import ApiError, invalid_request
+from darkbloom.wire.openai.errors import ApiError
 
 router = APIRouter()
 
@@ -82,10 +82,7 @@ async def _check_machines(conn: Any, caller: Caller, fields: dict[str, Any]) -> 
 async def accept_invite(request: Request, caller: Caller = Depends(require_account_writer),
                         services: Services = Depends(get_services)) -> dict[str, Any]:
     """The invite code the owner handed over: the share becomes this account's, accepted."""
-    code = (await json_object(request)).get("invite_code")
-    if not isinstance(code, str) or not code.strip() or len(code) > 256:
-        raise invalid_request("'invite_code' must be the invite code the share's owner gave you.",
-                              param="invite_code")
+    code = SHARE_INVITE.validate(await json_object(request))["invite_code"]
     async with services.engine.begin() as conn:
         share_id = await shares.redeem(conn, token_hash(code.strip()), caller.account_id)
         if share_id is None:
