@@ -8,7 +8,7 @@ import re
 from datetime import datetime, timezone
 from typing import Any
 
-from darkbloom.coordinator.routing.selfroute import machine_not_found
+from darkbloom.coordinator.errors import machine_not_found
 from darkbloom.wire.openai.errors import ApiError, invalid_request
 
 SHARE_FIELDS = ("email", "machines", "daily_request_limit", "daily_token_limit", "input_price", "output_price",
