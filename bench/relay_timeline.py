@@ -53,7 +53,7 @@ POINTS: list[tuple[str, str, str]] = [
     (_COORDINATOR + "inference/attempts.py", "session.open_inbox(self.request_id, self)", "attempt made"),
     (_COORDINATOR + "inference/attempts.py", "frame = dump(InferenceRequest(", "request sealed"),
     (_COORDINATOR + "inference/attempts.py", "self.sent = True", "frame made"),
-    (_COORDINATOR + "http/routes/provider_ws.py", "await websocket.send_text(frame)",
+    (_COORDINATOR + "fleet/connection.py", "await self.websocket.send_text(frame)",
      "coordinator: frame to the node written"),
     (_COORDINATOR + "websocket_protocol.py", "if self.handshake_complete and not self.close_sent and _at_frame_start",
      "coordinator: reads the node's socket"),

@@ -29,6 +29,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "src"))
+sys.path.insert(0, str(ROOT))
 
 from nacl.public import PrivateKey  # noqa: E402
 
@@ -36,7 +37,7 @@ from darkbloom.wire.catalog import BUNDLED_MODEL_ID, CatalogModel  # noqa: E402
 from darkbloom.coordinator.config import CoordinatorSettings  # noqa: E402
 from darkbloom.coordinator.fleet.registry import Registry  # noqa: E402
 from darkbloom.coordinator.fleet.session import ProviderSession  # noqa: E402
-from darkbloom.coordinator.fleet.socket_link import SocketLink  # noqa: E402
+from tests.support.links import OutboxLink  # noqa: E402
 from darkbloom.coordinator.routing.scheduler import try_place  # noqa: E402
 from darkbloom.coordinator.routing.decision import RouteDecision
 from darkbloom.wire.crypto import b64e  # noqa: E402
@@ -57,12 +58,10 @@ def build_fleet(size: int, owned: int = 2, seed: int = 7, distinct_speeds: bool 
     now = time.monotonic()
     for index in range(size):
         account = OWNER if index < owned else f"acct_{index:06d}"
+        speed = rng.uniform(5.0, 90.0) if distinct_speeds else rng.choice([0.0, 20.0, 40.0, 80.0])
         session = ProviderSession(id=f"prov_{index:024x}", account_id=account, machine_id=f"mach_{index:024x}",
-                                  registration=register, public_key=key, link=SocketLink(), trust_level="self_signed")
-        session.online = True
-        session.runtime_verified = True
-        session.challenge_passed_at = now
-        session.decode_tps = rng.uniform(5.0, 90.0) if distinct_speeds else rng.choice([0.0, 20.0, 40.0, 80.0])
+                                  registration=register, public_key=key, link=OutboxLink(), trust_level="self_signed",
+                                  online=True, runtime_verified=True, challenge_passed_at=now, decode_tps=speed)
         registry.add(session)
         for _ in range(rng.randint(0, 2)):
             registry.slots.claim(session)  # busy work already on it

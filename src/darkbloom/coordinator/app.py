@@ -15,7 +15,7 @@ from starlette.requests import ClientDisconnect
 from darkbloom.coordinator.config import CoordinatorSettings
 from darkbloom.coordinator.consumer_key import load_or_create_key
 from darkbloom.coordinator.console import routes as console_routes
-from darkbloom.coordinator.fleet import session_lifecycle
+from darkbloom.coordinator.fleet.connection import SERVICE_RESTART
 from darkbloom.coordinator.fleet.registry import Registry
 from darkbloom.coordinator.http.body_limit import BodyLimitMiddleware
 from darkbloom.coordinator.inference.disconnect import ClientDisconnected
@@ -46,7 +46,8 @@ def create_app(settings: CoordinatorSettings) -> FastAPI:
         services.consumer_key = await load_or_create_key(engine)
         await reconciliation.register_instance(services)
         await reconciliation.reconcile_abandoned(services)
-        background = [asyncio.create_task(session_lifecycle.evict_silent(services)),
+        background = [asyncio.create_task(services.registry.evict_silent(settings.eviction_interval,
+                                                                          settings.heartbeat_timeout)),
                       asyncio.create_task(reconciliation.heartbeat_forever(services)),
                       asyncio.create_task(services.queues.drain_forever())]
         if engine.dialect.name == "postgresql":  # other coordinators may share the database
@@ -68,8 +69,7 @@ def create_app(settings: CoordinatorSettings) -> FastAPI:
             for task in background:
                 task.cancel()
             for session in services.registry.held_here():
-                session_lifecycle.close_session(services, session)
-                session.close(session_lifecycle.SERVICE_RESTART)
+                session.close(SERVICE_RESTART)
             if services.fabric is not None:
                 await services.fabric.stop()
             await services.drain(timeout=settings.cancel_grace + 5)

@@ -86,7 +86,7 @@ async def test_a_lost_delta_is_repaired_by_a_full_view(bus: Bus) -> None:
     a, b = await in_step(bus, size=20)
     first, second = list(a.registry.held_here())[:2]
     bus.lose = lambda sent: sent.kind == "delta"
-    first.draining = True  # its delta never arrives
+    first.start_draining()  # its delta never arrives
     await bus.settle()
     bus.lose = lambda sent: False
     assert not b.registry.get(first.id).draining  # type: ignore[union-attr]
@@ -235,7 +235,7 @@ async def test_a_passed_challenge_is_announced_and_renewals_leave_together_with_
     renewing = a.add(2, challenge_age=200.0)  # their last challenge passed 200 s ago
     await bus.settle()
     mark = len(bus.sent)
-    first.challenge_passed_at = time.monotonic()  # a first pass: the others must know at once
+    first.record_challenge_pass(time.monotonic())  # a first pass: the others must know at once
     await bus.settle()
     assert [(s.kind, [x["id"] for x in s.body["sessions"]]) for s in bus.since(mark)] == [("delta", [first.id])]
     assert b.registry.get(first.id).challenge_passed_at is not None  # type: ignore[union-attr]
@@ -244,7 +244,7 @@ async def test_a_passed_challenge_is_announced_and_renewals_leave_together_with_
     before = [s.challenge_passed_at for s in stand_ins]  # type: ignore[union-attr]
     mark = len(bus.sent)
     for sim in renewing:
-        sim.session.challenge_passed_at = time.monotonic()  # the next round passed now
+        sim.session.record_challenge_pass(time.monotonic())  # the next round passed now
     await bus.settle()
     assert bus.since(mark) == []  # nothing until the heartbeat
     a.fabric.advertiser.alive()
@@ -261,7 +261,7 @@ async def test_a_renewal_of_a_pass_about_to_go_stale_is_announced_at_once(bus: B
     session = a.add(1, challenge_age=advertiser.challenge_freshness - advertiser.heartbeat)[0].session
     await bus.settle()
     mark = len(bus.sent)
-    session.challenge_passed_at = time.monotonic()
+    session.record_challenge_pass(time.monotonic())
     await bus.settle()
     assert [(s.kind, [x["id"] for x in s.body["sessions"]]) for s in bus.since(mark)] == [("delta", [session.id])]
 
@@ -285,7 +285,7 @@ async def test_a_change_of_load_alone_waits_longer_than_any_other_change(bus: Bu
     slot = a.registry.slots.claim(session)  # load only: leaves within LOAD_DELAY
     assert advertiser._flush_at is not None
     assert advertiser._flush_at.when() - loop.time() > FLUSH_DELAY
-    session.draining = True  # a fact: the delta already waiting leaves within FLUSH_DELAY
+    session.start_draining()  # a fact: the delta already waiting leaves within FLUSH_DELAY
     assert advertiser._flush_at.when() - loop.time() <= FLUSH_DELAY
     await bus.settle()
     slot.release()

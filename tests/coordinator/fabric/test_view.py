@@ -233,7 +233,7 @@ async def test_placement_weighs_a_faster_session_elsewhere_by_the_decoding_it_sa
     assert select(registry, long, settings_) is registry.get(there.session.id)
     unknown = RouteDecision(model=MODEL)  # no bound to weigh: the speeds alone
     assert select(registry, unknown, settings_) is registry.get(there.session.id)
-    here.session.decode_tps = 40.0
+    here.session.report_speed(40.0)
     announce(view, there, decode_tps=100.0)  # a model's speeds: 16 tokens 400 ms against 160 ms
     assert select(registry, short, settings_) is registry.get(there.session.id)
 

@@ -93,9 +93,9 @@ async def test_the_decode_speed_is_weighted_by_the_time_the_machine_had_it(engin
     registry, meter, clock = _metered(engine)
     [node] = fleet(registry, 1, machine="mach_a")
     clock.now += 100  # not measured yet: no speed
-    node.session.decode_tps = 20.0
+    node.session.report_speed(20.0)
     clock.now += 100
-    node.session.decode_tps = 80.0
+    node.session.report_speed(80.0)
     clock.now += 300
     await meter.flush(machine_id="mach_a")
     counters = await _counters(engine, "mach_a")

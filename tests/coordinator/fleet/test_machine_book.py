@@ -15,12 +15,12 @@ from sqlalchemy import event, update
 from sqlalchemy.ext.asyncio import AsyncEngine
 
 from darkbloom.coordinator.app import create_app
-from darkbloom.coordinator.fleet import session_lifecycle
+from darkbloom.coordinator.fleet.connection import ProviderConnection
 from darkbloom.coordinator.fleet.enrollment import load_or_create_ca
 from darkbloom.coordinator.fleet.machine_book import MachineBook
 from darkbloom.coordinator.fleet.machines import enroll_machine, linked_machines
 from darkbloom.coordinator.fleet.registry import Registry
-from darkbloom.coordinator.fleet.session import ProviderSession
+from darkbloom.coordinator.fleet.session import MACHINE_SEEN_EVERY, ProviderSession
 from darkbloom.coordinator.services import Services
 from darkbloom.store import accounts, machines
 from darkbloom.store.machines import Seen
@@ -44,10 +44,33 @@ async def linked(engine: AsyncEngine, count: int, email: str = "owner@example.co
 
 
 def session_of(account_id: str, machine_id: str, name: str = "") -> ProviderSession:
-    """A trusted session of the machine, not yet registered (what ``open_session`` returns)."""
+    """A trusted session of the machine, not yet registered, that marks nothing (another replica's)."""
     session = SimProvider(account=account_id, machine=machine_id, online=False).session
     session.registration = session.registration.model_copy(update={"name": name})
     return session
+
+
+def connection_of(services: Services, account_id: str, machine_id: str, name: str = "") -> ProviderConnection:
+    """The connection of a trusted session of the machine held here, not yet registered (as
+    ``ProviderConnection.open`` leaves it); its socket is never read or written."""
+    connection = ProviderConnection(services, websocket=None)  # type: ignore[arg-type]
+    node = session_of(account_id, machine_id, name)
+    connection.session = ProviderSession(
+        id=node.id, account_id=account_id, machine_id=machine_id, registration=node.registration,
+        public_key=node.public_key, link=connection, trust_level="self_signed", runtime_verified=True,
+        challenge_passed_at=node.challenge_passed_at, book=services.machine_book)
+    return connection
+
+
+def registered(services: Services, account_id: str, machine_id: str, name: str = "") -> ProviderConnection:
+    connection = connection_of(services, account_id, machine_id, name)
+    connection.complete_registration()
+    return connection
+
+
+def node(connection: ProviderConnection) -> ProviderSession:
+    assert connection.session is not None
+    return connection.session
 
 
 async def row(engine: AsyncEngine, machine_id: str) -> dict[str, Any]:
@@ -90,22 +113,24 @@ async def fleet_bookkeeping(engine: AsyncEngine, size: int) -> tuple[Counted, in
     what the database was sent, the flushes and the rows they wrote."""
     services = services_on(engine)
     account_id, machine_ids = await linked(engine, size, email=f"fleet-{size}@example.com")
-    sessions = [session_of(account_id, machine_id) for machine_id in machine_ids]
+    connections = [connection_of(services, account_id, machine_id) for machine_id in machine_ids]
     counted, stop = count(engine)
     try:
-        for session in sessions:
-            session_lifecycle.complete_registration(services, session)
+        for connection in connections:
+            connection.complete_registration()
         assert counted.statements == [], "registration wrote to the database itself"
         await services.machine_book.flush()
         for _ in range(3):
-            for session in sessions:
-                session.machine_seen_at -= session_lifecycle.MACHINE_SEEN_EVERY
-                session_lifecycle.on_heartbeat(services, session, Heartbeat())
+            for connection in connections:
+                assert connection.session is not None
+                connection.session.machine_seen_at -= MACHINE_SEEN_EVERY
+                connection.session.heartbeat(Heartbeat())
             await services.machine_book.flush()
-        for session in sessions[::2]:
-            session_lifecycle.distrust(session, "a test said so", services)
-        for session in sessions:
-            session_lifecycle.close_session(services, session)
+        for connection in connections[::2]:
+            assert connection.session is not None
+            connection.session.distrust("a test said so")
+        for connection in connections:
+            connection.close()
         await services.machine_book.flush()
     finally:
         stop()
@@ -132,20 +157,18 @@ def _kind(statement: str) -> str:
 async def test_rows_are_what_the_sessions_said_right_after_a_flush(engine: AsyncEngine) -> None:
     services = services_on(engine)
     account_id, [kept, distrusted] = await linked(engine, 2)
-    first, second = session_of(account_id, kept, name="desk"), session_of(account_id, distrusted)
-    for session in (first, second):
-        session_lifecycle.complete_registration(services, session)
+    first, second = registered(services, account_id, kept, name="desk"), registered(services, account_id, distrusted)
     assert (await row(engine, kept))["last_seen"] is None  # marked, not written yet
     await services.machine_book.flush()
     stored = await row(engine, kept)
     assert (stored["name"], stored["models"], stored["trust_level"], stored["private_only"],
-            stored["identity_key"]) == ("desk", sorted(first.advertised_models), "self_signed", False,
-                                        first.registration.identity_key)
+            stored["identity_key"]) == ("desk", sorted(node(first).advertised_models), "self_signed", False,
+                                        node(first).registration.identity_key)
     registered_at = stored["last_seen"]
     assert registered_at is not None
 
-    session_lifecycle.distrust(second, "a test said so", services)
-    session_lifecycle.close_session(services, first)
+    node(second).distrust("a test said so")
+    first.close()
     await services.machine_book.flush()
     assert (await row(engine, distrusted))["trust_level"] == "untrusted"
     stored = await row(engine, kept)
@@ -157,18 +180,19 @@ async def test_rows_are_what_the_sessions_said_right_after_a_flush(engine: Async
 async def test_listings_show_what_is_marked_before_it_is_written(engine: AsyncEngine) -> None:
     services = services_on(engine)
     account_id, [machine_id] = await linked(engine, 1)
-    session = session_of(account_id, machine_id, name="desk")
+    connection = connection_of(services, account_id, machine_id, name="desk")
+    session = node(connection)
     session.registration = session.registration.model_copy(
         update={"hardware": Hardware(device="metal", backend="llama-cpp")})
-    session_lifecycle.complete_registration(services, session)
+    connection.complete_registration()
     [listed] = await linked_machines(services, account_id)
     assert (listed["online"], listed["session_id"], listed["name"], listed["trust_level"]) == \
         (True, session.id, "desk", "self_signed")
     assert listed["last_seen"] is not None
     assert (listed["device"], listed["backend"]) == ("metal", "llama-cpp")  # where it runs its models
 
-    session_lifecycle.distrust(session, "a test said so", services)
-    session_lifecycle.close_session(services, session)
+    session.distrust("a test said so")
+    connection.close()
     [listed] = await linked_machines(services, account_id)
     assert (listed["online"], listed["name"], listed["trust_level"], listed["models"]) == \
         (False, "desk", "untrusted", sorted(session.advertised_models))
@@ -181,7 +205,7 @@ async def test_a_machine_registered_on_another_replica_can_be_enrolled_before_it
     services = services_on(engine)
     account_id, [machine_id] = await linked(engine, 1)
     stand_in = session_of(account_id, machine_id)  # announced by the replica that holds it, unwritten there
-    stand_in.online = True
+    stand_in.mark_online()
     services.registry.add_stand_in(stand_in)
     assert (await row(engine, machine_id))["identity_key"] is None
     enrolled = await enroll_machine(services, machine_id)
@@ -202,7 +226,7 @@ async def test_the_flusher_writes_every_mark_of_a_round_in_one_batch(engine: Asy
     book.start()
     try:
         for machine_id in machine_ids:
-            session_lifecycle.complete_registration(services, session_of(account_id, machine_id))
+            registered(services, account_id, machine_id)
         while any(book.pending(m) for m in machine_ids):
             await asyncio.sleep(0.01)
     finally:
@@ -227,13 +251,12 @@ async def test_a_failed_batch_is_retried_and_a_newer_mark_wins(engine: AsyncEngi
 
     monkeypatch.setattr(machines, "record_seen", failing)
     book = services.machine_book
-    session = session_of(account_id, machine_id)
-    session_lifecycle.complete_registration(services, session)
+    session = node(registered(services, account_id, machine_id))
     with pytest.raises(ConnectionError):
         await book.flush()
     assert book.pending(machine_id) and book.flushes == 0  # kept for the next round
 
-    session_lifecycle.distrust(session, "a test said so", services)  # newer than the failed batch
+    session.distrust("a test said so")  # newer than the failed batch
     caplog.set_level(logging.WARNING, "darkbloom.machines")
     book.start()
     try:
@@ -251,9 +274,8 @@ async def test_shutdown_writes_what_is_still_marked(database_url: str, engine: A
     app = create_app(settings(database_url=database_url, machine_flush_interval=3600.0))
     async with app.router.lifespan_context(app):
         services: Services = app.state.services
-        session = session_of(account_id, machine_id, name="desk")
-        session_lifecycle.complete_registration(services, session)
-        session_lifecycle.distrust(session, "a test said so", services)
+        session = node(registered(services, account_id, machine_id, name="desk"))
+        session.distrust("a test said so")
         assert services.registry.get(session.id) is session
         assert (await row(engine, machine_id))["last_seen"] is None  # an hour to the first batch
     assert services.registry.get(session.id) is None  # the lifespan closed it
@@ -287,18 +309,17 @@ async def test_unchanged_heartbeats_wait_for_the_next_mark(engine: AsyncEngine) 
     again, so the one delivered after the mute marks it (and one that marks it mutes a whole period)."""
     services = services_on(engine)
     account_id, [machine_id] = await linked(engine, 1)
-    session = session_of(account_id, machine_id)
-    session_lifecycle.complete_registration(services, session)
-    every = session_lifecycle.MACHINE_SEEN_EVERY
-    assert every - 1 < session_lifecycle.unchanged_heartbeats_idle_for(session) <= every
+    session = node(registered(services, account_id, machine_id))
+    every = MACHINE_SEEN_EVERY
+    assert every - 1 < session.unchanged_heartbeats_idle_for() <= every
     session.machine_seen_at -= every - 20  # marked 40 s ago: due in 20
-    assert 19 < session_lifecycle.unchanged_heartbeats_idle_for(session) <= 20
+    assert 19 < session.unchanged_heartbeats_idle_for() <= 20
     session.machine_seen_at -= 20  # due now: this heartbeat marks it
-    assert session_lifecycle.unchanged_heartbeats_idle_for(session) == every
+    assert session.unchanged_heartbeats_idle_for() == every
     seen_before = session.machine_seen_at
-    session_lifecycle.on_heartbeat(services, session, Heartbeat())
+    session.heartbeat(Heartbeat())
     assert session.machine_seen_at > seen_before
-    assert every - 1 < session_lifecycle.unchanged_heartbeats_idle_for(session) <= every
+    assert every - 1 < session.unchanged_heartbeats_idle_for() <= every
 
 
 async def test_a_touch_writes_the_last_seen_time_alone(engine: AsyncEngine) -> None:

@@ -1,6 +1,6 @@
 """A registration costs the same with 10 sessions registered as with 1,000: the same SQL statements
 and the same Python calls into darkbloom (anything that walked the fleet would add calls per
-session), for a node registering through the real path (``open_session``, the first challenge,
+session), for a node registering through the real path (``ProviderConnection.open``, the first challenge,
 ``complete_registration``) and for its disconnection. Work is counted, never timed."""
 
 from __future__ import annotations
@@ -15,10 +15,9 @@ from typing import Any
 
 from sqlalchemy.ext.asyncio import AsyncEngine
 
-from darkbloom.coordinator.fleet import session_lifecycle
+from darkbloom.coordinator.fleet.connection import ProviderConnection
 from darkbloom.coordinator.fleet.enrollment import load_or_create_ca
 from darkbloom.coordinator.fleet.session import ProviderSession
-from darkbloom.coordinator.fleet.socket_link import SocketLink
 from darkbloom.store import accounts, devices, machines
 from darkbloom.wire.crypto import NodeIdentity, challenge_message, token_hash
 from darkbloom.wire.protocol import (
@@ -44,24 +43,24 @@ async def linked_token(engine: AsyncEngine, account_id: str) -> str:
 
 
 async def register(services: Any, token: str, identity: NodeIdentity,
-                   certificate: str | None = None) -> tuple[ProviderSession, asyncio.Task[None]]:
-    """One node's registration, as provider_ws drives it, the node's side answered from here."""
+                   certificate: str | None = None) -> tuple[ProviderConnection, ProviderSession, asyncio.Task[None]]:
+    """One node's registration, as its connection drives it (its socket never read: the node's side is
+    answered from here)."""
     frame = Register(auth_token=token, models=[ModelInfo(id=MODEL)], backend="test", version="test",
                      runtime_hash=RUNTIME, public_key=identity.public_key_b64,
                      identity_key=identity.identity_key_b64, attestation=identity.attestation(RUNTIME),
                      certificate=certificate)
-    link = SocketLink()
-    session = await session_lifecycle.open_session(services, frame, link, time.monotonic())
+    connection = ProviderConnection(services, websocket=None)  # type: ignore[arg-type]
+    session = await connection.open(frame, time.monotonic())
     registering = services.registrations.enter()
-    trust = asyncio.create_task(session_lifecycle.run_trust(services, session, registering))
-    challenge = parse_coordinator_frame(await link.outbox.get())
+    trust = asyncio.create_task(connection.keep_trust(registering))
+    challenge = parse_coordinator_frame(await connection.outbox.get())
     assert isinstance(challenge, AttestationChallenge)
     signature = identity.sign(challenge_message(challenge.nonce, challenge.timestamp, RUNTIME))
-    session_lifecycle.on_attestation_response(services, session, AttestationResponse(
-        nonce=challenge.nonce, signature=signature, runtime_hash=RUNTIME))
-    assert isinstance(parse_coordinator_frame(await link.outbox.get()), Registered)
+    connection.answer(AttestationResponse(nonce=challenge.nonce, signature=signature, runtime_hash=RUNTIME))
+    assert isinstance(parse_coordinator_frame(await connection.outbox.get()), Registered)
     assert session.online and services.registrations.in_flight == 0
-    return session, trust
+    return connection, session, trust
 
 
 class CallCounter:
@@ -96,13 +95,13 @@ async def registration_work(engine: AsyncEngine, fleet: int) -> tuple[list[str],
     registry.open_view(("owned", account_id, MODEL), (MODEL,), account_id, lambda s: s.online)
     identity = NodeIdentity.generate()
     token = await linked_token(engine, account_id)
-    _, warm = await register(services, token, identity)  # a first one warms what is made once (caches, SQL)
+    _, _, warm = await register(services, token, identity)  # a first one warms what is made once (caches, SQL)
     statements, stop = count(engine)
     try:
         with CallCounter() as calls:
-            session, trust = await register(services, token, identity)
+            connection, _, trust = await register(services, token, identity)
             trust.cancel()
-            session_lifecycle.close_session(services, session)
+            connection.close()
     finally:
         stop()
         warm.cancel()
@@ -128,13 +127,13 @@ async def test_a_certificate_reads_the_enrollment_ca_once(engine: AsyncEngine) -
     nodes = [NodeIdentity.generate() for _ in range(3)]
     tokens = [await linked_token(engine, account_id) for _ in nodes]
     certificates = [ca.issue(node.identity_key_b64, f"mach_{n}") for n, node in enumerate(nodes)]
-    session, trust = await register(services, tokens[0], nodes[0], certificates[0])
+    _, session, trust = await register(services, tokens[0], nodes[0], certificates[0])
     assert session.trust_level == "hardware"
     trusts = [trust]
     statements, stop = count(engine)
     try:
         for token, node, certificate in zip(tokens[1:], nodes[1:], certificates[1:]):
-            session, trust = await register(services, token, node, certificate)
+            _, session, trust = await register(services, token, node, certificate)
             trusts.append(trust)
             assert session.trust_level == "hardware"
     finally:

@@ -64,7 +64,7 @@ async def test_nothing_is_made_ahead_for_a_session_gone_offline(agreements: list
     provider = SimProvider()
     provider.session.reply_key()
     provider.session.prepare_reply_key()
-    provider.session.online = False
+    provider.session.unlisted()  # taken out of the registry: offline
     made = agreements[0]
     await asyncio.sleep(0)
     assert agreements[0] == made

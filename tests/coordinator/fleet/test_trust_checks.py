@@ -14,13 +14,11 @@ from darkbloom import cli
 from darkbloom.coordinator.config import CoordinatorSettings
 from darkbloom.coordinator.fleet.enrollment import EnrollmentCA
 from darkbloom.coordinator.fleet.session import ProviderSession
-from darkbloom.coordinator.fleet.socket_link import SocketLink
 from darkbloom.coordinator.fleet.trust import (
     attestation_trust,
     certificate_problem,
     challenge_failure,
     challenge_fresh,
-    effective_trust,
     new_challenge,
     registration_trust,
     runtime_allowed,
@@ -28,6 +26,7 @@ from darkbloom.coordinator.fleet.trust import (
 )
 from darkbloom.wire.crypto import NodeIdentity, b64d, challenge_message
 from darkbloom.wire.protocol import AttestationResponse, ModelInfo, Register
+from tests.support.links import OutboxLink
 from darkbloom.wire.runtime import runtime_hash
 
 RUNTIME = runtime_hash()
@@ -164,25 +163,25 @@ def test_wrong_answers_fail(node: NodeIdentity) -> None:
 
 def _session(node: NodeIdentity) -> ProviderSession:
     return ProviderSession(id="prov_x", account_id=None, machine_id=None, registration=_register(node),
-                           public_key=None, link=SocketLink(), trust_level="self_signed")
+                           public_key=None, link=OutboxLink(), trust_level="self_signed")
 
 
 def test_challenge_freshness_window(node: NodeIdentity) -> None:
     settings = CoordinatorSettings(challenge_freshness=960)
     session = _session(node)
     assert not challenge_fresh(session, settings, now=1000.0)
-    session.challenge_passed_at = 1000.0
+    session.record_challenge_pass(1000.0)
     assert challenge_fresh(session, settings, now=1000.0 + 960)
     assert not challenge_fresh(session, settings, now=1000.0 + 961)
-    session.challenge_passed_at = time.monotonic()
+    session.record_challenge_pass(time.monotonic())
     assert challenge_fresh(session, settings)
 
 
 def test_effective_trust_and_levels(node: NodeIdentity) -> None:
     session = _session(node)
-    assert effective_trust(session) == "self_signed"
-    session.untrusted_reason = "failed a challenge"
-    assert effective_trust(session) == "untrusted" and session.trust_level == "self_signed"
+    assert session.effective_trust == "self_signed"
+    session.distrust("failed a challenge")
+    assert session.effective_trust == "untrusted" and session.trust_level == "self_signed"
     assert trust_at_least("hardware", "self_signed") and trust_at_least("none", "none")
     assert not trust_at_least("self_signed", "hardware") and not trust_at_least("untrusted", "none")
 

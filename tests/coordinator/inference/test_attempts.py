@@ -258,7 +258,7 @@ async def test_a_session_gone_before_dispatch_fails_over_at_once() -> None:
     svc = services(registry, settings(first_content_timeout=30.0))
     placement = try_place(registry, route, svc.settings)
     assert placement is not None
-    registry.remove(placement.session)  # what close_session does; it had no pending request yet
+    registry.remove(placement.session)  # what the connection's close does; it had no pending request yet
     attempts = Attempts(lifecycle(svc, REQUEST_ID), route, "chat", chat().node_body(64))
     run = asyncio.ensure_future(attempts.run(placement))
     other, = [p for p in providers if p.session is not placement.session]

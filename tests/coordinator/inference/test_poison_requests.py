@@ -2,7 +2,7 @@
 it before any output goes to one more session at most, and fails as ``request_crashed_providers``
 when that one goes down too; it never walks the fleet.
 
-A session "goes down" as ``close_session`` takes it down: out of the registry (no longer online),
+A session "goes down" as its connection's ``close`` takes it down: out of the registry (no longer online),
 then every attempt on it fails as ``provider_unavailable``.
 """
 

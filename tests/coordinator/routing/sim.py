@@ -22,13 +22,13 @@ from darkbloom.coordinator.config import CoordinatorSettings
 from darkbloom.coordinator.fleet.registry import Registry
 from darkbloom.coordinator.fleet.slots import Slot, Slots
 from darkbloom.coordinator.fleet.session import ProviderSession
-from darkbloom.coordinator.fleet.socket_link import SocketLink
 from darkbloom.coordinator.routing.decision import RouteDecision, ShareGrant
 from darkbloom.coordinator.identity.caller import Caller
 from darkbloom.coordinator.inference.settlement import RequestLifecycle
 from darkbloom.coordinator.services import Services
 from darkbloom.wire.crypto import NodeIdentity, Sealer, open_envelope, public_key_from_b64
 from darkbloom.wire.protocol import Cancel, InferenceRequest, ModelInfo, Register, Usage, parse_coordinator_frame
+from tests.support.links import OutboxLink
 
 MODEL = CatalogModel(id=BUNDLED_MODEL_ID, aliases=["smollm2"], input_price=50_000, output_price=200_000)
 GOOD_HASH = "sha256:" + "a" * 64  # the catalog pins this one
@@ -101,16 +101,13 @@ class SimProvider:
             identity_key=self.identity.identity_key_b64, encrypted_response_chunks=encrypted,
             private_only=private_only, max_concurrency=max_concurrency,
             loaded_models=None if loaded is None else list(loaded))
-        self.link = SocketLink()
+        self.link = OutboxLink()
         self.session = ProviderSession(
             id=session_id or f"prov_sim{next(_ids):04d}", account_id=account, machine_id=machine,
             registration=register, public_key=public_key_from_b64(register.public_key) if with_key else None,
-            link=self.link, trust_level=trust)
-        self.session.online = online
-        self.session.runtime_verified = runtime_verified
-        self.session.challenge_passed_at = None if challenge_age is None else time.monotonic() - challenge_age
-        self.session.untrusted_reason = untrusted
-        self.session.decode_tps = decode_tps
+            link=self.link, trust_level=trust, runtime_verified=runtime_verified, untrusted_reason=untrusted,
+            challenge_passed_at=None if challenge_age is None else time.monotonic() - challenge_age,
+            decode_tps=decode_tps, online=online)
         self.held: list[Slot] = []  # slots claimed for the test (``set_active``), as busy work would
         self._slots = Slots()
         self.set_active(active)

@@ -140,7 +140,7 @@ async def test_a_second_turn_is_placed_on_the_session_that_served_the_first() ->
         first, second = turns(topic)
         served = (await serve_turn(q, affinity, first)).session
         other = b if served is a.session else a
-        other.session.decode_tps = 100.0  # the other now ranks first: faster, and idle
+        other.session.report_speed(100.0)  # the other now ranks first: faster, and idle
         (a if served is a.session else b).set_active(1)  # the served one busier (one of two slots)
         assert (await serve_turn(q, affinity, second)).session is served
 
@@ -148,7 +148,7 @@ async def test_a_second_turn_is_placed_on_the_session_that_served_the_first() ->
 async def test_without_a_remembered_turn_the_usual_choice_stands() -> None:
     registry = Registry()
     slow, fast = fleet(registry, 2)
-    fast.session.decode_tps = 100.0
+    fast.session.report_speed(100.0)
     q = RequestQueues(registry, settings())
     assert (await serve_turn(q, Affinity(), turns("owls")[1])).session is fast.session
 
@@ -168,11 +168,11 @@ async def test_it_falls_back_when_that_session_cannot_take_the_request(why: str)
     if why == "busy":
         remembered.set_active(1)
     elif why == "untrusted":
-        session.untrusted_reason = "a response chunk did not open"
+        session.distrust("a response chunk did not open")
     elif why == "draining":
-        session.draining = True
+        session.start_draining()
     elif why == "stale challenge":
-        session.challenge_passed_at = None
+        session.record_challenge_pass(None)
     elif why == "excluded":
         fields["excluded"] = {remembered.id}
     elif why == "gone":
@@ -184,7 +184,7 @@ async def test_it_falls_back_when_that_session_cannot_take_the_request(why: str)
     elif why == "model unloaded everywhere":  # no cache anywhere: the usual choice, here the faster
         session.report_loaded([])
         other.session.report_loaded([])
-        other.session.decode_tps = 100.0
+        other.session.report_speed(100.0)
     assert (await serve_turn(q, affinity, second, **fields)).session is other.session
 
 
@@ -218,7 +218,7 @@ async def test_a_queued_second_turn_waits_for_whichever_frees_first() -> None:
 def test_retries_and_the_backup_never_look_at_it() -> None:
     registry = Registry()
     remembered, other = fleet(registry, 2)
-    other.session.decode_tps = 100.0
+    other.session.report_speed(100.0)
     chosen = select_idle_or_free(registry, decision(affinity=remembered.id), settings(), idle_only=False)
     assert chosen is other.session
 

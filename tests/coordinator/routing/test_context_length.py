@@ -88,7 +88,7 @@ def test_the_views_keep_the_longest_context_as_sessions_come_and_go() -> None:
     small, = fleet(registry, 1, context_length=2048)
     big, = fleet(registry, 1, context_length=8192)
     assert longest_context(registry, decision(), settings()) == 8192
-    big.session.untrusted_reason = "a chunk that does not open"
+    big.session.distrust("a chunk that does not open")
     assert longest_context(registry, decision(), settings()) == 2048
     unknown, = fleet(registry, 1, context_length=0)
     assert longest_context(registry, decision(), settings()) == float("inf")

@@ -83,7 +83,7 @@ def test_untrusted_and_offline() -> None:
     assert reason_of(SimProvider(untrusted="bad signature")) == "untrusted"
     assert reason_of(SimProvider(online=False)) == "untrusted"
     draining = SimProvider()
-    draining.session.draining = True  # its machine was unlinked: finishing, taking nothing new
+    draining.session.start_draining()  # its machine was unlinked: finishing, taking nothing new
     assert reason_of(draining) == "untrusted"
     # never relaxed for the owner
     assert reason_of(SimProvider(untrusted="bad signature", account=OWNER), owner_account_id=OWNER,
@@ -257,7 +257,7 @@ def test_routable_public_ignores_load_but_not_gates() -> None:
     assert not routable_public(registry, MODEL, settings())
     busy, = fleet(registry, 1, active=1)
     assert routable_public(registry, MODEL, settings())
-    busy.session.untrusted_reason = "changed runtime"
+    busy.session.distrust("changed runtime")
     assert not routable_public(registry, MODEL, settings())
     fleet(registry, 1, trust="self_signed")
     assert not routable_public(registry, MODEL, settings(min_trust="hardware"))

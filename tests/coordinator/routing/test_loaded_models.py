@@ -11,7 +11,6 @@ import asyncio
 import pytest
 
 from darkbloom.coordinator.fabric import messages
-from darkbloom.coordinator.fleet import session_lifecycle
 from darkbloom.coordinator.fleet.registry import Registry
 from darkbloom.coordinator.inference.attempts import Attempts
 from darkbloom.coordinator.routing import scheduler
@@ -38,12 +37,11 @@ def test_a_heartbeat_reports_what_is_loaded_now() -> None:
     registry = Registry()
     provider, = fleet(registry, 1, models=(MODEL.id, "other"))
     session = provider.session
-    svc = services(registry)
-    session_lifecycle.on_heartbeat(svc, session, parse_provider_frame('{"type": "heartbeat", "models": ["other"]}'))
+    session.heartbeat(parse_provider_frame('{"type": "heartbeat", "models": ["other"]}'))
     assert session.loaded_models == {"other"}
-    session_lifecycle.on_heartbeat(svc, session, parse_provider_frame('{"type": "heartbeat"}'))  # unchanged
+    session.heartbeat(parse_provider_frame('{"type": "heartbeat"}'))  # unchanged
     assert session.loaded_models == {"other"}
-    session_lifecycle.on_heartbeat(svc, session, Heartbeat(models=[]))
+    session.heartbeat(Heartbeat(models=[]))
     assert session.loaded_models == frozenset()
 
 

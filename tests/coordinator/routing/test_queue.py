@@ -253,7 +253,7 @@ async def test_the_tick_places_waiters_when_trust_changes() -> None:
     async with ticking(q):
         await a_tick(q)  # it drained and left the waiter queued, no slot claimed
         assert q.depth(MODEL.id) == 1 and stale.session.active == 0 and not waiter.done()
-        stale.session.challenge_passed_at = time.monotonic()
+        stale.session.record_challenge_pass(time.monotonic())
         placement = await asyncio.wait_for(waiter, 10 * queueing.DRAIN_TICK)
     assert placement.session is stale.session
 

@@ -108,20 +108,19 @@ class World:
             self.held[session].pop(rng.randrange(len(self.held[session]))).release()
         elif action == 7:
             if rng.random() < 0.5:
-                session.decode_tps = rng.choice([0.0, 20.0, 40.0, 80.0, 33.3])
+                session.report_speed(rng.choice([0.0, 20.0, 40.0, 80.0, 33.3]))
             else:  # a heartbeat that lists the models loaded now
                 session.report_loaded(rng.choice([[], [MODEL.id], ["smollm2"], [MODEL.id, "other-model"]]))
         elif action == 8:
             change: Callable[[], None] = rng.choice([
-                lambda: setattr(session, "untrusted_reason", "failed a challenge"),
-                lambda: setattr(session, "draining", True),
-                lambda: setattr(session, "online", not session.online),
-                lambda: setattr(session, "trust_level", "hardware"),
-                lambda: setattr(session, "runtime_verified", not session.runtime_verified),
-                lambda: setattr(session, "challenge_passed_at", rng.choice([None, time.monotonic(), 1.0]))])
+                lambda: session.distrust("failed a challenge"),
+                session.start_draining,
+                session.mark_online,
+                lambda: session.raise_trust("hardware"),
+                lambda: session.record_challenge_pass(rng.choice([None, time.monotonic(), 1.0]))])
             change()
         elif action == 9:
-            self.registry.disown(session)
+            session.disown()
         elif action == 10 and len(sessions) > 4:
             self.registry.remove(session)
             for slot in self.held.pop(session):
@@ -207,7 +206,8 @@ def test_a_speed_measured_later_reorders_the_view() -> None:
     placement = try_place(registry, decision(), settings())  # opens the view
     assert placement is not None
     placement.slot.release()
-    a.session.decode_tps, b.session.decode_tps = 5.0, 50.0
+    a.session.report_speed(5.0)
+    b.session.report_speed(50.0)
     assert select(registry, decision(), settings()) is b.session
 
 
@@ -216,14 +216,14 @@ def test_disowned_draining_untrusted_and_removed_sessions_leave_the_views() -> N
     owned, = fleet(registry, 1, account=OWNER, machine="mach_owned")
     exclusive = decision(owner_account_id=OWNER, owned_only=True)
     assert select(registry, exclusive, settings()) is owned.session
-    registry.disown(owned.session)
+    owned.session.disown()
     assert select(registry, exclusive, settings()) is None
     assert select(registry, decision(), settings()) is owned.session  # still public fleet
-    owned.session.draining = True
+    owned.session.start_draining()
     assert select(registry, decision(), settings()) is None
     other, = fleet(registry, 1)
     assert select(registry, decision(), settings()) is other.session
-    other.session.untrusted_reason = "a chunk that does not open"
+    other.session.distrust("a chunk that does not open")
     assert select(registry, decision(), settings()) is None
     newcomer, = fleet(registry, 1)
     registry.remove(newcomer.session)
@@ -235,7 +235,7 @@ def test_a_session_that_comes_online_joins() -> None:
     late = SimProvider(online=False)
     registry.add(late.session)
     assert select(registry, decision(), settings()) is None
-    late.session.online = True
+    late.session.mark_online()
     assert select(registry, decision(), settings()) is late.session
 
 

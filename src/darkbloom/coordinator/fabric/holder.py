@@ -24,11 +24,9 @@ from darkbloom.coordinator.fabric import messages
 from darkbloom.coordinator.fabric.authentication import Opened, refuse
 from darkbloom.coordinator.fabric.connection import Connection
 from darkbloom.coordinator.fabric.subjects import Subjects
-from darkbloom.coordinator.fleet import machines, session_lifecycle
 from darkbloom.coordinator.fleet.enrollment import load_ca
-from darkbloom.coordinator.fleet.session import ProviderSession
+from darkbloom.coordinator.fleet.session import UNTRUSTED, ProviderSession
 from darkbloom.coordinator.fleet.slots import Slot
-from darkbloom.coordinator.fleet.trust import UNTRUSTED
 from darkbloom.coordinator.services import Services
 from darkbloom.wire import json_codec
 from darkbloom.wire.protocol import (MAX_REQUEST_FRAME_BYTES, Cancel, Envelope, FrameError, InferenceRequest,
@@ -204,11 +202,11 @@ class Holder:
             session = self._local(header["s"])
             tps = float(header["tps"])
             if session is not None and 0.0 <= tps <= MAX_DECODE_TPS:
-                session.decode_tps = tps
+                session.report_speed(tps)
         elif kind == "unlink":
             session = self._local(header["s"])
             if session is not None:
-                machines.retire(self.services, session)
+                session.retire()
 
     def _hosted_for(self, sender: str, ticket: Any) -> Hosted | None:
         """The claim ``ticket`` names, when ``sender`` made it (a replica speaks for its own requests only)."""
@@ -266,8 +264,7 @@ class Holder:
         if session is None or kind != "trust_status":
             return
         if frame.trust_level == UNTRUSTED:
-            session_lifecycle.distrust(session, frame.reason or "another replica found it untrustworthy",
-                                       self.services)
+            session.distrust(frame.reason or "another replica found it untrustworthy")
         elif frame.certificate:
             self.services.spawn(self._enrolled(session, frame.certificate))
 
@@ -275,7 +272,7 @@ class Holder:
         """An admin enrolled the machine through another replica: the same as through this one."""
         ca = await load_ca(self.services.engine)
         if ca is not None:
-            session_lifecycle.on_enrolled(self.services, session, certificate, ca)
+            session.enrolled(certificate, ca)
 
     def _local(self, session_id: str) -> ProviderSession | None:
         return self.services.registry.held(session_id)

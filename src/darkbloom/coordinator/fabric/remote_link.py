@@ -24,7 +24,7 @@ from darkbloom.coordinator.fabric import messages
 from darkbloom.coordinator.fabric.authentication import Opened, refuse
 from darkbloom.coordinator.fabric.connection import Connection
 from darkbloom.coordinator.fabric.subjects import Subjects
-from darkbloom.coordinator.fleet import session_lifecycle, slots
+from darkbloom.coordinator.fleet import slots
 from darkbloom.coordinator.fleet.registry import Registry
 from darkbloom.coordinator.fleet.session import ProviderSession
 from darkbloom.wire import json_codec
@@ -74,7 +74,7 @@ class RemoteLink:
     def report_speed(self, decode_tps: float) -> None:
         self.outbound.speed(self, decode_tps)  # measured here, at settlement: the holder keeps it for everyone
 
-    def retire(self, close_here: Callable[[], object]) -> None:
+    def retire(self) -> None:
         self.outbound.unlinked(self)
 
     def close(self, code: int = 1000) -> None:
@@ -187,12 +187,10 @@ class Outbound:
     def _deliver(self, session: ProviderSession, request_id: str, back: dict[str, Any]) -> None:
         kind = back["k"]
         if kind == "chunk":
-            if not session.deliver_chunk(request_id, Envelope.model_validate(back["e"])):
-                session_lifecycle.distrust(session, "a response chunk failed decryption")
+            session.deliver_chunk(request_id, Envelope.model_validate(back["e"]))
         elif kind == "complete":
             self._owner_at_completion(session, back.get("account_id"))
-            if not session.deliver_complete(request_id, Usage.model_validate(back["usage"])):
-                session_lifecycle.distrust(session, "it reported impossible token usage")
+            session.deliver_complete(request_id, Usage.model_validate(back["usage"]))
         elif kind == "error":
             session.deliver_error(request_id, int(back["status"]), str(back["message"]), back.get("param"),
                                   back.get("code"))
@@ -207,8 +205,4 @@ class Outbound:
         """Settlement reads the owner from the serving session: the holder's, read as it completed.
         A session only ever loses its owner (an unlink), so an owner is only ever taken away here."""
         if account_id is None and session.account_id is not None:
-            if self.registry.get(session.id) is session:
-                self.registry.disown(session)
-            else:
-                session.account_id = None
-                session.machine_id = None
+            session.disown()

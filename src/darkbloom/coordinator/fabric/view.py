@@ -262,7 +262,7 @@ class FleetView:
         link.announced_active = int(announced["active"])
         _update(stand_in, announced, now)
         if announced["account_id"] is None and stand_in.account_id is not None:
-            self.registry.disown(stand_in)
+            stand_in.disown()
         return True
 
     def _stand_in(self, replica: str, announced: dict[str, Any], now: float) -> RemoteLink:
@@ -274,11 +274,12 @@ class FleetView:
         link.announced_active = int(announced["active"])
         stand_in = link.session = ProviderSession(
             id=announced["id"], account_id=announced["account_id"], machine_id=announced["machine_id"],
-            registration=messages.registration_of(announced), public_key=public_key, link=link)
-        stand_in.connected_at = now - float(announced["connected_age"])
-        stand_in.last_frame_at = float("inf")  # never evicted here: its replica's silence removes it
+            registration=messages.registration_of(announced), public_key=public_key, link=link,
+            trust_level=announced["trust_level"], runtime_verified=bool(announced["runtime_verified"]),
+            connected_at=now - float(announced["connected_age"]),
+            last_frame_at=float("inf"))  # never evicted here: its replica's silence removes it
         _update(stand_in, announced, now)
-        stand_in.online = True
+        stand_in.mark_online()
         return link
 
     def _drop_of(self, heard: Heard, session_id: str) -> None:
@@ -328,25 +329,22 @@ class FleetView:
 
 
 def _update(stand_in: ProviderSession, announced: dict[str, Any], now: float) -> None:
-    """The holder's current facts; the one-way ones (untrusted, draining) only ever set."""
+    """The holder's current facts; the one-way ones (untrusted, draining) only ever set. (Its runtime's
+    verification never changes on its holder: the stand-in is made with it.)"""
     age = announced["challenge_age"]
     passed = None if age is None else now - float(age)
     known = stand_in.challenge_passed_at
     if passed is None or known is None or abs(passed - known) > CHALLENGE_AGE_SLACK:
         if passed != known:
-            stand_in.challenge_passed_at = passed
+            stand_in.record_challenge_pass(passed)
     if stand_in.trust_level != announced["trust_level"]:
-        stand_in.trust_level = announced["trust_level"]
-    if stand_in.runtime_verified != announced["runtime_verified"]:
-        stand_in.runtime_verified = bool(announced["runtime_verified"])
-    if announced["untrusted_reason"] and stand_in.untrusted_reason is None:
-        stand_in.untrusted_reason = announced["untrusted_reason"]
-    if announced["draining"] and not stand_in.draining:
-        stand_in.draining = True
-    loaded = messages.loaded_of(announced, stand_in.registration.models)
-    if stand_in.loaded_models != loaded:
-        stand_in.loaded_models = loaded
+        stand_in.raise_trust(announced["trust_level"])
+    if announced["untrusted_reason"]:
+        stand_in.distrusted_elsewhere(announced["untrusted_reason"])
+    if announced["draining"]:
+        stand_in.start_draining()
+    stand_in.report_loaded(messages.loaded_of(announced, stand_in.registration.models))
     if stand_in.decode_tps != announced["decode_tps"]:
-        stand_in.decode_tps = float(announced["decode_tps"])
+        stand_in.report_speed(float(announced["decode_tps"]))
     if stand_in.active != announced["active"]:
         slots.mirror(stand_in, int(announced["active"]))

@@ -1,23 +1,17 @@
 """An account's linked machines: stored records (as the machine book will write them) joined with live
-sessions; their stats; admin enrollment."""
+sessions; their stats; admin enrollment. (Linking and unlinking are identity's: ``identity/device_login.py``.)"""
 
 from __future__ import annotations
 
-import asyncio
 import time
 from typing import Any
 
-from darkbloom.coordinator.fleet import session_lifecycle
+from darkbloom.coordinator.errors import machine_not_found
 from darkbloom.coordinator.fleet.enrollment import CertificateError, load_or_create_ca
 from darkbloom.coordinator.fleet.insight import KEPT_HOURS, PASSED_OVER_REASONS, hour_of, tps_of_bucket
-from darkbloom.coordinator.routing.selfroute import machine_not_found
 from darkbloom.wire.openai.errors import ApiError, invalid_request
-from darkbloom.coordinator.fleet.session import ProviderSession
 from darkbloom.coordinator.services import Services
-from darkbloom.coordinator.fleet.trust import effective_trust
-from darkbloom.coordinator.identity.auth_cache import machine_subject
-from darkbloom.coordinator.identity.auth_invalidation import changing
-from darkbloom.store import devices, insight, machines
+from darkbloom.store import insight, machines
 
 
 async def linked_machines(services: Services, account_id: str) -> list[dict[str, Any]]:
@@ -36,7 +30,7 @@ async def linked_machines(services: Services, account_id: str) -> list[dict[str,
             # what it serves with other weights than the catalog pins: its owner's requests only
             "unverified_models": services.settings.catalog.unverified(
                 (m.id, m.weight_hash) for m in session.registration.models) if session else [],
-            "trust_level": effective_trust(session) if session else row["trust_level"],
+            "trust_level": session.effective_trust if session else row["trust_level"],
             "private_only": session.private_only if session else bool(row["private_only"]),
             # where and with what it runs its models (cpu, metal, cuda, …; llama-cpp, openai): known while online
             "device": session.registration.hardware.device if session else None,
@@ -46,37 +40,6 @@ async def linked_machines(services: Services, account_id: str) -> list[dict[str,
     return result
 
 
-UNLINK_DRAIN_LIMIT = 600.0
-
-
-async def unlink_machine(services: Services, account_id: str, machine_id: str) -> None:
-    """Unlink and revoke the machine's device token at once. Its sessions stop being anyone's own
-    machine and take no new work; each disconnects once its in-flight requests end (those settle
-    as paid: the serving session no longer belongs to the caller)."""
-    async with changing(services, machine_subject(machine_id)) as conn:  # its device token, everywhere
-        if not await machines.unlink(conn, account_id, machine_id):
-            raise ApiError(404, "machine_not_found", "No linked machine with this id on your account.")
-        await devices.revoke_for_machine(conn, machine_id)
-    for session in services.registry.for_machine(machine_id):
-        retire(services, session)
-
-
-def retire(services: Services, session: ProviderSession) -> None:
-    """The session's machine was unlinked: nobody's own machine from now on, it takes nothing new
-    and closes once idle — closed by the replica that holds it (told so when it is another one)."""
-    services.registry.disown(session)
-    session.draining = True
-    session.link.retire(lambda: services.spawn(_close_when_idle(services, session)))
-
-
-async def _close_when_idle(services: Services, session: ProviderSession) -> None:
-    deadline = time.monotonic() + UNLINK_DRAIN_LIMIT
-    while session.inboxes and time.monotonic() < deadline:
-        await asyncio.sleep(0.1)
-    session_lifecycle.close_session(services, session)
-    session.close(1000)
-
-
 def _identity_key(services: Services, row: dict[str, Any]) -> str | None:
     """The key the machine registered with: its newest live session's, on any replica (a session that
     has just registered may not be written yet, here or on the replica that holds it), else the stored
@@ -84,7 +47,8 @@ def _identity_key(services: Services, row: dict[str, Any]) -> str | None:
     live = [s for s in services.registry.for_machine(row["id"]) if s.registration.identity_key]
     if live:
         return max(live, key=lambda s: s.connected_at).registration.identity_key
-    return services.machine_book.current(row)["identity_key"]
+    stored: str | None = services.machine_book.current(row)["identity_key"]
+    return stored
 
 
 async def enroll_machine(services: Services, machine_id: str) -> dict[str, Any]:
@@ -109,7 +73,7 @@ async def enroll_machine(services: Services, machine_id: str) -> dict[str, Any]:
     async with services.engine.begin() as conn:
         await machines.set_certificate(conn, machine_id, certificate)
     for session in services.registry.for_machine(machine_id):
-        session_lifecycle.on_enrolled(services, session, certificate, ca)
+        session.enrolled(certificate, ca)
     return {"machine_id": machine_id, "trust_level": "hardware", "certificate": certificate}
 
 

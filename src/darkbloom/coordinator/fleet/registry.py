@@ -7,17 +7,20 @@ with the clock) — with the free sessions in a ``FreeOrder`` and the busy ones 
 lengths its members serve the model with (so the longest is known without a pass over them). The
 registry opens a view on first use (one pass over the model's or the owner's sessions) and from then
 on keeps it exact: sessions join and leave as they are added, removed and disowned, and as they
-report (through ``ProviderSession._watch``) a change of their active count, decode speed, loaded
-models, online, draining, trust or owner. A view of an account goes when the account's last session
+report a change through their methods (``fleet/session.py``): ``reorder`` for their active count,
+decode speed or loaded models, ``refile`` for online, draining, trust or challenge, ``disowned`` for
+their owner. A view of an account goes when the account's last session
 does; every view goes when the catalog changes (``close_views``), to be opened again on first use.
 """
 
 from __future__ import annotations
 
+import asyncio
 import heapq
 import itertools
 import logging
 import math
+import time
 from collections import Counter, defaultdict
 from typing import Callable, Hashable, Iterable, Iterator
 
@@ -26,8 +29,7 @@ from darkbloom.coordinator.fleet.session import ProviderSession
 from darkbloom.coordinator.fleet.slots import FreeOrder, Slots
 
 log = logging.getLogger("darkbloom.registry")
-# they move a session within its views, never in or out
-_ORDER_ONLY = frozenset({"_active", "decode_tps", "loaded_models"})
+GOING_AWAY = 1001  # the close code of an evicted session's socket
 
 
 class SessionView:
@@ -105,7 +107,7 @@ class Registry:
         # on top, so ``silent_since`` looks at a session once per heartbeat timeout, not every call
         self._liveness: list[tuple[float, int, ProviderSession]] = []
         self._pushed = itertools.count()
-        # told of every change to a session held here (added, removed, disowned, a watched field): the
+        # told of every change to a session held here (added, removed, disowned, reordered, refiled): the
         # machine insight's meter, and the replica fabric's announcer when there is one
         self.listeners: list[Callable[[ProviderSession], None]] = []
 
@@ -120,7 +122,7 @@ class Registry:
             self._by_account[session.account_id].add(session)
         if session.machine_id:
             self._by_machine[session.machine_id].add(session)
-        session._watch = self._changed
+        session.listed_in(self)
         if session.id not in self._stand_ins:  # a stand-in is never evicted here: watched, it would stay forever
             self._watch_liveness(session)
         self._recheck(session)
@@ -134,8 +136,7 @@ class Registry:
     def remove(self, session: ProviderSession) -> bool:
         if self._sessions.pop(session.id, None) is None:
             return False
-        session._watch = None
-        session.online = False
+        session.unlisted()
         for view in self._member_of.pop(session, ()):
             view._drop(session)
         for model_id in session.advertised_models:
@@ -149,15 +150,13 @@ class Registry:
         self._stand_ins.discard(session.id)
         return True
 
-    def disown(self, session: ProviderSession) -> None:
-        """The session's machine was unlinked: it is no longer anyone's "own" machine."""
-        account_id = session.account_id
+    def disowned(self, session: ProviderSession, account_id: str | None, machine_id: str | None) -> None:
+        """The session's machine was unlinked (``ProviderSession.disown``): it leaves its account's views."""
         if account_id:
             _discard(self._by_account, account_id, session)
-        if session.machine_id:
-            _discard(self._by_machine, session.machine_id, session)
-        session.account_id = None  # leaves the account's views (reported through _watch)
-        session.machine_id = None
+        if machine_id:
+            _discard(self._by_machine, machine_id, session)
+        self._recheck(session)
         if account_id:
             self._close_account_views(account_id)
         self._tell(session)
@@ -210,6 +209,15 @@ class Registry:
             self._watch_liveness(session)
         return list(silent)
 
+    async def evict_silent(self, every: float, timeout: float) -> None:
+        """Every ``every`` seconds, close each session that sent nothing for ``timeout`` seconds (1001);
+        runs forever."""
+        while True:
+            await asyncio.sleep(every)
+            for session in self.silent_since(time.monotonic() - timeout):
+                log.warning("provider %s silent for %.0f s: evicting", session.id, timeout)
+                session.close(GOING_AWAY)
+
     def _watch_liveness(self, session: ProviderSession) -> None:
         heapq.heappush(self._liveness, (session.last_frame_at, next(self._pushed), session))
 
@@ -240,12 +248,15 @@ class Registry:
             self._fit(session, view)
         return view
 
-    def _changed(self, session: ProviderSession, name: str) -> None:
-        if name in _ORDER_ONLY:
-            for view in self._member_of.get(session, ()):
-                view._place(session)
-        else:
-            self._recheck(session)
+    def reorder(self, session: ProviderSession) -> None:
+        """Its active count, decode speed or loaded models changed: it moves within its views, never in or out."""
+        for view in self._member_of.get(session, ()):
+            view._place(session)
+        self._tell(session)
+
+    def refile(self, session: ProviderSession) -> None:
+        """Something a view admits it by changed: every view it is in or may join checks it again."""
+        self._recheck(session)
         self._tell(session)
 
     def _tell(self, session: ProviderSession) -> None:

@@ -48,13 +48,12 @@ class Slots:
         self._listeners.append(listener)
 
     def claim(self, session: ProviderSession) -> Slot:
-        session._active += 1  # the session reports the change to the registry's views
+        session.claim_slot()
         return Slot(session, self, session.link.claimed())
 
     def _give_back(self, slot: Slot) -> None:
         session = slot.session
-        # never below zero: a stand-in's count is its holder's, overwritten by the announcements
-        session._active = max(0, session._active - 1)
+        session.release_slot()
         session.link.released(slot.ticket)
         for listener in self._listeners:
             listener()
@@ -63,7 +62,7 @@ class Slots:
 def mirror(session: ProviderSession, active: int) -> None:
     """A stand-in for another replica's session takes the count its holder announced (or, until the
     next announcement, a full one): with claim and release, the only writes to a session's count."""
-    session._active = active
+    session.mirror_active(active)
 
 
 def speed_of(session: ProviderSession) -> float:

@@ -2,14 +2,14 @@
 through challenges.
 
 Everything here is a pure function of a registration, a session, the settings and a clock; the
-lifecycle that sends challenges and applies the results lives in ``session_lifecycle``.
+connection that sends challenges and applies the results is ``fleet/connection.py``.
 
 - ``trust_level`` of a session is what it proved at registration: ``none`` < ``self_signed``
   (the attestation blob verifies under its Ed25519 identity key) < ``hardware`` (additionally a
   certificate from the coordinator's enrollment CA for that identity key). It never goes down.
 - ``untrusted_reason`` is set once a session fails a check (challenge answer, missed deadline,
   changed runtime hash, a chunk that does not open); from then on it is never routable. APIs show
-  such a session's trust as ``untrusted`` (``effective_trust``).
+  such a session's trust as ``untrusted`` (``ProviderSession.effective_trust``).
 - ``runtime_verified``: the registered runtime hash is in the coordinator's allow-list.
 - ``challenge_passed_at``: monotonic time of the last passed challenge; ``challenge_fresh`` says
   whether it is recent enough to route to.
@@ -29,7 +29,6 @@ from darkbloom.wire.protocol import AttestationChallenge, AttestationResponse, R
 
 ATTESTATION_SKEW_SECONDS = 120
 CHALLENGE_NONCE_BYTES = 32
-UNTRUSTED = "untrusted"
 _RANK = {level: rank for rank, level in enumerate(TRUST_LEVELS)}
 
 
@@ -72,11 +71,6 @@ def registration_trust(registration: Register, ca: EnrollmentCA | None, now: flo
 
 def runtime_allowed(settings: CoordinatorSettings, runtime_hash: str) -> bool:
     return bool(runtime_hash) and runtime_hash in settings.runtime_allow_list
-
-
-def effective_trust(session: ProviderSession) -> str:
-    """What users and the node see: ``untrusted`` once a check failed, else the proven level."""
-    return UNTRUSTED if session.untrusted_reason is not None else session.trust_level
 
 
 def trust_at_least(level: str, floor: str) -> bool:

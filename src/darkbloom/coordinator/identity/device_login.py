@@ -1,4 +1,5 @@
-"""Device login (RFC 8628 shape; docs/api.md "Device login"): a node gets a device token for an account."""
+"""Device login (RFC 8628 shape; docs/api.md "Device login"): a node gets a device token for an account,
+which links its machine to the account; unlinking the machine revokes the token."""
 
 from __future__ import annotations
 
@@ -9,6 +10,9 @@ from typing import Annotated, Any
 from pydantic import Field, with_config
 from typing_extensions import TypedDict
 
+from darkbloom.coordinator.errors import machine_not_found
+from darkbloom.coordinator.identity.auth_cache import machine_subject
+from darkbloom.coordinator.identity.auth_invalidation import changing
 from darkbloom.wire.openai.body_schema import OPEN, BodySchema
 from darkbloom.wire.openai.errors import ApiError
 from darkbloom.coordinator.services import Services
@@ -82,3 +86,15 @@ async def exchange(services: Services, device_code: str) -> dict[str, Any]:
         machine_id = await machines.create(conn, account_id, name="machine " + row["user_code"])
         await devices.create_token(conn, token_hash(token), machine_id, account_id)
     return {"status": "authorized", "token": token, "account_id": account_id, "machine_id": machine_id}
+
+
+async def unlink_machine(services: Services, account_id: str, machine_id: str) -> None:
+    """Unlink the machine and revoke its device token at once (every coordinator's cache drops it). Its
+    sessions are retired: nobody's own machine from now on, they take no new work and disconnect once
+    their in-flight requests end (those settle as paid: the serving session no longer belongs to the caller)."""
+    async with changing(services, machine_subject(machine_id)) as conn:
+        if not await machines.unlink(conn, account_id, machine_id):
+            raise machine_not_found()
+        await devices.revoke_for_machine(conn, machine_id)
+    for session in services.registry.for_machine(machine_id):
+        session.retire()

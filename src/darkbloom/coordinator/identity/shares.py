@@ -11,7 +11,7 @@ from typing import Annotated, Any, Literal
 from pydantic import Field, with_config
 from typing_extensions import Required, TypedDict
 
-from darkbloom.coordinator.routing.selfroute import machine_not_found
+from darkbloom.coordinator.errors import machine_not_found
 from darkbloom.wire.openai.body_schema import CLOSED, OPEN, BodySchema, Refusal, Refusals
 from darkbloom.wire.openai.errors import ApiError, invalid_request
 

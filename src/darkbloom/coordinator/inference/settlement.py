@@ -363,6 +363,6 @@ def _measure_decode_speed(attempt: Attempt) -> None:
         return
     observed = usage.completion_tokens / elapsed
     session = attempt.session
-    session.decode_tps = observed if session.decode_tps <= 0 else (
-        (1 - DECODE_SPEED_WEIGHT) * session.decode_tps + DECODE_SPEED_WEIGHT * observed)
+    session.report_speed(observed if session.decode_tps <= 0 else (
+        (1 - DECODE_SPEED_WEIGHT) * session.decode_tps + DECODE_SPEED_WEIGHT * observed))
     session.link.report_speed(session.decode_tps)  # another replica's session: its holder keeps it for all

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 
+from darkbloom.coordinator.errors import machine_not_found
 from darkbloom.coordinator.routing.decision import RouteDecision
 from darkbloom.coordinator.routing.gates import CONTEXT_GATE, GATES
 from darkbloom.coordinator.routing.scheduler import Survey, candidates, survey
@@ -16,11 +17,6 @@ from darkbloom.wire.openai.errors import ApiError
 
 # ``untrusted`` first, then the privacy gates (never relaxed for owners) in name order
 _BLOCKING_GATES = sorted((g for g in GATES if g.blocker), key=lambda g: (g.name != "untrusted", g.name))
-
-
-def machine_not_found() -> ApiError:
-    return ApiError(404, "machine_not_found",
-                    "No machine with this id is linked to your account. GET /v1/me/providers lists yours.")
 
 
 def machine_offline(pinned: bool, shared: bool = False) -> ApiError:

@@ -7,12 +7,12 @@ from typing import Any
 from fastapi import APIRouter, Depends, Query, Request
 from fastapi.responses import JSONResponse
 
-from darkbloom.coordinator.identity import console_login, email_verification
+from darkbloom.coordinator.identity import console_login, device_login, email_verification
 from darkbloom.coordinator.identity.auth_throttle import client_address
 from darkbloom.coordinator.http.auth import bearer_token, require_account_writer, require_caller
 from darkbloom.coordinator.identity.caller import Caller
 from darkbloom.coordinator.http.json_body import json_object
-from darkbloom.coordinator.fleet.machines import linked_machines, unlink_machine
+from darkbloom.coordinator.fleet.machines import linked_machines
 from darkbloom.coordinator.fleet.machines import machine_stats as stats_of
 from darkbloom.coordinator.services import Services, get_services
 from darkbloom.store import accounts
@@ -83,5 +83,5 @@ async def machine_stats(machine_id: str, hours: int = Query(24), caller: Caller 
 @router.delete("/v1/me/providers/{machine_id}")
 async def unlink(machine_id: str, caller: Caller = Depends(require_account_writer),
                  services: Services = Depends(get_services)) -> JSONResponse:
-    await unlink_machine(services, caller.account_id, machine_id)
+    await device_login.unlink_machine(services, caller.account_id, machine_id)
     return JSONResponse({"id": machine_id, "deleted": True})

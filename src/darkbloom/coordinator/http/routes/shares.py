@@ -8,13 +8,13 @@ from typing import Any
 from fastapi import APIRouter, Depends, Query, Request, Response
 from starlette.convertors import Convertor, register_url_convertor
 
+from darkbloom.coordinator.errors import machine_not_found
 from darkbloom.coordinator.http.auth import require_account_writer, require_caller
 from darkbloom.coordinator.http.json_body import json_object
 from darkbloom.coordinator.identity.caller import Caller
 from darkbloom.coordinator.money.usage_history import row_view
 from darkbloom.coordinator.identity.shares import (SHARE_INVITE, email_not_verified, share_changes, share_fields,
                                                    share_not_found, share_view, shown_terms)
-from darkbloom.coordinator.routing.selfroute import machine_not_found
 from darkbloom.coordinator.services import Services, get_services
 from darkbloom.store import accounts, machines, shares
 from darkbloom.wire.crypto import new_token, token_hash

@@ -1,16 +1,14 @@
-"""The link of a session whose node is connected to this replica: frames wait in ``outbox`` for the
-socket's single writer (``http/routes/provider_ws.py``), and a ``None`` there closes the socket with
-``close_code``."""
+"""``OutboxLink``: the link of a session whose node a test plays (``fleet/link.py``'s ``Link``): every
+frame the coordinator sends waits in ``outbox`` for the test to read, and a close puts ``None`` there."""
 
 from __future__ import annotations
 
 import asyncio
-from typing import Callable
 
 from darkbloom.wire.protocol import Cancel, dump
 
 
-class SocketLink:
+class OutboxLink:
     only_proven_chunks = False  # the registration says whether its chunks are sealed with its key
 
     def __init__(self) -> None:
@@ -34,16 +32,16 @@ class SocketLink:
         return None
 
     async def confirm(self, ticket: str | None) -> bool:
-        return True  # a slot of a session of this process is always its own
+        return True
 
     def released(self, ticket: str | None) -> None:
         pass
 
     def report_speed(self, decode_tps: float) -> None:
-        pass  # the session object is the one everybody on this replica reads
+        pass
 
-    def retire(self, close_here: Callable[[], object]) -> None:
-        close_here()
+    def retire(self) -> None:
+        self.close()
 
     def close(self, code: int = 1000) -> None:
         if self.close_code is None:
