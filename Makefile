@@ -11,7 +11,7 @@ unexport PYTHONDONTWRITEBYTECODE
 WORKERS ?= 4
 XDIST   := -n $(WORKERS) --dist loadscope
 
-.PHONY: install chromium tshark wrk node-clients demo test check services layout screenshots bench clean
+.PHONY: install chromium tshark wrk node-clients demo test check services layout typecheck screenshots bench clean
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || python3 -m venv $(VENV)
@@ -78,12 +78,16 @@ services:
 layout:
 	$(PY) scripts/check_layout.py
 
-# The fast lane while developing: layout and every test not marked e2e, on an installed .venv (no
-# installs: `make test` once first)
-check: services layout
+# mypy --strict on the packages pyproject.toml's [tool.mypy] names
+typecheck:
+	$(PY) -m mypy
+
+# The fast lane while developing: layout, types and every test not marked e2e, on an installed .venv
+# (no installs: `make test` once first)
+check: services layout typecheck
 	$(PY) -m pytest -q -m "not e2e" $(XDIST) $(PYTEST_ARGS)
 
-test: install services layout
+test: install services layout typecheck
 	$(PY) -m pytest -q $(XDIST) $(PYTEST_ARGS)
 	@# docs/compatibility.md from this run's tests/clients results (absent when PYTEST_ARGS left them out)
 	@if [ -f tests/clients/.results.json ]; then $(PY) scripts/compatibility_table.py; fi

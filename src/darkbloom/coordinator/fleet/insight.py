@@ -34,7 +34,7 @@ from __future__ import annotations
 import logging
 import math
 import time
-from collections import Counter, OrderedDict
+from collections import Counter, OrderedDict, defaultdict
 from dataclasses import dataclass, field
 from typing import Callable, Iterable, Iterator, Protocol
 
@@ -157,7 +157,7 @@ def tps_bucket(tps: float) -> int:
 
 def tps_of_bucket(bucket: int) -> float:
     """A bucket's middle (geometric), as the decode speed it stands for."""
-    return round(TPS_BUCKET ** (bucket + 0.5), 1)
+    return round(math.pow(TPS_BUCKET, bucket + 0.5), 1)
 
 
 class _Fleet(Protocol):
@@ -218,7 +218,7 @@ class MachineInsight:
         self._registry = registry
         self._engine = engine
         self._clock = clock
-        self._pending: Counter[tuple[str, int, str]] = Counter()
+        self._pending: defaultdict[tuple[str, int, str], float] = defaultdict(float)
         self._meters: OrderedDict[ProviderSession, _Meter] = OrderedDict()  # least recently counted first
         self._busy: set[ProviderSession] = set()
         self._pruned_hour: int | None = None  # the hour whose older counters were last deleted
@@ -288,13 +288,14 @@ class MachineInsight:
         hour = hour_of(now)
         if not self._pending and hour == self._pruned_hour:
             return
-        batch, self._pending = self._pending, Counter()
+        batch, self._pending = self._pending, defaultdict(float)
         try:
             async with self._engine.begin() as conn:
                 await insight.add(conn, {key: round(value) for key, value in batch.items()})
                 if hour != self._pruned_hour:
                     await insight.prune(conn, hour - (KEPT_HOURS - 1) * 3600)
         except BaseException:
-            self._pending.update(batch)
+            for key, value in batch.items():
+                self._pending[key] += value
             raise
         self._pruned_hour = hour
