@@ -37,7 +37,7 @@ from darkbloom.wire.catalog import BUNDLED_MODEL_ID, CatalogModel  # noqa: E402
 from darkbloom.coordinator.config import CoordinatorSettings  # noqa: E402
 from darkbloom.coordinator.fleet.registry import Registry  # noqa: E402
 from darkbloom.coordinator.fleet.session import ProviderSession  # noqa: E402
-from tests.support.links import OutboxLink  # noqa: E402
+from darkbloom.coordinator.fleet.connection import OutboxLink  # noqa: E402
 from darkbloom.coordinator.routing.scheduler import try_place  # noqa: E402
 from darkbloom.coordinator.routing.decision import RouteDecision
 from darkbloom.wire.crypto import b64e  # noqa: E402

@@ -26,7 +26,7 @@ from darkbloom.coordinator.fleet.trust import (
 )
 from darkbloom.wire.crypto import NodeIdentity, b64d, challenge_message
 from darkbloom.wire.protocol import AttestationResponse, ModelInfo, Register
-from tests.support.links import OutboxLink
+from darkbloom.coordinator.fleet.connection import OutboxLink
 from darkbloom.wire.runtime import runtime_hash
 
 RUNTIME = runtime_hash()

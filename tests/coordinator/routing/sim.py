@@ -28,7 +28,7 @@ from darkbloom.coordinator.inference.settlement import RequestLifecycle
 from darkbloom.coordinator.services import Services
 from darkbloom.wire.crypto import NodeIdentity, Sealer, open_envelope, public_key_from_b64
 from darkbloom.wire.protocol import Cancel, InferenceRequest, ModelInfo, Register, Usage, parse_coordinator_frame
-from tests.support.links import OutboxLink
+from darkbloom.coordinator.fleet.connection import OutboxLink
 
 MODEL = CatalogModel(id=BUNDLED_MODEL_ID, aliases=["smollm2"], input_price=50_000, output_price=200_000)
 GOOD_HASH = "sha256:" + "a" * 64  # the catalog pins this one

@@ -72,15 +72,57 @@ class _Outstanding:
     answered: asyncio.Future[str | None]  # the failure, or None when the answer passed
 
 
-class ProviderConnection:
+class OutboxLink:
+    """The link of a session on this replica: every frame for the node waits in ``outbox`` for the
+    socket's single writer (``ProviderConnection``, which builds on it; or a test playing the
+    node), and a close puts ``None`` there after them."""
+
     only_proven_chunks = False  # the registration says whether its chunks are sealed with its key
 
+    def __init__(self) -> None:
+        self.outbox: asyncio.Queue[str | None] = asyncio.Queue()
+        self.close_code: int | None = None
+
+    @property
+    def closing(self) -> bool:
+        return self.close_code is not None
+
+    def send(self, frame_json: str) -> None:
+        self.outbox.put_nowait(frame_json)
+
+    def send_request(self, request_id: str, ticket: str | None, frame_json: str) -> None:
+        self.outbox.put_nowait(frame_json)
+
+    def cancel(self, request_id: str, ticket: str | None) -> None:
+        self.outbox.put_nowait(dump(Cancel(request_id=request_id)))
+
+    def claimed(self) -> None:
+        return None
+
+    async def confirm(self, ticket: str | None) -> bool:
+        return True  # a slot of a session of this process is always its own
+
+    def released(self, ticket: str | None) -> None:
+        pass
+
+    def report_speed(self, decode_tps: float) -> None:
+        pass  # the session object is the one everybody on this replica reads
+
+    def retire(self) -> None:
+        self.close()
+
+    def close(self, code: int = 1000) -> None:
+        if self.close_code is None:
+            self.close_code = code
+            self.outbox.put_nowait(None)
+
+
+class ProviderConnection(OutboxLink):
     def __init__(self, services: Services, websocket: WebSocket) -> None:
+        super().__init__()
         self.services = services
         self.websocket = websocket
         self.session: ProviderSession | None = None  # opened by the register frame
-        self.outbox: asyncio.Queue[str | None] = asyncio.Queue()
-        self.close_code: int | None = None
         self.bad_frames = 0
         self._outstanding: _Outstanding | None = None  # the challenge not answered yet (at most one)
 
@@ -305,32 +347,7 @@ class ProviderConnection:
         else:
             await self.websocket.send_text(frame_json)
 
-    # the link: writing and closing
-
-    @property
-    def closing(self) -> bool:
-        return self.close_code is not None
-
-    def send(self, frame_json: str) -> None:
-        self.outbox.put_nowait(frame_json)
-
-    def send_request(self, request_id: str, ticket: str | None, frame_json: str) -> None:
-        self.outbox.put_nowait(frame_json)
-
-    def cancel(self, request_id: str, ticket: str | None) -> None:
-        self.outbox.put_nowait(dump(Cancel(request_id=request_id)))
-
-    def claimed(self) -> None:
-        return None
-
-    async def confirm(self, ticket: str | None) -> bool:
-        return True  # a slot of a session of this process is always its own
-
-    def released(self, ticket: str | None) -> None:
-        pass
-
-    def report_speed(self, decode_tps: float) -> None:
-        pass  # the session object is the one everybody on this replica reads
+    # the link: what differs from OutboxLink's
 
     def retire(self) -> None:
         self.services.spawn(self._close_when_idle())
@@ -349,9 +366,7 @@ class ProviderConnection:
             session.disconnected()
             log.info("provider %s disconnected", session.id)
             session.mark_machine()
-        if self.close_code is None:
-            self.close_code = code
-            self.outbox.put_nowait(None)
+        super().close(code)
 
     async def _write(self) -> None:
         """The socket's only writer; a ``None`` in the outbox closes the socket with its code."""

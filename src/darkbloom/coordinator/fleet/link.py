@@ -1,7 +1,8 @@
 """The two interfaces around a session (``fleet/session.py``): the ``Link`` it reaches its node through
-— the node's WebSocket on this replica (``fleet.connection.ProviderConnection``) or the replica that
-holds it (``fabric.remote_link.RemoteLink``) — and the ``Inbox`` it delivers the node's frames for
-one request to (``inference.attempts.Attempt``; on a holding replica, ``fabric.holder.Forwarder``).
+— the node's WebSocket on this replica (``fleet.connection.ProviderConnection``) or
+the replica that holds it (``fabric.remote_link.RemoteLink``) — and the ``Inbox`` it delivers the
+node's frames for one request to (``inference.attempts.Attempt``; on a holding replica,
+``fabric.holder.Forwarder``).
 """
 
 from __future__ import annotations
