@@ -33,7 +33,9 @@ from tests.support.accounts import Account, create_account, device_token, wait_m
 from tests.support.processes import ADMIN_TOKEN, Coordinator, sqlite_coordinator
 from tests.support.raw_provider import RawProvider
 
-pytestmark = pytest.mark.e2e
+# as long as the schemathesis run itself may take (its subprocess timeout below): a run covers every
+# documented body's schema, and on a busy 2-core machine one surface has taken over 300 s
+pytestmark = [pytest.mark.e2e, pytest.mark.timeout(600)]
 
 SEED = "20240612"
 MAX_EXAMPLES = 100  # per operation and phase: the file takes about 1.5 min on 2 cores
