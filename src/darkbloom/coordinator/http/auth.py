@@ -4,7 +4,6 @@ Tokens resolve through the process's AuthCache (coordinator/identity/auth_cache.
 
 from __future__ import annotations
 
-import time
 
 from fastapi import Depends, Request
 from sqlalchemy.ext.asyncio import AsyncEngine
