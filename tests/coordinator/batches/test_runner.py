@@ -60,6 +60,7 @@ async def answer(provider: SimProvider, count: int) -> list[str]:
     answered = []
     for _ in range(count):
         request: InferenceRequest = await provider.next_request(timeout=10)
+        assert request.priority == "batch"  # the node's engine runs it behind live requests
         provider.reply(request.request_id, "ok")
         provider.complete(request.request_id)
         answered.append(request.request_id)
