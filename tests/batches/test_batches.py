@@ -240,3 +240,27 @@ def test_another_accounts_batch_is_not_found(world: World) -> None:
         assert missing.value.body["code"] == "batch_not_found"  # type: ignore[index]
     assert batch.id not in [b.id for b in stranger.batches.list().data]
     wait_status(sdk(stack.url, owner.api_key), batch.id)
+
+
+def test_lines_wait_while_the_machine_is_unlinked_and_run_on_a_machine_linked_later(world: World) -> None:
+    stack = world.stack
+    owner = stack.account()
+    node = stack.node("unlinked", owner, upstream=world.upstream, models=(MODEL,), max_concurrency=2,
+                      first_token_delay=0.5)
+    stack.wait_listed(owner, node.session_id)
+    client = sdk(stack.url, owner.api_key, route="self")
+    batch = run_batch(client, [chat_line(f"u-{i}") for i in range(6)])
+    wait_counts(client, batch.id, 1)
+    machine = stack.machine_of(owner, node.session_id)
+    unlinked = httpx.delete(f"{stack.url}/me/providers/{machine}", headers=owner.headers(owner.session))
+    assert unlinked.status_code == 200, unlinked.text
+    waiting = client.batches.retrieve(batch.id)
+    assert waiting.status == "in_progress" and waiting.request_counts.failed == 0
+    replacement = stack.node("replacement", owner, upstream=world.upstream, models=(MODEL,), max_concurrency=2)
+    stack.wait_listed(owner, replacement.session_id)
+    done = wait_status(client, batch.id)
+    assert done.status == "completed" and done.request_counts.completed == 6 and done.error_file_id is None
+    rows = [row for row in stack.usage(owner) if row.get("batch_id") == batch.id]
+    assert len(rows) == 6 and all(row["cost_micro_usd"] == 0 for row in rows)  # self-route: free throughout
+    node.stop()
+    replacement.stop()

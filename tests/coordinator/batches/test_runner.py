@@ -18,12 +18,14 @@ from starlette.datastructures import Headers
 from darkbloom.coordinator.batches import batch_api, file_api
 from darkbloom.coordinator.batches.runner import BatchRunner
 from darkbloom.coordinator.fleet.registry import Registry
+from darkbloom.coordinator.identity.api_keys import ApiKey
 from darkbloom.coordinator.identity.caller import Caller
 from darkbloom.coordinator.money.ratelimit import create_rate_limiter
 from darkbloom.coordinator.services import Services
-from darkbloom.store import accounts, batches, files
+from darkbloom.store import accounts, batches, files, keys
 from darkbloom.store.schema import batch_lines, usage_records
 from darkbloom.wire.catalog import BUNDLED_MODEL_ID
+from darkbloom.wire.crypto import token_hash
 from darkbloom.wire.protocol import InferenceRequest
 from tests.coordinator.routing.sim import SimProvider, fleet, settings
 
@@ -204,3 +206,27 @@ async def test_two_runners_share_a_batch_and_answer_each_line_once(engine: Async
         assert sorted(line["custom_id"] for line in output) == [f"r{i}" for i in range(6)]
         rows = await usage_of(engine, batch_id)
         assert sorted(r["custom_id"] for r in rows) == [f"r{i}" for i in range(6)]  # each line charged once
+
+
+async def test_a_key_made_self_route_only_after_creation_keeps_its_lines_off_the_fleet(engine: AsyncEngine) -> None:
+    async with world(engine) as (services, console):
+        async with engine.begin() as conn:
+            row = await keys.create(conn, console.account_id, token_hash("dk-batch-key"), "dk-batch-k", {"name": "k"})
+        caller = Caller(console.account_id, "api_key", key=ApiKey.from_row(row))
+        batch_id = await new_batch(services, caller, 2)  # a fleet batch
+        async with engine.begin() as conn:
+            await keys.update_fields(conn, console.account_id, row["id"], {"self_route_only": True})
+        stranger, = fleet(services.registry, 1, max_concurrency=4)
+        runner = BatchRunner(services)
+        for _ in range(10):
+            await runner.step()
+            await asyncio.sleep(0.02)
+        assert stranger.requests() == []  # the fleet's machine is not the caller's own
+        own, = fleet(services.registry, 1, max_concurrency=4, account=console.account_id)
+        async with engine.begin() as conn:  # the waiting lines are tried again now
+            await conn.execute(update(batch_lines).values(not_before=0))
+        await runner.step()
+        await answer(own, 2)
+        done = await until(services, batch_id, "completed", runner=runner)
+        assert done["completed"] == 2 and stranger.requests() == []
+        assert [r["routed"] for r in await usage_of(engine, batch_id)] == ["owned", "owned"]

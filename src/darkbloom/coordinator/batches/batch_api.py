@@ -18,6 +18,7 @@ from darkbloom.coordinator.batches.input_file import BATCH_EDGES, check_input_fi
 from darkbloom.coordinator.identity.caller import Caller
 from darkbloom.coordinator.money import admission
 from darkbloom.coordinator.routing import route
+from darkbloom.coordinator.routing.route import MACHINE_HEADER, ROUTE_HEADER, SHARE_HEADER
 from darkbloom.coordinator.routing.selfroute import no_linked_machine
 from darkbloom.coordinator.routing.sharing import load_grants, no_shared_machine
 from darkbloom.coordinator.services import Services
@@ -53,6 +54,18 @@ BATCH_CREATE = BodySchema(BatchCreate, {
     "completion_window": "'completion_window' must be \"24h\".",
     "metadata": "'metadata' must be an object of at most 16 string values (keys ≤ 64 characters, values ≤ 512).",
 }, unknown="Unknown batch field(s): {names}. A batch takes {known}.")
+
+
+def route_headers(batch: dict[str, Any]) -> Headers:
+    """The routing headers the batch was created with, which each of its lines is sent with: its
+    policy is resolved per line with the key as it is then (a key made ``self_route_only`` since keeps
+    its lines on its owner's machines, as it would a live request)."""
+    values = {ROUTE_HEADER: batch["route"]} if batch["route"] != "fleet" else {}
+    if batch["pinned_machine_id"] is not None:
+        values[MACHINE_HEADER] = batch["pinned_machine_id"]
+    if batch["share_id"] is not None:
+        values[SHARE_HEADER] = batch["share_id"]
+    return Headers(values)
 
 
 def batch_not_found() -> ApiError:

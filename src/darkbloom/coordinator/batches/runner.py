@@ -18,18 +18,18 @@ import time
 from typing import Any, Callable
 
 from darkbloom.coordinator.batches import results
+from darkbloom.coordinator.batches.batch_api import route_headers
 from darkbloom.coordinator.batches.input_file import BATCH_EDGES
 from darkbloom.coordinator.identity.api_keys import ApiKey
 from darkbloom.coordinator.identity.caller import Caller
 from darkbloom.coordinator.inference.serving import serve_line
 from darkbloom.coordinator.money.billing import FULL_PRICE_BPS, BatchTerms
-from darkbloom.coordinator.routing.decision import Policy, RouteMode
+from darkbloom.coordinator.routing import route
 from darkbloom.coordinator.services import Services
 from darkbloom.store import batches, keys
 from darkbloom.wire.openai.errors import ApiError, unauthorized
 
 log = logging.getLogger("darkbloom.batches")
-ROUTE_MODES: dict[str, RouteMode] = {"self": "exclusive", "shared": "shared", "prefer": "prefer", "fleet": "public"}
 _WAITS = {409, 429, 503}          # no machine to run on now: the line waits …
 _FAILS = {"model_not_loaded"}     # … but for the caller's online machines not serving its model at all
 _PROVIDER_FAILURES = 3            # attempts a line may fail on providers (5xx) before it fails
@@ -153,9 +153,7 @@ class BatchRunner:
         try:
             if isinstance(caller, ApiError):
                 raise caller
-            mode = ROUTE_MODES[batch["route"]]
-            policy = Policy(mode, caller.account_id if mode != "public" else None, batch["pinned_machine_id"],
-                            batch["share_id"])
+            policy = route.resolve_policy(route_headers(batch), caller)
             terms = BatchTerms(batch_id, custom_id, round(services.settings.batch_discount * FULL_PRICE_BPS))
             await serve_line(edge, caller, services, line["body"].encode(), policy, request_id, terms, placed,
                              answered)
