@@ -109,8 +109,7 @@ async def _started(services: Services, life: RequestLifecycle, call: InferenceCa
     model = route.resolve_model(services, life.caller, call.model, policy)
     bounds = call.bounds(model)
     decision = await route.decide(services, life.caller, policy, model, call, context_needed=bounds.context,
-                                  output_tokens=bounds.output)
-    decision.batch = life.batch is not None
+                                  output_tokens=bounds.output, batch=life.batch is not None)
     policy = await life.admit(policy, decision, bounds)
     admitted_at = time.monotonic()
     with race():

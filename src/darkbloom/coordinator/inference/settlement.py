@@ -16,6 +16,10 @@ was not used — once, on every end:
   first content), token charges reconciled with the real counts; a vanished client or a cancel
   stops the provider and charges what it reported (``charge_partial``).
 
+A batch line's lifecycle (``batch``) takes no rate charges (its batch was one request), reserves at
+the batch price on the fleet, and, stopped before its end (its coordinator stopping, its batch
+cancelled before it was placed), charges nothing — the line runs again or ends uncharged.
+
 Use it as ``async with RequestLifecycle(...) as life:``. A served answer settles with ``finish``
 before its usage is shown — the non-streamed body (and its ``X-Darkbloom-Cost-Micro-USD``) is built
 after it, a stream's last events follow it — so the ``cost_micro_usd`` the caller reads is what the
