@@ -263,13 +263,16 @@ OPERATIONS: dict[tuple[str, str], Operation] = {
         description="A file of purpose `batch` is checked line by line first (JSONL of `{custom_id, method, url, "
                     "body}`); a bad line is a 400 naming its line number."),
     ("get", "/v1/files"): Operation(
-        "batches", "List your files", {200: json_answer("FileList", "Newest first.")}, auth="caller"),
+        "batches", "List your files", {200: json_answer("FileList", "Newest first.")}, auth="caller",
+        errors={400: INVALID}),
     ("get", "/v1/files/{file_id}"): Operation(
         "batches", "One file", {200: json_answer("FileObject", "The file.")}, auth="caller",
         errors={404: ("file_not_found",)}),
     ("get", "/v1/files/{file_id}/content"): Operation(
-        "batches", "A file's content", {200: Answer("The file's bytes (JSONL for batch files).",
-                                                    {"application/jsonl": "FileContent"})},
+        "batches", "A file's content", {200: Answer(
+            "The file's bytes: application/jsonl for a file whose name ends in .jsonl (every batch file and result "
+            "file), else application/octet-stream.",
+            {"application/jsonl": "FileContent", "application/octet-stream": "FileContent"})},
         auth="caller", errors={404: ("file_not_found",)}),
     ("delete", "/v1/files/{file_id}"): Operation(
         "batches", "Delete a file", {200: json_answer("FileDeleted", "Deleted.")}, auth="caller",
@@ -282,7 +285,8 @@ OPERATIONS: dict[tuple[str, str], Operation] = {
                     "the key choose (as for a live request), at the lowest priority; fleet lines cost the live price "
                     "× the batch discount."),
     ("get", "/v1/batches"): Operation(
-        "batches", "List your batches", {200: json_answer("BatchList", "Newest first.")}, auth="caller"),
+        "batches", "List your batches", {200: json_answer("BatchList", "Newest first.")}, auth="caller",
+        errors={400: INVALID}),
     ("get", "/v1/batches/{batch_id}"): Operation(
         "batches", "One batch", {200: json_answer("Batch", "The batch, with its progress.")}, auth="caller",
         errors={404: ("batch_not_found",)}),
