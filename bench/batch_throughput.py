@@ -27,7 +27,6 @@ import json
 import os
 import platform
 import statistics
-import subprocess
 import sys
 import tempfile
 import threading
@@ -47,6 +46,7 @@ from tests.support.processes import start_coordinator, wait_until  # noqa: E402
 
 MODEL = "smollm2-135m"
 SELF = {"X-Darkbloom-Route": "self"}
+PROFILE_SECONDS = 20
 
 
 def lines(count: int, offset: int = 0) -> list[dict[str, Any]]:
@@ -126,20 +126,18 @@ def main() -> None:
                 rows.append((f"live, {concurrency} at a time", seconds, tokens))
             batch_id = submit(client, url, headers, lines(args.lines))
             started = time.perf_counter()
-            profiling: list[subprocess.Popen[bytes]] = []
-            if args.profile is not None:
+            if args.profile is not None:  # 20 s of the batch, its CPU per thread over the same 20 s
                 args.profile.mkdir(parents=True, exist_ok=True)
                 pid = coord.process.proc.pid
                 cpu_before = profile_summary.thread_cpu(pid)
-                profiling = [profile_summary.record(pid, 20, args.profile / "coordinator-batch-gil.raw", "gil")]
+                profile_summary.record(pid, PROFILE_SECONDS, args.profile / "coordinator-batch-gil.raw", "gil").wait()
+                cpu_after = profile_summary.thread_cpu(pid)
             done = wait_until(lambda: (s := batch_state(client, url, headers, batch_id))["status"] == "completed" and s,
                               timeout=3600, interval=0.25, what="the batch completed")
             seconds = time.perf_counter() - started
             usage = client.get(url + "/payments/usage?limit=500", headers=headers).json()["data"]
             per_line = statistics.median(r["completion_tokens"] for r in usage if r.get("batch_id") == batch_id)
             rows.append(("batch (3 slots of 4, 1 kept free)", seconds, int(per_line * done["request_counts"]["completed"])))
-            for process in profiling:
-                process.wait()
             # interactive requests: alone, then during a second batch
             idle = [ttft(client, url, headers, probe) for probe in range(args.probes)]
             second = submit(client, url, headers, lines(args.lines, offset=10**5))
@@ -173,8 +171,7 @@ def main() -> None:
         if args.profile is not None:
             raw = (args.profile / "coordinator-batch-gil.raw").read_text()
             print("\ncoordinator during the batch (py-spy, GIL samples):\n")
-            print(profile_summary.cpu_table(cpu_before, profile_summary.thread_cpu(coord.process.proc.pid), 20,
-                                            [raw]))
+            print(profile_summary.cpu_table(cpu_before, cpu_after, PROFILE_SECONDS, [raw]))
             print(profile_summary.summarise(raw, top=10))
     finally:
         if node is not None:

@@ -9,6 +9,7 @@ from typing import Any, Iterable, Iterator
 from sqlalchemy import and_, func, insert, or_, select, update
 from sqlalchemy.ext.asyncio import AsyncConnection
 
+from darkbloom.store.db import newest_first
 from darkbloom.store.schema import batch_lines, batches, usage_records
 
 OPEN = ("validating", "in_progress", "cancelling", "finalizing")
@@ -40,16 +41,8 @@ async def get(conn: AsyncConnection, account_id: str | None, batch_id: str) -> d
 
 async def list_for(conn: AsyncConnection, account_id: str, limit: int, after_id: str | None) -> list[dict[str, Any]]:
     """Newest first; ``after_id``: those listed after that batch."""
-    query = select(batches).where(batches.c.account_id == account_id)
-    if after_id is not None:
-        after = (await conn.execute(select(batches.c.created_at).where(
-            batches.c.id == after_id, batches.c.account_id == account_id))).scalar()
-        if after is None:
-            return []
-        query = query.where(or_(batches.c.created_at < after,
-                                and_(batches.c.created_at == after, batches.c.id < after_id)))
-    query = query.order_by(batches.c.created_at.desc(), batches.c.id.desc()).limit(limit)
-    return [dict(r) for r in (await conn.execute(query)).mappings()]
+    return await newest_first(conn, select(batches).where(batches.c.account_id == account_id), batches, account_id,
+                              after_id, limit)
 
 
 async def open_batches(conn: AsyncConnection) -> list[dict[str, Any]]:

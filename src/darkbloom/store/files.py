@@ -6,9 +6,10 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from sqlalchemy import and_, delete, insert, or_, select
+from sqlalchemy import delete, insert, select
 from sqlalchemy.ext.asyncio import AsyncConnection
 
+from darkbloom.store.db import newest_first
 from darkbloom.store.schema import files
 from darkbloom.wire.crypto import new_id
 
@@ -41,14 +42,7 @@ async def list_for(conn: AsyncConnection, account_id: str, limit: int, after_id:
     query = select(*_LISTED).where(files.c.account_id == account_id)
     if purpose is not None:
         query = query.where(files.c.purpose == purpose)
-    if after_id is not None:
-        after = (await conn.execute(select(files.c.created_at).where(
-            files.c.id == after_id, files.c.account_id == account_id))).scalar()
-        if after is None:
-            return []
-        query = query.where(or_(files.c.created_at < after, and_(files.c.created_at == after, files.c.id < after_id)))
-    query = query.order_by(files.c.created_at.desc(), files.c.id.desc()).limit(limit)
-    return [dict(r) for r in (await conn.execute(query)).mappings()]
+    return await newest_first(conn, query, files, account_id, after_id, limit)
 
 
 async def remove(conn: AsyncConnection, account_id: str, file_id: str) -> bool:

@@ -111,3 +111,16 @@ def test_ids_that_are_not_the_callers_are_404(api: Api, owner: Account) -> None:
     assert_error(api.post("/v1/batches", headers=owner.auth, json={
         "input_file_id": "file-nope", "endpoint": "/v1/chat/completions", "completion_window": "24h"}),
         404, "file_not_found")
+
+
+def test_files_are_listed_newest_first_a_page_at_a_time(api: Api) -> None:
+    owner = api.signup()
+    made = [upload(api, owner, f"note {i}".encode(), purpose="user_data").json()  # type: ignore[attr-defined]
+            for i in range(3)]
+    newest_first = [f["id"] for f in sorted(made, key=lambda f: (f["created_at"], f["id"]), reverse=True)]
+    first = api.get("/v1/files?limit=2", headers=owner.auth).json()
+    assert first["has_more"] is True and [f["id"] for f in first["data"]] == newest_first[:2]
+    rest = api.get(f"/v1/files?limit=2&after={first['last_id']}", headers=owner.auth).json()
+    assert rest["has_more"] is False and [f["id"] for f in rest["data"]] == newest_first[2:]
+    assert api.get("/v1/files?purpose=batch", headers=owner.auth).json()["data"] == []
+    assert api.get(f"/v1/files?after={made[0]['id']}", headers=api.signup().auth).json()["data"] == []  # not theirs

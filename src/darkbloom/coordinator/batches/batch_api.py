@@ -13,7 +13,7 @@ from pydantic import Field, with_config
 from starlette.datastructures import Headers
 from typing_extensions import NotRequired, TypedDict
 
-from darkbloom.coordinator.batches.file_api import file_not_found
+from darkbloom.coordinator.batches.file_api import file_not_found, list_page
 from darkbloom.coordinator.batches.input_file import BATCH_EDGES, check_input_file
 from darkbloom.coordinator.identity.caller import Caller
 from darkbloom.coordinator.money import admission
@@ -138,9 +138,7 @@ async def listed(services: Services, caller: Caller, limit: int, after: str | No
         rows = await batches.list_for(conn, caller.account_id, limit + 1, after)
         shown = rows[:limit]
         costs = await batches.cost_of(conn, [row["id"] for row in shown])
-    return {"object": "list", "data": [batch_view(row, costs.get(row["id"], 0)) for row in shown],
-            "has_more": len(rows) > limit, "first_id": shown[0]["id"] if shown else None,
-            "last_id": shown[-1]["id"] if shown else None}
+    return list_page([batch_view(row, costs.get(row["id"], 0)) for row in shown], len(rows) > limit)
 
 
 async def cancel(services: Services, caller: Caller, batch_id: str) -> dict[str, Any]:

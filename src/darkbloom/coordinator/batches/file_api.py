@@ -48,12 +48,17 @@ async def upload(services: Services, caller: Caller, purpose: str, filename: str
     return file_view(row)
 
 
+def list_page(shown: list[dict[str, Any]], has_more: bool) -> dict[str, Any]:
+    """OpenAI's list of files or batches: ``shown`` in order, and whether more follow (``after``)."""
+    return {"object": "list", "data": shown, "has_more": has_more,
+            "first_id": shown[0]["id"] if shown else None, "last_id": shown[-1]["id"] if shown else None}
+
+
 async def listed(services: Services, caller: Caller, limit: int, after: str | None,
                  purpose: str | None) -> dict[str, Any]:
     async with services.engine.connect() as conn:
         rows = await files.list_for(conn, caller.account_id, limit + 1, after, purpose)
-    return {"object": "list", "data": [file_view(r) for r in rows[:limit]], "has_more": len(rows) > limit,
-            "first_id": rows[0]["id"] if rows else None, "last_id": rows[:limit][-1]["id"] if rows else None}
+    return list_page([file_view(r) for r in rows[:limit]], len(rows) > limit)
 
 
 async def read(services: Services, caller: Caller, file_id: str) -> dict[str, Any]:
