@@ -94,12 +94,12 @@ test: install services layout typecheck
 
 # docs/img/: the console's screenshots, taken by tests/console/test_console_flow.py,
 # test_console_machines.py (a machine serving other weights than the catalog pins),
-# test_console_sharing.py (the Sharing page, and the chat on Shared machines) and
-# test_console_insight.py (a machine's last 24 h, usage per day)
+# test_console_sharing.py (the Sharing page, and the chat on Shared machines),
+# test_console_insight.py (a machine's last 24 h, usage per day) and test_console_batches.py (batches)
 screenshots: install services
 	DARKBLOOM_SCREENSHOTS=$(CURDIR)/docs/img $(PY) -m pytest -q tests/console/test_console_flow.py \
 		tests/console/test_console_machines.py tests/console/test_console_sharing.py \
-		tests/console/test_console_insight.py
+		tests/console/test_console_insight.py tests/console/test_console_batches.py
 
 # bench/relay_overhead.py drives every path with Debian's wrk (a Python load generator saturates
 # long before the relay does); py-spy, for its profiles, comes from the bench extra (pip).

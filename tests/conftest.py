@@ -99,7 +99,7 @@ LONGEST_FIRST = ("tests/clients/", "tests/reliability/test_schemathesis.py", "ll
 
 # Packages whose every test is e2e: `make check` (-m "not e2e") does not import them at all (their
 # client SDKs cost each xdist worker seconds of collection); a test in them without the mark is an error
-E2E_PACKAGES = ("clients", "console", "e2e", "selfroute")
+E2E_PACKAGES = ("batches", "clients", "console", "e2e", "selfroute")
 TESTS = Path(__file__).parent
 
 

@@ -86,6 +86,8 @@ def coordinator(
     account_rpm: Optional[int] = _setting("account_rpm"),
     account_itpm: Optional[int] = _setting("account_itpm"),
     account_otpm: Optional[int] = _setting("account_otpm"),
+    batch_discount: float = _setting("batch_discount"),
+    batch_free_slots: int = _setting("batch_free_slots"),
     runtime_allow: Optional[list[str]] = _setting("runtime_allow"),
     challenge_interval: float = _setting("challenge_interval"),
     challenge_deadline: float = _setting("challenge_deadline"),

@@ -28,6 +28,7 @@ PAGE_REQUESTS = {
     "/console/sharing": {"/v1/shares", "/v1/me/providers", "/v1/me"},  # and one /usage per share (none here)
     "/console/usage": {"/v1/payments/balance", "/v1/payments/usage", "/v1/payments/usage/daily",
                        "/v1/provider/earnings"},
+    "/console/batches": {"/v1/batches"},
     "/console/link": set(),
 }
 

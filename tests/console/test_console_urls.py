@@ -16,7 +16,7 @@ pytestmark = pytest.mark.e2e
 
 FORGED = {"Host": "evil.example", "X-Forwarded-Host": "evil.example", "X-Forwarded-Proto": "https"}
 PUBLIC_URL = "https://darkbloom.example.org"
-PAGES = ("/console/link", "/console/machines", "/console/keys", "/console/sharing", "/console/")
+PAGES = ("/console/link", "/console/machines", "/console/keys", "/console/sharing", "/console/batches", "/console/")
 
 
 @dataclass

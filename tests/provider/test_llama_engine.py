@@ -12,7 +12,7 @@ from typing import Any
 import jsonschema
 import pytest
 
-from darkbloom.provider.backends.base import BackendError
+from darkbloom.provider.backends.base import BackendError, request_priority
 from darkbloom.provider.backends.llama_chat import _ChatChunks
 from darkbloom.provider.backends.llama_engine import Engine, _common_prefix, _reuse
 from tests.support.recording_backend import RecordingLlamaCppBackend
@@ -159,3 +159,44 @@ async def test_a_sequence_whose_callback_fails_ends_alone(backend: RecordingLlam
     assert failed.value.status_code == 500 and "BOOM" not in failed.value.message
     for text, _, finish, usage in await asyncio.gather(*others):
         assert text.strip() and finish == "length" and usage["completion_tokens"] == 20
+
+
+async def test_batch_lines_wait_while_a_live_prompt_is_read(backend: RecordingLlamaCppBackend,
+                                                            monkeypatch: pytest.MonkeyPatch) -> None:
+    """A coordinator's batch lines (request_priority "batch") step behind a live request: while its
+    prompt is read, a step holds only live work, so its first token comes as on an idle engine."""
+    engine = engine_of(backend)
+    steps: list[tuple[int, bool]] = []  # (step number, a live prompt was being read in it)
+    advanced: list[tuple[int, bool]] = []  # (step number, the sequence that sampled is a batch line)
+    step, advance = engine._step, engine._advance
+
+    def recording_step() -> None:
+        reading = any(s.sequence is not None and s.sequence.next_token is None
+                      and not s.sequence.generation.background for s in engine.slots)
+        steps.append((engine.steps + 1, reading))
+        step()
+
+    def recording_advance(slot: Any, logits: Any) -> None:
+        advanced.append((engine.steps, slot.sequence.generation.background))
+        advance(slot, logits)
+
+    monkeypatch.setattr(engine, "_step", recording_step)
+    monkeypatch.setattr(engine, "_advance", recording_advance)
+
+    async def batch_line(n: int) -> tuple[str, str, str, dict[str, Any]]:
+        request_priority.set("batch")  # this task's, as the node's task serving a batch line sets it
+        return await answer(backend, story(n, 80))
+
+    lines = [asyncio.create_task(batch_line(n)) for n in range(3)]
+    while sum(1 for _, background in advanced if background) < 6:  # the batch lines are generating
+        await asyncio.sleep(0.01)
+    long_prompt = {"messages": [{"role": "user", "content": "Read this carefully. " * 60 + "Now say hi."}],
+                   "max_tokens": 4, "temperature": 0}
+    text, _, _, usage = await answer(backend, long_prompt)
+    assert usage["prompt_tokens"] > engine.prompt_step  # read over several steps
+    for text, _, finish, _ in await asyncio.gather(*lines):
+        assert text and finish == "length"
+    reading = {number for number, live in steps if live}
+    assert len(reading) >= 2
+    assert not [number for number, background in advanced if background and number in reading]
+    assert any(background for number, background in advanced if number not in reading)

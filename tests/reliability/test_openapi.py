@@ -26,7 +26,9 @@ HTTP_METHODS = ("get", "put", "post", "delete", "options", "head", "patch", "tra
 BODYLESS_WRITES = {("post", "/v1/auth/logout"), ("post", "/v1/device/code"),
                    ("delete", "/v1/keys/{key_id}"), ("post", "/v1/keys/{key_id}/rotate"),
                    ("delete", "/v1/me/providers/{machine_id}"),
-                   ("post", "/v1/admin/machines/{machine_id}/enroll"), ("post", "/v1/me/email/send-code")}
+                   ("post", "/v1/admin/machines/{machine_id}/enroll"), ("post", "/v1/me/email/send-code"),
+                   ("post", "/v1/batches/{batch_id}/cancel")}
+UPLOADS = {("post", "/v1/files")}  # multipart bodies
 
 
 @pytest.fixture(scope="module")
@@ -99,7 +101,8 @@ def test_auth_and_bodies_are_described(document: dict[str, Any]) -> None:
         if path.startswith("/v1/admin/"):
             assert op["security"] == [{"admin": []}] and "403" in op["responses"], (method, path)
         if method in ("post", "put", "patch") and (method, path) not in BODYLESS_WRITES:
-            assert op["requestBody"]["content"]["application/json"]["schema"]["$ref"], (method, path)
+            media = "multipart/form-data" if (method, path) in UPLOADS else "application/json"
+            assert op["requestBody"]["content"][media]["schema"]["$ref"], (method, path)
             assert {"400", "499"} <= set(op["responses"]), (method, path)
     schemas = document["components"]["schemas"]
     assert {"model", "messages"} <= set(schemas["ChatCompletionRequest"]["required"])

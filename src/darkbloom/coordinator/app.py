@@ -17,13 +17,15 @@ from darkbloom.coordinator.consumer_key import load_or_create_key
 from darkbloom.coordinator.console import routes as console_routes
 from darkbloom.coordinator.fleet.connection import SERVICE_RESTART
 from darkbloom.coordinator.fleet.registry import Registry
-from darkbloom.coordinator.http.body_limit import BodyLimitMiddleware
+from darkbloom.coordinator.http.body_limit import UPLOAD_FRAMING, BodyLimitMiddleware
 from darkbloom.coordinator.inference.disconnect import ClientDisconnected
 from darkbloom.coordinator.http.cors import add_cors
 from darkbloom.coordinator.http.errors import install_handlers
 from darkbloom.coordinator.http.allowed_methods import install_allowed_methods
 from darkbloom.coordinator.http.openapi.document import install_openapi
-from darkbloom.coordinator.http.routes import account, admin, device, health, inference, keys, payments, provider_ws, shares
+from darkbloom.coordinator.batches.runner import BatchRunner
+from darkbloom.coordinator.http.routes import (account, admin, batches, device, files, health, inference, keys, payments,
+                                             provider_ws, shares)
 from darkbloom.coordinator.identity import auth_invalidation
 from darkbloom.coordinator.money import reconciliation
 from darkbloom.coordinator.money.ratelimit import create_rate_limiter
@@ -49,7 +51,8 @@ def create_app(settings: CoordinatorSettings) -> FastAPI:
         background = [asyncio.create_task(services.registry.evict_silent(settings.eviction_interval,
                                                                           settings.heartbeat_timeout)),
                       asyncio.create_task(reconciliation.heartbeat_forever(services)),
-                      asyncio.create_task(services.queues.drain_forever())]
+                      asyncio.create_task(services.queues.drain_forever()),
+                      asyncio.create_task(BatchRunner(services).run_forever())]
         if engine.dialect.name == "postgresql":  # other coordinators may share the database
             listener = notices.Listener(engine)
             auth_invalidation.subscribe(services, listener)
@@ -83,7 +86,9 @@ def create_app(settings: CoordinatorSettings) -> FastAPI:
     # no trailing-slash redirects: Starlette writes their Location from the request's Host header
     app = FastAPI(title="Darkbloom coordinator", version="0.1.0", lifespan=lifespan,
                   docs_url=None, redoc_url=None, redirect_slashes=False, **_NO_TELEMETRY)
-    app.add_middleware(BodyLimitMiddleware, max_bytes=settings.max_body_bytes)
+    # an uploaded file may be larger than a request body (its multipart framing aside)
+    app.add_middleware(BodyLimitMiddleware, max_bytes=settings.max_body_bytes,
+                       uploads={"/v1/files": settings.batch_max_file_bytes + UPLOAD_FRAMING})
     add_cors(app, settings.cors_origins)  # outside the body limit: preflights never reach it or routes
     install_handlers(app)
     install_allowed_methods(app)  # OPTIONS → 204 and every 405 with the full Allow
@@ -91,7 +96,7 @@ def create_app(settings: CoordinatorSettings) -> FastAPI:
     app.add_exception_handler(ClientDisconnected, _client_gone)
     app.add_exception_handler(ClientDisconnect, _client_gone)
     inference.add_inference_routes(app)
-    for module in (health, inference, account, payments, keys, shares, device, admin, console_routes):
+    for module in (health, inference, account, payments, keys, shares, files, batches, device, admin, console_routes):
         app.include_router(module.router)
     app.add_middleware(provider_ws.ProviderSocketFirst)  # added last: the outermost
     return app

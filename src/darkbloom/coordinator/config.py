@@ -119,6 +119,20 @@ class CoordinatorSettings(BaseSettings):
     account_itpm: int | None = Field(None, description="Default input tokens per minute per account.")
     account_otpm: int | None = Field(None, description="Default output tokens per minute per account.")
 
+    # batches (docs/batches.md)
+    batch_discount: float = Field(
+        0.5, description="What a batch line run on the fleet pays, as a fraction of the live price (before the "
+                         "minimum charge); own and shared machines are priced as live.")
+    batch_free_slots: int = Field(
+        1, description="Slots of each machine a batch line leaves free for live requests (a machine with fewer "
+                       "slots than this plus one still runs batch lines, one at a time).")
+    batch_max_file_bytes: int = 100 * 1024 * 1024  # an uploaded file's size limit
+    batch_max_lines: int = 50_000                   # a batch input file's line limit
+    batch_lines_in_flight: int = 16   # a batch's lines one coordinator runs at once (each waits for its slot)
+    batch_lease_seconds: float = 60.0  # a running line is this instance's for so long, renewed while it runs
+    batch_poll_interval: float = 1.0   # seconds between looks for batches with lines to run or to finish
+    batch_retry_seconds: float = 10.0  # a line with no machine to run on (offline, busy, unlinked) waits so long
+
     # sign-up and log-in throttles (docs/api.md); 0 turns one off
     login_failures_per_email: int = 10     # failed log-ins per email in 15 minutes
     login_failures_per_address: int = 100  # failed log-ins per client address in 15 minutes
@@ -173,11 +187,17 @@ class CoordinatorSettings(BaseSettings):
         if self.password_hash_memory_kib < 19_456 or self.password_hash_time_cost < 2:
             raise ValueError(f"{env_var('password_hash_memory_kib')} must be at least 19456 and "
                              f"{env_var('password_hash_time_cost')} at least 2 (OWASP's minimum for argon2id)")
+        if not 0 < self.batch_discount <= 1:
+            raise ValueError("--batch-discount must be above 0 and at most 1")
+        if self.batch_free_slots < 0 or self.batch_lines_in_flight < 1:
+            raise ValueError("--batch-free-slots must not be negative and DARKBLOOM_BATCH_LINES_IN_FLIGHT must be "
+                             "at least 1")
         if self.queue_max_wait < 0 or self.queue_depth < 0:
             raise ValueError("--queue-max-wait and --queue-depth must not be negative")
         for name in ("challenge_interval", "challenge_deadline", "challenge_freshness", "enrollment_cert_days",
                      "first_content_timeout", "idle_timeout", "request_timeout", "replica_heartbeat",
-                     "machine_flush_interval", "insight_interval"):
+                     "machine_flush_interval", "insight_interval", "batch_lease_seconds", "batch_poll_interval",
+                     "batch_retry_seconds", "batch_max_file_bytes", "batch_max_lines"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{flag_name(name)} must be positive")
         if self.replica_timeout <= self.replica_heartbeat:

@@ -26,7 +26,7 @@ from darkbloom.wire import protocol
 from darkbloom.wire.openai.legacy import completion_prompts
 from darkbloom.wire.token_bounds import prompt_token_bound
 from darkbloom.provider.backends import Backend, BackendError, open_stream
-from darkbloom.provider.backends.base import UsageMeter, chunk_usage, is_usage_chunk
+from darkbloom.provider.backends.base import UsageMeter, chunk_usage, is_usage_chunk, request_priority
 from darkbloom.provider.config import ProviderConfig
 from darkbloom.provider.outbox import Outbox
 from darkbloom.provider.slots import Slots
@@ -159,6 +159,7 @@ class FleetRequests:
             if job.max_tokens is not None and frame.api == "completions":  # max_tokens is each prompt's
                 job.max_tokens *= len(completion_prompts(body))
             # an embeddings body has no max_tokens: nothing to hold the report to but the backend's count
+            request_priority.set(frame.priority)  # this task's: the backend reads it as the stream opens
             relayed = await self._relay(job, sealer, open_stream(self.backend, frame.api, model_id, body, job.meter))
             usage = job.report(relayed.prompt_tokens, relayed.completion_tokens, relayed.cached_tokens)
             job.outbox.send(protocol.InferenceComplete(request_id=request_id, usage=usage), job)

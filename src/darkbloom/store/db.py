@@ -6,8 +6,9 @@ from pathlib import Path
 
 from alembic import command
 from alembic.config import Config
-from sqlalchemy import event, text
-from sqlalchemy import Table
+from typing import Any
+
+from sqlalchemy import Select, Table, and_, event, or_, select, text
 from sqlalchemy.engine import Connection
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine, create_async_engine
 
@@ -74,3 +75,17 @@ async def insert_ignore(conn: AsyncConnection, table: Table, **values: object) -
         from sqlalchemy.dialects.sqlite import insert as dialect_insert
     result = await conn.execute(dialect_insert(table).values(**values).on_conflict_do_nothing())
     return result.rowcount > 0
+
+
+async def newest_first(conn: AsyncConnection, query: Select[Any], table: Table, account_id: str,
+                       after_id: str | None, limit: int) -> list[dict[str, Any]]:
+    """``query``'s rows of ``table`` (with ``id``, ``account_id`` and ``created_at``), newest first; with
+    ``after_id``, those listed after that row of the account's (none when it is not the account's)."""
+    if after_id is not None:
+        after = (await conn.execute(select(table.c.created_at).where(
+            table.c.id == after_id, table.c.account_id == account_id))).scalar()
+        if after is None:
+            return []
+        query = query.where(or_(table.c.created_at < after, and_(table.c.created_at == after, table.c.id < after_id)))
+    query = query.order_by(table.c.created_at.desc(), table.c.id.desc()).limit(limit)
+    return [dict(r) for r in (await conn.execute(query)).mappings()]

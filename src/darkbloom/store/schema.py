@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from sqlalchemy import (JSON, BigInteger, Boolean, Column, ForeignKey, Index, Integer, MetaData, String, Table, Text,
-                        false)
+from sqlalchemy import (JSON, BigInteger, Boolean, Column, ForeignKey, Index, Integer, LargeBinary, MetaData, String,
+                        Table, Text, false)
 
 metadata = MetaData()
 
@@ -161,6 +161,9 @@ usage_records = Table(
     Column("created_at", BigInteger, nullable=False),
     # the machine (mach_…) of the serving session (migration 0008; null on older rows and unlinked nodes)
     Column("machine_id", String(64), nullable=True),
+    # a batch line's request (migration 0011): its batch and the line's custom_id
+    Column("batch_id", String(64), nullable=True, index=True),
+    Column("custom_id", String(512), nullable=True),
     Index("ix_usage_records_machine_created", "machine_id", "created_at"),
 )
 
@@ -234,4 +237,71 @@ machine_insight = Table(
     Column("name", String(48), primary_key=True),
     Column("value", BigInteger, nullable=False),
     Index("ix_machine_insight_hour", "hour"),
+)
+
+# batches (migration 0011): OpenAI's Files and Batch APIs (coordinator/batches/)
+
+files = Table(
+    "files", metadata,
+    Column("id", String(64), primary_key=True),                       # file-…
+    Column("account_id", String(64), ForeignKey("accounts.id"), nullable=False),
+    Column("purpose", String(32), nullable=False),                    # batch | batch_output | batch_error | …
+    Column("filename", String(256), nullable=False),
+    Column("bytes", BigInteger, nullable=False),
+    Column("lines", Integer, nullable=True),                          # a checked batch input file's line count
+    Column("content", LargeBinary, nullable=False),
+    Column("created_at", BigInteger, nullable=False),
+    Index("ix_files_account_created", "account_id", "created_at"),
+)
+
+batches = Table(
+    "batches", metadata,
+    Column("id", String(64), primary_key=True),                       # batch_…
+    Column("account_id", String(64), ForeignKey("accounts.id"), nullable=False),
+    Column("caller_kind", String(16), nullable=False),                # who created it: api_key | console_session | device
+    Column("key_id", String(64), nullable=True),                      # its lines run as this key (its limits, its route)
+    Column("machine_id", String(64), nullable=True),                  # a device token's machine
+    Column("input_file_id", String(64), nullable=False),
+    Column("endpoint", String(32), nullable=False),
+    Column("completion_window", String(8), nullable=False),
+    Column("route", String(8), nullable=False),                       # self | shared | prefer | fleet
+    Column("pinned_machine_id", String(64), nullable=True),           # X-Darkbloom-Machine at creation
+    Column("share_id", String(64), nullable=True),                    # X-Darkbloom-Share at creation
+    Column("status", String(16), nullable=False),
+    Column("metadata", JSON, nullable=True),
+    Column("total", Integer, nullable=False),
+    Column("completed", Integer, nullable=False, default=0),          # lines answered
+    Column("failed", Integer, nullable=False, default=0),             # lines failed (expired and cancelled ones at the end)
+    Column("output_file_id", String(64), nullable=True),
+    Column("error_file_id", String(64), nullable=True),
+    Column("created_at", BigInteger, nullable=False),
+    Column("in_progress_at", BigInteger, nullable=True),
+    Column("expires_at", BigInteger, nullable=False),
+    Column("finalizing_at", BigInteger, nullable=True),
+    Column("completed_at", BigInteger, nullable=True),
+    Column("failed_at", BigInteger, nullable=True),
+    Column("expired_at", BigInteger, nullable=True),
+    Column("cancelling_at", BigInteger, nullable=True),
+    Column("cancelled_at", BigInteger, nullable=True),
+    Index("ix_batches_account_created", "account_id", "created_at"),
+    Index("ix_batches_status", "status"),
+)
+
+# one row per input line: pending → running (leased by one coordinator instance until lease_until) →
+# answered | failed | expired | cancelled; a running line whose lease ran out is anyone's to take over
+batch_lines = Table(
+    "batch_lines", metadata,
+    Column("batch_id", String(64), ForeignKey("batches.id"), primary_key=True),
+    Column("line_no", Integer, primary_key=True),                     # 1-based, as in the input file
+    Column("custom_id", String(512), nullable=False),
+    Column("body", Text, nullable=False),
+    Column("state", String(16), nullable=False),
+    Column("lease_owner", String(64), nullable=True),
+    Column("lease_until", BigInteger, nullable=True),
+    Column("not_before", BigInteger, nullable=False, default=0),      # a line waiting for a machine: not tried before
+    Column("attempts", Integer, nullable=False, default=0),
+    Column("request_id", String(64), nullable=True),                  # the attempt that answered (or failed) it
+    Column("result", Text, nullable=True),                            # its output- or error-file line (JSON)
+    Column("finished_at", BigInteger, nullable=True),
+    Index("ix_batch_lines_state", "batch_id", "state", "not_before"),
 )

@@ -232,11 +232,15 @@ class Registered(_Frame):
     chunk_arrays: bool = False
 
 
+Priority = Literal["live", "batch"]
+
+
 class InferenceRequest(_Frame):
     type: Literal["inference_request"] = "inference_request"
     request_id: str
     encrypted_body: Envelope
     api: Api = "chat"  # what the sealed body asks for (its OpenAI endpoint); not secret
+    priority: Priority = "live"  # "batch": a batch line, which the node's engine runs behind live requests
 
 
 class Cancel(_Frame):

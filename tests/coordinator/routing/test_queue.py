@@ -272,3 +272,57 @@ async def test_retry_after_follows_the_recent_wait() -> None:
     assert refused.value.retry_after >= 2  # ceil of the last wait (≥ 1.2 s), not the 1 s default
     waiter2.cancel()
     await asyncio.gather(waiter2, return_exceptions=True)
+
+
+# batch lines: the lowest priority (docs/batches.md "Priority")
+
+async def test_a_batch_line_leaves_a_slot_free_for_live_requests() -> None:
+    registry = Registry()
+    provider, = fleet(registry, 1, max_concurrency=4)
+    q = queues(registry)
+    lines = [await q.place(decision(batch=True)) for _ in range(3)]
+    assert provider.session.active == 3
+    waiting = await enqueue(q, decision(batch=True))  # the fourth slot is kept for live requests
+    live = await q.place(decision())
+    assert live.session is provider.session and provider.session.active == 4
+    lines[0].slot.release()
+    await asyncio.sleep(0.05)
+    assert not waiting.done()  # a slot is still kept free beside the live request
+    lines[1].slot.release()
+    placed = await asyncio.wait_for(waiting, 1)
+    assert placed.session is provider.session and provider.session.active == 3
+    assert q.depth(MODEL.id) == 0  # batch lines never count towards a live queue's depth
+
+
+async def test_a_session_with_one_slot_still_runs_batch_lines() -> None:
+    registry = Registry()
+    provider, = fleet(registry, 1, max_concurrency=1)
+    placed = await queues(registry).place(decision(batch=True))
+    assert placed.session is provider.session
+
+
+async def test_a_freed_slot_goes_to_a_live_waiter_before_any_batch_line() -> None:
+    registry = Registry()
+    provider, = fleet(registry, 1, active=1)
+    q = queues(registry)
+    line = await enqueue(q, decision(batch=True))  # waiting first
+    live = await enqueue(q, decision())
+    free(provider, q)
+    served = await asyncio.wait_for(live, 1)
+    assert served.session is provider.session
+    assert not line.done()
+    served.slot.release()
+    assert (await asyncio.wait_for(line, 1)).session is provider.session
+
+
+async def test_batch_lines_do_not_fill_a_live_queue() -> None:
+    registry = Registry()
+    fleet(registry, 1, active=1)
+    q = queues(registry, queue_depth=1)
+    lines = [await enqueue(q, decision(batch=True)) for _ in range(3)]
+    live = await enqueue(q, decision())
+    with pytest.raises(QueueRefused):
+        await q.place(decision())  # the live queue is full with one live waiter, not with batch lines
+    for task in (*lines, live):
+        task.cancel()
+    await asyncio.gather(*lines, live, return_exceptions=True)

@@ -46,6 +46,7 @@ PAGES = {
     "keys": _Page("keys.html", "API keys", "keys.js"),
     "machines": _Page("machines.html", "Machines", "machines.js"),
     "sharing": _Page("sharing.html", "Sharing", "sharing.js"),
+    "batches": _Page("batches.html", "Batches", "batches.js"),
     "usage": _Page("usage.html", "Usage & billing", "usage.js"),
     "link": _Page("link.html", "Link a machine", "link.js"),
     "login": _Page("auth.html", "Log in", "auth.js", signed_in=False),

@@ -97,70 +97,68 @@ class ProviderSession:
         self._listing = None
         self.online = False
 
+    def _reordered(self) -> None:
+        if self._listing is not None:
+            self._listing.reorder(self)
+
+    def _refiled(self) -> None:
+        if self._listing is not None:
+            self._listing.refile(self)
+
     def claim_slot(self) -> None:
         """One more slot in use (``fleet.slots``, the only caller)."""
         self._active += 1
-        if self._listing is not None:
-            self._listing.reorder(self)
+        self._reordered()
 
     def release_slot(self) -> None:
         """One slot fewer in use; never below zero (a stand-in's count is its holder's, overwritten by
         the announcements)."""
         self._active = max(0, self._active - 1)
-        if self._listing is not None:
-            self._listing.reorder(self)
+        self._reordered()
 
     def mirror_active(self, active: int) -> None:
         """A stand-in takes the count its holder announced (``fleet.slots.mirror``)."""
         self._active = active
-        if self._listing is not None:
-            self._listing.reorder(self)
+        self._reordered()
 
     def report_speed(self, decode_tps: float) -> None:
         """Its measured decode speed is now ``decode_tps`` (the replica's link passes it on, if need be)."""
         self.decode_tps = decode_tps
-        if self._listing is not None:
-            self._listing.reorder(self)
+        self._reordered()
 
     def report_loaded(self, model_ids: Iterable[str]) -> None:
         """The node says which of its models are in memory now (ids it never advertised are ignored)."""
         loaded = self.advertised_models.intersection(model_ids)
         if loaded != self.loaded_models:
             self.loaded_models = loaded
-            if self._listing is not None:
-                self._listing.reorder(self)
+            self._reordered()
 
     def mark_online(self) -> None:
         """Registered: routable from now on (if trusted)."""
         self.online = True
-        if self._listing is not None:
-            self._listing.refile(self)
+        self._refiled()
 
     def start_draining(self) -> None:
         """It finishes what it serves and takes nothing new."""
         if not self.draining:
             self.draining = True
-            if self._listing is not None:
-                self._listing.refile(self)
+            self._refiled()
 
     def record_challenge_pass(self, at: float | None) -> None:
         """It last passed an attestation challenge at ``at`` (monotonic; None: not yet)."""
         self.challenge_passed_at = at
-        if self._listing is not None:
-            self._listing.refile(self)
+        self._refiled()
 
     def raise_trust(self, level: str) -> None:
         """It proved ``level`` (an enrollment, or its holder says so)."""
         self.trust_level = level
-        if self._listing is not None:
-            self._listing.refile(self)
+        self._refiled()
 
     def distrusted_elsewhere(self, reason: str) -> None:
         """Another replica found it untrustworthy (its holder announced it): untrusted here too."""
         if self.untrusted_reason is None:
             self.untrusted_reason = reason
-            if self._listing is not None:
-                self._listing.refile(self)
+            self._refiled()
 
     def distrust(self, reason: str) -> None:
         """Mark it untrusted for good: it stays connected and ``online`` (listed, with trust ``untrusted``)
@@ -170,8 +168,7 @@ class ProviderSession:
         if self.untrusted_reason is not None:
             return
         self.untrusted_reason = reason
-        if self._listing is not None:
-            self._listing.refile(self)
+        self._refiled()
         log.warning("provider %s marked untrusted: %s", self.id, reason)
         if self.online:
             self.send(dump(TrustStatus(trust_level=UNTRUSTED, reason=reason)))

@@ -4,7 +4,6 @@ Tokens resolve through the process's AuthCache (coordinator/identity/auth_cache.
 
 from __future__ import annotations
 
-import time
 
 from fastapi import Depends, Request
 from sqlalchemy.ext.asyncio import AsyncEngine
@@ -73,24 +72,13 @@ async def require_caller(request: Request, services: Services = Depends(get_serv
     if caller is None:
         raise unauthorized("Missing or invalid API key. Pass it as 'x-api-key: dk-…' (or 'Authorization: Bearer "
                            "dk-…').") if anthropic else unauthorized()
-    if caller.key is not None:
-        _refuse_unusable(caller.key)
+    refusal = caller.key.refusal() if caller.key is not None else None
+    if refusal is not None:
+        raise refusal
     request.state.account_id = caller.account_id
     return caller
 
 
-def _refuse_unusable(key: ApiKey) -> None:
-    """A disabled or expired key authenticates nothing (checked on every request: a cached grant carries
-    the key, and an expiry needs no change to be announced)."""
-    if key.disabled:
-        raise ApiError(401, "key_disabled", "This API key is disabled. Enable it again (PATCH /v1/keys/{id} with "
-                                            "\"disabled\": false) or use another key.", headers=_BEARER)
-    if key.expires_at is not None and key.expires_at <= time.time():
-        raise ApiError(401, "key_expired", "This API key has expired. Set a later expires_at on it (or null) "
-                                           "from a console session, or create a new key.", headers=_BEARER)
-
-
-_BEARER = {"WWW-Authenticate": "Bearer"}
 
 
 async def require_account_writer(caller: Caller = Depends(require_caller)) -> Caller:

@@ -13,27 +13,32 @@ class _TooLarge(Exception):
     pass
 
 
+UPLOAD_FRAMING = 64 * 1024  # a multipart upload's boundaries, headers and small fields beside its file
+
+
 class BodyLimitMiddleware:
-    def __init__(self, app: ASGIApp, max_bytes: int) -> None:
+    def __init__(self, app: ASGIApp, max_bytes: int, uploads: dict[str, int] | None = None) -> None:
         self.app = app
         self.max_bytes = max_bytes
+        self.uploads = uploads or {}  # a POST path → its own limit (file uploads)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
+        limit = self.uploads.get(scope["path"], self.max_bytes) if scope["method"] == "POST" else self.max_bytes
         declared, chunked = _framing(scope["headers"])
         if declared is not None and not chunked:
             # The HTTP parser delivers exactly Content-Length bytes, so a declared length within
             # the limit needs no counting on the way in (the common case: every SDK declares it).
-            if declared > self.max_bytes:
-                await _reject(scope, receive, send, self.max_bytes)
+            if declared > limit:
+                await _reject(scope, receive, send, limit)
             else:
                 await self.app(scope, receive, send)
             return
-        await self._counted(scope, receive, send)
+        await self._counted(scope, receive, send, limit)
 
-    async def _counted(self, scope: Scope, receive: Receive, send: Send) -> None:
+    async def _counted(self, scope: Scope, receive: Receive, send: Send, limit: int) -> None:
         seen = 0
         started = False
 
@@ -42,7 +47,7 @@ class BodyLimitMiddleware:
             message = await receive()
             if message["type"] == "http.request":
                 seen += len(message.get("body", b""))
-                if seen > self.max_bytes:
+                if seen > limit:
                     raise _TooLarge()
             return message
 
@@ -56,7 +61,7 @@ class BodyLimitMiddleware:
             await self.app(scope, limited_receive, tracking_send)
         except _TooLarge:
             if not started:
-                await _reject(scope, receive, send, self.max_bytes)
+                await _reject(scope, receive, send, limit)
 
 
 def _framing(headers: list[tuple[bytes, bytes]]) -> tuple[int | None, bool]:

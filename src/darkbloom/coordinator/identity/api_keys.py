@@ -14,8 +14,9 @@ from pydantic import Field, with_config
 from typing_extensions import NotRequired, Required, TypedDict
 
 from darkbloom.wire.openai.body_schema import CLOSED, BodySchema, Refusals
-from darkbloom.wire.openai.errors import invalid_request
+from darkbloom.wire.openai.errors import ApiError, invalid_request
 
+_BEARER = {"WWW-Authenticate": "Bearer"}
 LimitReset = Literal["none", "daily", "weekly", "monthly"]
 _EXPIRY = "'expires_at' must be an ISO-8601 date-time (e.g. 2030-01-31T00:00:00Z) or null."
 
@@ -53,6 +54,17 @@ class ApiKey:
                    itpm_limit=row["itpm_limit"], otpm_limit=row["otpm_limit"],
                    allowed_models=frozenset(models) if models is not None else None,
                    max_shared_price=row["max_shared_price"])
+
+    def refusal(self) -> ApiError | None:
+        """The 401 of a disabled or expired key, which authenticates nothing (checked on every request: a
+        cached grant carries the key, and an expiry needs no change to be announced); None: usable."""
+        if self.disabled:
+            return ApiError(401, "key_disabled", "This API key is disabled. Enable it again (PATCH /v1/keys/{id} "
+                                                 "with \"disabled\": false) or use another key.", headers=_BEARER)
+        if self.expires_at is not None and self.expires_at <= time.time():
+            return ApiError(401, "key_expired", "This API key has expired. Set a later expires_at on it (or null) "
+                                                "from a console session, or create a new key.", headers=_BEARER)
+        return None
 
     @property
     def restricted(self) -> bool:

@@ -32,7 +32,7 @@ from darkbloom.wire.crypto import DecryptionError
 from darkbloom.wire.openai.chunk_shapes import chunk_problem
 from darkbloom.wire.openai.chunks import has_content
 from darkbloom.wire.openai.presenters import Presenter
-from darkbloom.wire.protocol import Api, Envelope, InferenceRequest, Usage, dump
+from darkbloom.wire.protocol import Api, Envelope, InferenceRequest, Priority, Usage, dump
 
 log = logging.getLogger("darkbloom.attempts")
 MAX_ATTEMPTS = 3
@@ -44,9 +44,11 @@ Event = Union[dict[str, Any], Usage, Failed]  # a chunk, the provider's usage re
 
 
 class Attempt:
-    def __init__(self, request_id: str, slot: Slot, bounds: TokenBounds | None = None, api: Api = "chat") -> None:
+    def __init__(self, request_id: str, slot: Slot, bounds: TokenBounds | None = None, api: Api = "chat",
+                 priority: Priority = "live") -> None:
         self.request_id = request_id
         self.api = api
+        self.priority = priority
         self.bounds = bounds  # the most a provider can truthfully report (docs/billing.md "1. Admission")
         self.slot = slot
         self.session = slot.session
@@ -74,7 +76,8 @@ class Attempt:
         assert session.public_key is not None, "only sessions with an encryption key are routable"
         body = json_codec.dumps(dict(node_body, model=provider_model_id))
         envelope = self.reply_key.seal_request(body, session.public_key)
-        frame = dump(InferenceRequest(request_id=self.request_id, encrypted_body=envelope, api=self.api))
+        frame = dump(InferenceRequest(request_id=self.request_id, encrypted_body=envelope, api=self.api,
+                                      priority=self.priority))
         limit = session.registration.max_request_frame_bytes
         if len(frame) > limit:
             # never sent: a frame over the node's limit would close its socket and every stream on it
@@ -282,7 +285,8 @@ class Attempts:
         self.sent_since_takedown: int | None = None  # attempts sent after (or still live at) the first
 
     def _dispatch(self, claimed: Claim) -> Attempt:
-        attempt = Attempt(self.request_id, claimed.slot, self.life.bounds, self.api)
+        attempt = Attempt(self.request_id, claimed.slot, self.life.bounds, self.api,
+                          "batch" if self.decision.batch else "live")
         attempt.dispatch(self.node_body, claimed.provider_model_id)
         self.life.track(attempt)
         if self.sent_since_takedown is not None:

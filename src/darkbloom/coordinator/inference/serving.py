@@ -9,14 +9,16 @@ attempts to first content (``inference/attempts.py``), raced against the client 
 (``inference/disconnect.py``); the answer — the presenter's JSON, or a stream — settled before it
 shows its usage, so the ``cost_micro_usd`` in it (and a JSON answer's ``X-Darkbloom-Cost-Micro-USD``)
 is what the settlement charged. The lifecycle gives back what the request did not use and settles
-the rest, however it ends.
+the rest, however it ends. ``serve_line`` serves a batch line through the same steps (``_started``):
+no client to race, the lowest priority, and its answer handed to its batch before it settles.
 """
 
 from __future__ import annotations
 
+import contextlib
 import secrets
 import time
-from typing import AsyncIterator, Awaitable, Callable
+from typing import Any, AsyncIterator, Awaitable, Callable, ContextManager
 
 from prometheus_client import Histogram
 from starlette.background import BackgroundTask
@@ -25,11 +27,13 @@ from starlette.responses import JSONResponse, StreamingResponse
 
 from darkbloom.coordinator.identity.caller import Caller
 from darkbloom.coordinator.inference.attempts import Attempt, Attempts
-from darkbloom.coordinator.inference.calls import Deadlines, parse_call
+from darkbloom.coordinator.inference.calls import Deadlines, InferenceCall, parse_call
 from darkbloom.coordinator.inference.disconnect import DisconnectWatch
 from darkbloom.coordinator.inference.failures import ProviderFailure, failure_error
 from darkbloom.coordinator.inference.settlement import RequestLifecycle
+from darkbloom.coordinator.money.billing import BatchTerms
 from darkbloom.coordinator.routing import route
+from darkbloom.coordinator.routing.decision import Policy
 from darkbloom.coordinator.services import Services
 from darkbloom.wire.openai.answers import EventStreamResponse, JsonAnswer
 from darkbloom.wire.openai.edges import Edge
@@ -56,28 +60,8 @@ async def serve(edge: Edge, request: Request, caller: Caller, services: Services
         await life.take_request()  # RPM, before the body is read
         call = parse_call(await read_body(), edge)
         policy = route.resolve_policy(request.headers, caller)
-        model = route.resolve_model(services, caller, call.model, policy)
-        bounds = call.bounds(model)
         with DisconnectWatch(request) as watch:
-            decision = await route.decide(services, caller, policy, model, call, context_needed=bounds.context,
-                                          output_tokens=bounds.output)
-            policy = await life.admit(policy, decision, bounds)
-            admitted_at = time.monotonic()
-            with watch.race():
-                first = await route.place(services, decision, policy, life)
-            PLACEMENT_SECONDS.labels(policy.mode).observe(time.monotonic() - admitted_at)
-            try:
-                with watch.race():
-                    attempt, completed = await Attempts(life, decision, call.api,
-                                                        call.node_body(bounds.output)).run(first)
-            except ProviderFailure as failure:
-                error = failure.as_api_error(call.request)
-                if not failure.crashed_providers:  # a poison request is told so, whatever state the machines are in
-                    error = await route.unserved_error(services, decision, error)
-                raise error from None
-            route.remember(services, decision, attempt.session)
-            first_content_at = attempt.first_content_at or time.monotonic()  # or it completed without content
-            FIRST_CONTENT_SECONDS.labels(edge.path).observe(first_content_at - life.started)
+            attempt, completed = await _started(services, life, call, policy, watch.race)
             headers = life.answer_headers()
             presenter = call.present(life.request_id)
             deadlines = Deadlines.from_settings(services.settings, life.started)
@@ -93,6 +77,58 @@ async def serve(edge: Edge, request: Request, caller: Caller, services: Services
             assert attempt.usage is not None
             return JsonAnswer(presenter.response(attempt.usage, cost), headers={**headers, COST_HEADER: str(cost)},
                               background=BackgroundTask(_write_log, life))  # the request's line, once it has gone
+
+
+async def serve_line(edge: Edge, caller: Caller, services: Services, body: bytes, policy: Policy,
+                     request_id: str, batch: BatchTerms, placed: Callable[[], None],
+                     answered: Callable[[dict[str, Any]], Awaitable[None]]) -> None:
+    """One batch line as one request of ``edge``'s API by ``caller``, at the lowest priority, on the
+    route its batch was created with: ``placed`` is called once it holds a slot, and its answer (the
+    live endpoint's JSON body) goes to ``answered``, which keeps it before the request settles — if
+    that raises (the line is no longer this coordinator's), nothing is charged. Raises the
+    ``ApiError`` a live request would have been answered with."""
+    async with RequestLifecycle(services, caller, request_id, edge.path, batch) as life:
+        call = parse_call(body, edge)
+        attempt, completed = await _started(services, life, call, policy, contextlib.nullcontext, placed)
+        presenter = call.present(life.request_id)
+        try:
+            await attempt.collect(completed, presenter, Deadlines.from_settings(services.settings, life.started))
+        except ProviderFailure as failure:
+            raise failure.as_api_error(call.request) from None
+        assert attempt.usage is not None
+        await answered(presenter.response(attempt.usage, 0))  # its cost: the usage row's, read with the results
+        await life.finish("ok")
+    life.write_log()
+
+
+async def _started(services: Services, life: RequestLifecycle, call: InferenceCall, policy: Policy,
+                   race: Callable[[], ContextManager[None]],
+                   placed: Callable[[], None] | None = None) -> tuple[Attempt, bool]:
+    """The call routed, admitted and placed (then ``placed`` called), and its first attempt to first
+    content (or to its end, ``True``), each wait raced with ``race``."""
+    model = route.resolve_model(services, life.caller, call.model, policy)
+    bounds = call.bounds(model)
+    decision = await route.decide(services, life.caller, policy, model, call, context_needed=bounds.context,
+                                  output_tokens=bounds.output, batch=life.batch is not None)
+    policy = await life.admit(policy, decision, bounds)
+    admitted_at = time.monotonic()
+    with race():
+        first = await route.place(services, decision, policy, life)
+    PLACEMENT_SECONDS.labels(policy.mode).observe(time.monotonic() - admitted_at)
+    if placed is not None:
+        placed()
+    try:
+        with race():
+            attempt, completed = await Attempts(life, decision, call.api, call.node_body(bounds.output)).run(first)
+    except ProviderFailure as failure:
+        error = failure.as_api_error(call.request)
+        if not failure.crashed_providers:  # a poison request is told so, whatever state the machines are in
+            error = await route.unserved_error(services, decision, error)
+        raise error from None
+    route.remember(services, decision, attempt.session)
+    first_content_at = attempt.first_content_at or time.monotonic()  # or it completed without content
+    FIRST_CONTENT_SECONDS.labels(call.edge.path).observe(first_content_at - life.started)
+    return attempt, completed
 
 
 async def _write_log(life: RequestLifecycle) -> None:

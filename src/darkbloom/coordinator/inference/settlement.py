@@ -16,6 +16,10 @@ was not used — once, on every end:
   first content), token charges reconciled with the real counts; a vanished client or a cancel
   stops the provider and charges what it reported (``charge_partial``).
 
+A batch line's lifecycle (``batch``) takes no rate charges (its batch was one request), reserves at
+the batch price on the fleet, and, stopped before its end (its coordinator stopping, its batch
+cancelled before it was placed), charges nothing — the line runs again or ends uncharged.
+
 Use it as ``async with RequestLifecycle(...) as life:``. A served answer settles with ``finish``
 before its usage is shown — the non-streamed body (and its ``X-Darkbloom-Cost-Micro-USD``) is built
 after it, a stream's last events follow it — so the ``cost_micro_usd`` the caller reads is what the
@@ -63,11 +67,15 @@ REQUEST_SECONDS = Histogram(
 
 
 class RequestLifecycle:
-    def __init__(self, services: Services, caller: Caller, request_id: str, api: str) -> None:
+    def __init__(self, services: Services, caller: Caller, request_id: str, api: str,
+                 batch: billing.BatchTerms | None = None) -> None:
         self.services = services
         self.caller = caller
         self.request_id = request_id
         self.api = api  # the API's path: a metric label
+        # a batch line: no rate limits (its batch was one request), the batch price on the fleet, and a line
+        # stopped before its end (its coordinator stopping, the batch expiring) charges nothing: it runs again
+        self.batch = batch
         self.started = time.monotonic()
         self.rate_charges: list[Charge] = []
         self.rate_headers: dict[str, str] = {}
@@ -142,10 +150,13 @@ class RequestLifecycle:
         A ``prefer`` request also holds it against the key's fallback budget; when that cannot, it is
         admitted without a reservation, as exclusive (``self.exclusive``: own machines only, $0)."""
         self.model, self.self_routed, self.bounds = model, self_routed, bounds
-        await self.charge_rates(admission.token_charges(self.services, self.caller, bounds.prompt, bounds.output))
+        if self.batch is None:
+            await self.charge_rates(admission.token_charges(self.services, self.caller, bounds.prompt, bounds.output))
         if reserve:
+            price_bps = self.batch.fleet_price_bps if self.batch is not None and reserve_at is None \
+                else billing.FULL_PRICE_BPS
             amount = billing.worst_case(reserve_at or model, bounds.prompt, bounds.output,
-                                        self.services.settings.min_charge_micro_usd)
+                                        self.services.settings.min_charge_micro_usd, price_bps)
             try:
                 self.reservation = await billing.reserve(self.services, self.request_id, self.caller.account_id,
                                                          self.caller.key, amount, prefer=prefer)
@@ -213,6 +224,8 @@ class RequestLifecycle:
             outcome = "client_disconnected" if gone else "unserved" if self.admitted else "refused"
         elif exc is None:
             end, outcome = self._settle("ok", charge_partial=False), "ok"
+        elif gone and self.batch is not None:
+            end, outcome = self._settle("stopped", charge_partial=False, stop=True), "client_disconnected"
         elif gone:
             end, outcome = self._settle("client_disconnected", charge_partial=True), "client_disconnected"
         else:
@@ -274,11 +287,15 @@ class RequestLifecycle:
         if charges:
             await self.services.rate_limiter.refund(charges)
 
-    async def _settle(self, outcome: str, *, charge_partial: bool, log_now: bool = True) -> None:
+    async def _settle(self, outcome: str, *, charge_partial: bool, log_now: bool = True, stop: bool = False) -> None:
+        """Charge what the serving attempt used (``outcome`` "ok", or ``charge_partial``: stopped first, what
+        it reported) or give the reservation back (``stop``: the attempt stopped first, nothing charged)."""
         services, attempt = self.services, self.serving
         assert attempt is not None and self.model is not None
         if charge_partial:
             await attempt.stop(services.settings.cancel_grace)
+        elif stop:
+            attempt.abandon()
         attempt.release()
         self._release_attempts(keep=attempt)
         _measure_decode_speed(attempt)
@@ -291,7 +308,8 @@ class RequestLifecycle:
         terms = billing.ShareTerms(self.share.id, self.share.owner_account_id, self.share.priced_model(self.model)
                                    ) if self.share is not None and through_share else None
         bill = billing.Bill(self.request_id, self.caller.account_id, self.caller.key_id, self.model,
-                            self.reservation, self.self_routed, exclusive=self.exclusive, share=terms)
+                            self.reservation, self.self_routed, exclusive=self.exclusive, share=terms,
+                            batch=self.batch)
         await self._close_share(usage if through_share else None)
         reservation = self.reservation
         if usage is not None:

@@ -72,12 +72,19 @@ def _minimum(model: CatalogModel, min_charge: int) -> int:
     return min_charge if model.input_price or model.output_price else 0
 
 
-def charge_for(model: CatalogModel, usage: Usage, min_charge: int) -> int:
-    return max(_minimum(model, min_charge), model.cost(usage.prompt_tokens, usage.completion_tokens))
+FULL_PRICE_BPS = 10_000
 
 
-def worst_case(model: CatalogModel, prompt_tokens: int, output_bound: int, min_charge: int) -> int:
-    return max(_minimum(model, min_charge), model.cost(prompt_tokens, output_bound))
+def charge_for(model: CatalogModel, usage: Usage, min_charge: int, price_bps: int = FULL_PRICE_BPS) -> int:
+    """What ``usage`` costs at ``model``'s prices × ``price_bps`` / 10,000 (a batch's discount), and at
+    least the minimum charge."""
+    return max(_minimum(model, min_charge),
+               model.cost(usage.prompt_tokens, usage.completion_tokens) * price_bps // FULL_PRICE_BPS)
+
+
+def worst_case(model: CatalogModel, prompt_tokens: int, output_bound: int, min_charge: int,
+               price_bps: int = FULL_PRICE_BPS) -> int:
+    return max(_minimum(model, min_charge), model.cost(prompt_tokens, output_bound) * price_bps // FULL_PRICE_BPS)
 
 
 async def reserve(services: Services, request_id: str, account_id: str, key: ApiKey | None,
@@ -155,6 +162,16 @@ class ShareTerms:
 
 
 @dataclass(frozen=True)
+class BatchTerms:
+    """A batch line's request: on the fleet it costs the live price × ``fleet_price_bps`` / 10,000
+    (the coordinator's batch discount, before the minimum charge); its usage row names its batch and line."""
+
+    batch_id: str
+    custom_id: str
+    fleet_price_bps: int
+
+
+@dataclass(frozen=True)
 class Bill:
     """What settlement needs to know about a request, decided at admission."""
 
@@ -166,6 +183,7 @@ class Bill:
     self_routed: bool                # the caller asked for their own machine (exclusive or prefer)
     exclusive: bool = False          # exclusive self-route: $0 whoever owns the machine by the end
     share: ShareTerms | None = None  # shared routing: admitted on this share
+    batch: BatchTerms | None = None  # a batch line
 
 
 async def settle_bill(services: Services, bill: Bill, usage: Usage, served: Served) -> Settlement | None:
@@ -188,7 +206,8 @@ async def settle_bill(services: Services, bill: Bill, usage: Usage, served: Serv
     ownership_changed = (bill.exclusive and not owned and share is None) or (share is not None and price is None)
     free = (bill.self_routed and owned) or (bill.exclusive and share is None) or price is None
     reservation = bill.reservation
-    cost = 0 if free else charge_for(price, usage, settings.min_charge_micro_usd)  # type: ignore[arg-type]
+    price_bps = bill.batch.fleet_price_bps if bill.batch is not None and routed == "fleet" else FULL_PRICE_BPS
+    cost = 0 if free else charge_for(price, usage, settings.min_charge_micro_usd, price_bps)  # type: ignore[arg-type]
     if reservation is not None and cost > reservation.amount:
         log.warning("request %s: reported usage costs %d µUSD, above its reservation %d; charging the reservation",
                     bill.request_id, cost, reservation.amount)
@@ -197,7 +216,8 @@ async def settle_bill(services: Services, bill: Bill, usage: Usage, served: Serv
         bill.request_id, bill.account_id, bill.key_id, bill.model.id, served.provider_id,
         served.provider_account_id, usage.prompt_tokens, usage.completion_tokens, cost, settings.platform_fee_bps,
         reserved=reservation is not None, self_routed=free and share is None, routed=routed,
-        ownership_changed=ownership_changed, share_id=share_id, machine_id=served.machine_id))
+        ownership_changed=ownership_changed, share_id=share_id, machine_id=served.machine_id,
+        batch_id=bill.batch.batch_id if bill.batch else None, custom_id=bill.batch.custom_id if bill.batch else None))
     if result is None:
         return None
     if result.uncollected:

@@ -21,14 +21,16 @@ CSV_COLUMNS = ("request_id", "created_at", "model", "provider_id", "prompt_token
 
 def row_view(r: dict[str, Any]) -> dict[str, Any]:
     """The documented row (docs/api.md "Usage rows"), plus the flags only where they apply: the share
-    that served, and an exclusive request whose machine changed owner mid-flight (still free)."""
+    that served, an exclusive request whose machine changed owner mid-flight (still free), and the batch
+    and line of a batch line's request."""
     return {
         "request_id": r["request_id"], "created_at": r["created_at"], "model": r["model"],
         "provider_id": r["provider_id"], "prompt_tokens": r["prompt_tokens"],
         "completion_tokens": r["completion_tokens"], "cost_micro_usd": r["cost_micro_usd"],
         "self_routed": bool(r["self_routed"]), "routed": r["routed"],
         **({"share_id": r["share_id"]} if r.get("share_id") else {}),
-        **({"ownership_changed": True} if r["ownership_changed"] else {})}
+        **({"ownership_changed": True} if r["ownership_changed"] else {}),
+        **({"batch_id": r["batch_id"], "custom_id": r["custom_id"]} if r.get("batch_id") else {})}
 
 
 async def daily(services: Services, account_id: str, days: int) -> list[dict[str, Any]]:

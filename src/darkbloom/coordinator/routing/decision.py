@@ -93,6 +93,7 @@ class RouteDecision:
     tallied: bool = False                 # counted by its model's public view (machine insight), once
     affinity: str | None = None           # the session that served its conversation before (routing/affinity.py)
     conversation: Conversation | None = None  # remembered with the session that serves it, for its next turn
+    batch: bool = False                   # a batch line: the lowest priority, and it leaves slots free for live requests
 
     @property
     def names(self) -> tuple[str, ...]:

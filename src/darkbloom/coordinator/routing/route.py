@@ -127,10 +127,11 @@ def resolve_model(services: Services, caller: Caller, name: str, policy: Policy)
 
 
 async def decide(services: Services, caller: Caller, policy: Policy, model: CatalogModel, call: Routed, *,
-                 context_needed: int, output_tokens: int) -> RouteDecision:
+                 context_needed: int, output_tokens: int, batch: bool = False) -> RouteDecision:
     """The request's one decision: the shares it may use (shared routing: read for each request, so a
     revoked share is refused at once), the session that served its conversation before, and the
-    context it may take — 400 at once when that fits no session it may use."""
+    context it may take — 400 at once when that fits no session it may use. ``batch``: a batch line
+    (the lowest priority)."""
     grants = await load_grants(services, caller, policy.share_id) if policy.shared else None
     conversation = services.affinity.conversation(caller.account_id, model.id, call.api, call.body)
     # a model outside the catalog is reachable only on the caller's own machines, even with prefer:
@@ -141,7 +142,8 @@ async def decide(services: Services, caller: Caller, policy: Policy, model: Cata
                              pinned=policy.pinned, context_needed=context_needed, output_tokens=output_tokens,
                              shares=grants.usable if grants else (),
                              exhausted_shares=grants.exhausted if grants else (), shared_routing=policy.shared,
-                             affinity=services.affinity.recall(conversation), conversation=conversation)
+                             affinity=services.affinity.recall(conversation), conversation=conversation,
+                             batch=batch)
     check_context(services, decision)  # before anything is taken
     return decision
 

@@ -324,7 +324,7 @@ def _first_eligible(registry: Registry, decision: RouteDecision,
         views.append((_view(registry, decision, settings, None), owner is not None))
     for view, skip_owned in views:
         for session in view:
-            if _usable(session, decision, settings, now, skip_owned, count=False):
+            if _usable(session, decision, settings, now, skip_owned, count=False, taking=False):
                 return session
     return None
 
@@ -348,13 +348,16 @@ def _view(registry: Registry, decision: RouteDecision, settings: CoordinatorSett
 
 
 def _usable(session: ProviderSession, decision: RouteDecision, settings: CoordinatorSettings, now: float,
-            skip_owned: bool, count: bool = True, tally: ViewTally | None = None) -> bool:
+            skip_owned: bool, count: bool = True, tally: ViewTally | None = None, taking: bool = True) -> bool:
+    """Whether the request may use the session (``taking``: take one of its slots now)."""
     if session.id in decision.excluded or (skip_owned and decision.owns(session)):
         return False  # excluded, or owned and already looked at in the owned view
     if decision.shares and not decision.may_use(session):
         return False  # a sharer's machine that none of the caller's shares covers
     if decision.pinned and decision.pinned not in (session.id, session.machine_id):
         return False
+    if taking and decision.batch and not batch_may_take(session, settings):
+        return False  # its last free slots are kept for live requests
     reason = first_failed_gate(session, decision, settings, now)
     if reason is not None and count:
         REJECTIONS.labels(reason).inc()
@@ -362,6 +365,13 @@ def _usable(session: ProviderSession, decision: RouteDecision, settings: Coordin
         if tally is not None:
             tally.turned_away(session, reason)
     return reason is None
+
+
+def batch_may_take(session: ProviderSession, settings: CoordinatorSettings) -> bool:
+    """Whether a batch line may take one of the session's slots: it leaves ``batch_free_slots`` free for
+    live requests (a session with no more slots than that runs batch lines one at a time)."""
+    keep = min(settings.batch_free_slots, session.max_concurrency - 1)
+    return session.active + 1 + keep <= session.max_concurrency
 
 
 def _first(ranks: Iterator[Ties], decision: RouteDecision, settings: CoordinatorSettings, now: float,

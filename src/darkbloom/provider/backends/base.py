@@ -3,11 +3,16 @@
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import time
 import uuid
 from typing import Any, AsyncIterator, Callable, Protocol, runtime_checkable
 
-from darkbloom.wire.protocol import Usage
+from darkbloom.wire.protocol import Priority, Usage
+
+# the priority of the request whose stream is being opened, set by the task serving it (a coordinator's
+# batch line is "batch"); a backend that schedules work of its own (the llama.cpp engine) reads it
+request_priority: contextvars.ContextVar[Priority] = contextvars.ContextVar("request_priority", default="live")
 
 # What a node serves beyond plain chat (names from `wire.protocol.CAPABILITIES`).
 TEXT_MODEL_CAPABILITIES = frozenset({"tools", "structured_output", "logprobs", "completions", "embeddings"})

@@ -36,7 +36,7 @@ from pathlib import Path
 from typing import Any, AsyncIterator, Callable
 
 from darkbloom.provider.backends.base import (TEXT_MODEL_CAPABILITIES, BackendError, UsageMeter,
-                                              new_completion_id, usage_chunk)
+                                              new_completion_id, request_priority, usage_chunk)
 from darkbloom.provider.backends.llama_chat import chat_job, chat_sequence
 from darkbloom.provider.backends.llama_embeddings import EmbeddingEngine, EmbeddingRequest
 from darkbloom.provider.backends.llama_engine import Cancelled, Engine, Generation, Sequence
@@ -209,7 +209,8 @@ class LlamaCppBackend:
                 loop.call_soon_threadsafe(callback, item)
 
         lease = await self._residency.lease(model_id, kind)  # held until the engine is done with the request
-        generation = Generation(model_id=model_id, meter=meter if meter is not None else UsageMeter())
+        generation = Generation(model_id=model_id, meter=meter if meter is not None else UsageMeter(),
+                                background=request_priority.get() == "batch")
 
         def handed_back(error: BaseException | None) -> None:  # on the loop, once nothing works on it any more
             generation.cancelled = isinstance(error, Cancelled)

@@ -18,6 +18,10 @@ engine's thread owns the context, the batch and every slot:
   long prompt arriving never freezes the streams already running. Each sequence that has a logits
   row after the step samples its next token with its own sampler chain (`llama_sampler`) and hands
   it to its `TextStream`.
+- **Batch lines** (`Generation.background`: the coordinator's batch lines) run behind live
+  requests: a live sequence waiting is admitted first, and while a live sequence is still reading its
+  prompt, a step holds only live work (its prompt read at once, as on an idle engine; the batch lines'
+  next tokens wait that one step), so a person's first token is not slowed by a batch.
 - **Ends**: at end-of-generation, a stop, `max_tokens`, a cancel (seen at the next step), or an
   error in that sequence alone (a grammar with nowhere to go, a failing callback). A step llama.cpp
   refuses ends the sequences in it, and drops their slots' caches.
@@ -68,6 +72,7 @@ class Generation:
     cached_tokens: int = 0
     completion_tokens: int = 0
     cancelled: bool = False  # set when it has ended, if by a cancel
+    background: bool = False  # a batch line: runs behind every live request (``Engine._step``)
     cancel: threading.Event = field(default_factory=threading.Event, repr=False)
     meter: UsageMeter = field(default_factory=UsageMeter, repr=False)
 
@@ -210,7 +215,8 @@ class Engine:
             free = [slot for slot in self.slots if slot.sequence is None]
             if not free:
                 return
-            sequence = self._waiting.popleft()
+            sequence = next((s for s in self._waiting if not s.generation.background), self._waiting[0])
+            self._waiting.remove(sequence)
             prompt = sequence.prompt
             slot = max(free, key=lambda s: (_reuse(s.tokens, prompt), -s.last_used))
             keep = min(_common_prefix(slot.tokens, prompt), len(prompt) - 1)  # the last is read again: its logits
@@ -228,7 +234,11 @@ class Engine:
         n = 0
         samples: list[tuple[Slot, int]] = []  # slots that sample after this step, with their logits row
         added: list[tuple[Slot, list[int]]] = []
-        for slot in self.slots:
+        live_reading = any(s.sequence is not None and s.sequence.next_token is None
+                           and not s.sequence.generation.background for s in self.slots)
+        stepping = [slot for slot in self.slots if slot.sequence is not None
+                    and not (live_reading and slot.sequence.generation.background)]
+        for slot in stepping:
             sequence = slot.sequence
             if sequence is not None and sequence.next_token is not None:
                 self._put(n, sequence.next_token, len(slot.tokens), slot.id, True)
@@ -236,7 +246,7 @@ class Engine:
                 added.append((slot, [sequence.next_token]))
                 n += 1
         budget = min(self.prompt_step, BATCH - n)
-        for slot in self.slots:
+        for slot in stepping:
             sequence = slot.sequence
             if sequence is None or sequence.next_token is not None or budget <= 0:
                 continue

@@ -76,6 +76,10 @@ CHAT_ERRORS = {
 
 _THROTTLED = {429: ("rate_limit_exceeded",), 503: ("service_unavailable",)}
 
+_BATCH_ROUTE_ERRORS = {400: INVALID, 404: ("file_not_found", "share_not_found"),
+                       409: ("no_linked_machine", "no_shared_machine", "share_not_accepted"),
+                       429: ("rate_limit_exceeded",)}
+
 OPERATIONS: dict[tuple[str, str], Operation] = {
     ("get", "/health"): Operation("public", "Liveness", {200: json_answer("HealthStatus", "The process is up.")}),
     ("get", "/readyz"): Operation("public", "Readiness (the database is reachable)", {
@@ -253,6 +257,42 @@ OPERATIONS: dict[tuple[str, str], Operation] = {
         "console", "A console script or stylesheet",
         {200: Answer("The file (ETag for revalidation).", {"*/*": "Binary"}),
          304: Answer("Not modified (If-None-Match matched the ETag).")}, errors={404: ("not_found",)}),
+    ("post", "/v1/files"): Operation(
+        "batches", "Upload a file", {200: json_answer("FileObject", "The stored file.")}, auth="caller",
+        body={"multipart/form-data": "FileUpload"}, errors={400: INVALID, 413: ("request_too_large",)},
+        description="A file of purpose `batch` is checked line by line first (JSONL of `{custom_id, method, url, "
+                    "body}`); a bad line is a 400 naming its line number."),
+    ("get", "/v1/files"): Operation(
+        "batches", "List your files", {200: json_answer("FileList", "Newest first.")}, auth="caller",
+        errors={400: INVALID}),
+    ("get", "/v1/files/{file_id}"): Operation(
+        "batches", "One file", {200: json_answer("FileObject", "The file.")}, auth="caller",
+        errors={404: ("file_not_found",)}),
+    ("get", "/v1/files/{file_id}/content"): Operation(
+        "batches", "A file's content", {200: Answer(
+            "The file's bytes: application/jsonl for a file whose name ends in .jsonl (every batch file and result "
+            "file), else application/octet-stream.",
+            {"application/jsonl": "FileContent", "application/octet-stream": "FileContent"})},
+        auth="caller", errors={404: ("file_not_found",)}),
+    ("delete", "/v1/files/{file_id}"): Operation(
+        "batches", "Delete a file", {200: json_answer("FileDeleted", "Deleted.")}, auth="caller",
+        errors={404: ("file_not_found",)}),
+    ("post", "/v1/batches"): Operation(
+        "batches", "Create a batch", {200: json_answer("Batch", "The batch, validating.")}, auth="caller",
+        body=_json_body("BatchCreate"), route_headers=("X-Darkbloom-Route", "X-Darkbloom-Machine", "X-Darkbloom-Share"),
+        errors=_BATCH_ROUTE_ERRORS,
+        description="Each line of the input file runs as one request of `endpoint`, on the route the headers and "
+                    "the key choose (as for a live request), at the lowest priority; fleet lines cost the live price "
+                    "× the batch discount."),
+    ("get", "/v1/batches"): Operation(
+        "batches", "List your batches", {200: json_answer("BatchList", "Newest first.")}, auth="caller",
+        errors={400: INVALID}),
+    ("get", "/v1/batches/{batch_id}"): Operation(
+        "batches", "One batch", {200: json_answer("Batch", "The batch, with its progress.")}, auth="caller",
+        errors={404: ("batch_not_found",)}),
+    ("post", "/v1/batches/{batch_id}/cancel"): Operation(
+        "batches", "Cancel a batch", {200: json_answer("Batch", "The batch, cancelling (or already cancelled).")},
+        auth="caller", body_required=False, errors={404: ("batch_not_found",), 409: ("batch_not_cancellable",)}),
 }
 
 

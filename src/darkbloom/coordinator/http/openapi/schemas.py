@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from darkbloom.coordinator.batches.batch_api import BATCH_CREATE
 from darkbloom.coordinator.http.routes.admin import CATALOG, CREDIT_REQUEST
 from darkbloom.coordinator.identity.api_keys import KEY_CREATE, KEY_UPDATE
 from darkbloom.coordinator.identity.console_login import LOGIN, SIGNUP
@@ -151,6 +152,8 @@ _USAGE_ROW = obj({
     "share_id": {"type": "string", "description": "The share that served (routed: shared)."},
     "ownership_changed": {"type": "boolean", "description": "An exclusive request whose machine changed owner "
                                                             "mid-flight: still free, nobody paid."},
+    "batch_id": {"type": "string", "description": "A batch line's request: its batch (docs/batches.md)."},
+    "custom_id": {"type": "string", "description": "A batch line's request: the line's custom_id."},
 }, required=("request_id", "created_at", "model", "provider_id", "prompt_tokens", "completion_tokens",
              "cost_micro_usd", "self_routed", "routed"))
 
@@ -192,10 +195,33 @@ ERROR_ENVELOPE = obj({"error": obj({
 }, additionalProperties=False)}, additionalProperties=False)
 
 
+_FILE = obj({"id": STRING, "object": {"const": "file"}, "bytes": INTEGER, "created_at": TIMESTAMP,
+             "filename": STRING, "purpose": {"enum": ["batch", "assistants", "fine-tune", "vision", "user_data", "evals",
+                                                      "batch_output", "batch_error"]},
+             "status": {"const": "processed"}, "status_details": {"type": "null"}})
+_NULLABLE_TIMESTAMP: Schema = {"type": ["integer", "null"], "description": "Unix time, seconds; null until then."}
+_BATCH = obj({
+    "id": STRING, "object": {"const": "batch"}, "endpoint": STRING, "errors": {"type": "null"},
+    "input_file_id": STRING, "completion_window": {"const": "24h"},
+    "status": {"enum": ["validating", "in_progress", "finalizing", "completed", "failed", "expired", "cancelling",
+                        "cancelled"]},
+    "output_file_id": NULLABLE_STRING, "error_file_id": NULLABLE_STRING, "created_at": TIMESTAMP,
+    "expires_at": TIMESTAMP,
+    **{name: _NULLABLE_TIMESTAMP for name in ("in_progress_at", "finalizing_at", "completed_at", "failed_at",
+                                              "expired_at", "cancelling_at", "cancelled_at")},
+    "request_counts": obj({"total": INTEGER, "completed": {**INTEGER, "description": "Lines answered."},
+                           "failed": {**INTEGER, "description": "Lines in the error file (failed; once the batch "
+                                                                "ends, expired and cancelled ones too)."}}),
+    "metadata": {"type": ["object", "null"], "additionalProperties": STRING},
+    "darkbloom_route": {"enum": ["self", "shared", "prefer", "fleet"]},
+    "cost_micro_usd": {**INTEGER, "description": "What its lines were charged so far (their usage rows), µUSD."}})
+
+
 SCHEMAS: dict[str, Schema] = {
     "Error": ERROR_ENVELOPE,
     **request_bodies(CHAT_REQUEST, SIGNUP, LOGIN, EMAIL_CODE, KEY_CREATE, KEY_UPDATE, SHARE_CREATE, SHARE_UPDATE,
-                     SHARE_ANSWER, SHARE_INVITE, DEVICE_APPROVAL, DEVICE_TOKEN_REQUEST, CREDIT_REQUEST, CATALOG),
+                     SHARE_ANSWER, SHARE_INVITE, DEVICE_APPROVAL, DEVICE_TOKEN_REQUEST, CREDIT_REQUEST, CATALOG,
+                     BATCH_CREATE),
     "ChatCompletion": _CHAT_COMPLETION, "ChatCompletionChunk": _CHAT_CHUNK, "ChatCompletionEvent": _CHAT_EVENT,
     "Usage": _USAGE,
     "SealedRequest": obj({"kid": STRING, "ephemeral_public_key": STRING, "ciphertext": STRING}, description=(
@@ -228,6 +254,16 @@ SCHEMAS: dict[str, Schema] = {
         "completion_tokens": INTEGER, "cost_micro_usd": INTEGER})}}),
     "MachineStats": _MACHINE_STATS,
     "Share": _SHARE,
+    "FileObject": _FILE,
+    "FileList": obj({"object": {"const": "list"}, "data": {"type": "array", "items": ref("FileObject")},
+                     "has_more": BOOLEAN, "first_id": NULLABLE_STRING, "last_id": NULLABLE_STRING}),
+    "FileUpload": obj({"file": {"type": "string", "format": "binary"}, "purpose": {
+        "enum": ["batch", "assistants", "fine-tune", "vision", "user_data", "evals"]}}),
+    "FileContent": {"type": "string", "format": "binary"},
+    "FileDeleted": obj({"id": STRING, "object": {"const": "file"}, "deleted": {"const": True}}),
+    "Batch": _BATCH,
+    "BatchList": obj({"object": {"const": "list"}, "data": {"type": "array", "items": ref("Batch")},
+                      "has_more": BOOLEAN, "first_id": NULLABLE_STRING, "last_id": NULLABLE_STRING}),
     "Account": obj({"id": STRING, "object": {"const": "account"}, "email": NULLABLE_STRING,
                     "email_verified": BOOLEAN, "created_at": TIMESTAMP}),
     "EmailCodeSent": obj({"status": {"const": "sent"}, "email": STRING}),

@@ -131,10 +131,10 @@ le AS (INSERT INTO ledger_entries (account_id, kind, pocket, amount_micro_usd, b
 u AS (INSERT INTO usage_records (request_id, account_id, key_id, model, provider_id, provider_account_id,
                                  prompt_tokens, completion_tokens, cost_micro_usd, platform_fee_micro_usd,
                                  provider_payout_micro_usd, self_routed, routed, created_at, ownership_changed,
-                                 share_id, machine_id)
+                                 share_id, machine_id, batch_id, custom_id)
       SELECT request_id, account_id, key_id, model, provider_id, provider_account_id, prompt_tokens,
              completion_tokens, cost_micro_usd, platform_fee_micro_usd, provider_payout_micro_usd, self_routed, routed,
-             created_at, ownership_changed, share_id, machine_id
+             created_at, ownership_changed, share_id, machine_id, batch_id, custom_id
       FROM json_populate_recordset(NULL::usage_records, $7::json) WHERE (SELECT ok FROM ok))
 SELECT (SELECT ok FROM ok) AS ok,
        (SELECT json_agg(json_build_array(id, balance_micro_usd, withdrawable_micro_usd)) FROM a)::text AS moved"""

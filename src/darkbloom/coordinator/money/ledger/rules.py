@@ -55,6 +55,8 @@ class Settle:
     ownership_changed: bool = False  # exclusive, but the machine changed owner mid-flight (still free)
     share_id: str | None = None      # routed through this share (free, or charged at its prices)
     machine_id: str | None = None    # the serving session's machine (mach_…), for machine insight
+    batch_id: str | None = None      # a batch line's request: its batch and the line's custom_id
+    custom_id: str | None = None
 
 
 @dataclass(frozen=True)
@@ -97,7 +99,8 @@ class State:
 ENTRY_COLUMNS = ("account_id", "kind", "pocket", "amount_micro_usd", "balance_after", "request_id")
 USAGE_COLUMNS = ("request_id", "account_id", "key_id", "model", "provider_id", "provider_account_id", "prompt_tokens",
                  "completion_tokens", "cost_micro_usd", "platform_fee_micro_usd", "provider_payout_micro_usd",
-                 "self_routed", "routed", "created_at", "ownership_changed", "share_id", "machine_id")
+                 "self_routed", "routed", "created_at", "ownership_changed", "share_id", "machine_id", "batch_id",
+                 "custom_id")
 
 
 @dataclass
@@ -292,5 +295,5 @@ class _Planner:
         self.changes.usage.append((
             request_id, step.account_id, step.key_id, step.model, step.provider_id, step.provider_account_id,
             step.prompt_tokens, step.completion_tokens, collected, fee, payout, step.self_routed, step.routed,
-            self.changes.now, step.ownership_changed, step.share_id, step.machine_id))
+            self.changes.now, step.ownership_changed, step.share_id, step.machine_id, step.batch_id, step.custom_id))
         return Settled(collected, fee, payout, uncollected)
