@@ -13,7 +13,8 @@ import pytest
 
 from tests.batches.support import (MODEL, chat_line, file_lines, jsonl, priced_stack, run_batch, sdk, wait_counts,
                                    wait_status)
-from tests.selfroute.support import Stack
+from tests.selfroute.support import Node, Stack
+from tests.support.accounts import Account
 from tests.support.databases import database_for
 from tests.support.processes import start_fixed_upstream
 
@@ -209,24 +210,35 @@ def test_a_paid_batch_whose_balance_runs_out_fails_the_rest_alone(world: World) 
 PRICE_OUT = 40  # µUSD per output token (40,000,000 per 1M)
 
 
-def test_lines_wait_while_the_machine_is_offline_and_run_when_it_returns(world: World) -> None:
-    stack = world.stack
-    owner = stack.account()
-    node = stack.node("away", owner, upstream=world.upstream, models=(MODEL,), max_concurrency=2,
-                      first_token_delay=0.5)
-    stack.wait_listed(owner, node.session_id)
-    client = sdk(stack.url, owner.api_key, route="self")
-    batch = run_batch(client, [chat_line(f"w-{i}") for i in range(6)])
+def running_on_a_slow_machine(world: World, name: str, prefix: str) -> tuple[Account, Node, openai.OpenAI, Any]:
+    """A self-route batch of six lines on the caller's one slow machine, its first line answered."""
+    owner = world.stack.account()
+    node = world.stack.node(name, owner, upstream=world.upstream, models=(MODEL,), max_concurrency=2,
+                            first_token_delay=0.5)
+    world.stack.wait_listed(owner, node.session_id)
+    client = sdk(world.stack.url, owner.api_key, route="self")
+    batch = run_batch(client, [chat_line(f"{prefix}-{i}") for i in range(6)])
     wait_counts(client, batch.id, 1)
-    node.stop()
+    return owner, node, client, batch
+
+
+def back_on(world: World, client: openai.OpenAI, batch: Any, owner: Account, name: str) -> Any:
+    """The batch waiting (nothing failed), then finished once a machine of the owner's is online again."""
     waiting = client.batches.retrieve(batch.id)
     assert waiting.status == "in_progress" and waiting.request_counts.failed == 0
-    back = stack.node("away", owner, upstream=world.upstream, models=(MODEL,), max_concurrency=2)
-    stack.wait_listed(owner, back.session_id)
+    node = world.stack.node(name, owner, upstream=world.upstream, models=(MODEL,), max_concurrency=2)
+    world.stack.wait_listed(owner, node.session_id)
     done = wait_status(client, batch.id)
-    assert done.status == "completed" and done.request_counts.completed == 6
+    node.stop()
+    assert done.status == "completed" and done.request_counts.completed == 6 and done.error_file_id is None
+    return done
+
+
+def test_lines_wait_while_the_machine_is_offline_and_run_when_it_returns(world: World) -> None:
+    owner, node, client, batch = running_on_a_slow_machine(world, "away", "w")
+    node.stop()
+    done = back_on(world, client, batch, owner, "away")
     assert sorted(line["custom_id"] for line in file_lines(client, done.output_file_id)) == [f"w-{i}" for i in range(6)]
-    back.stop()
 
 
 def test_another_accounts_batch_is_not_found(world: World) -> None:
@@ -243,24 +255,11 @@ def test_another_accounts_batch_is_not_found(world: World) -> None:
 
 
 def test_lines_wait_while_the_machine_is_unlinked_and_run_on_a_machine_linked_later(world: World) -> None:
-    stack = world.stack
-    owner = stack.account()
-    node = stack.node("unlinked", owner, upstream=world.upstream, models=(MODEL,), max_concurrency=2,
-                      first_token_delay=0.5)
-    stack.wait_listed(owner, node.session_id)
-    client = sdk(stack.url, owner.api_key, route="self")
-    batch = run_batch(client, [chat_line(f"u-{i}") for i in range(6)])
-    wait_counts(client, batch.id, 1)
-    machine = stack.machine_of(owner, node.session_id)
-    unlinked = httpx.delete(f"{stack.url}/me/providers/{machine}", headers=owner.headers(owner.session))
+    owner, node, client, batch = running_on_a_slow_machine(world, "unlinked", "u")
+    machine = world.stack.machine_of(owner, node.session_id)
+    unlinked = httpx.delete(f"{world.stack.url}/me/providers/{machine}", headers=owner.headers(owner.session))
     assert unlinked.status_code == 200, unlinked.text
-    waiting = client.batches.retrieve(batch.id)
-    assert waiting.status == "in_progress" and waiting.request_counts.failed == 0
-    replacement = stack.node("replacement", owner, upstream=world.upstream, models=(MODEL,), max_concurrency=2)
-    stack.wait_listed(owner, replacement.session_id)
-    done = wait_status(client, batch.id)
-    assert done.status == "completed" and done.request_counts.completed == 6 and done.error_file_id is None
-    rows = [row for row in stack.usage(owner) if row.get("batch_id") == batch.id]
+    back_on(world, client, batch, owner, "replacement")
+    rows = [row for row in world.stack.usage(owner) if row.get("batch_id") == batch.id]
     assert len(rows) == 6 and all(row["cost_micro_usd"] == 0 for row in rows)  # self-route: free throughout
     node.stop()
-    replacement.stop()
