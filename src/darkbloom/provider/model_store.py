@@ -1,17 +1,20 @@
-"""The model store: pulled GGUF files under `$DARKBLOOM_HOME/models/`, one directory per model id
-with the file and its manifest (docs/models.md "Pulling a model")."""
+"""The model store: pulled and converted models under `$DARKBLOOM_HOME/models/`, one directory per
+model id with its weights — a GGUF file, or an MLX model directory named `mlx` — and its manifest
+(docs/models.md "Pulling a model")."""
 
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import stat
 import tempfile
 from dataclasses import dataclass
 from datetime import datetime, timezone
 from pathlib import Path
+from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from darkbloom.wire.protocol import model_id_problem
 from darkbloom.wire.catalog import BUNDLED_MODEL_ID, MAX_MODEL_ID, WEIGHT_HASH_PATTERN
@@ -20,6 +23,8 @@ STORE_DIR = "models"
 MANIFEST_NAME = "manifest.json"
 PARTIAL_DIR = ".partial"  # downloads in progress, kept between runs so a pull resumes
 GGUF_FILE_NAME = r"^[^/\\]+\.(?i:gguf)$"  # a stored file's name: no folder, something before the suffix
+MLX_DIR_NAME = "mlx"  # an MLX model's directory (safetensors, config.json, tokenizer files) in its entry
+WeightFormat = Literal["gguf", "mlx"]
 
 
 class InvalidModelId(ValueError):
@@ -55,8 +60,8 @@ def check_model_id(model_id: str) -> str:
 
 
 class WeightOrigin(BaseModel):
-    """Where a stored file came from on the Hub: the repo, the file in it, the revision asked for
-    and the commit it resolved to."""
+    """Where stored weights came from on the Hub: the repo, the file in it (empty for an MLX repo,
+    taken whole), the revision asked for and the commit it resolved to."""
     model_config = ConfigDict(extra="ignore")
 
     repo: str
@@ -70,18 +75,31 @@ class Manifest(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
     id: str
-    file: str = Field(pattern=GGUF_FILE_NAME)
-    size_bytes: int = Field(ge=0)
-    weight_hash: str = Field(pattern=WEIGHT_HASH_PATTERN)
-    source: WeightOrigin
+    format: WeightFormat = "gguf"
+    file: str  # the GGUF file's name, or MLX_DIR_NAME
+    size_bytes: int = Field(ge=0)  # of the GGUF file, or of every file of the MLX directory
+    weight_hash: str = Field(pattern=WEIGHT_HASH_PATTERN)  # the GGUF's sha256, or the MLX directory's manifest hash
+    source: WeightOrigin | None = None  # None: made here (`darkbloom models convert`)
+    converted_from: str | None = None  # `ID sha256:…` of the GGUF model a conversion read
     catalog: str | None = None  # the coordinator whose catalog named the weights, when pulled by catalog id
     pulled_at: str = Field(default_factory=lambda: datetime.now(timezone.utc).isoformat(timespec="seconds"))
+
+    @model_validator(mode="after")
+    def _file_of_format(self) -> "Manifest":
+        if (self.format == "gguf") != bool(re.match(GGUF_FILE_NAME, self.file)) or \
+                (self.format == "mlx" and self.file != MLX_DIR_NAME):
+            raise ValueError(f"a {self.format} model cannot be stored as {self.file!r}")
+        return self
 
 
 @dataclass(frozen=True)
 class StoredModel:
     manifest: Manifest
-    path: Path  # the GGUF file
+    path: Path  # the GGUF file, or the MLX model directory
+
+    @property
+    def format(self) -> WeightFormat:
+        return self.manifest.format
 
     @property
     def id(self) -> str:
@@ -106,7 +124,8 @@ class ModelStore:
         except (OSError, ValidationError):
             return None
         path = entry / manifest.file
-        if manifest.id != model_id or not self._inside(path) or not path.is_file():
+        complete = path.is_file() if manifest.format == "gguf" else path.is_dir()
+        if manifest.id != model_id or not self._inside(path) or not complete:
             return None
         return StoredModel(manifest, path)
 
@@ -163,8 +182,8 @@ class ModelStore:
                     break
 
     def install(self, download: Path, manifest: Manifest) -> StoredModel:
-        """Move a complete, verified `download` into the store under `manifest.id`, replacing what
-        was there in one rename; the manifest is written before that rename."""
+        """Move a complete, verified `download` (the GGUF file or the MLX directory) into the store under
+        `manifest.id`, replacing what was there in one rename; the manifest is written before that rename."""
         entry = self._entry_dir(manifest.id)
         partial = self.partial_dir(manifest.id).parent
         partial.mkdir(parents=True, exist_ok=True)

@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any, BinaryIO
 
 from darkbloom.paths import darkbloom_home
+from darkbloom.provider import mlx_model
 from darkbloom.wire.protocol import ModelInfo
 from darkbloom.provider.config import ProviderConfig, resolve_model_path
 
@@ -43,14 +44,18 @@ def describe_models(config: ProviderConfig, home: Path | None = None) -> list[tu
 
 
 def weight_hash(path: Path, cache_path: Path) -> str:
-    """sha256 of the file, cached by path + size + mtime so a large file is hashed once."""
+    """sha256 of a GGUF file, or the manifest hash of an MLX model directory (`mlx_model`), cached by
+    path + size + mtime (of every file, for a directory) so large weights are hashed once."""
     key = _cache_key(path)
     cache = _read_cache(cache_path)
     if isinstance(cache.get(key), str):
         return str(cache[key])
-    log.info("hashing %s (%d bytes), once", path, path.stat().st_size)
-    with path.open("rb") as fh:
-        digest = "sha256:" + hashlib.file_digest(fh, "sha256").hexdigest()
+    log.info("hashing %s, once", path)
+    if path.is_dir():
+        digest = mlx_model.manifest_hash(path)
+    else:
+        with path.open("rb") as fh:
+            digest = "sha256:" + hashlib.file_digest(fh, "sha256").hexdigest()
     _write_cache(cache_path, cache, path, key, digest)
     return digest
 
@@ -62,6 +67,8 @@ def record_weight_hash(path: Path, digest: str, cache_path: Path) -> None:
 
 
 def _cache_key(path: Path) -> str:
+    if path.is_dir():
+        return f"{path}|{mlx_model.fingerprint(path)}"
     stat = path.stat()
     return f"{path}|{stat.st_size}|{stat.st_mtime_ns}"
 

@@ -212,7 +212,8 @@ def _pull_locked(target: PullTarget, store: ModelStore, partial_dir: Path, endpo
                         f"{target.size_bytes}; nothing was downloaded (tell the coordinator's operator)")
     expected_hash = target.weight_hash or hub_sha256
     if existing is not None and (existing.manifest.weight_hash == expected_hash or (
-            _same_source(existing, target) and existing.manifest.source.commit == metadata.commit_hash)):
+            _same_source(existing, target) and existing.manifest.source is not None
+            and existing.manifest.source.commit == metadata.commit_hash)):
         return _already(existing, progress)
     size = target.size_bytes if target.size_bytes is not None else metadata.size
     if size is None:
@@ -238,7 +239,8 @@ def _already(stored: StoredModel, progress: TextIO) -> StoredModel:
 
 def _same_source(stored: StoredModel, target: PullTarget) -> bool:
     source = stored.manifest.source
-    return (source.repo, source.file, source.revision) == (target.repo, target.file, target.revision)
+    return source is not None and (source.repo, source.file, source.revision) == (target.repo, target.file,
+                                                                                  target.revision)
 
 
 def _file_metadata(target: PullTarget, endpoint: str | None) -> HfFileMetadata:

@@ -1,0 +1,212 @@
+"""`darkbloom models convert ID --to mlx`: a GGUF model of the store (or the bundled one) made into an
+MLX model directory — `config.json`, `model.safetensors`, `tokenizer.json`, `tokenizer_config.json` —
+offline, from what the GGUF file holds (docs/models.md "MLX on a Mac").
+
+Only the Llama architecture (Llama, SmolLM, Mistral-style dense models) with a GPT-2 style byte-level
+BPE vocabulary is converted. Each tensor is dequantized (`gguf.quants`, llama.cpp's own reference
+code) to float32 and stored in `dtype`. llama.cpp's converter permuted the rows of every Q and K
+projection (it pairs rotary dimensions as (0, 1), (2, 3)…, Hugging Face's layout as (0, d/2), …);
+`_unpermute` puts them back, so the model computes what the original checkpoint did.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+from typing import Any, Iterator
+
+import numpy as np
+
+SUPPORTED_ARCHITECTURES = ("llama",)
+DTYPES = ("float32", "float16", "bfloat16")
+# GGUF tensor names → Hugging Face Llama names (`blk.N.` → `model.layers.N.`)
+_LAYER_TENSORS = {
+    "attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
+    "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj", "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+}
+_MODEL_TENSORS = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
+_LAYER_NAME = re.compile(r"^blk\.(\d+)\.([a-z_]+)\.(weight|bias)$")
+_CONTROL_TOKEN = 3  # llama.cpp's token type for special tokens (LLAMA_TOKEN_TYPE_CONTROL)
+_USER_DEFINED_TOKEN = 4
+
+
+class ConversionError(Exception):
+    """A GGUF file this converter cannot turn into an MLX model; the message says why."""
+
+
+def convert_gguf_to_mlx(gguf_path: Path, out_dir: Path, *, dtype: str = "float32") -> None:
+    """Write the MLX model directory of `gguf_path` into `out_dir` (created; must not hold a model)."""
+    from gguf import GGUFReader
+
+    if dtype not in DTYPES:
+        raise ConversionError(f"dtype {dtype!r} is not one of {', '.join(DTYPES)}")
+    try:
+        reader = GGUFReader(gguf_path)
+    except (ValueError, OSError) as exc:
+        raise ConversionError(f"{gguf_path} cannot be read as GGUF ({type(exc).__name__})") from None
+    metadata = _metadata(reader)
+    architecture = metadata.get("general.architecture")
+    if architecture not in SUPPORTED_ARCHITECTURES:
+        raise ConversionError(f"{gguf_path.name} is a {architecture!r} model; only {', '.join(SUPPORTED_ARCHITECTURES)} "
+                              "models convert to MLX (pull an MLX repo of it instead: darkbloom models pull owner/name)")
+    if metadata.get("tokenizer.ggml.model") != "gpt2":
+        raise ConversionError(f"{gguf_path.name} has a {metadata.get('tokenizer.ggml.model')!r} vocabulary; only "
+                              "byte-level BPE ('gpt2') vocabularies convert to MLX")
+    config = _config(metadata, has_output=any(t.name == "output.weight" for t in reader.tensors))
+    config["torch_dtype"] = dtype
+    weights = dict(_weights(reader, config, dtype))
+    out_dir.mkdir(parents=True, exist_ok=True)
+    _save_safetensors(weights, out_dir / "model.safetensors", dtype)
+    (out_dir / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    tokenizer, tokenizer_config = _tokenizer(metadata)
+    tokenizer.save(str(out_dir / "tokenizer.json"))
+    (out_dir / "tokenizer_config.json").write_text(json.dumps(tokenizer_config, indent=2) + "\n")
+
+
+def _metadata(reader: Any) -> dict[str, Any]:
+    values: dict[str, Any] = {}
+    for key, field in reader.fields.items():
+        if key.startswith("GGUF."):
+            continue
+        values[key] = field.contents()
+    return values
+
+
+def _config(metadata: dict[str, Any], *, has_output: bool) -> dict[str, Any]:
+    arch = metadata["general.architecture"]
+
+    def number(key: str, default: Any = None) -> Any:
+        value = metadata.get(f"{arch}.{key}", default)
+        if value is None:
+            raise ConversionError(f"the GGUF file has no {arch}.{key}")
+        return value
+
+    hidden = int(number("embedding_length"))
+    heads = int(number("attention.head_count"))
+    vocab = metadata.get(f"{arch}.vocab_size") or len(metadata["tokenizer.ggml.tokens"])
+    config = {
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        "hidden_size": hidden,
+        "intermediate_size": int(number("feed_forward_length")),
+        "num_hidden_layers": int(number("block_count")),
+        "num_attention_heads": heads,
+        "num_key_value_heads": int(number("attention.head_count_kv", heads)),
+        "head_dim": int(metadata.get(f"{arch}.attention.key_length") or hidden // heads),
+        "rms_norm_eps": float(number("attention.layer_norm_rms_epsilon")),
+        "rope_theta": float(number("rope.freq_base", 10000.0)),
+        "max_position_embeddings": int(number("context_length")),
+        "vocab_size": int(vocab),
+        "tie_word_embeddings": not has_output,
+        "attention_bias": False,
+        "mlp_bias": False,
+        "hidden_act": "silu",
+    }
+    for key, name in (("bos_token_id", "tokenizer.ggml.bos_token_id"), ("eos_token_id", "tokenizer.ggml.eos_token_id")):
+        if name in metadata:
+            config[key] = int(metadata[name])
+    return config
+
+
+def _weights(reader: Any, config: dict[str, Any], dtype: str) -> Iterator[tuple[str, np.ndarray]]:
+    from gguf.quants import dequantize
+
+    heads, kv_heads = config["num_attention_heads"], config["num_key_value_heads"]
+    for tensor in reader.tensors:
+        name = _hf_name(tensor.name)
+        values = dequantize(tensor.data, tensor.tensor_type).astype(np.float32)
+        values = values.reshape([int(n) for n in reversed(tensor.shape)])  # GGUF lists dimensions innermost first
+        if name.endswith("self_attn.q_proj.weight"):
+            values = _unpermute(values, heads)
+        elif name.endswith("self_attn.k_proj.weight"):
+            values = _unpermute(values, kv_heads)
+        yield name, values
+
+
+def _hf_name(gguf_name: str) -> str:
+    layer = _LAYER_NAME.match(gguf_name)
+    if layer is not None:
+        number, part, kind = layer.groups()
+        if part not in _LAYER_TENSORS:
+            raise ConversionError(f"the GGUF file holds a tensor this converter does not know: {gguf_name}")
+        return f"model.layers.{number}.{_LAYER_TENSORS[part]}.{kind}"
+    base, _, kind = gguf_name.rpartition(".")
+    if base not in _MODEL_TENSORS:
+        raise ConversionError(f"the GGUF file holds a tensor this converter does not know: {gguf_name}")
+    return f"{_MODEL_TENSORS[base]}.{kind}"
+
+
+def _unpermute(weights: np.ndarray, heads: int) -> np.ndarray:
+    """Undo llama.cpp's `permute` of a Q or K projection (rows of each head interleaved pairwise)."""
+    rows = weights.shape[0]
+    return (weights.reshape(heads, rows // heads // 2, 2, *weights.shape[1:])
+            .swapaxes(1, 2).reshape(weights.shape))
+
+
+def _save_safetensors(weights: dict[str, np.ndarray], path: Path, dtype: str) -> None:
+    from safetensors.numpy import save_file
+
+    if dtype == "bfloat16":  # numpy has no bfloat16: the upper half of each float32, rounded to nearest even
+        bits = {name: values.view(np.uint32) for name, values in weights.items()}
+        rounded = {name: ((b + 0x7FFF + ((b >> 16) & 1)) >> 16).astype(np.uint16) for name, b in bits.items()}
+        _save_bfloat16(rounded, path)
+        return
+    save_file({name: values.astype(dtype) for name, values in weights.items()}, str(path),
+              metadata={"format": "mlx"})
+
+
+def _save_bfloat16(weights: dict[str, np.ndarray], path: Path) -> None:
+    """safetensors' layout written by hand for BF16, which numpy (and so `safetensors.numpy`) lacks."""
+    header: dict[str, Any] = {"__metadata__": {"format": "mlx"}}
+    offset = 0
+    for name, values in weights.items():
+        header[name] = {"dtype": "BF16", "shape": list(values.shape), "data_offsets": [offset, offset + values.nbytes]}
+        offset += values.nbytes
+    encoded = json.dumps(header, separators=(",", ":")).encode()
+    encoded += b" " * (-len(encoded) % 8)
+    with path.open("wb") as fh:
+        fh.write(len(encoded).to_bytes(8, "little"))
+        fh.write(encoded)
+        for values in weights.values():
+            fh.write(np.ascontiguousarray(values).tobytes())
+
+
+def _tokenizer(metadata: dict[str, Any]) -> tuple[Any, dict[str, Any]]:
+    """The byte-level BPE tokenizer the GGUF's vocabulary and merges describe (`tokenizers`), and the
+    `tokenizer_config.json` naming its special tokens and chat template."""
+    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
+
+    tokens: list[str] = list(metadata["tokenizer.ggml.tokens"])
+    types: list[int] = list(metadata.get("tokenizer.ggml.token_type") or [1] * len(tokens))
+    merges = [tuple(merge.split(" ", 1)) for merge in metadata.get("tokenizer.ggml.merges", [])]
+    tokenizer = Tokenizer(models.BPE(vocab={token: i for i, token in enumerate(tokens)}, merges=merges,
+                                     fuse_unk=False, byte_fallback=False))
+    split_digits = metadata.get("tokenizer.ggml.pre") in ("smollm", "qwen2", "llama-bpe", "deepseek-llm")
+    byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    tokenizer.pre_tokenizer = pre_tokenizers.Sequence(
+        [pre_tokenizers.Digits(individual_digits=True), byte_level]) if split_digits else byte_level
+    tokenizer.decoder = decoders.ByteLevel()
+    special = [AddedToken(token, special=True, normalized=False)
+               for token, kind in zip(tokens, types) if kind == _CONTROL_TOKEN]
+    added = [AddedToken(token, special=False, normalized=False)
+             for token, kind in zip(tokens, types) if kind == _USER_DEFINED_TOKEN]
+    tokenizer.add_special_tokens(special)
+    tokenizer.add_tokens(added)
+
+    def token(key: str) -> str | None:
+        index = metadata.get(f"tokenizer.ggml.{key}_token_id")
+        return tokens[int(index)] if index is not None and 0 <= int(index) < len(tokens) else None
+
+    tokenizer_config: dict[str, Any] = {
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "model_max_length": int(metadata.get(f"{metadata['general.architecture']}.context_length", 2048)),
+        "bos_token": token("bos"), "eos_token": token("eos"), "unk_token": token("unknown"),
+        "pad_token": token("padding"), "add_bos_token": bool(metadata.get("tokenizer.ggml.add_bos_token", False)),
+        "clean_up_tokenization_spaces": False,
+    }
+    if "tokenizer.chat_template" in metadata:
+        tokenizer_config["chat_template"] = metadata["tokenizer.chat_template"]
+    return tokenizer, tokenizer_config
