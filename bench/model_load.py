@@ -72,8 +72,8 @@ async def main() -> None:
     parser.add_argument("--max-tokens", type=int, default=8)
     options = parser.parse_args()
     loads = LoadTimes()
-    logging.getLogger("darkbloom.provider.backends.llama_residency").addHandler(loads)
-    logging.getLogger("darkbloom.provider.backends.llama_residency").setLevel(logging.INFO)
+    logging.getLogger("darkbloom.provider.backends.residency").addHandler(loads)
+    logging.getLogger("darkbloom.provider.backends.residency").setLevel(logging.INFO)
     models = {MODEL: bundled_gguf_path()}
     loaded = LlamaCppBackend(models, keep_alive=-1)
     unloaded = LlamaCppBackend(models, keep_alive=0)

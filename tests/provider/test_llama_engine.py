@@ -13,7 +13,7 @@ import jsonschema
 import pytest
 
 from darkbloom.provider.backends.base import BackendError, request_priority
-from darkbloom.provider.backends.llama_chat import _ChatChunks
+from darkbloom.provider.backends.chat_chunks import ChatChunks
 from darkbloom.provider.backends.llama_engine import Engine, _common_prefix, _reuse
 from tests.support.recording_backend import RecordingLlamaCppBackend
 
@@ -146,16 +146,18 @@ def test_slot_choice_prefers_the_conversation_then_an_empty_slot() -> None:
 
 async def test_a_sequence_whose_callback_fails_ends_alone(backend: RecordingLlamaCppBackend,
                                                           monkeypatch: pytest.MonkeyPatch) -> None:
-    piece = _ChatChunks.piece
+    piece = ChatChunks.piece
 
-    def failing(self: _ChatChunks, item: Any) -> None:
-        if any("BOOM" in m["content"] for m in self.job.messages):
+    def failing(self: ChatChunks, item: Any) -> None:
+        if any(tool.name == "boom" for tool in self.plan.tools):
             raise RuntimeError("a bug in one request's chunks")
         piece(self, item)
-    monkeypatch.setattr(_ChatChunks, "piece", failing)
+    monkeypatch.setattr(ChatChunks, "piece", failing)
     others = [asyncio.create_task(answer(backend, story(n, 20))) for n in range(3)]
+    boom = {"type": "function", "function": {"name": "boom", "parameters": {"type": "object"}}}
     with pytest.raises(BackendError) as failed:
-        await answer(backend, {"messages": [{"role": "user", "content": "BOOM"}], "max_tokens": 20})
+        await answer(backend, {"messages": [{"role": "user", "content": "BOOM"}], "max_tokens": 20,
+                               "tools": [boom], "tool_choice": "none"})
     assert failed.value.status_code == 500 and "BOOM" not in failed.value.message
     for text, _, finish, usage in await asyncio.gather(*others):
         assert text.strip() and finish == "length" and usage["completion_tokens"] == 20

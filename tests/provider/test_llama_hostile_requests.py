@@ -17,7 +17,8 @@ import pytest
 from darkbloom.provider.backends.base import BackendError, chunk_usage, is_usage_chunk
 from darkbloom.provider.backends.llama_chat import chat_job
 from darkbloom.provider.backends.llama_cpp import LlamaCppBackend
-from darkbloom.provider.backends.llama_engine import Cancelled, Engine, Generation, Sequence
+from darkbloom.provider.backends.base import Cancelled, Generation
+from darkbloom.provider.backends.llama_engine import Engine, Sequence
 from darkbloom.provider.backends.llama_model import LoadedModel
 from darkbloom.provider.backends.llama_prompt import bounded_tokens, chat_prompt, longest_token_bytes
 from darkbloom.wire.openai.presenters import ChatPresenter

@@ -137,7 +137,7 @@ async def test_a_first_request_is_checked_against_the_vocabulary_it_loads(models
 
 async def test_concurrent_first_requests_share_one_load(models: dict[str, Path],
                                                         caplog: pytest.LogCaptureFixture) -> None:
-    caplog.set_level(logging.INFO, logger="darkbloom.provider.backends.llama_residency")
+    caplog.set_level(logging.INFO, logger="darkbloom.provider.backends.residency")
     async with started(models, BOTH_FIT, 0) as w:
         answers = await asyncio.gather(ask(w.backend, "a"), ask(w.backend, "a"))
         assert all(answers)

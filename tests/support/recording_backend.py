@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from darkbloom.provider.backends.llama_cpp import LlamaCppBackend
-from darkbloom.provider.backends.llama_engine import Generation
+from darkbloom.provider.backends.base import Generation
 
 
 class RecordingLlamaCppBackend(LlamaCppBackend):

@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import asyncio
 import contextvars
+import threading
 import time
 import uuid
+from dataclasses import dataclass, field
 from typing import Any, AsyncIterator, Callable, Protocol, runtime_checkable
 
 from darkbloom.wire.protocol import Priority, Usage
@@ -67,6 +69,33 @@ class UsageMeter:
         except TimeoutError:
             return False
         return True
+
+
+class Cancelled(Exception):
+    """Raised where a request's own work notices that it was cancelled."""
+
+
+@dataclass(eq=False)
+class Generation:
+    """One request's counts and cancel flag, shared by the event loop and an in-process engine's thread."""
+
+    model_id: str
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
+    completion_tokens: int = 0
+    cancelled: bool = False  # set when it has ended, if by a cancel
+    background: bool = False  # a batch line: runs behind every live request (the engines' admission)
+    cancel: threading.Event = field(default_factory=threading.Event, repr=False)
+    meter: UsageMeter = field(default_factory=UsageMeter, repr=False)
+
+    def sync_meter(self) -> None:
+        """Publish the counts so far to the request's meter (any thread)."""
+        self.meter.prompt_tokens, self.meter.completion_tokens = self.prompt_tokens, self.completion_tokens
+        self.meter.cached_tokens = self.cached_tokens
+
+    def check(self) -> None:
+        if self.cancel.is_set():
+            raise Cancelled()
 
 
 @runtime_checkable

@@ -15,7 +15,7 @@ early reports the tokens really used; the meter's `end()` comes once the engine 
 Every engine offloads the layers `gpu_offload` decided to the machine's GPU (all of them when the
 build can: Metal, CUDA, …; none on a CPU build or with `--gpu-layers 0`); `device` says where.
 
-Engines are in memory only while they are used (`llama_residency`): a model loads on its first
+Engines are in memory only while they are used (`residency`): a model loads on its first
 request and unloads after `keep_alive` idle seconds, within the node's memory budget
 (`memory_fit`). At start, chat engines load in config order while they fit; a model that cannot
 fit in the budget even alone is refused before anything loads (`memory_fit.ModelDoesNotFit`).
@@ -35,12 +35,12 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, AsyncIterator, Callable
 
-from darkbloom.provider.backends.base import (TEXT_MODEL_CAPABILITIES, BackendError, UsageMeter,
-                                              new_completion_id, request_priority, usage_chunk)
+from darkbloom.provider.backends.base import (TEXT_MODEL_CAPABILITIES, BackendError, Cancelled, Generation,
+                                              UsageMeter, new_completion_id, request_priority, usage_chunk)
 from darkbloom.provider.backends.llama_chat import chat_job, chat_sequence
 from darkbloom.provider.backends.llama_embeddings import EmbeddingEngine, EmbeddingRequest
-from darkbloom.provider.backends.llama_engine import Cancelled, Engine, Generation, Sequence
-from darkbloom.provider.backends.llama_residency import Residency
+from darkbloom.provider.backends.llama_engine import Engine, Sequence
+from darkbloom.provider.backends.residency import Residency
 from darkbloom.provider.backends.llama_text import completion_job, completion_sequence, embedding_job, embedding_tokens
 from darkbloom.provider.backends.params import require_object
 from darkbloom.provider.config import DEFAULT_KEEP_ALIVE, DEFAULT_MAX_CONCURRENCY, ConfigError
@@ -85,7 +85,8 @@ class LlamaCppBackend:
                       for kind in ("chat", "embedding")]
         self.memory = memory if memory is not None else memory_budget()
         refuse_unfit([need for kind, need in needs if kind == "chat"], self.memory)
-        self._residency = Residency(needs, self._open_engine, self.memory, keep_alive)
+        self._residency: Residency[Engine | EmbeddingEngine] = Residency(needs, self._open_engine, self.memory,
+                                                                             keep_alive)
         self._active: set[Generation] = set()
         self._executor: ThreadPoolExecutor | None = None
 

@@ -23,7 +23,7 @@ import llama_cpp
 import numpy as np
 
 from darkbloom.provider.backends.base import BackendError
-from darkbloom.provider.backends.llama_engine import Cancelled, Generation
+from darkbloom.provider.backends.base import Cancelled, Generation
 from darkbloom.provider.backends.llama_model import LoadedModel
 
 log = logging.getLogger(__name__)

@@ -41,10 +41,11 @@ from typing import Callable
 import llama_cpp
 import numpy as np
 
-from darkbloom.provider.backends.base import BackendError, UsageMeter
-from darkbloom.provider.backends.llama_decode import Finish, Piece, TextStream, token_logprob
+from darkbloom.provider.backends.base import BackendError, Cancelled, Generation
+from darkbloom.provider.backends.llama_decode import token_logprob
 from darkbloom.provider.backends.llama_model import LoadedModel
 from darkbloom.provider.backends.llama_sampler import GrammarDeadEnd, SequenceSampler
+from darkbloom.provider.backends.text_stream import Finish, Piece, TextStream
 
 log = logging.getLogger(__name__)
 
@@ -57,33 +58,6 @@ PROMPT_STEP_GPU = BATCH
 FLASH_ATTENTION_NAME = "auto"  # llama.cpp's flash attention: "on", "off", or "auto" (its choice per device)
 _FLASH_ATTENTION = {"on": llama_cpp.LLAMA_FLASH_ATTN_TYPE_ENABLED, "off": llama_cpp.LLAMA_FLASH_ATTN_TYPE_DISABLED,
                     "auto": llama_cpp.LLAMA_FLASH_ATTN_TYPE_AUTO}
-
-
-class Cancelled(Exception):
-    """Raised where a request's own work notices that it was cancelled."""
-
-
-@dataclass(eq=False)
-class Generation:
-    """One request's counts and cancel flag, shared by the event loop and the engine's thread."""
-
-    model_id: str
-    prompt_tokens: int = 0
-    cached_tokens: int = 0
-    completion_tokens: int = 0
-    cancelled: bool = False  # set when it has ended, if by a cancel
-    background: bool = False  # a batch line: runs behind every live request (``Engine._step``)
-    cancel: threading.Event = field(default_factory=threading.Event, repr=False)
-    meter: UsageMeter = field(default_factory=UsageMeter, repr=False)
-
-    def sync_meter(self) -> None:
-        """Publish the counts so far to the request's meter (any thread)."""
-        self.meter.prompt_tokens, self.meter.completion_tokens = self.prompt_tokens, self.completion_tokens
-        self.meter.cached_tokens = self.cached_tokens
-
-    def check(self) -> None:
-        if self.cancel.is_set():
-            raise Cancelled()
 
 
 @dataclass(eq=False)

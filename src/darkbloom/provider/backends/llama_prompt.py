@@ -20,8 +20,8 @@ from typing import Iterator
 
 from llama_cpp import llama_chat_format
 
-from darkbloom.provider.backends.llama_decode import ContextOverflow
-from darkbloom.provider.backends.llama_engine import Generation
+from darkbloom.provider.backends.text_stream import ContextOverflow
+from darkbloom.provider.backends.base import Generation
 from darkbloom.provider.backends.llama_model import LoadedModel
 
 log = logging.getLogger(__name__)

@@ -21,9 +21,10 @@ import time
 from dataclasses import dataclass
 from typing import Any, Callable
 
-from darkbloom.provider.backends.llama_decode import ContextOverflow, Finish, Piece, TextStream
+from darkbloom.provider.backends.text_stream import ContextOverflow, Finish, Piece, TextStream
 from darkbloom.provider.backends.llama_embeddings import BATCH as EMBEDDING_BATCH
-from darkbloom.provider.backends.llama_engine import Generation, Sequence
+from darkbloom.provider.backends.base import Generation
+from darkbloom.provider.backends.llama_engine import Sequence
 from darkbloom.provider.backends.llama_model import LoadedModel
 from darkbloom.provider.backends.llama_prompt import bounded_tokens
 from darkbloom.provider.backends.llama_sampler import SequenceSampler

@@ -26,7 +26,7 @@ MAX_EMBEDDING_INPUTS = 2048  # OpenAI's own limit; each input is a decode of its
 
 @dataclass
 class Sampling:
-    """How to sample one generation (`llama_sampler`, `llama_decode.TextStream`)."""
+    """How to sample one generation (`llama_sampler` or `mlx_sampling`, `text_stream.TextStream`)."""
 
     max_tokens: int | None = None
     stop: list[str] = field(default_factory=list)

@@ -1,7 +1,8 @@
-"""Which of the llama.cpp backend's engines are in memory: loaded on demand, unloaded when idle.
+"""Which of an in-process backend's engines are in memory: loaded on demand, unloaded when idle.
 
-Every model has a chat engine and an embeddings engine (`llama_cpp`), each a `Resident` here with
-the memory it needs (`memory_fit`; the two engines of one model map one file, counted once). A
+Every model has its engines — llama.cpp: a chat engine and an embeddings engine (`llama_cpp`);
+MLX: a chat engine (`mlx_backend`) —, each a `Resident` here with the memory it needs (`memory_fit`;
+two engines of one model map its weights once, counted once). A
 request `lease`s its engine for as long as it uses it, from before the load to the moment the engine
 lets go of the request. An engine not in memory loads on its first lease; leases arriving meanwhile
 wait for the same load. An engine nobody leases unloads `keep_alive` seconds after its last lease
@@ -22,26 +23,31 @@ import logging
 import math
 import time
 from dataclasses import dataclass, field
-from typing import Awaitable, Callable, Iterable
+from typing import Awaitable, Callable, Generic, Iterable, Protocol, TypeVar
 
 from darkbloom.provider.backends.base import BackendError
-from darkbloom.provider.backends.llama_embeddings import EmbeddingEngine
-from darkbloom.provider.backends.llama_engine import Engine
 from darkbloom.provider.memory_fit import MemoryBudget, MemoryNeed, EngineKind, size_text, too_large_message
 
 log = logging.getLogger(__name__)
 
-Engines = Engine | EmbeddingEngine
+
+class Closeable(Protocol):
+    def close(self) -> None:
+        """Stop the engine's work and free its model (blocking)."""
+
+
+Engines = TypeVar("Engines", bound=Closeable)
 OpenEngine = Callable[[str, EngineKind], Awaitable[Engines]]
+SHUT_DOWN = "the backend is shut down"
 
 
 @dataclass(eq=False)
-class Resident:
+class Resident(Generic[Engines]):
     model_id: str
     kind: EngineKind
     need: MemoryNeed
     engine: Engines | None = None
-    loading: asyncio.Task[Engines] | None = None
+    loading: "asyncio.Task[Engines] | None" = None
     leases: int = 0
     last_used: float = 0.0
     expiry: asyncio.TimerHandle | None = field(default=None, repr=False)
@@ -55,10 +61,10 @@ class Resident:
         return self.engine is not None and self.loading is None and self.leases == 0
 
 
-class Lease:
+class Lease(Generic[Engines]):
     """One request's hold on a loaded engine; `release` (once) when the engine has let go of the request."""
 
-    def __init__(self, residency: Residency, resident: Resident, engine: Engines) -> None:
+    def __init__(self, residency: Residency[Engines], resident: Resident[Engines], engine: Engines) -> None:
         self.engine = engine
         self._residency, self._resident = residency, resident
         self._released = False
@@ -69,8 +75,8 @@ class Lease:
             self._residency.end_lease(self._resident)
 
 
-class Residency:
-    def __init__(self, needs: Iterable[tuple[EngineKind, MemoryNeed]], open_engine: OpenEngine, budget: MemoryBudget,
+class Residency(Generic[Engines]):
+    def __init__(self, needs: Iterable[tuple[EngineKind, MemoryNeed]], open_engine: OpenEngine[Engines], budget: MemoryBudget,
                  keep_alive: float) -> None:
         self._residents = {(need.model_id, kind): Resident(need.model_id, kind, need) for kind, need in needs}
         self._open_engine = open_engine
@@ -101,7 +107,7 @@ class Residency:
         await self._start_load(resident)
         return True
 
-    async def lease(self, model_id: str, kind: EngineKind) -> Lease:
+    async def lease(self, model_id: str, kind: EngineKind) -> Lease[Engines]:
         """The engine, loaded (waiting for its load, and for memory to load it in)."""
         resident = self._residents[(model_id, kind)]
         resident.leases += 1
@@ -113,7 +119,7 @@ class Residency:
             raise
         return Lease(self, resident, engine)
 
-    def end_lease(self, resident: Resident) -> None:
+    def end_lease(self, resident: Resident[Engines]) -> None:
         resident.leases -= 1
         resident.last_used = time.monotonic()
         if resident.leases == 0 and resident.engine is not None:
@@ -134,10 +140,10 @@ class Residency:
 
     # loading
 
-    async def _ready(self, resident: Resident) -> Engines:
+    async def _ready(self, resident: Resident[Engines]) -> Engines:
         while True:
             if self._closed:
-                raise BackendError(503, "the llama.cpp backend is shut down")
+                raise BackendError(503, SHUT_DOWN)
             if resident.engine is not None:
                 return resident.engine
             if resident.loading is not None:
@@ -151,13 +157,13 @@ class Residency:
             changed = self._changed
             await changed.wait()
 
-    async def _start_load(self, resident: Resident) -> Engines:
+    async def _start_load(self, resident: Resident[Engines]) -> Engines:
         task = asyncio.create_task(self._load(resident), name=f"load-{resident.model_id}-{resident.kind}")
         task.add_done_callback(lambda done: done.cancelled() or done.exception())  # seen even if nobody waits
         resident.loading = task
         return await asyncio.shield(task)
 
-    async def _load(self, resident: Resident) -> Engines:
+    async def _load(self, resident: Resident[Engines]) -> Engines:
         started = time.monotonic()
         try:
             engine = await self._open_engine(resident.model_id, resident.kind)
@@ -166,7 +172,7 @@ class Residency:
             self._notify()
         if self._closed:
             engine.close()
-            raise BackendError(503, "the llama.cpp backend is shut down")
+            raise BackendError(503, SHUT_DOWN)
         resident.engine, resident.last_used = engine, time.monotonic()
         log.info("model %s loaded (%s engine) in %.2f s; it needs %s", resident.model_id, resident.kind,
                  resident.last_used - started, resident.need.describe())
@@ -175,7 +181,7 @@ class Residency:
             self._expire_later(resident)
         return engine
 
-    def _make_room(self, resident: Resident) -> bool:
+    def _make_room(self, resident: Resident[Engines]) -> bool:
         """Unload idle engines, least recently used first, until `resident` fits; False (unloading
         nothing) when it would not fit even with every idle engine gone."""
         loaded = self._in_memory()
@@ -190,24 +196,24 @@ class Residency:
 
     # unloading
 
-    def _expire_later(self, resident: Resident) -> None:
+    def _expire_later(self, resident: Resident[Engines]) -> None:
         self._keep(resident)
         if self.keep_alive == 0:
             self._unload(resident, "its request ended (keep-alive 0)")
         elif 0 < self.keep_alive < math.inf:
             resident.expiry = asyncio.get_running_loop().call_later(self.keep_alive, self._expire, resident)
 
-    def _expire(self, resident: Resident) -> None:
+    def _expire(self, resident: Resident[Engines]) -> None:
         resident.expiry = None
         if resident.idle:
             self._unload(resident, f"idle for {self.keep_alive:g} s")
 
-    def _keep(self, resident: Resident) -> None:
+    def _keep(self, resident: Resident[Engines]) -> None:
         if resident.expiry is not None:
             resident.expiry.cancel()
             resident.expiry = None
 
-    def _unload(self, resident: Resident, reason: str) -> None:
+    def _unload(self, resident: Resident[Engines], reason: str) -> None:
         assert resident.idle and resident.engine is not None
         self._keep(resident)
         engine, resident.engine = resident.engine, None
@@ -217,10 +223,10 @@ class Residency:
 
     # memory
 
-    def _in_memory(self) -> set[Resident]:
+    def _in_memory(self) -> set[Resident[Engines]]:
         return {r for r in self._residents.values() if r.in_memory}
 
-    def _fits(self, residents: set[Resident]) -> bool:
+    def _fits(self, residents: set[Resident[Engines]]) -> bool:
         if self.budget.total_bytes <= 0:  # the machine's memory is unknown: no limit
             return True
         return _bytes(residents) <= self.budget.total_bytes
@@ -240,7 +246,7 @@ class Residency:
             callback()
 
 
-def _bytes(residents: set[Resident]) -> int:
+def _bytes(residents: set[Resident[Engines]]) -> int:
     """Memory of these engines: each file once (a model's two engines map the same file), every context."""
     files = {r.model_id: r.need.file_bytes for r in residents}
     return sum(files.values()) + sum(r.need.context_bytes for r in residents)
