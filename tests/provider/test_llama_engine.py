@@ -13,7 +13,7 @@ import jsonschema
 import pytest
 
 from darkbloom.provider.backends.base import BackendError, request_priority
-from darkbloom.provider.backends.chat_chunks import ChatChunks
+from darkbloom.provider.backends.chunks import ChatChunks
 from darkbloom.provider.backends.llama_engine import Engine, _common_prefix, _reuse
 from tests.support.recording_backend import RecordingLlamaCppBackend
 

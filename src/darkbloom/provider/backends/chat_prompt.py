@@ -16,6 +16,8 @@ from darkbloom.provider.backends.base import BackendError
 from darkbloom.provider.backends.tool_params import NAME, ToolPlan
 
 ROLES = ("system", "developer", "user", "assistant", "tool", "function")
+_MARK = "\ue000{}\ue001"  # private-use characters: in no template
+Segment = tuple[str, bool]  # text, and whether its special-token text is parsed as special tokens
 
 
 def template_messages(messages: Any, plan: ToolPlan | None = None,
@@ -126,3 +128,28 @@ def _text_content(content: Any, where: str) -> str:
             texts.append(part["text"])
         return "".join(texts)
     raise BackendError(400, f"{where}.content must be a string or a list of text parts", param=f"{where}.content")
+
+
+def marked_messages(messages: list[dict[str, str]]) -> list[dict[str, str]]:
+    """The messages with a marker in place of each content, for a rendering `template_segments` cuts:
+    text a caller sends can then never become a control token (a forged system turn)."""
+    return [dict(m, content=_MARK.format(i)) for i, m in enumerate(messages)]
+
+
+def template_segments(rendered: str, messages: list[dict[str, str]]) -> list[Segment] | None:
+    """A rendering of `marked_messages(messages)` cut at its markers: the template's own text (its
+    special-token text parsed as special tokens) and each message's content (never), in order; None
+    when the template dropped, repeated or reordered a content."""
+    segments: list[Segment] = []
+    position = 0
+    for index, message in enumerate(messages):
+        mark = _MARK.format(index)
+        at = rendered.find(mark, position)
+        if at < 0 or rendered.find(mark, at + len(mark)) >= 0:
+            return None
+        segments += [(rendered[position:at], True), (message["content"], False)]
+        position = at + len(mark)
+    if "\ue000" in rendered[position:]:
+        return None
+    segments.append((rendered[position:], True))
+    return [segment for segment in segments if segment[0]]

@@ -4,7 +4,7 @@
 The prompt is the model's own chat template over `chat_prompt.template_messages`, tokenized by
 `llama_prompt` (message text never as special tokens; bounded by the context window). A body with
 more messages than the window has tokens is refused before anything is rendered. Grammars come
-from `tool_params`; the answer is streamed by `chat_chunks`.
+from `tool_params`; the answer is streamed by `chunks`.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from typing import Any, Callable
 
 from darkbloom.provider.backends.base import BackendError
 from darkbloom.provider.backends.chat_prompt import template_messages
-from darkbloom.provider.backends.chat_chunks import ChatChunks
+from darkbloom.provider.backends.chunks import ChatChunks
 from darkbloom.provider.backends.llama_decode import check_grammar
 from darkbloom.provider.backends.text_stream import ContextOverflow, TextStream
 from darkbloom.provider.backends.base import Generation

@@ -41,8 +41,8 @@ from darkbloom.provider.backends.llama_chat import chat_job, chat_sequence
 from darkbloom.provider.backends.llama_embeddings import EmbeddingEngine, EmbeddingRequest
 from darkbloom.provider.backends.llama_engine import Engine, Sequence
 from darkbloom.provider.backends.residency import Residency
-from darkbloom.provider.backends.llama_text import completion_job, completion_sequence, embedding_job, embedding_tokens
-from darkbloom.provider.backends.params import require_object
+from darkbloom.provider.backends.llama_text import completion_sequence, embedding_job, embedding_tokens
+from darkbloom.provider.backends.params import completion_job, require_object
 from darkbloom.provider.config import DEFAULT_KEEP_ALIVE, DEFAULT_MAX_CONCURRENCY, ConfigError
 from darkbloom.provider.gpu_offload import CPU, METAL, GpuPlan, decide_offload, probe_build
 from darkbloom.provider.memory_fit import EngineKind, MemoryBudget, estimate, memory_budget, refuse_unfit

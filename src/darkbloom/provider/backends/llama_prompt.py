@@ -22,21 +22,20 @@ from llama_cpp import llama_chat_format
 
 from darkbloom.provider.backends.text_stream import ContextOverflow
 from darkbloom.provider.backends.base import Generation
+from darkbloom.provider.backends.chat_prompt import Segment, marked_messages, template_segments
 from darkbloom.provider.backends.llama_model import LoadedModel
 
 log = logging.getLogger(__name__)
 PIECE_CHARS = 8192
-_MARK = "\ue000{}\ue001"  # private-use characters: in no template
 _LONGEST: dict[str, int] = {}  # model file → its longest token in bytes
-Segment = tuple[str, bool]  # text, and whether its special-token text is parsed as special tokens
 
 
 def chat_prompt(model: LoadedModel, messages: list[dict[str, str]], n_ctx: int,
                 generation: Generation | None = None) -> tuple[list[int], tuple[str, ...]]:
     """The templated prompt's tokens and the template's stop strings."""
     formatter = _formatter(model)
-    marked = formatter(messages=[dict(m, content=_MARK.format(i)) for i, m in enumerate(messages)])
-    segments = _segments(marked.prompt, messages)
+    marked = formatter(messages=marked_messages(messages))
+    segments = template_segments(marked.prompt, messages)
     if segments is None:
         log.warning("this model's chat template reshapes message contents; its prompt is tokenized without "
                     "special tokens")
@@ -89,23 +88,6 @@ def _formatter(model: LoadedModel) -> llama_chat_format.ChatFormatter:
         else:
             model.formatter = llama_chat_format.format_chatml  # a GGUF without a template: ChatML
     return model.formatter  # type: ignore[no-any-return]
-
-
-def _segments(rendered: str, messages: list[dict[str, str]]) -> list[Segment] | None:
-    """The marked rendering cut at its markers: template text (special) and contents (not)."""
-    segments: list[Segment] = []
-    position = 0
-    for index, message in enumerate(messages):
-        mark = _MARK.format(index)
-        at = rendered.find(mark, position)
-        if at < 0 or rendered.find(mark, at + len(mark)) >= 0:
-            return None
-        segments += [(rendered[position:at], True), (message["content"], False)]
-        position = at + len(mark)
-    if "\ue000" in rendered[position:]:
-        return None
-    segments.append((rendered[position:], True))
-    return [segment for segment in segments if segment[0]]
 
 
 def _pieces(text: str) -> Iterator[str]:

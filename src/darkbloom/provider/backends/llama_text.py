@@ -17,34 +17,17 @@ prompt token.
 
 from __future__ import annotations
 
-import time
-from dataclasses import dataclass
 from typing import Any, Callable
 
-from darkbloom.provider.backends.text_stream import ContextOverflow, Finish, Piece, TextStream
-from darkbloom.provider.backends.llama_embeddings import BATCH as EMBEDDING_BATCH
 from darkbloom.provider.backends.base import Generation
+from darkbloom.provider.backends.chunks import completion_chunks
+from darkbloom.provider.backends.llama_embeddings import BATCH as EMBEDDING_BATCH
 from darkbloom.provider.backends.llama_engine import Sequence
 from darkbloom.provider.backends.llama_model import LoadedModel
 from darkbloom.provider.backends.llama_prompt import bounded_tokens
 from darkbloom.provider.backends.llama_sampler import SequenceSampler
-from darkbloom.provider.backends.params import (Sampling, check_token_ids, completion_options, completion_prompt,
-                                                embedding_inputs, require_object, sampling)
-from darkbloom.wire.openai.parameters import COMPLETION_SAMPLING_DEFAULTS
-
-
-@dataclass
-class CompletionJob:
-    prompt: str | list[int]
-    sampling: Sampling
-
-
-def completion_job(body: Any, n_vocab: int | None) -> CompletionJob:
-    body = require_object(body)
-    prompt = completion_prompt(body)
-    settings = sampling(body, COMPLETION_SAMPLING_DEFAULTS, n_vocab)
-    settings.top_logprobs = completion_options(body)
-    return CompletionJob(prompt, settings)
+from darkbloom.provider.backends.params import CompletionJob, check_token_ids, embedding_inputs, require_object
+from darkbloom.provider.backends.text_stream import ContextOverflow, TextStream
 
 
 def completion_sequence(model: LoadedModel, job: CompletionJob, n_ctx: int, generation: Generation,
@@ -59,30 +42,8 @@ def completion_sequence(model: LoadedModel, job: CompletionJob, n_ctx: int, gene
         offset = len(job.prompt)
     if len(tokens) >= n_ctx:
         raise ContextOverflow(len(tokens), n_ctx, "prompt")
-    created = int(time.time())
-
-    def chunk(text: str, logprobs: dict[str, Any] | None, finish: str | None) -> dict[str, Any]:
-        return {"object": "text_completion", "created": created,
-                "choices": [{"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish}]}
-
-    def take(item: Piece | Finish) -> None:
-        nonlocal offset
-        if isinstance(item, Finish):
-            emit(chunk("", None, item.reason))
-            return
-        logprobs = None
-        if job.sampling.top_logprobs is not None:
-            offsets = []
-            for lp in item.logprobs:
-                offsets.append(offset)
-                offset += len(lp.token)
-            logprobs = {"tokens": [lp.token for lp in item.logprobs],
-                        "token_logprobs": [lp.logprob for lp in item.logprobs],
-                        "top_logprobs": [{t: v for t, v, _ in lp.top} for lp in item.logprobs],
-                        "text_offset": offsets}
-        emit(chunk(item.text, logprobs, None))
-
     stream = TextStream(model, job.sampling, room=n_ctx - len(tokens))
+    take = completion_chunks(job.sampling.top_logprobs, offset, emit)
     return Sequence(tokens, SequenceSampler(model, job.sampling, None, job.sampling.seed_or_default()), stream, take,
                     generation, job.sampling.top_logprobs)
 

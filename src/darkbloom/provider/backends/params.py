@@ -1,4 +1,4 @@
-"""OpenAI request bodies → checked settings for the llama.cpp backend.
+"""OpenAI request bodies → checked settings for the in-process backends (llama.cpp, MLX).
 
 Known parameters are type-checked (a bad value is a 400 naming the parameter in `param`);
 parameters llama.cpp has no use for (user, metadata, store, stream_options, …) are ignored.
@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from darkbloom.provider.backends.base import BackendError
+from darkbloom.wire.openai.parameters import COMPLETION_SAMPLING_DEFAULTS
 
 _FLOATS: dict[str, tuple[float, float]] = {
     "temperature": (0.0, 2.0), "top_p": (0.0, 1.0), "min_p": (0.0, 1.0), "typical_p": (0.0, 1.0),
@@ -175,3 +176,19 @@ def _logit_bias(bias: Any, n_vocab: int | None) -> dict[int, float]:
 
 def _is_int(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
+
+
+@dataclass
+class CompletionJob:
+    """A legacy completion's checked prompt and sampling (event loop: a 400 before any work)."""
+
+    prompt: str | list[int]
+    sampling: Sampling
+
+
+def completion_job(body: Any, n_vocab: int | None) -> CompletionJob:
+    body = require_object(body)
+    prompt = completion_prompt(body)
+    settings = sampling(body, COMPLETION_SAMPLING_DEFAULTS, n_vocab)
+    settings.top_logprobs = completion_options(body)
+    return CompletionJob(prompt, settings)

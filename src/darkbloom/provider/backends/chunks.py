@@ -1,5 +1,6 @@
-"""Generated text → OpenAI `chat.completion.chunk`s: content deltas with their logprobs, or a tool call
-(`tool_calls`, or a legacy `function_call`), the same for every in-process backend.
+"""Generated text pieces → OpenAI chunks, the same for every in-process backend: `chat.completion.chunk`s
+(content deltas with their logprobs, or a tool call: `tool_calls`, or a legacy `function_call`), and
+legacy `text_completion` chunks.
 
 How an answer that may be a tool call is streamed: with a named or required choice (and in `auto`
 once the answer opens with `{`, which the grammar then holds to a call) the call's name is sent as
@@ -153,3 +154,33 @@ def _parse_call(text: str, names: set[str]) -> tuple[str, str] | None:
             and isinstance(value["arguments"], dict)):
         return value["name"], json.dumps(value["arguments"], ensure_ascii=False)
     return None
+
+
+def completion_chunks(top_logprobs: int | None, offset: int,
+                      emit: Callable[[dict[str, Any]], None]) -> Callable[[Piece | Finish], None]:
+    """Pieces → `text_completion` chunks; `offset`: the characters before the answer (its logprobs'
+    `text_offset` counts from the prompt's start)."""
+    created = int(time.time())
+
+    def chunk(text: str, logprobs: dict[str, Any] | None, finish: str | None) -> dict[str, Any]:
+        return {"object": "text_completion", "created": created,
+                "choices": [{"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish}]}
+
+    def take(item: Piece | Finish) -> None:
+        nonlocal offset
+        if isinstance(item, Finish):
+            emit(chunk("", None, item.reason))
+            return
+        logprobs = None
+        if top_logprobs is not None:
+            offsets = []
+            for lp in item.logprobs:
+                offsets.append(offset)
+                offset += len(lp.token)
+            logprobs = {"tokens": [lp.token for lp in item.logprobs],
+                        "token_logprobs": [lp.logprob for lp in item.logprobs],
+                        "top_logprobs": [{t: v for t, v, _ in lp.top} for lp in item.logprobs],
+                        "text_offset": offsets}
+        emit(chunk(item.text, logprobs, None))
+
+    return take
