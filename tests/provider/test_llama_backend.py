@@ -11,7 +11,8 @@ import llama_cpp
 import pytest
 
 from darkbloom.provider.backends.base import BackendError, UsageMeter
-from darkbloom.provider.backends.llama_cpp import LlamaCppBackend, _invalid_request_message
+from darkbloom.provider.backends.in_process import _invalid_request_message
+from darkbloom.provider.backends.llama_cpp import LlamaCppBackend
 from darkbloom.provider.backends.llama_model import LoadedModel
 from tests.support.recording_backend import RecordingLlamaCppBackend
 
