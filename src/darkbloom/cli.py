@@ -137,7 +137,7 @@ def _node_overrides(coordinator: str | None, model: list[str] | None, backend: s
 
 CoordinatorOpt = Annotated[Optional[str], typer.Option("--coordinator", help="Coordinator base URL.")]
 ModelOpt = Annotated[Optional[list[str]], typer.Option("--model", help="ID or ID=PATH; may repeat.")]
-BackendOpt = Annotated[Optional[str], typer.Option("--backend", help="llama-cpp or openai.")]
+BackendOpt = Annotated[Optional[str], typer.Option("--backend", help="llama-cpp (GGUF), mlx (MLX models) or openai (an OpenAI-compatible server).")]
 UpstreamOpt = Annotated[Optional[str], typer.Option("--upstream-url", help="OpenAI-compatible upstream.")]
 PrivateOpt = Annotated[Optional[bool], typer.Option("--private-only/--public",
                                                     help="Serve only your own self-route requests.")]

@@ -26,7 +26,8 @@ from darkbloom.wire.protocol import (CAPABILITIES, MAX_CONCURRENCY, MAX_CONTEXT_
                                      PROVIDER_WS_PATH, model_id_problem)
 
 DEFAULT_MAX_CONCURRENCY = 4  # upstream Darkbloom's, and llama-server's automatic slot count
-BACKENDS = ("llama-cpp", "openai")
+BACKENDS = ("llama-cpp", "mlx", "openai")
+IN_PROCESS_BACKENDS = ("llama-cpp", "mlx")  # models in this process: GGUF files, MLX directories
 DEFAULT_COORDINATOR_URL = "http://127.0.0.1:8080"
 DEFAULT_KEEP_ALIVE = 300.0  # seconds a llama-cpp model stays loaded with no request (docs/models.md)
 
@@ -50,7 +51,7 @@ class ModelNotPulled(ConfigError):
 
 class ModelSpec(NamedTuple):
     id: str
-    path: str = ""  # empty: the bundled file (llama-cpp) or the upstream's model name (openai)
+    path: str = ""  # empty: the bundled file (llama-cpp), the model store's, or the upstream's model name (openai)
     # openai backend: what the upstream serves for this model beyond chat (None: the backend's default)
     capabilities: tuple[str, ...] | None = None
 
@@ -119,7 +120,7 @@ def ws_url(config: ProviderConfig) -> str:
 
 
 def resolve_model_path(spec: ModelSpec) -> Path:
-    """The GGUF file for a llama-cpp model: its path, or the bundled file for the bundled id."""
+    """A model's weights: its path (a GGUF file, an MLX directory), or the bundled file for the bundled id."""
     if spec.path:
         return Path(spec.path).expanduser()
     return bundled_gguf_path()
@@ -142,7 +143,7 @@ def default_toml(coordinator_url: str) -> str:
         "private_only = false\n"
         "heartbeat_interval_secs = 5\n\n"
         "[backend]\n"
-        'kind = "llama-cpp"        # or "openai" (any OpenAI-compatible server)\n'
+        'kind = "llama-cpp"        # or "mlx" (MLX models, in process), or "openai" (any OpenAI-compatible server)\n'
         'upstream_url = ""         # for kind = "openai"\n'
         "# max_concurrency = 4     # requests at once; default 4, fewer where the models would not fit\n\n"
         "[[models]]\n"
@@ -353,11 +354,21 @@ def _validate(config: ProviderConfig) -> None:
         config.upstream_url = upstream
         return
     for model in config.models:
-        _check_model_file(model)
+        _check_model_file(model, config.backend)
 
 
-def _check_model_file(model: ModelSpec) -> None:
+def _check_model_file(model: ModelSpec, backend: str) -> None:
     if _from_store(model):
+        return
+    if backend == "mlx":
+        if not model.path:
+            raise ConfigError(f"{model.id!r} is the bundled GGUF model, which MLX does not read: convert it with "
+                              f"`darkbloom models convert {model.id} --to mlx`, then serve --backend mlx --model "
+                              f"{model.id}-mlx")
+        path = Path(model.path).expanduser()
+        if not path.is_dir():
+            raise ConfigError(f"model directory for {model.id!r} not found: {path}; the mlx backend serves MLX model "
+                              "directories (config.json and safetensors): check the path after '='")
         return
     try:
         path = resolve_model_path(model)
@@ -372,9 +383,11 @@ def _from_store(model: ModelSpec) -> bool:
 
 
 def _resolve_from_store(config: ProviderConfig, store: ModelStore) -> None:
-    """llama-cpp: a model given by id alone (not the bundled one) is served from the model store."""
-    if config.backend != "llama-cpp":
+    """llama-cpp, mlx: a model given by id alone (not the bundled one) is served from the model store, if
+    its weights are the backend's format."""
+    if config.backend not in IN_PROCESS_BACKENDS:
         return
+    wanted = "mlx" if config.backend == "mlx" else "gguf"
     missing = []
     for index, model in enumerate(config.models):
         if not _from_store(model):
@@ -387,6 +400,12 @@ def _resolve_from_store(config: ProviderConfig, store: ModelStore) -> None:
                               "`darkbloom models pull owner/name` and serve the id it prints") from None
         if stored is None:
             missing.append(model.id)
+        elif stored.format != wanted:
+            other = "mlx" if stored.format == "mlx" else "llama-cpp"
+            raise ConfigError(f"model {model.id!r} in the model store is a {stored.format.upper()} model, which the "
+                              f"{config.backend} backend does not serve: serve it with --backend {other}"
+                              + (f", or convert it: darkbloom models convert {model.id} --to mlx" if wanted == "mlx"
+                                 else ""))
         else:
             config.models[index] = model._replace(path=str(stored.path))
     if missing:

@@ -1,8 +1,9 @@
-"""Will it fit: the memory a GGUF model needs on this node, and the memory the node may use.
+"""Will it fit: the memory a model needs on this node, and the memory the node may use.
 
-A model's need is its file (mapped once, by its chat and embeddings engines alike) plus, for its
+A GGUF model's need is its file (mapped once, by its chat and embeddings engines alike) plus, for its
 chat engine, llama.cpp's f16 KV cache for `max_concurrency` windows of the served context and one
-set of compute buffers measured on the bundled model (docs/models.md "Will it fit"). The budget is the
+set of compute buffers measured on the bundled model (docs/models.md "Will it fit"). An MLX model's
+is its safetensors plus mlx-lm's 16-bit KV cache for as many windows (`mlx_model`). The budget is the
 machine's RAM, or its cgroup limit when smaller, unless the owner set `--max-memory-gb`. It holds with
 Metal (Apple silicon's GPU shares the RAM); a CUDA GPU's own memory is not checked (docs/models.md
 "The GPU" says why).
@@ -15,6 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
+from darkbloom.provider import mlx_model
 from darkbloom.provider.config import ConfigError, ProviderConfig, resolve_model_path
 from darkbloom.provider.models import read_gguf_metadata
 
@@ -96,6 +98,10 @@ def estimate(model_id: str, path: Path, n_ctx: int, sequences: int, kind: Engine
              metadata: dict[str, Any] | None = None) -> MemoryNeed:
     """The memory an engine of `path` needs: a chat engine serving `sequences` requests of `n_ctx`
     tokens at once, or an embeddings engine (one batch of EMBEDDING_CELLS)."""
+    if path.is_dir():  # an MLX model: its safetensors, and mlx-lm's KV cache per sequence
+        config = mlx_model.read_config(path)
+        return MemoryNeed(model_id, mlx_model.weights_bytes(path),
+                          mlx_model.kv_cache_bytes(config, n_ctx) * sequences + CHAT_BUFFERS, sequences)
     metadata = read_gguf_metadata(path) if metadata is None else metadata
     if kind == "chat":
         context = kv_cache_bytes(metadata, n_ctx * sequences) + CHAT_BUFFERS
@@ -139,8 +145,8 @@ def refuse_unfit(needs: list[MemoryNeed], budget: MemoryBudget) -> None:
 
 
 def refuse_unfit_models(config: ProviderConfig) -> None:
-    """What the llama-cpp backend refuses at construction, from the configuration alone."""
-    if config.backend != "llama-cpp":
+    """What an in-process backend refuses at construction, from the configuration alone."""
+    if config.backend == "openai":
         return
     sequences = serving_concurrency(config)
     needs = [estimate(spec.id, resolve_model_path(spec), config.context_length, sequences) for spec in config.models]
@@ -149,9 +155,9 @@ def refuse_unfit_models(config: ProviderConfig) -> None:
 
 def serving_concurrency(config: ProviderConfig) -> int:
     """The requests a node serves at once: its owner's `max_concurrency`, else the default, or fewer for
-    a llama-cpp node where a model would not fit with that many windows (1 at least; `refuse_unfit_models`
+    an in-process node where a model would not fit with that many windows (1 at least; `refuse_unfit_models`
     then says why)."""
-    if config.max_concurrency_chosen or config.backend != "llama-cpp":
+    if config.max_concurrency_chosen or config.backend == "openai":
         return config.max_concurrency
     budget = memory_budget(config.max_memory_gb)
     try:

@@ -34,11 +34,17 @@ def describe_models(config: ProviderConfig, home: Path | None = None) -> list[tu
     out: list[tuple[ModelInfo, Path | None]] = []
     for spec in config.models:
         path = resolve_model_path(spec).resolve()
-        metadata = read_gguf_metadata(path)
-        trained_context = _context_length(metadata)
+        if path.is_dir():  # an MLX model
+            mlx_config = mlx_model.read_config(path)
+            size, trained_context = mlx_model.weights_bytes(path), mlx_model.context_length(mlx_config)
+            quantization = mlx_model.quantization(mlx_config)
+        else:
+            metadata = read_gguf_metadata(path)
+            size, trained_context = path.stat().st_size, _context_length(metadata)
+            quantization = quantization_of(path, metadata)
         served_context = min(config.context_length, trained_context) if trained_context else config.context_length
-        info = ModelInfo(id=spec.id, size_bytes=path.stat().st_size, weight_hash=weight_hash(path, cache_path),
-                         quantization=quantization_of(path, metadata), context_length=served_context)
+        info = ModelInfo(id=spec.id, size_bytes=size, weight_hash=weight_hash(path, cache_path),
+                         quantization=quantization, context_length=served_context)
         out.append((info, path))
     return out
 

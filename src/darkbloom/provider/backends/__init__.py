@@ -1,4 +1,4 @@
-"""Inference backends: in-process llama.cpp or any OpenAI-compatible server."""
+"""Inference backends: in-process llama.cpp, in-process MLX, or any OpenAI-compatible server."""
 
 from __future__ import annotations
 
@@ -24,6 +24,17 @@ def create_backend(config: ProviderConfig) -> Backend:
         return OpenAIUpstreamBackend(config.upstream_url, config.model_ids,
                                      api_key=os.environ.get("DARKBLOOM_UPSTREAM_API_KEY") or None,
                                      max_concurrency=config.max_concurrency, capabilities=capabilities)
+    if config.backend == "mlx":
+        try:
+            from darkbloom.provider.backends.mlx_backend import MlxBackend
+        except ModuleNotFoundError as exc:
+            if exc.name is None or exc.name.split(".")[0] not in ("mlx", "mlx_lm"):
+                raise
+            raise ConfigError("the mlx backend needs the mlx extra: pip install 'darkbloom[mlx]' (MLX, with Metal on "
+                              "a Mac; elsewhere MLX's CPU build)") from None
+        return MlxBackend({spec.id: resolve_model_path(spec) for spec in config.models},
+                          max_concurrency=config.max_concurrency, n_ctx=config.context_length,
+                          memory=memory_budget(config.max_memory_gb), keep_alive=config.keep_alive)
     try:
         from darkbloom.provider.backends.llama_cpp import LlamaCppBackend
     except ModuleNotFoundError as exc:
