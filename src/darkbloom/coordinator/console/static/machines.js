@@ -28,7 +28,8 @@ const stats = new Map();  // machine id → {at, data | error}
 const DEVICES = {
   cpu: "CPU", metal: "Metal GPU", cuda: "CUDA GPU", rocm: "ROCm GPU", vulkan: "Vulkan GPU", sycl: "SYCL GPU", gpu: "GPU",
 };
-const BACKENDS = { "llama-cpp": "llama.cpp" };
+const MLX_DEVICES = { metal: "Apple M-series GPU" };  // MLX's GPU is Apple silicon's
+const BACKENDS = { "llama-cpp": "llama.cpp", mlx: "MLX" };
 
 const TRUST = {
   hardware: "Hardware-verified",
@@ -95,8 +96,9 @@ function machineCard(m) {
 
 function runsOn(m) {
   if (m.backend === "openai") return "an OpenAI-compatible server";
-  const device = m.device ? named(DEVICES, m.device) : "an unknown device";
-  return m.backend ? `${device} (${named(BACKENDS, m.backend)})` : device;
+  const devices = m.backend === "mlx" ? { ...DEVICES, ...MLX_DEVICES } : DEVICES;
+  const device = m.device ? named(devices, m.device) : "an unknown device";
+  return m.backend ? `${named(BACKENDS, m.backend)} · ${device}` : device;
 }
 
 function named(names, key) {
