@@ -176,7 +176,7 @@ def node_status(home: Path) -> dict[str, object]:
         "trust_level": live.get("trust_level"),
         "private_only": live.get("private_only") if running else (config.private_only if config else None),
         "backend": live.get("backend") or (config.backend if config else None),
-        "device": live.get("device"),  # known once the node runs: where its llama.cpp offloads (cpu, metal, cuda, …)
+        "device": live.get("device"),  # known once the node runs: where its engine runs (cpu, metal, cuda, …)
         "direct_mode_url": live.get("local_url"),
     }
 
