@@ -402,7 +402,8 @@ def _resolve_from_store(config: ProviderConfig, store: ModelStore) -> None:
             missing.append(model.id)
         elif stored.format != wanted:
             other = "mlx" if stored.format == "mlx" else "llama-cpp"
-            raise ConfigError(f"model {model.id!r} in the model store is a {stored.format.upper()} model, which the "
+            kind = "an MLX" if stored.format == "mlx" else "a GGUF"
+            raise ConfigError(f"model {model.id!r} in the model store is {kind} model, which the "
                               f"{config.backend} backend does not serve: serve it with --backend {other}"
                               + (f", or convert it: darkbloom models convert {model.id} --to mlx" if wanted == "mlx"
                                  else ""))
