@@ -6,7 +6,10 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -105,3 +108,22 @@ def test_a_model_that_cannot_fit_stops_the_node(home: Path, mlx_dir: Path) -> No
     config = load_config(home, {"backend": "mlx", "models": [f"mine={mlx_dir}"], "max_memory_gb": 0.1})
     with pytest.raises(ModelDoesNotFit, match="model mine needs"):
         refuse_unfit_models(config)
+
+
+def test_nothing_of_mlx_is_imported_unless_the_backend_is_chosen(home: Path) -> None:
+    """A llama.cpp node (and the CLI, and the model store) runs without MLX installed: none of its code
+    imports MLX, mlx-lm or the converter's libraries until --backend mlx or `models convert` asks."""
+    script = f"""
+import sys
+from pathlib import Path
+import darkbloom.cli, darkbloom.provider.node, darkbloom.provider.pull, darkbloom.provider.servable
+from darkbloom.provider.backends import create_backend
+from darkbloom.provider.config import load_config
+backend = create_backend(load_config(Path({str(home)!r}), {{}}))
+loaded = sorted(name for name in sys.modules if name.split(".")[0] in ("mlx", "mlx_lm", "gguf", "transformers"))
+print(type(backend).__name__, loaded)
+"""
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120,
+                            env={**os.environ, "DARKBLOOM_HOME": str(home)})
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.split() == ["LlamaCppBackend", "[]"]
