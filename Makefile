@@ -16,7 +16,8 @@ XDIST   := -n $(WORKERS) --dist loadscope
 $(STAMP): pyproject.toml
 	test -x $(PY) || python3 -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip wheel
-	@echo "Installing darkbloom and its test/bench extras into $(VENV). On a fresh machine pip compiles"
+	@echo "Installing darkbloom and its test/bench extras into $(VENV) (the test extra brings the node's"
+	@echo "llama.cpp and MLX extras: MLX's CPU build off macOS, so the MLX tests run here). On a fresh machine pip compiles"
 	@echo "llama-cpp-python from source: about 14 minutes on 2 cores with no output while it builds (pip"
 	@echo "caches the wheel, so later installs take seconds). Progress lines follow."
 	$(PY) -m pip install --progress-bar on -e '.[node,test,bench]'
