@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from darkbloom.provider import mlx_model
 from darkbloom.provider.bundled_model import BundledModelMissing, bundled_gguf_path
 from darkbloom.provider.config import ProviderConfig
 from darkbloom.provider.model_store import ModelStore
@@ -60,7 +61,8 @@ def _describe(model_id: str, source: str, path: Path | None, hash_cache: Path, c
     if path is not None:
         try:
             resolved = path.resolve()
-            size, digest = resolved.stat().st_size, weight_hash(resolved, hash_cache)
+            size = mlx_model.files_bytes(resolved) if resolved.is_dir() else resolved.stat().st_size
+            digest = weight_hash(resolved, hash_cache)
         except OSError:
             pass
     return ServableModel(model_id, source, path, size, digest, configured, in_catalog)
