@@ -183,7 +183,7 @@ def serve(coordinator: CoordinatorOpt = None, model: ModelOpt = None, backend: B
           ) -> None:
     """Run a provider node in the foreground."""
     from darkbloom.provider.config import ConfigError, ModelNotPulled
-    from darkbloom.provider.pull import PullError
+    from darkbloom.provider.hub_transfer import PullError
     from darkbloom.provider.runner import serve_forever
 
     home = darkbloom_home()
@@ -209,7 +209,7 @@ def start(local: Annotated[bool, typer.Option("--local", help="Direct mode only;
           keep_alive: KeepAliveOpt = None, gpu_layers: GpuLayersOpt = None, pull: PullOpt = False) -> None:
     """Run the node as a background process."""
     from darkbloom.provider.config import ConfigError, ModelNotPulled
-    from darkbloom.provider.pull import PullError
+    from darkbloom.provider.hub_transfer import PullError
     from darkbloom.provider.runner import StartError, start_background
 
     if local and local_endpoint:
@@ -298,7 +298,8 @@ def models_list(model: ModelOpt = None, backend: BackendOpt = None, upstream_url
     from darkbloom.client.chat import provider_toml_defaults
     from darkbloom.provider.config import ConfigError, ModelNotPulled, load_config
     from darkbloom.provider.model_store import ModelStore
-    from darkbloom.provider.pull import PullError, fetch_catalog
+    from darkbloom.provider.hub_transfer import PullError
+    from darkbloom.provider.pull import fetch_catalog
     from darkbloom.provider.servable import servable_models
 
     home = darkbloom_home()
@@ -336,16 +337,19 @@ def models_pull(
     coordinator: Annotated[Optional[str], typer.Option(
         "--coordinator", envvar="DARKBLOOM_COORDINATOR",
         help="Coordinator whose catalog names the model (default: DARKBLOOM_COORDINATOR, then provider.toml).")] = None,
-    file: Annotated[Optional[str], typer.Option("--file", help="The GGUF file of a Hub repo with several.")] = None,
+    file: Annotated[Optional[str], typer.Option(
+        "--file", help="The GGUF file of a Hub repo with several (none: its one GGUF file, else its MLX model).")] = None,
     revision: Annotated[Optional[str], typer.Option(
         "--revision", help="Hub branch, tag or commit (default main).")] = None,
     as_id: Annotated[Optional[str], typer.Option(
-        "--as", help="The model id to store a Hub file under (default: the file's name, lower-cased).")] = None,
+        "--as", help="The model id to store a Hub model under (default: the GGUF file's name, or the MLX repo's "
+                     "name, lower-cased).")] = None,
 ) -> None:
     """Download a model into the model store; prints `ID PATH`."""
     from darkbloom.client.chat import provider_toml_defaults
     from darkbloom.provider.model_store import ModelStore
-    from darkbloom.provider.pull import PullError, pull_model
+    from darkbloom.provider.hub_transfer import PullError
+    from darkbloom.provider.pull import pull_model
 
     home = darkbloom_home()
     try:

@@ -4,10 +4,11 @@ hf_api.model_info; utils/_http.hf_raise_for_status), with switches to break a do
 
 - `GET /api/models/{repo}` and `/api/models/{repo}/revision/{rev}`: `{id, sha, siblings}` (with
   `?blobs=true`, each sibling's size, blobId and lfs).
-- `HEAD`/`GET /{repo}/resolve/{rev}/{file}`: for a `.gguf` (an LFS file, as on the Hub) a 302 to
-  the "CDN" — the same server reached as `localhost` rather than `127.0.0.1`, so another origin,
-  like the Hub's signed CDN addresses — with `X-Repo-Commit`, `X-Linked-Etag` (the sha256) and
-  `X-Linked-Size`; any other file is answered in place with its git `ETag` and `Content-Length`.
+- `HEAD`/`GET /{repo}/resolve/{rev}/{file}`: for a `.gguf` or `.safetensors` (LFS files, as on the
+  Hub) a 302 to the "CDN" — the same server reached as `localhost` rather than `127.0.0.1`, so
+  another origin, like the Hub's signed CDN addresses — with `X-Repo-Commit`, `X-Linked-Etag` (the
+  sha256) and `X-Linked-Size`; any other file is answered in place with its git `ETag` and
+  `Content-Length`.
 - `GET /cdn/{sha256}`: the bytes, with `Range` (206 and `Content-Range`).
 - 404s carry the Hub's `X-Error-Code` (RepoNotFound, RevisionNotFound, EntryNotFound), so the
   client raises its own typed errors. No `X-Xet-*` header is ever sent: the client never uses xet.
@@ -30,6 +31,7 @@ from typing import Any
 from urllib.parse import parse_qs, quote, unquote, urlsplit
 
 _PIECE = 1 << 20
+LFS_SUFFIXES = (".gguf", ".safetensors")  # weights, kept in LFS as on the Hub; other files are in git
 CORRUPT_AT = 4096  # with `corrupt`, the byte at this offset of every file goes out flipped
 
 
@@ -54,7 +56,7 @@ class HubFile:
 
     @property
     def lfs(self) -> bool:
-        return self.name.endswith(".gguf")
+        return self.name.endswith(LFS_SUFFIXES)
 
     @property
     def git_oid(self) -> str:

@@ -88,6 +88,31 @@ def test_invalid_models_are_rejected(fields: dict) -> None:
         _model(**fields)
 
 
+def test_a_source_is_a_gguf_file_or_a_whole_mlx_repo() -> None:
+    gguf = _model(source={"repo": "o/n", "file": "sub/m.Q4_K_M.gguf"})
+    assert gguf.format == "gguf" and gguf.source is not None and gguf.source.file == "sub/m.Q4_K_M.gguf"
+    for source in ({"repo": "o/n"}, {"repo": "o/n", "file": ""}, {"repo": "o/n", "revision": "v1"}):
+        mlx = _model(format="mlx", source=source)
+        assert mlx.source is not None and mlx.source.file is None
+        # what GET /v1/models/catalog serves: no file for an MLX model
+        assert mlx.model_dump(exclude_none=True)["source"] == {"repo": "o/n", "revision": source.get("revision",
+                                                                                                         "main")}
+    assert _model(format="mlx").format == "mlx"  # no source: a model the operator does not say how to pull
+
+
+@pytest.mark.parametrize(("fields", "cause"), [
+    ({"source": {"repo": "o/n"}}, "a gguf model's source needs its file"),
+    ({"source": {"repo": "o/n", "file": "model.safetensors"}}, "a gguf model's source needs its file"),
+    ({"source": {"repo": "o/n", "file": "a\\b.gguf"}}, "a gguf model's source needs its file"),
+    ({"source": {"repo": "o/n", "file": ".gguf"}}, "a gguf model's source needs its file"),
+    ({"format": "mlx", "source": {"repo": "o/n", "file": "m.gguf"}}, "an mlx model's source names its repo only"),
+    ({"format": "safetensors"}, "format"),
+])
+def test_a_source_that_does_not_fit_the_format_is_rejected(fields: dict, cause: str) -> None:
+    with pytest.raises(ValidationError, match=cause):
+        _model(**fields)
+
+
 def _expected(catalog: Catalog) -> None:
     a, b = catalog.resolve("alpha"), catalog.resolve("b")
     assert a is not None and b is not None

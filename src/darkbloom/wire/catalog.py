@@ -4,11 +4,12 @@ model's weights come from (docs/models.md)."""
 from __future__ import annotations
 
 import json
+import re
 import tomllib
 from pathlib import Path
-from typing import Iterable
+from typing import Iterable, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 BUNDLED_MODEL_ID = "smollm2-135m"
 DEFAULT_MAX_OUTPUT_TOKENS = 4096
@@ -16,15 +17,22 @@ DEFAULT_MAX_OUTPUT_TOKENS = 4096
 
 MAX_MODEL_ID = 256  # the longest model id anything accepts (catalog, requests, what a node advertises)
 WEIGHT_HASH_PATTERN = r"^sha256:[0-9a-f]{64}$"
+_GGUF_FILE = r"[^\\]+\.gguf"  # a GGUF source file: no backslash, something before the suffix
 
 
 class WeightSource(BaseModel):
-    """Where a catalog model's GGUF lives on the Hugging Face Hub."""
+    """Where a catalog model's weights live on the Hugging Face Hub: a GGUF file of a repo, or a repo
+    holding an MLX model, taken whole (no `file`)."""
     model_config = ConfigDict(extra="forbid")
 
     repo: str = Field(pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]*/[A-Za-z0-9][A-Za-z0-9._-]*$", max_length=200)
-    file: str = Field(min_length=1, max_length=500, pattern=r"^[^\\]+\.gguf$")
+    file: str | None = Field(default=None, max_length=500)
     revision: str = Field(default="main", min_length=1, max_length=200)
+
+    @field_validator("file")
+    @classmethod
+    def _empty_is_none(cls, file: str | None) -> str | None:
+        return file or None
 
 
 class CatalogModel(BaseModel):
@@ -32,6 +40,7 @@ class CatalogModel(BaseModel):
 
     id: str = Field(min_length=1, max_length=MAX_MODEL_ID)
     aliases: list[str] = Field(default_factory=list)
+    format: Literal["gguf", "mlx"] = "gguf"  # of the weights: a GGUF file, or an MLX model directory
     input_price: int = Field(ge=0, description="µUSD per 1M prompt tokens")
     output_price: int = Field(ge=0, description="µUSD per 1M completion tokens")
     max_output_tokens: int = Field(default=DEFAULT_MAX_OUTPUT_TOKENS, ge=1)
@@ -39,6 +48,18 @@ class CatalogModel(BaseModel):
     source: WeightSource | None = None
     size_bytes: int | None = Field(default=None, ge=0)
     context_length: int | None = Field(default=None, ge=1)
+
+    @model_validator(mode="after")
+    def _source_of_format(self) -> "CatalogModel":
+        """A GGUF model's source names its .gguf file; an MLX model's names the repo (and revision) only."""
+        file = self.source.file if self.source is not None else None
+        if self.source is not None and self.format == "gguf" and not (file and re.fullmatch(_GGUF_FILE, file)):
+            raise ValueError(f"model {self.id!r}: a gguf model's source needs its file, a name ending in .gguf "
+                             "with no backslash")
+        if file is not None and self.format == "mlx":
+            raise ValueError(f"model {self.id!r}: an mlx model's source names its repo only (the whole model "
+                             "directory is pulled), not a file")
+        return self
 
     def verifies(self, weight_hash: str) -> bool:
         """Whether weights with this hash are the ones the catalog names (any are, without a pin)."""

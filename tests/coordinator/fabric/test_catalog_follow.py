@@ -37,7 +37,7 @@ def test_a_catalog_put_on_one_replica_reaches_the_other(tmp_path: Path) -> None:
 
         def on_b() -> bool:
             data = httpx.get(b.api_url + "/models/catalog", timeout=10).json()["data"]
-            return data == [{**entry, "aliases": [], "max_output_tokens": 4096}]
+            return data == [{**entry, "aliases": [], "max_output_tokens": 4096, "format": "gguf"}]
         wait_until(on_b, timeout=30, interval=0.2, what="the catalog on the other replica")
 
 

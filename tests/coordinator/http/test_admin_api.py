@@ -152,7 +152,13 @@ def test_the_public_catalog_names_sources_sizes_and_prices(api: Api) -> None:
         assert resp.status_code == 200, resp.text
         public = api.get("/v1/models/catalog")  # no auth: a price list
         assert public.status_code == 200, public.text
-        assert public.json() == {"object": "list", "data": [{**entry, "aliases": []}]}
+        assert public.json() == {"object": "list", "data": [{**entry, "aliases": [], "format": "gguf"}]}
+        # an MLX model's source names its repo, no file
+        mlx = {**entry, "format": "mlx", "source": {"repo": "mlx-community/SmolLM2-135M-Instruct-8bit"}}
+        resp = api.put("/v1/admin/catalog", headers=api.coordinator.admin(), json={"models": [mlx]})
+        assert resp.status_code == 200, resp.text
+        assert api.get("/v1/models/catalog").json()["data"] == [{**mlx, "aliases": [], "source": {
+            "repo": "mlx-community/SmolLM2-135M-Instruct-8bit", "revision": "main"}}]
     finally:
         api.put("/v1/admin/catalog", headers=api.coordinator.admin(), json=before)
 
@@ -163,6 +169,9 @@ def test_the_public_catalog_names_sources_sizes_and_prices(api: Api) -> None:
     {"source": {"repo": "no-slash", "file": "a.gguf"}},
     {"source": {"repo": "a/b", "file": "weights.bin"}},
     {"source": {"repo": "a/b", "file": "a.gguf", "extra": 1}},
+    {"source": {"repo": "a/b"}},
+    {"format": "mlx", "source": {"repo": "a/b", "file": "a.gguf"}},
+    {"format": "onnx"},
     {"size_bytes": -1},
     {"context_length": 0},
 ])

@@ -18,7 +18,7 @@ ANNOUNCED = 1 << 20
 
 
 def partial_name(hub: HubServer) -> str:
-    """The name a pull of ONE gives its partial file (pull._download_key: repo, file and Hub ETag)."""
+    """The name a pull of ONE gives its partial file (pull_gguf._download_key: repo, file and Hub ETag)."""
     key = f"{ONE}\n{BUNDLED_NAME}\n{hub.file(ONE, BUNDLED_NAME).sha256}"
     return hashlib.sha256(key.encode()).hexdigest()[:32] + ".incomplete"
 
