@@ -9,6 +9,7 @@ from typing import Any
 
 from darkbloom.provider.bundled_model import BundledModelMissing, bundled_gguf_path
 from darkbloom.provider.config import ProviderConfig
+from darkbloom.provider.mlx_model import files_bytes
 from darkbloom.provider.model_store import ModelStore
 from darkbloom.provider.models import HASH_CACHE_NAME, weight_hash
 from darkbloom.wire.catalog import BUNDLED_MODEL_ID, Catalog
@@ -60,7 +61,8 @@ def _describe(model_id: str, source: str, path: Path | None, hash_cache: Path, c
     if path is not None:
         try:
             resolved = path.resolve()
-            size, digest = resolved.stat().st_size, weight_hash(resolved, hash_cache)
+            size = files_bytes(resolved) if resolved.is_dir() else resolved.stat().st_size  # an MLX directory
+            digest = weight_hash(resolved, hash_cache)
         except OSError:
             pass
     return ServableModel(model_id, source, path, size, digest, configured, in_catalog)
