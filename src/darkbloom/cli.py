@@ -360,6 +360,29 @@ def models_pull(
     print(f"{stored.id} {stored.path}")
 
 
+@models_app.command("convert")
+def models_convert(
+    model_id: Annotated[str, typer.Argument(
+        metavar="ID", help="A GGUF model of the model store, or smollm2-135m (the bundled model).")],
+    to: Annotated[str, typer.Option("--to", metavar="FORMAT", help="The format to convert to: mlx.")],
+    as_id: Annotated[Optional[str], typer.Option(
+        "--as", help="The model id to store the conversion under (default: ID-mlx).")] = None,
+    dtype: Annotated[str, typer.Option(
+        "--dtype", metavar="float32|float16|bfloat16", help="The weights' type.")] = "bfloat16",
+) -> None:
+    """Convert a GGUF model into an MLX model directory in the model store; prints `NEWID PATH`."""
+    from darkbloom.provider.convert import FORMATS, ConvertError, convert_into_store
+    from darkbloom.provider.model_store import ModelStore
+
+    if to not in FORMATS:
+        _fail(f"--to must be {' or '.join(FORMATS)} (the only format a GGUF model converts to); got {to!r}", 2)
+    try:
+        stored = convert_into_store(model_id, ModelStore(darkbloom_home()), as_id=as_id, dtype=dtype)
+    except ConvertError as exc:
+        _fail(exc, exc.exit_code)
+    print(f"{stored.id} {stored.path}")
+
+
 @models_app.command("rm")
 def models_rm(model_id: Annotated[str, typer.Argument(metavar="ID", help="A pulled model's id.")]) -> None:
     """Remove a pulled model from the model store."""
