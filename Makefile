@@ -146,6 +146,13 @@ bench-node: $(STAMP)
 	@echo "Running bench/node_engine.py: the node, then llama-server, at C=1,2,4,8 on the bundled model (about 8 minutes)…"
 	$(PY) bench/node_engine.py $(BENCH_ARGS)
 
+# bench/mlx_engine.py: the node's MLX backend (MLX's CPU build) beside its llama.cpp backend on the bundled
+# model; the MLX copy is converted once into ~/.cache/darkbloom-tests (as the tests convert it)
+.PHONY: bench-mlx
+bench-mlx: $(STAMP)
+	@echo "Running bench/mlx_engine.py: the node on llama.cpp, then on MLX, at C=1,4 on the bundled model (about 8 minutes)…"
+	$(PY) bench/mlx_engine.py $(BENCH_ARGS)
+
 # bench/conversation_turns.py: a conversation's second turn through the coordinator beside direct mode
 .PHONY: bench-turns
 bench-turns: $(STAMP)

@@ -123,6 +123,7 @@ class Server:
     pid: int
     exact: dict[str, Any]  # body fields that make it generate all max_tokens
     stop: Callable[[], None] = field(repr=False)
+    model: str = MODEL  # the request's "model"
 
 
 def darkbloom_cmd(*args: str) -> list[str]:
@@ -130,8 +131,11 @@ def darkbloom_cmd(*args: str) -> list[str]:
     return [str(script), *args] if script.exists() else [sys.executable, "-m", "darkbloom.cli", *args]
 
 
-def start_node(root: Path, gguf: Path, concurrency: int, eog: list[int]) -> Server:
-    home = root / f"node-c{concurrency}"
+def start_node(root: Path, gguf: Path, concurrency: int, eog: list[int], *, name: str = "node", model: str = MODEL,
+               backend: str | None = None) -> Server:
+    """`darkbloom start --local` serving ``gguf`` (or any model path its ``backend`` takes) as ``model``,
+    in its own DARKBLOOM_HOME under ``root`` named by ``name`` and C."""
+    home = root / f"{name}-c{concurrency}"
     home.mkdir(parents=True)
     env = {**os.environ, "DARKBLOOM_HOME": str(home)}
     env.pop("DARKBLOOM_COORDINATOR", None)
@@ -140,7 +144,8 @@ def start_node(root: Path, gguf: Path, concurrency: int, eog: list[int]) -> Serv
         subprocess.run(darkbloom_cmd("stop"), env=env, timeout=60, capture_output=True)
 
     started = subprocess.run(darkbloom_cmd("start", "--local", "--port", str(free_port()), "--max-concurrency",
-                                           str(concurrency), "--model", f"{MODEL}={gguf}"),
+                                           str(concurrency), "--model", f"{model}={gguf}",
+                                           *(["--backend", backend] if backend else [])),
                              env=env, timeout=60, capture_output=True, text=True)
     if started.returncode != 0:
         raise RuntimeError(f"darkbloom start failed: {started.stdout}{started.stderr}")
@@ -152,8 +157,8 @@ def start_node(root: Path, gguf: Path, concurrency: int, eog: list[int]) -> Serv
     except BaseException:
         stop()
         raise
-    return Server("node", local["base_url"], {"Authorization": f"Bearer {local['api_key']}"}, int(local["pid"]),
-                  {"logit_bias": {str(token): -100 for token in eog}}, stop)
+    return Server(name, local["base_url"], {"Authorization": f"Bearer {local['api_key']}"}, int(local["pid"]),
+                  {"logit_bias": {str(token): -100 for token in eog}}, stop, model)
 
 
 def start_llama_server(root: Path, binary: Path, gguf: Path, concurrency: int, threads: int,
@@ -263,8 +268,8 @@ def handbook(rng: random.Random, name: str, tokens: int, vocab: Vocab) -> str:
     return "\n".join(lines)
 
 
-def conversation(number: int, vocab: Vocab) -> list[dict[str, str]]:
-    """A ~1,400-token history: a long system prompt, three turns, and the next question."""
+def conversation(number: int, vocab: Vocab, tokens: int = HISTORY_TOKENS) -> list[dict[str, str]]:
+    """A ~1,400-token (``tokens``) history: a long system prompt, three turns, and the next question."""
     rng = random.Random(number)
     name = f"the {rng.choice(_ADJECTIVES)} {rng.choice(_NOUNS)} company no. {number}"
     turns: list[dict[str, str]] = []
@@ -276,7 +281,7 @@ def conversation(number: int, vocab: Vocab) -> list[dict[str, str]]:
                    f"report go to the {rng.choice(_NOUNS)} office."}]
     question = {"role": "user", "content": f"Which rules mention the {rng.choice(_NOUNS)}? List them briefly."}
     rest = sum(vocab.count(m["content"]) + 4 for m in (*turns, question)) + 10
-    return [{"role": "system", "content": handbook(rng, name, HISTORY_TOKENS - rest, vocab)}, *turns, question]
+    return [{"role": "system", "content": handbook(rng, name, tokens - rest, vocab)}, *turns, question]
 
 
 def long_prompt(vocab: Vocab) -> list[dict[str, str]]:
@@ -295,6 +300,7 @@ class Stream:
     text: str = ""
     completion_tokens: int = 0
     prompt_tokens: int = 0
+    cached_tokens: int = 0  # usage.prompt_tokens_details.cached_tokens
 
     @property
     def ttft(self) -> float:
@@ -306,7 +312,7 @@ async def chat(client: httpx.AsyncClient, server: Server, messages: list[dict[st
                into: Stream | None = None) -> Stream:
     """One streamed chat completion; ``into`` fills as it comes (for a stream cancelled midway)."""
     out = into or Stream()
-    body = {"model": MODEL, "messages": messages, "max_tokens": max_tokens, "stream": True,
+    body = {"model": server.model, "messages": messages, "max_tokens": max_tokens, "stream": True,
             "stream_options": {"include_usage": True}, **SAMPLING, **server.exact}
     out.started = time.perf_counter()
     async with client.stream("POST", f"{server.base_url}/chat/completions", json=body,
@@ -332,6 +338,7 @@ async def chat(client: httpx.AsyncClient, server: Server, messages: list[dict[st
             if event.get("usage"):
                 out.completion_tokens = event["usage"].get("completion_tokens", 0)
                 out.prompt_tokens = event["usage"].get("prompt_tokens", 0)
+                out.cached_tokens = (event["usage"].get("prompt_tokens_details") or {}).get("cached_tokens") or 0
     out.ended = time.perf_counter()
     return out
 
@@ -420,26 +427,29 @@ async def interference(client: httpx.AsyncClient, server: Server, vocab: Vocab) 
             "long_ttft_ms": long.ttft * 1e3, "long_prompt_tokens": long.prompt_tokens}
 
 
-async def profile_node(client: httpx.AsyncClient, server: Server, seconds: float, out: Path) -> str:
-    """py-spy on the node under the C = 4 load: thread CPU and a GIL pass, then a native pass."""
+async def profile_node(client: httpx.AsyncClient, server: Server, seconds: float, out: Path,
+                       buckets: dict[str, str] | None = None) -> str:
+    """py-spy on the node under the C = 4 load: thread CPU and a GIL pass, then a native pass
+    (``buckets``: bench/profile_summary.py's summarise, for both passes)."""
     out.mkdir(parents=True, exist_ok=True)
     load = asyncio.create_task(closed_loop(client, server, 4, 2 * seconds + 6))
     try:
         await asyncio.sleep(2)
         before, since = thread_cpu(server.pid), time.perf_counter()
-        raws, cpu = [], ""
+        raws: list[str] = []
         for mode in ("gil", "native"):
-            spy = record(server.pid, seconds, out / f"node-c4-{mode}.raw", mode)
+            spy = record(server.pid, seconds, out / f"{server.name}-c4-{mode}.raw", mode)
             _, err = await asyncio.to_thread(spy.communicate, timeout=seconds + 60)
             if spy.returncode != 0:
                 raise RuntimeError(f"py-spy failed: {err.decode(errors='replace')}")
-            raws.append((out / f"node-c4-{mode}.raw").read_text())
+            raws.append((out / f"{server.name}-c4-{mode}.raw").read_text())
             if mode == "gil":
-                cpu = cpu_table(before, thread_cpu(server.pid), time.perf_counter() - since, raws)
+                after, spent = thread_cpu(server.pid), time.perf_counter() - since
+        cpu = cpu_table(before, after, spent, raws)  # thread names from both passes: a thread idle in one is named
     finally:
         await asyncio.wait_for(load, timeout=120)
-    return (f"CPU per thread over the GIL pass:\n\n{cpu}\nGIL pass:\n\n{summarise(raws[0])}\n"
-            f"Native pass (C frames):\n\n{summarise(raws[1], top=10)}")
+    return (f"CPU per thread over the GIL pass:\n\n{cpu}\nGIL pass:\n\n{summarise(raws[0], buckets=buckets)}\n"
+            f"Native pass (C frames):\n\n{summarise(raws[1], top=10, buckets=buckets)}")
 
 
 async def bounded(phase: Awaitable[T], seconds: float, what: str) -> T:
