@@ -64,3 +64,12 @@ def _sha256(path: Path) -> str:
 def _converter_version() -> str:
     """Changes with the converter's source: a cached conversion is never one an older converter wrote."""
     return "c" + hashlib.sha256(Path(mlx_convert.__file__).read_bytes()).hexdigest()[:8]
+
+
+def manifest_hash_of(directory: Path) -> str:
+    """`sha256:` of the lines `PATH SHA256HEX` of every file of a flat model directory, in path order:
+    the weight hash of an MLX model, computed here on its own rather than by the code under test."""
+    lines = []
+    for name in sorted(path.name for path in directory.iterdir()):
+        lines.append(f"{name} {hashlib.sha256((directory / name).read_bytes()).hexdigest()}\n")
+    return "sha256:" + hashlib.sha256("".join(lines).encode()).hexdigest()

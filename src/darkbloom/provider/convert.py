@@ -12,12 +12,10 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING, TextIO
 
-from filelock import FileLock, Timeout
-
 from darkbloom.provider.bundled_model import BundledModelMissing, bundled_gguf_path
 from darkbloom.provider.mlx_model import files_bytes, manifest_hash
 from darkbloom.provider.model_store import MLX_DIR_NAME, InvalidModelId, Manifest, ModelStore, StoredModel, \
-    SymlinkInStore, check_model_id
+    StoreBusy, SymlinkInStore, check_model_id
 from darkbloom.provider.models import HASH_CACHE_NAME, quantization_of, record_weight_hash, weight_hash
 from darkbloom.wire.catalog import BUNDLED_MODEL_ID
 
@@ -61,18 +59,9 @@ def _convert(model_id: str, store: ModelStore, new_id: str, dtype: str, progress
     try:
         check_model_id(new_id)
         store.refuse_symlinks(new_id)
-        store.lock_path.parent.mkdir(parents=True, exist_ok=True)
-        lock = FileLock(str(store.lock_path))
-        try:
-            lock.acquire(timeout=0)
-        except Timeout:
-            raise ConvertError(f"a pull or another conversion is running in {store.root}; wait for it, then run "
-                               "this one again") from None
-        try:
+        with store.writing():
             return _convert_locked(model_id, gguf_path, gguf_hash, new_id, store, dtype, progress)
-        finally:
-            lock.release()
-    except (InvalidModelId, SymlinkInStore, ConversionError) as exc:
+    except (InvalidModelId, SymlinkInStore, StoreBusy, ConversionError) as exc:
         raise ConvertError(str(exc)) from None
 
 

@@ -4,6 +4,7 @@ model id with its weights — a GGUF file, or an MLX model directory named `mlx`
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import shutil
@@ -12,7 +13,7 @@ import tempfile
 from dataclasses import dataclass
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import Literal
+from typing import Iterator, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
@@ -29,6 +30,13 @@ WeightFormat = Literal["gguf", "mlx"]
 
 class InvalidModelId(ValueError):
     """A name the store cannot hold as a model id; the message says why."""
+
+
+class StoreBusy(Exception):
+    """Another pull or conversion is writing into this store."""
+
+    def __init__(self, root: Path) -> None:
+        super().__init__(f"another pull or conversion is running in {root}; wait for it, then run this one again")
 
 
 class NotInStore(LookupError):
@@ -153,8 +161,25 @@ class ModelStore:
 
     @property
     def lock_path(self) -> Path:
-        """Held by the one pull that may run at a time in this store."""
+        """Held by the one pull or conversion that may run at a time in this store (`writing`)."""
         return self.root / PARTIAL_DIR / "pull.lock"
+
+    @contextlib.contextmanager
+    def writing(self) -> Iterator[None]:
+        """Hold the store's lock while a pull or a conversion writes into it; StoreBusy at once when another
+        process holds it."""
+        from filelock import FileLock, Timeout
+
+        self.lock_path.parent.mkdir(parents=True, exist_ok=True)
+        lock = FileLock(str(self.lock_path))
+        try:
+            lock.acquire(timeout=0)
+        except Timeout:
+            raise StoreBusy(self.root) from None
+        try:
+            yield
+        finally:
+            lock.release()
 
     def partial_dir(self, model_id: str) -> Path:
         """Where a download of `model_id` in progress is kept."""

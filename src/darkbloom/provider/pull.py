@@ -10,13 +10,13 @@ from typing import TextIO
 from urllib.parse import urlsplit
 
 import httpx
-from filelock import FileLock, Timeout
 from huggingface_hub.errors import HFValidationError
 from huggingface_hub.utils import validate_repo_id
 from pydantic import ValidationError
 
 from darkbloom.provider.hub_transfer import PullError, PullTarget, repo_info
-from darkbloom.provider.model_store import InvalidModelId, ModelStore, StoredModel, SymlinkInStore, check_model_id
+from darkbloom.provider.model_store import (InvalidModelId, ModelStore, StoredModel, StoreBusy, SymlinkInStore,
+                                             check_model_id)
 from darkbloom.provider.pull_gguf import check_gguf_name, gguf_files, only_gguf, pull_gguf
 from darkbloom.provider.pull_mlx import mlx_files, pull_mlx
 from darkbloom.wire.catalog import BUNDLED_MODEL_ID, Catalog, CatalogModel
@@ -155,19 +155,10 @@ def pull(target: PullTarget, store: ModelStore, *, endpoint: str | None = None,
     PullError."""
     try:
         store.refuse_symlinks(target.model_id)
-        store.lock_path.parent.mkdir(parents=True, exist_ok=True)
-        lock = FileLock(str(store.lock_path))
-        try:
-            lock.acquire(timeout=0)
-        except Timeout:
-            raise PullError(f"another pull is running in {store.root}; wait for it, then run this one "
-                            "again") from None
-        try:
+        with store.writing():
             pull_format = pull_mlx if target.format == "mlx" else pull_gguf
             return pull_format(target, store, store.partial_dir(target.model_id), endpoint, progress)
-        finally:
-            lock.release()
-    except SymlinkInStore as exc:
+    except (SymlinkInStore, StoreBusy) as exc:
         raise PullError(str(exc)) from None
 
 

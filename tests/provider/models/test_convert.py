@@ -219,7 +219,7 @@ def _nothing(node: Node) -> Iterator[None]:
     (["smollm2-135m", "--as", "a/b"], _nothing, 1, "model id 'a/b' must not contain '/'"),
     (["smollm2-135m", "--as", ".hidden"], _nothing, 1, "model id '.hidden'"),
     (["smollm2-135m", "--as", "smollm2-135m"], _nothing, 1, "--as 'smollm2-135m' is the model being converted"),
-    (["smollm2-135m"], _hold_the_lock, 1, "a pull or another conversion is running in"),
+    (["smollm2-135m"], _hold_the_lock, 1, "another pull or conversion is running in"),
     (["smollm2-135m"], _plant_symlink, 1, "smollm2-135m-mlx is a symlink, and the model store follows none"),
     (["smollm2-135m"], _without_gguf, 1, "converting to MLX needs the mlx extra: pip install 'darkbloom[mlx]' "
                                          "(gguf cannot be imported)"),

@@ -207,7 +207,8 @@ def test_two_pulls_into_one_store_do_not_interleave(node: Node, hub: HubServer) 
     first = node.popen("models", "pull", ONE, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     try:
         wait_until(lambda: hub.downloads(), timeout=60, what="the first download")
-        assert "another pull is running" in failed(node.run("models", "pull", TWO, "--file", "model.Q4_1.gguf"))
+        assert "another pull or conversion is running" in failed(
+            node.run("models", "pull", TWO, "--file", "model.Q4_1.gguf"))
     finally:
         first.kill()
         first.wait()

@@ -18,7 +18,7 @@ import pytest
 from darkbloom.provider import pull
 from tests.provider.models.conftest import BUNDLED_NAME, Node, failed, pulled
 from tests.support.hub_server import HubServer, Seen
-from tests.support.mlx_repo import converted_model, manifest_hash_of
+from tests.support.mlx_model import converted_smollm2, manifest_hash_of
 from tests.support.processes import Coordinator, sqlite_coordinator, wait_until
 
 MLX = "mlx-community/SmolLM2-135M-Instruct-bf16"  # the converted model, a README and files no model needs
@@ -35,8 +35,8 @@ TINY_FILES: dict[str, Path | bytes] = {
 
 
 @pytest.fixture(scope="session")
-def mlx_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return converted_model(tmp_path_factory)
+def mlx_dir() -> Path:
+    return converted_smollm2()
 
 
 @pytest.fixture
@@ -244,7 +244,7 @@ def test_one_pull_at_a_time_and_an_interrupted_one_exits_130(node: Node, hub: Hu
     try:
         wait_until(lambda: first.poll() is not None or hub.stalled.is_set(), timeout=60, what="the stalled download")
         assert first.poll() is None, first.communicate()
-        assert "another pull is running" in failed(node.run("models", "pull", UP))
+        assert "another pull or conversion is running" in failed(node.run("models", "pull", UP))
         first.send_signal(signal.SIGINT)
         _, stderr = first.communicate(timeout=60)
     finally:
