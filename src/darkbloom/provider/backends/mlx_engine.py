@@ -34,7 +34,7 @@ from darkbloom.provider.backends.text_stream import Finish, Piece, TextStream, T
 
 log = logging.getLogger(__name__)
 
-PREFILL_STEP_CPU = 256  # prompt tokens per sequence per step: running streams wait for the whole step
+PREFILL_STEP_CPU = 128  # prompt tokens per sequence per step (as llama.cpp's engine): running streams wait for it
 PREFILL_STEP_GPU = 2048  # mlx-lm's own
 
 
