@@ -126,7 +126,7 @@ class MlxEngine:
             self._loaded.set()
         while True:
             with self._wake:
-                while not (self._closing or self._inbox or self._running):
+                while not (self._closing or self._inbox or self._waiting or self._running):
                     self._wake.wait()
                 if self._closing:
                     break
