@@ -14,10 +14,10 @@ from typing import Any
 
 import pytest
 
-from darkbloom.provider.backends.base import BackendError, chunk_usage, is_usage_chunk
+from darkbloom.provider.backends.base import (BackendError, Cancelled, Generation, chunk_usage, is_usage_chunk,
+                                              request_priority)
 from darkbloom.provider.backends.llama_chat import chat_job
 from darkbloom.provider.backends.llama_cpp import LlamaCppBackend
-from darkbloom.provider.backends.base import Cancelled, Generation
 from darkbloom.provider.backends.llama_engine import Engine, Sequence
 from darkbloom.provider.backends.llama_model import LoadedModel
 from darkbloom.provider.backends.llama_prompt import bounded_tokens, chat_prompt, longest_token_bytes
@@ -301,3 +301,22 @@ async def test_a_forced_call_cut_by_max_tokens_is_a_partial_call(backend: LlamaC
     assert answer["finish_reason"] == "length" and not answer["message"].get("content")
     [call] = answer["message"]["tool_calls"]
     assert call["function"] == {"name": streamed_name, "arguments": arguments}
+
+
+@pytest.mark.parametrize("priority", ["live", "batch"])
+async def test_a_request_waiting_for_the_one_slot_runs_once_it_frees(backend: LlamaCppBackend, priority: str) -> None:
+    """With every slot taken, a request waits in the engine; the engine must not sleep through the end of
+    the running one (it did: nothing then woke it until another request arrived)."""
+    async def ask(content: str, max_tokens: int, as_: str) -> list[dict[str, Any]]:
+        request_priority.set(as_)
+        return await chunks_of(backend, {"messages": [{"role": "user", "content": content}],
+                                         "max_tokens": max_tokens})
+
+    running = asyncio.create_task(ask("Tell me a long story.", 24, "live"))
+    engine = backend._residency.engine("smollm2-135m", "chat")
+    assert engine is not None
+    while not any(slot.sequence is not None for slot in engine.slots):
+        await asyncio.sleep(0.01)
+    waiting = await asyncio.wait_for(ask("Say hi.", 4, priority), 120)
+    assert streamed(waiting)[3] in ("stop", "length")
+    assert streamed(await running)[3] == "length"

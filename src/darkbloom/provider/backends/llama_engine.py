@@ -149,7 +149,7 @@ class Engine:
     def _run(self) -> None:
         while True:
             with self._wake:
-                while not (self._closing or self._inbox or self._running()):
+                while not (self._closing or self._inbox or self._waiting or self._running()):
                     self._wake.wait()
                 if self._closing:
                     break
