@@ -73,7 +73,7 @@ def coordinator(tmp_path: Path, sqlite_url: str) -> Iterator[Coordinator]:
 # sign-up and log-in counters of 127.0.0.1); loopback captures by tshark (one interface, filters by
 # port) whose tests also count every request. The bundled model, run in the test process or by
 # llama_cpp.server (the ``upstream`` fixture, in "llama-b"), is in two groups of about equal length:
-# two generations at once on two cores, never four.
+# two generations at once on two cores, never four. MLX's CPU build (one thread) generates in "mlx".
 SHARED = {
     "tests/coordinator/http/test_auth_throttle_api.py": "redis-db0",
     "tests/e2e/test_rate_limits.py": "redis-db0",
@@ -85,13 +85,15 @@ SHARED = {
         "coordinator/inference/test_token_bounds", "provider/direct/test_direct_apis_real",
         "provider/direct/test_local_server", "provider/direct/test_node_direct", "provider/test_llama_tools",
         "provider/test_node", "provider/test_node_cancel", "provider/test_openai_backend")},
+    **{f"tests/{module}.py": "mlx" for module in (
+        "provider/test_mlx_backend", "e2e/test_mlx_node", "provider/models/test_convert")},
 }
 # Packages whose processes are package-scoped fixtures: the whole package on one worker.
 PACKAGES = ("tests/clients/",)
 # The longest units (a make test's durations), handed out first so that none is left running alone
 # at the end; the rest follow in collection order. Order only: a stale entry costs balance, not
 # correctness.
-LONGEST_FIRST = ("tests/clients/", "tests/reliability/test_schemathesis.py", "llama-b", "redis-db0", "llama-a",
+LONGEST_FIRST = ("tests/clients/", "tests/reliability/test_schemathesis.py", "llama-b", "redis-db0", "llama-a", "mlx",
                  "tests/reliability/test_chaos_money.py", "capture", "tests/coordinator/fabric/test_faults.py",
                  "tests/coordinator/money/test_e2e_billing.py", "tests/reliability/test_chaos_money_replicas.py",
                  "tests/coordinator/money/test_conservation.py", "tests/coordinator/money/test_crash_under_load.py")
