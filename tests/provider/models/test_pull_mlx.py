@@ -19,7 +19,7 @@ from darkbloom.provider import pull
 from tests.provider.models.conftest import BUNDLED_NAME, Node, failed, pulled
 from tests.support.hub_server import HubServer, Seen
 from tests.support.mlx_model import converted_smollm2, manifest_hash_of
-from tests.support.processes import Coordinator, sqlite_coordinator, wait_until
+from tests.support.processes import Coordinator, free_port, sqlite_coordinator, wait_until
 
 MLX = "mlx-community/SmolLM2-135M-Instruct-bf16"  # the converted model, a README and files no model needs
 MLX_ID = "smollm2-135m-instruct-bf16"  # the repo's name, lower-cased
@@ -316,3 +316,27 @@ def test_a_catalog_entry_the_node_cannot_read_is_left_out(monkeypatch: pytest.Mo
     target = pull.catalog_target("a", catalog, "http://coordinator.test")
     assert (target.format, target.repo, target.file, target.describe()) == ("mlx", "o/a", "", "o/a at main")
     assert pull.catalog_target("c", catalog, "http://coordinator.test").format == "gguf"
+
+
+@pytest.mark.e2e
+def test_a_pulled_mlx_model_is_served_by_id(node: Node, hub: HubServer, mlx_dir: Path) -> None:
+    """The converted model, pulled from the Hub like any MLX repo, is what `--backend mlx` serves by id:
+    the node advertises the pull's manifest hash and answers as the converted model does."""
+    model_id, _ = pulled(node.run("models", "pull", MLX))
+    started = node.run("start", "--local", "--port", str(free_port()), "--backend", "mlx", "--model", model_id)
+    assert started.returncode == 0, started.stdout + started.stderr
+    try:
+        local = wait_until(lambda: (node.home / "local.json").is_file() and
+                           json.loads((node.home / "local.json").read_text()), timeout=120, what="local.json")
+        headers = {"Authorization": f"Bearer {local['api_key']}"}
+        answer = httpx.post(local["base_url"] + "/chat/completions", headers=headers, timeout=120, json={
+            "model": model_id, "max_tokens": 8, "temperature": 0,
+            "messages": [{"role": "user", "content": "What is the capital of France?"}]})
+        assert answer.status_code == 200, answer.text
+        assert answer.json()["choices"][0]["message"]["content"].startswith("The capital of France is Paris")
+        listed = node.run("models", "list", "--json", "--backend", "mlx", "--model", model_id)
+        [entry] = [m for m in json.loads(listed.stdout) if m["id"] == model_id]
+        assert entry["weight_hash"] == manifest_hash_of(mlx_dir) and entry["configured"]
+    finally:
+        stopped = node.run("stop")
+        assert stopped.returncode == 0, stopped.stdout + stopped.stderr
