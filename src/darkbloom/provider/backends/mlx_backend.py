@@ -21,13 +21,13 @@ from darkbloom.provider.backends.chat_prompt import template_messages
 from darkbloom.provider.backends.chunks import ChatChunks, completion_chunks
 from darkbloom.provider.backends.in_process import InProcessBackend, closing
 from darkbloom.provider.backends.mlx_engine import PREFILL_STEP_CPU, PREFILL_STEP_GPU, MlxEngine, MlxSequence
-from darkbloom.provider.backends.mlx_sampling import logits_processors, sampler
+from darkbloom.provider.backends.mlx_sampling import check
 from darkbloom.provider.backends.params import (chat_logprobs, check_token_ids, completion_job, require_object,
                                                 sampling)
 from darkbloom.provider.backends.text_stream import ContextOverflow, TextStream
 from darkbloom.provider.backends.tool_params import ToolPlan
 from darkbloom.provider.config import DEFAULT_KEEP_ALIVE, DEFAULT_MAX_CONCURRENCY, ConfigError
-from darkbloom.provider.memory_fit import EngineKind, MemoryBudget, estimate, memory_budget, refuse_unfit
+from darkbloom.provider.memory_fit import EngineKind, MemoryBudget, MemoryNeed, estimate, memory_budget, refuse_unfit
 from darkbloom.provider.mlx_model import NotAnMlxModel, read_config
 from darkbloom.wire.openai.parameters import CHAT_SAMPLING_DEFAULTS
 
@@ -53,7 +53,7 @@ class MlxBackend(InProcessBackend[MlxEngine]):
                  keep_alive: float = DEFAULT_KEEP_ALIVE) -> None:
         """As `LlamaCppBackend`, over MLX model directories. Raises ConfigError for a directory that
         holds no MLX model, or a model that cannot fit."""
-        needs = []
+        needs: list[tuple[EngineKind, MemoryNeed]] = []
         for model_id, path in models.items():
             try:
                 read_config(path)
@@ -106,8 +106,8 @@ class MlxBackend(InProcessBackend[MlxEngine]):
                 raise ContextOverflow(len(tokens), n_ctx, "messages")
             out = ChatChunks(ToolPlan(), False, emit)
             stream = TextStream(vocab, settings, room=n_ctx - len(tokens))
-            sequence = MlxSequence(tokens, sampler(settings), logits_processors(settings, vocab.n_vocab), stream,
-                                   out.take, generation, settings.top_logprobs)
+            check(settings, vocab.n_vocab)
+            sequence = MlxSequence(tokens, settings, stream, out.take, generation, settings.top_logprobs)
             out.send({"role": "assistant"})
             return sequence
 
@@ -133,9 +133,9 @@ class MlxBackend(InProcessBackend[MlxEngine]):
             if len(tokens) >= n_ctx:
                 raise ContextOverflow(len(tokens), n_ctx, "prompt")
             stream = TextStream(vocab, job.sampling, room=n_ctx - len(tokens))
-            return MlxSequence(tokens, sampler(job.sampling), logits_processors(job.sampling, vocab.n_vocab), stream,
-                               completion_chunks(job.sampling.top_logprobs, offset, emit), generation,
-                               job.sampling.top_logprobs)
+            check(job.sampling, vocab.n_vocab)
+            return MlxSequence(tokens, job.sampling, stream, completion_chunks(job.sampling.top_logprobs, offset, emit),
+                               generation, job.sampling.top_logprobs)
 
         async with closing(self._stream("chat", model_id, prepare, meter, "cmpl", "text_completion",
                                         "prompt")) as stream:

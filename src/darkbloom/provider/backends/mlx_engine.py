@@ -29,7 +29,8 @@ import numpy as np
 
 from darkbloom.provider.backends.base import BackendError, Cancelled, Generation
 from darkbloom.provider.backends.mlx_prompt import MlxVocabulary
-from darkbloom.provider.backends.mlx_sampling import LogitsProcessor, Sampler
+from darkbloom.provider.backends.mlx_sampling import logits_processors, sampler
+from darkbloom.provider.backends.params import Sampling
 from darkbloom.provider.backends.text_stream import Finish, Piece, TextStream, TokenLogprob
 
 log = logging.getLogger(__name__)
@@ -44,8 +45,7 @@ class MlxSequence:
     engine's thread); `finished` is called once, last, with None or the error that ended it."""
 
     prompt: list[int]
-    sampler: Sampler
-    processors: list[LogitsProcessor]
+    sampling: Sampling  # checked (`mlx_sampling.check`); its sampler and processors are made on admission
     stream: TextStream
     sink: Callable[[Piece | Finish], None]
     generation: Generation
@@ -175,8 +175,8 @@ class MlxEngine:
                     cache, rest = None, prompt
             cached = len(prompt) - len(rest)
             (uid,) = self._generator.insert([rest], max_tokens=[sequence.stream.max_tokens + 1], caches=[cache],
-                                            all_tokens=[prompt[:cached]], samplers=[sequence.sampler],
-                                            logits_processors=[sequence.processors])
+                                            all_tokens=[prompt[:cached]], samplers=[sampler(sequence.sampling)],
+                                            logits_processors=[logits_processors(sequence.sampling)])
             sequence.uid = uid
             generation = sequence.generation
             generation.prompt_tokens, generation.cached_tokens = len(prompt), cached

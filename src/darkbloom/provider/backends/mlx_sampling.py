@@ -2,7 +2,10 @@
 processors (logit bias, repetition, presence and frequency penalties over the last PENALTY_LAST_N
 tokens, mlx-lm's own) and a sampler (greedy at temperature 0; else top-k, top-p and min-p filters,
 mlx-lm's, then a draw with the sequence's own random key, so a seed gives the same answer whatever
-else the batch holds). `typical_p` has no MLX counterpart and is not applied."""
+else the batch holds). `typical_p` has no MLX counterpart and is not applied.
+
+Both are made on the engine's thread (their MLX arrays belong to it); `check` runs before, where the
+request is prepared."""
 
 from __future__ import annotations
 
@@ -20,13 +23,16 @@ Sampler = Callable[[mx.array], mx.array]
 LogitsProcessor = Callable[[mx.array, mx.array], mx.array]
 
 
-def logits_processors(sampling: Sampling, n_vocab: int) -> list[LogitsProcessor]:
+def check(sampling: Sampling, n_vocab: int) -> None:
     """Raises BackendError (400) for a logit bias on a token the model does not have."""
+    if any(token >= n_vocab for token in sampling.logit_bias):
+        raise BackendError(400, "logit_bias keys must be token ids of this model", param="logit_bias")
+
+
+def logits_processors(sampling: Sampling) -> list[LogitsProcessor]:
     processors: list[LogitsProcessor] = []
     options = sampling.options
     if sampling.logit_bias:
-        if any(token >= n_vocab for token in sampling.logit_bias):
-            raise BackendError(400, "logit_bias keys must be token ids of this model", param="logit_bias")
         indices = mx.array(list(sampling.logit_bias))
         values = mx.array(list(sampling.logit_bias.values()), dtype=mx.float32)
 
