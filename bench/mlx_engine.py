@@ -219,7 +219,7 @@ def main() -> None:
                     f"TTFT p50 {cell['ttft_p50_ms']:.0f} ms, {cell['rss_mib']:.0f} MiB")
         if args.profile and "mlx" in names:
             say(f"[{time.monotonic() - started:4.0f} s] mlx at C=4 under py-spy ({2 * PROFILE_SECONDS} s)…")
-            server = start("mlx", root, mlx_dir, 4, vocab.eog)
+            server = start("mlx", root / "profile", mlx_dir, 4, vocab.eog)
             try:
                 profile = asyncio.run(profiled(server, args.profile))
             finally:
