@@ -134,6 +134,18 @@ async def test_it_runs_on_the_cpu_and_serves_completions_and_logprobs_only(backe
     assert backend.loaded_models() == [MODEL]
 
 
+async def test_on_apple_silicon_it_says_metal(monkeypatch: pytest.MonkeyPatch) -> None:
+    """No Mac here: the decision is tested with MLX saying its default device is the GPU."""
+    import mlx.core as mx
+
+    from darkbloom.provider.backends.mlx_backend import mlx_device
+
+    monkeypatch.setattr(mx, "default_device", lambda: mx.Device(mx.DeviceType.gpu, 0))
+    assert mlx_device() == "metal"
+    monkeypatch.setattr(mx, "default_device", lambda: mx.Device(mx.DeviceType.cpu, 0))
+    assert mlx_device() == "cpu"
+
+
 # answers and usage
 
 
