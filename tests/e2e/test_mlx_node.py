@@ -311,13 +311,15 @@ def test_a_second_anthropic_turn_reports_its_cache_read(stack: Stack) -> None:
 
 # what the node does not serve never reaches it
 
-
-@pytest.mark.parametrize("path, fields, param", [
+UNSERVED = [  # (path, body fields, the parameter a refusal names)
     ("/chat/completions", {"messages": FRANCE, "tools": [WEATHER], "tool_choice": "auto"}, "tools"),
     ("/chat/completions", {"messages": FRANCE, "response_format": {
         "type": "json_schema", "json_schema": {"name": "p", "schema": {"type": "object"}}}}, "response_format"),
     ("/embeddings", {"input": "hello"}, "model"),
-], ids=["tools", "json_schema", "embeddings"])
+]
+
+
+@pytest.mark.parametrize("path, fields, param", UNSERVED, ids=["tools", "json_schema", "embeddings"])
 def test_what_mlx_does_not_serve_is_refused_by_the_coordinator_and_free(stack: Stack, path: str,
                                                                         fields: dict[str, Any], param: str) -> None:
     served = len(stack.node.log().splitlines())
@@ -401,12 +403,7 @@ def test_direct_mode_answers_chat_and_completions_and_streams(stack: Stack) -> N
     assert "".join(c.choices[0].text for c in streamed if c.choices) == done.choices[0].text
 
 
-@pytest.mark.parametrize("path, fields, param", [
-    ("/chat/completions", {"messages": FRANCE, "tools": [WEATHER], "tool_choice": "auto"}, "tools"),
-    ("/chat/completions", {"messages": FRANCE, "response_format": {
-        "type": "json_schema", "json_schema": {"name": "p", "schema": {"type": "object"}}}}, "response_format"),
-    ("/embeddings", {"input": "hello"}, "model"),
-], ids=["tools", "json_schema", "embeddings"])
+@pytest.mark.parametrize("path, fields, param", UNSERVED, ids=["tools", "json_schema", "embeddings"])
 def test_direct_mode_refuses_what_mlx_does_not_serve_naming_the_param(stack: Stack, path: str,
                                                                       fields: dict[str, Any], param: str) -> None:
     sdk = local(stack)

@@ -240,7 +240,7 @@ async def test_closing_the_stream_stops_the_sequence(backend: RecordingMlxBacken
     assert record.cancelled and record.meter is meter
     assert (meter.prompt_tokens, meter.completion_tokens) == (record.prompt_tokens, record.completion_tokens)
     assert 4 <= meter.completion_tokens < 400
-    assert not engine._running and not engine._waiting  # the engine let go of it
+    assert not engine._running() and not engine._waiting  # the engine let go of it
     text, finish, usage, _ = await chat(backend, {"messages": FRANCE, "max_tokens": 12, "temperature": 0})
     assert text.startswith("The capital of France") and finish == "stop" and usage["completion_tokens"] > 0
 
@@ -262,7 +262,7 @@ async def test_cancelling_the_consumer_task_stops_the_sequence(backend: Recordin
     while not recent:  # bounded by the test timeout
         await asyncio.sleep(0.01)
     assert recent[0].cancelled and 0 < recent[0].completion_tokens < 400
-    assert not engine_of(backend)._running
+    assert not engine_of(backend)._running()
 
 
 # stop strings, limits, seeds

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, TextIO
 from darkbloom.provider.bundled_model import BundledModelMissing, bundled_gguf_path
 from darkbloom.provider.mlx_model import files_bytes, manifest_hash
 from darkbloom.provider.model_store import MLX_DIR_NAME, InvalidModelId, Manifest, ModelStore, StoredModel, \
-    StoreBusy, SymlinkInStore, check_model_id
+    NoRoom, StoreBusy, SymlinkInStore, check_model_id, size_text
 from darkbloom.provider.models import HASH_CACHE_NAME, quantization_of, record_weight_hash, weight_hash
 from darkbloom.wire.catalog import BUNDLED_MODEL_ID
 
@@ -61,7 +61,7 @@ def _convert(model_id: str, store: ModelStore, new_id: str, dtype: str, progress
         store.refuse_symlinks(new_id)
         with store.writing():
             return _convert_locked(model_id, gguf_path, gguf_hash, new_id, store, dtype, progress)
-    except (InvalidModelId, SymlinkInStore, StoreBusy, ConversionError) as exc:
+    except (InvalidModelId, SymlinkInStore, StoreBusy, NoRoom, ConversionError) as exc:
         raise ConvertError(str(exc)) from None
 
 
@@ -101,12 +101,12 @@ def _convert_locked(model_id: str, gguf_path: Path, gguf_hash: str, new_id: str,
 
     started = time.monotonic()
     gguf = GgufModel(gguf_path)
-    _check_room(store, new_id, gguf.weights_bytes(dtype) + _ROOM_MARGIN)
+    store.check_room(new_id, gguf.weights_bytes(dtype) + _ROOM_MARGIN)
     existing = store.get(new_id)
     if existing is not None:
         _say(progress, f"{new_id} is in the model store already ({existing.format}): the conversion replaces it")
     _say(progress, f"converting {model_id} ({_describe(gguf_path, gguf)}) to MLX {dtype} "
-                   f"({_size(gguf.weights_bytes(dtype))})…")
+                   f"({size_text(gguf.weights_bytes(dtype))})…")
     partial_dir = store.partial_dir(new_id)
     out_dir = partial_dir / MLX_DIR_NAME
     try:
@@ -120,7 +120,8 @@ def _convert_locked(model_id: str, gguf_path: Path, gguf_hash: str, new_id: str,
         shutil.rmtree(out_dir, ignore_errors=True)
         _remove_if_empty(partial_dir)
     record_weight_hash(stored.path.resolve(), digest, store.home / HASH_CACHE_NAME)
-    _say(progress, f"converted to {new_id}: {_size(stored.manifest.size_bytes)} in {time.monotonic() - started:.1f} s")
+    took = time.monotonic() - started
+    _say(progress, f"converted to {new_id}: {size_text(stored.manifest.size_bytes)} in {took:.1f} s")
     return stored
 
 
@@ -134,16 +135,11 @@ def _write(gguf: GgufModel, out_dir: Path, dtype: str, store: ModelStore, new_id
         raise ConvertError(f"cannot write {exc.filename or out_dir}: {exc.strerror or exc}") from None
 
 
-def _check_room(store: ModelStore, new_id: str, needed: int) -> None:
-    free = shutil.disk_usage(store.root).free
-    if needed > free:
-        raise ConvertError(f"not enough disk space for {new_id}: it needs {_size(needed)} in {store.root}, which "
-                           f"has {_size(free)} free")
-
 
 def _describe(gguf_path: Path, gguf: GgufModel) -> str:
     quantization = quantization_of(gguf_path, gguf.metadata)
-    return f"{quantization}, {_size(gguf_path.stat().st_size)}" if quantization else _size(gguf_path.stat().st_size)
+    size = size_text(gguf_path.stat().st_size)
+    return f"{quantization}, {size}" if quantization else size
 
 
 def _remove_if_empty(directory: Path) -> None:
@@ -152,9 +148,6 @@ def _remove_if_empty(directory: Path) -> None:
     except OSError:
         pass  # absent, or holding a pull's partial download of the same id
 
-
-def _size(n: int) -> str:
-    return f"{n / 1e9:.2f} GB" if n >= 1e9 else f"{n / 1e6:.1f} MB"
 
 
 def _say(progress: TextIO, line: str) -> None:

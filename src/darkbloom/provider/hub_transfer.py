@@ -21,7 +21,7 @@ from huggingface_hub.errors import (GatedRepoError, HfHubHTTPError, OfflineModeI
 from huggingface_hub.file_download import HfFileMetadata, http_get
 from huggingface_hub.utils import build_hf_headers
 
-from darkbloom.provider.model_store import ModelStore, StoredModel, SymlinkInStore, WeightFormat
+from darkbloom.provider.model_store import ModelStore, StoredModel, SymlinkInStore, WeightFormat, size_text
 
 SHA256_HEX = re.compile(r"^[0-9a-f]{64}$")
 
@@ -175,12 +175,6 @@ def hub_failure(exc: Exception, repo: str, revision: str, endpoint: str | None, 
     return PullError(f"cannot reach the Hub at {hub}: {exc or type(exc).__name__}{again}")
 
 
-def check_room(store: ModelStore, model_id: str, needed: int) -> None:
-    free = shutil.disk_usage(store.root).free
-    if needed > free:
-        raise PullError(f"not enough disk space for {model_id}: it needs {size_text(needed)} more in {store.root}, "
-                        f"which has {size_text(free)} free")
-
 
 def drop_other_partials(partial_dir: Path, keep: Path) -> None:
     """Clear the id's partial directory of every download in progress but `keep`'s: another GGUF
@@ -216,13 +210,6 @@ def file_size(path: Path) -> int:
     except OSError:
         return 0
 
-
-def size_text(n: int | None) -> str:
-    if n is None:
-        return "size unknown"
-    if n >= 1e9:
-        return f"{n / 1e9:.2f} GB"
-    return f"{n / 1e6:.1f} MB" if n >= 1e6 else f"{n / 1e3:.1f} kB"
 
 
 def say(progress: TextIO, line: str) -> None:

@@ -39,6 +39,10 @@ class StoreBusy(Exception):
         super().__init__(f"another pull or conversion is running in {root}; wait for it, then run this one again")
 
 
+class NoRoom(Exception):
+    """The disk under the store has less free space than a pull or a conversion needs."""
+
+
 class NotInStore(LookupError):
     """No pulled model has this id."""
 
@@ -159,6 +163,13 @@ class ModelStore:
         self._delete(self.partial_dir(model_id))
         return stored
 
+    def check_room(self, model_id: str, needed: int) -> None:
+        """Raise NoRoom when the store's disk has fewer than `needed` bytes free for `model_id`."""
+        free = shutil.disk_usage(self.root if self.root.is_dir() else self.home).free
+        if needed > free:
+            raise NoRoom(f"not enough disk space for {model_id}: it needs {size_text(needed)} more in {self.root}, "
+                         f"which has {size_text(free)} free")
+
     @property
     def lock_path(self) -> Path:
         """Held by the one pull or conversion that may run at a time in this store (`writing`)."""
@@ -240,3 +251,12 @@ class ModelStore:
             path.unlink()
         elif path.is_dir() and self._inside(path):
             shutil.rmtree(path)
+
+
+def size_text(n: int | None) -> str:
+    """A size on disk as a person reads it: `1.23 GB`, `94.1 MB`, `4.1 kB`."""
+    if n is None:
+        return "size unknown"
+    if n >= 1e9:
+        return f"{n / 1e9:.2f} GB"
+    return f"{n / 1e6:.1f} MB" if n >= 1e6 else f"{n / 1e3:.1f} kB"

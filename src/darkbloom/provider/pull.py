@@ -15,7 +15,7 @@ from huggingface_hub.utils import validate_repo_id
 from pydantic import ValidationError
 
 from darkbloom.provider.hub_transfer import PullError, PullTarget, repo_info
-from darkbloom.provider.model_store import (InvalidModelId, ModelStore, StoredModel, StoreBusy, SymlinkInStore,
+from darkbloom.provider.model_store import (InvalidModelId, ModelStore, NoRoom, StoredModel, StoreBusy, SymlinkInStore,
                                              check_model_id)
 from darkbloom.provider.pull_gguf import check_gguf_name, gguf_files, only_gguf, pull_gguf
 from darkbloom.provider.pull_mlx import mlx_files, pull_mlx
@@ -158,7 +158,7 @@ def pull(target: PullTarget, store: ModelStore, *, endpoint: str | None = None,
         with store.writing():
             pull_format = pull_mlx if target.format == "mlx" else pull_gguf
             return pull_format(target, store, store.partial_dir(target.model_id), endpoint, progress)
-    except (SymlinkInStore, StoreBusy) as exc:
+    except (SymlinkInStore, StoreBusy, NoRoom) as exc:
         raise PullError(str(exc)) from None
 
 

@@ -11,9 +11,9 @@ from typing import TextIO
 
 from huggingface_hub.file_download import HfFileMetadata
 
-from darkbloom.provider.hub_transfer import SHA256_HEX, PullError, PullTarget, already, check_room, download, \
-    drop_other_partials, endpoint_text, file_metadata, file_size, same_source, say, size_text
-from darkbloom.provider.model_store import GGUF_FILE_NAME, Manifest, ModelStore, StoredModel, WeightOrigin
+from darkbloom.provider.hub_transfer import SHA256_HEX, PullError, PullTarget, already, download, \
+    drop_other_partials, endpoint_text, file_metadata, file_size, same_source, say
+from darkbloom.provider.model_store import GGUF_FILE_NAME, Manifest, ModelStore, StoredModel, WeightOrigin, size_text
 from darkbloom.provider.models import HASH_CACHE_NAME, record_weight_hash
 
 GGUF_MAGIC = b"GGUF"
@@ -49,7 +49,7 @@ def pull_gguf(target: PullTarget, store: ModelStore, partial_dir: Path, endpoint
     if existing is not None and target.weight_hash and existing.manifest.weight_hash == target.weight_hash:
         return already(existing, progress)
     if target.size_bytes is not None:
-        check_room(store, target.model_id, target.size_bytes - _largest_partial(partial_dir))
+        store.check_room(target.model_id, target.size_bytes - _largest_partial(partial_dir))
     metadata = file_metadata(target, target.file, target.revision, endpoint)
     hub_sha256 = "sha256:" + metadata.etag if metadata.etag and SHA256_HEX.match(metadata.etag) else None
     if target.weight_hash and hub_sha256 and hub_sha256 != target.weight_hash:
@@ -73,7 +73,7 @@ def pull_gguf(target: PullTarget, store: ModelStore, partial_dir: Path, endpoint
     if resume > size:
         partial.unlink()
         resume = 0
-    check_room(store, target.model_id, size - resume)
+    store.check_room(target.model_id, size - resume)
     where = f"resuming at {size_text(resume)} of {size_text(size)}" if resume else size_text(size)
     say(progress, f"pulling {target.model_id}: {target.describe()} ({where})")
     download(target, target.file, metadata, partial, resume, size, endpoint)

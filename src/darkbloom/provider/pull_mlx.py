@@ -16,10 +16,10 @@ from huggingface_hub import ModelInfo
 from huggingface_hub.utils import filter_repo_objects
 
 from darkbloom.provider import mlx_model
-from darkbloom.provider.hub_transfer import PullError, PullTarget, already, check_room, download, \
-    drop_other_partials, endpoint_text, file_metadata, file_size, interrupted, repo_info, same_source, say, size_text
+from darkbloom.provider.hub_transfer import PullError, PullTarget, already, download, drop_other_partials, \
+    endpoint_text, file_metadata, file_size, interrupted, repo_info, same_source, say
 from darkbloom.provider.model_store import MLX_DIR_NAME, Manifest, ModelStore, StoredModel, SymlinkInStore, \
-    WeightOrigin
+    WeightOrigin, size_text
 from darkbloom.provider.models import HASH_CACHE_NAME, record_weight_hash
 
 # What an MLX model is made of: weights, configs (model, generation, tokenizer, the weights' index),
@@ -54,7 +54,7 @@ def pull_mlx(target: PullTarget, store: ModelStore, partial_dir: Path, endpoint:
     if existing is not None and target.weight_hash and existing.manifest.weight_hash == target.weight_hash:
         return already(existing, progress)
     if target.size_bytes is not None:
-        check_room(store, target.model_id, target.size_bytes - _partial_bytes(partial_dir))
+        store.check_room(target.model_id, target.size_bytes - _partial_bytes(partial_dir))
     info = repo_info(target.repo, target.revision, endpoint, files_metadata=True)
     if not info.sha:
         raise PullError(f"{endpoint_text(endpoint)} names no commit for {target.describe()}; check HF_ENDPOINT")
@@ -72,7 +72,7 @@ def pull_mlx(target: PullTarget, store: ModelStore, partial_dir: Path, endpoint:
     folder.mkdir(exist_ok=True)
     _keep_only(folder, {name for file in files for name in (file.name, file.name + _PARTIAL_SUFFIX)})
     held = _held_bytes(folder, files)
-    check_room(store, target.model_id, total - held)
+    store.check_room(target.model_id, total - held)
     where = f"resuming at {size_text(held)} of {size_text(total)}" if held else size_text(total)
     say(progress, f"pulling {target.model_id}: {target.describe()} ({len(files)} files, {where})")
     try:

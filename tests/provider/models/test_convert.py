@@ -269,7 +269,7 @@ def test_a_store_without_room_is_refused_before_anything_is_written(tmp_path: Pa
         return shutil._ntuple_diskusage(100 << 30, 100 << 30, 1 << 20)
 
     monkeypatch.setattr("darkbloom.provider.convert.shutil.disk_usage", full)
-    with pytest.raises(ConvertError, match=r"not enough disk space for smollm2-135m-mlx: it needs 336\.1 MB in "
+    with pytest.raises(ConvertError, match=r"not enough disk space for smollm2-135m-mlx: it needs 336\.1 MB more in "
                                            r".*, which has 1\.0 MB free"):
         convert_into_store("smollm2-135m", store, progress=io.StringIO())
     assert store.models() == [] and sorted(p.name for p in (store.root / ".partial").iterdir()) == ["pull.lock"]

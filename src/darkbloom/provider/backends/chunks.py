@@ -5,9 +5,9 @@ legacy `text_completion` chunks.
 How an answer that may be a tool call is streamed: with a named or required choice (and in `auto`
 once the answer opens with `{`, which the grammar then holds to a call) the call's name is sent as
 soon as it is generated and its arguments as they come; in `auto` with a structured answer as the
-alternative, an answer opening with `{` is held to the end and then sent as the call or the content it turns out to be. A forced
-call cut short (max_tokens) before its name is whole is still a call: the one tool the name so far
-can be, else the name so far, with no arguments.
+alternative, an answer opening with `{` is held to the end and then sent as the call or the content
+it turns out to be. A forced call cut short (max_tokens) before its name is whole is still a call:
+the one tool the name so far can be, else the name so far, with no arguments.
 """
 
 from __future__ import annotations

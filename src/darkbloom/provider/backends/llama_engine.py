@@ -29,11 +29,9 @@ engine's thread owns the context, the batch and every slot:
 
 from __future__ import annotations
 
-import collections
 import ctypes
 import logging
 import sys
-import threading
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
@@ -42,6 +40,7 @@ import llama_cpp
 import numpy as np
 
 from darkbloom.provider.backends.base import BackendError, Cancelled, Generation
+from darkbloom.provider.backends.engine_loop import EngineLoop
 from darkbloom.provider.backends.llama_decode import token_logprob
 from darkbloom.provider.backends.llama_model import LoadedModel
 from darkbloom.provider.backends.llama_sampler import GrammarDeadEnd, SequenceSampler
@@ -90,10 +89,13 @@ class Slot:
 GIL_SWITCH_SECONDS = 0.001
 
 
-class Engine:
+class Engine(EngineLoop[Sequence]):
+    backend_name = "llama.cpp"
+
     def __init__(self, model_id: str, path: Path, *, slots: int, n_ctx: int, n_threads: int, gpu_layers: int = 0,
                  extra_buffer_types: bool = False) -> None:
         """Raises ValueError when the model or its context cannot be made."""
+        super().__init__(f"engine-{model_id}")
         self.model_id, self.n_ctx = model_id, n_ctx
         self.prompt_step = PROMPT_STEP_GPU if gpu_layers != 0 and llama_cpp.llama_supports_gpu_offload() \
             else PROMPT_STEP_CPU
@@ -117,58 +119,24 @@ class Engine:
         self.slots = [Slot(i) for i in range(slots)]
         self.steps = 0  # llama_decode calls so far
         self._uses = 0
-        self._waiting: collections.deque[Sequence] = collections.deque()
-        self._inbox: list[Sequence] = []
-        self._wake = threading.Condition()
-        self._closing = False
         sys.setswitchinterval(min(sys.getswitchinterval(), GIL_SWITCH_SECONDS))
-        self._thread = threading.Thread(target=self._run, name=f"engine-{model_id}", daemon=True)
         self._thread.start()
 
-    def submit(self, sequence: Sequence) -> None:
-        """Queue `sequence` (any thread); it ends at once, with a 503, when the engine is closing."""
-        with self._wake:
-            if not self._closing:
-                self._inbox.append(sequence)
-                self._wake.notify()
-                return
-        self._end(sequence, BackendError(503, "the llama.cpp backend is shut down"))
-
-    def close(self) -> None:
-        """Stop the thread (every sequence still here ends as cancelled) and free the model."""
-        with self._wake:
-            self._closing = True
-            self._wake.notify()
-        self._thread.join()
+    def _free(self) -> None:
         llama_cpp.llama_batch_free(self._batch)
         llama_cpp.llama_free(self._ctx)
         self.model.close()
 
     # the engine's thread
 
-    def _run(self) -> None:
-        while True:
-            with self._wake:
-                while not (self._closing or self._inbox or self._waiting or self._running()):
-                    self._wake.wait()
-                if self._closing:
-                    break
-                self._waiting.extend(self._inbox)
-                self._inbox.clear()
-            try:
-                self._drop_cancelled()
-                self._admit()
-                if self._running():
-                    self._step()
-            except Exception:  # a bug of ours: the sequences running end, the engine goes on
-                log.exception("llama.cpp engine step failed")
-                for slot in self.slots:
-                    llama_cpp.llama_memory_seq_rm(self._memory, slot.id, 0, -1)
-                    slot.tokens.clear()
-                    if slot.sequence is not None:
-                        self._release(slot, BackendError(500, "generation failed"))
-        for sequence in [*self._waiting, *self._inbox]:
-            self._end(sequence, Cancelled())
+    def _abandon_step(self) -> None:
+        for slot in self.slots:
+            llama_cpp.llama_memory_seq_rm(self._memory, slot.id, 0, -1)
+            slot.tokens.clear()
+            if slot.sequence is not None:
+                self._release(slot, BackendError(500, "generation failed"))
+
+    def _stop_running(self) -> None:
         for slot in self.slots:
             if slot.sequence is not None:
                 self._release(slot, Cancelled())
@@ -176,10 +144,7 @@ class Engine:
     def _running(self) -> bool:
         return any(slot.sequence is not None for slot in self.slots)
 
-    def _drop_cancelled(self) -> None:
-        for sequence in [s for s in self._waiting if s.generation.cancel.is_set()]:
-            self._waiting.remove(sequence)
-            self._end(sequence, Cancelled())
+    def _cancel_running(self) -> None:
         for slot in self.slots:
             if slot.sequence is not None and slot.sequence.generation.cancel.is_set():
                 self._release(slot, Cancelled())
@@ -189,8 +154,7 @@ class Engine:
             free = [slot for slot in self.slots if slot.sequence is None]
             if not free:
                 return
-            sequence = next((s for s in self._waiting if not s.generation.background), self._waiting[0])
-            self._waiting.remove(sequence)
+            sequence = self._next_waiting()
             prompt = sequence.prompt
             slot = max(free, key=lambda s: (_reuse(s.tokens, prompt), -s.last_used))
             keep = min(_common_prefix(slot.tokens, prompt), len(prompt) - 1)  # the last is read again: its logits
@@ -295,10 +259,7 @@ class Engine:
 
     def _end(self, sequence: Sequence, error: BaseException | None) -> None:
         sequence.sampler.close()
-        try:
-            sequence.finished(error)
-        except Exception:
-            log.exception("a sequence's end callback failed")
+        super()._end(sequence, error)
 
 
 def _reuse(cached: list[int], prompt: list[int]) -> int:

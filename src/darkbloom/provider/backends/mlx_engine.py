@@ -18,7 +18,6 @@ the cache. MLX arrays and streams belong to the thread that made them: the model
 
 from __future__ import annotations
 
-import collections
 import logging
 import threading
 from dataclasses import dataclass, field
@@ -28,6 +27,7 @@ from typing import Any, Callable
 import numpy as np
 
 from darkbloom.provider.backends.base import BackendError, Cancelled, Generation
+from darkbloom.provider.backends.engine_loop import EngineLoop
 from darkbloom.provider.backends.mlx_prompt import MlxVocabulary
 from darkbloom.provider.backends.mlx_sampling import logits_processors, sampler
 from darkbloom.provider.backends.params import Sampling
@@ -54,45 +54,37 @@ class MlxSequence:
     uid: int | None = field(default=None, repr=False)
 
 
-class MlxEngine:
+class MlxEngine(EngineLoop[MlxSequence]):
+    backend_name = "MLX"
+
     def __init__(self, model_id: str, path: Path, *, slots: int, n_ctx: int, prefill_step: int,
                  cache_entries: int) -> None:
         """Loads the model on the engine's own thread; raises ValueError when it cannot be loaded."""
+        super().__init__(f"mlx-{model_id}")
         self.model_id, self.path, self.n_ctx, self.slots = model_id, path, n_ctx, slots
         self.prefill_step, self.cache_entries = prefill_step, cache_entries
         self.steps = 0  # BatchGenerator steps so far
         self.vocab: MlxVocabulary | None = None
-        self._waiting: collections.deque[MlxSequence] = collections.deque()
-        self._inbox: list[MlxSequence] = []
-        self._running: dict[int, MlxSequence] = {}
-        self._wake = threading.Condition()
-        self._closing = False
+        self._running_uids: dict[int, MlxSequence] = {}
         self._loaded = threading.Event()
         self._load_error: BaseException | None = None
-        self._thread = threading.Thread(target=self._run, name=f"mlx-{model_id}", daemon=True)
         self._thread.start()
         self._loaded.wait()
         if self._load_error is not None:
             self._thread.join()
             raise ValueError(f"{type(self._load_error).__name__}: {self._load_error}")
 
-    def submit(self, sequence: MlxSequence) -> None:
-        """Queue `sequence` (any thread); it ends at once, with a 503, when the engine is closing."""
-        with self._wake:
-            if not self._closing:
-                self._inbox.append(sequence)
-                self._wake.notify()
-                return
-        self._end(sequence, BackendError(503, "the MLX backend is shut down"))
-
-    def close(self) -> None:
-        """Stop the thread (every sequence still here ends as cancelled) and free the model."""
-        with self._wake:
-            self._closing = True
-            self._wake.notify()
-        self._thread.join()
-
     # the engine's thread
+
+    def _open(self) -> bool:
+        try:
+            self._load()
+        except Exception as exc:  # a directory mlx-lm cannot load: the caller says which
+            self._load_error = exc
+            return False
+        finally:
+            self._loaded.set()
+        return True
 
     def _load(self) -> None:
         import mlx.core as mx
@@ -116,55 +108,34 @@ class MlxEngine:
                               completion_batch_size=self.slots, prefill_batch_size=self.slots,
                               prefill_step_size=self.prefill_step, stream=self._stream)
 
-    def _run(self) -> None:
-        try:
-            self._load()
-        except Exception as exc:  # a directory mlx-lm cannot load: the caller says which
-            self._load_error = exc
-            return
-        finally:
-            self._loaded.set()
-        while True:
-            with self._wake:
-                while not (self._closing or self._inbox or self._waiting or self._running):
-                    self._wake.wait()
-                if self._closing:
-                    break
-                self._waiting.extend(self._inbox)
-                self._inbox.clear()
-            try:
-                self._drop_cancelled()
-                self._admit()
-                if self._running:
-                    self._step()
-            except Exception:  # a bug of ours or MLX refusing a step: the sequences running end, the engine goes on
-                log.exception("MLX engine step failed")
-                for uid in list(self._running):
-                    self._release(uid, BackendError(500, "generation failed"), keep_cache=False)
-                self._generator.close()
-                self._generator = self._new_generator()
-        for sequence in [*self._waiting, *self._inbox]:
-            self._end(sequence, Cancelled())
-        for uid in list(self._running):
+    def _running(self) -> bool:
+        return bool(self._running_uids)
+
+    def _cancel_running(self) -> None:
+        for uid, sequence in list(self._running_uids.items()):
+            if sequence.generation.cancel.is_set():
+                self._release(uid, Cancelled())
+
+    def _abandon_step(self) -> None:
+        for uid in list(self._running_uids):
+            self._release(uid, BackendError(500, "generation failed"), keep_cache=False)
+        self._generator.close()
+        self._generator = self._new_generator()
+
+    def _stop_running(self) -> None:
+        for uid in list(self._running_uids):
             self._release(uid, Cancelled(), keep_cache=False)
+
+    def _closed(self) -> None:
         self._generator.close()
         del self._generator, self._model, self._cache
         self._mx.clear_cache()
 
-    def _drop_cancelled(self) -> None:
-        for sequence in [s for s in self._waiting if s.generation.cancel.is_set()]:
-            self._waiting.remove(sequence)
-            self._end(sequence, Cancelled())
-        for uid, sequence in list(self._running.items()):
-            if sequence.generation.cancel.is_set():
-                self._release(uid, Cancelled())
-
     def _admit(self) -> None:
         from mlx_lm.models.cache import can_trim_prompt_cache, trim_prompt_cache
 
-        while self._waiting and len(self._running) < self.slots:
-            sequence = next((s for s in self._waiting if not s.generation.background), self._waiting[0])
-            self._waiting.remove(sequence)
+        while self._waiting and len(self._running_uids) < self.slots:
+            sequence = self._next_waiting()
             prompt = sequence.prompt
             cache, rest = self._cache.fetch_nearest_cache(self.model_id, prompt)
             if cache is not None and not rest:  # the whole prompt is cached: its last token is read again (logits)
@@ -181,24 +152,24 @@ class MlxEngine:
             generation = sequence.generation
             generation.prompt_tokens, generation.cached_tokens = len(prompt), cached
             generation.sync_meter()
-            self._running[uid] = sequence
+            self._running_uids[uid] = sequence
 
     def _step(self) -> None:
         _, responses = self._generator.next()
         self.steps += 1
         for response in responses:
-            sequence = self._running.get(response.uid)
+            sequence = self._running_uids.get(response.uid)
             if sequence is None:
                 continue
             if self._advance(sequence, response):
                 if response.finish_reason is not None:  # the generator let go of it, handing back its KV state
-                    self._running.pop(response.uid)
+                    self._running_uids.pop(response.uid)
                     self._keep_cache(response.all_tokens, response.prompt_cache)
                     self._end(sequence, None)
                 else:
                     self._release(response.uid, None)
             elif response.finish_reason is not None:  # cannot happen: the stream ends first
-                self._running.pop(response.uid)
+                self._running_uids.pop(response.uid)
                 self._end(sequence, BackendError(500, "generation ended early"))
 
     def _advance(self, sequence: MlxSequence, response: Any) -> bool:
@@ -236,7 +207,7 @@ class MlxEngine:
 
     def _release(self, uid: int, error: BaseException | None, *, keep_cache: bool = True) -> None:
         """Take a running sequence out of the generator, keeping its KV state for a next turn."""
-        sequence = self._running.pop(uid)
+        sequence = self._running_uids.pop(uid)
         caches = self._generator.remove([uid], return_prompt_caches=keep_cache)
         if keep_cache and uid in caches:
             cache, tokens = caches[uid]
@@ -246,9 +217,3 @@ class MlxEngine:
     def _keep_cache(self, tokens: list[int] | None, cache: Any) -> None:
         if tokens and cache is not None:
             self._cache.insert_cache(self.model_id, list(tokens), cache)
-
-    def _end(self, sequence: MlxSequence, error: BaseException | None) -> None:
-        try:
-            sequence.finished(error)
-        except Exception:
-            log.exception("a sequence's end callback failed")

@@ -76,8 +76,8 @@ class Lease(Generic[Engines]):
 
 
 class Residency(Generic[Engines]):
-    def __init__(self, needs: Iterable[tuple[EngineKind, MemoryNeed]], open_engine: OpenEngine[Engines], budget: MemoryBudget,
-                 keep_alive: float) -> None:
+    def __init__(self, needs: Iterable[tuple[EngineKind, MemoryNeed]], open_engine: OpenEngine[Engines],
+                 budget: MemoryBudget, keep_alive: float) -> None:
         self._residents: dict[tuple[str, EngineKind], Resident[Engines]] = {
             (need.model_id, kind): Resident(need.model_id, kind, need) for kind, need in needs}
         self._open_engine = open_engine
