@@ -227,6 +227,31 @@ async def test_a_second_turn_reads_the_first_from_the_cache(mlx_dir: Path) -> No
 # cancel
 
 
+async def test_a_sequence_whose_callback_fails_ends_alone(backend: RecordingMlxBackend,
+                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    from darkbloom.provider.backends.text_stream import TextStream
+
+    push = TextStream.push
+
+    def failing(self: TextStream, token: int, logprob: Any = None) -> Any:
+        if "BOOM" in self.stops:
+            raise RuntimeError("a bug in one request's stream")
+        return push(self, token, logprob)
+
+    monkeypatch.setattr(TextStream, "push", failing)
+    story = {"messages": [{"role": "user", "content": STORY}], "max_tokens": 12, "temperature": 0}
+    others = [asyncio.create_task(chat(backend, story)) for _ in range(3)]
+    try:
+        with pytest.raises(BackendError) as failed:
+            await chat(backend, {"messages": FRANCE, "max_tokens": 12, "stop": ["BOOM"]})
+        assert failed.value.status_code == 500 and "bug" not in failed.value.message
+    finally:
+        answers = await asyncio.gather(*others)
+    for text, finish, usage, _ in answers:
+        assert text.strip() and finish == "length" and usage["completion_tokens"] == 12
+    assert not engine_of(backend)._running()
+
+
 async def test_closing_the_stream_stops_the_sequence(backend: RecordingMlxBackend, recent: list[Generation]) -> None:
     engine = engine_of(backend)
     meter = UsageMeter()

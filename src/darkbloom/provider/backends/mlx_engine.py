@@ -161,34 +161,31 @@ class MlxEngine(EngineLoop[MlxSequence]):
             sequence = self._running_uids.get(response.uid)
             if sequence is None:
                 continue
-            if self._advance(sequence, response):
-                if response.finish_reason is not None:  # the generator let go of it, handing back its KV state
-                    self._running_uids.pop(response.uid)
-                    self._keep_cache(response.all_tokens, response.prompt_cache)
-                    self._end(sequence, None)
-                else:
-                    self._release(response.uid, None)
-            elif response.finish_reason is not None:  # cannot happen: the stream ends first
+            try:
+                done = self._advance(sequence, response)
+            except Exception:  # a bug in one sequence's callbacks ends that sequence only
+                log.exception("MLX sequence failed")
+                self._release(response.uid, BackendError(500, "generation failed"), keep_cache=False)
+                continue
+            if done and response.finish_reason is None:
+                self._release(response.uid, None)
+            elif response.finish_reason is not None:  # the generator let go of it, handing back its KV state
                 self._running_uids.pop(response.uid)
-                self._end(sequence, BackendError(500, "generation ended early"))
+                self._keep_cache(response.all_tokens, response.prompt_cache)
+                # the stream ends first (the generator's max_tokens is one more; its stop tokens are the stream's)
+                self._end(sequence, None if done else BackendError(500, "generation ended early"))
 
     def _advance(self, sequence: MlxSequence, response: Any) -> bool:
-        """Hand the sampled token on; whether the sequence's answer is over (or it failed)."""
-        try:
-            token = int(response.token)
-            logprob = None if sequence.top_logprobs is None else \
-                self._logprob(response.logprobs, token, sequence.top_logprobs)
-            items = sequence.stream.push(token, logprob)
-            generation = sequence.generation
-            generation.completion_tokens = sequence.stream.completion_tokens
-            generation.sync_meter()
-            for item in items:
-                sequence.sink(item)
-        except Exception:  # a bug in one sequence's callbacks ends that sequence only
-            log.exception("MLX sequence failed")
-            sequence.finished, finished = (lambda error: None), sequence.finished
-            finished(BackendError(500, "generation failed"))
-            return True
+        """Hand the sampled token on; whether the sequence's answer is over."""
+        token = int(response.token)
+        logprob = None if sequence.top_logprobs is None else \
+            self._logprob(response.logprobs, token, sequence.top_logprobs)
+        items = sequence.stream.push(token, logprob)
+        generation = sequence.generation
+        generation.completion_tokens = sequence.stream.completion_tokens
+        generation.sync_meter()
+        for item in items:
+            sequence.sink(item)
         return sequence.stream.done
 
     def _logprob(self, logprobs: Any, token: int, top_n: int) -> TokenLogprob:
@@ -206,7 +203,8 @@ class MlxEngine(EngineLoop[MlxSequence]):
         return TokenLogprob(piece.decode("utf-8", "replace"), float(row[token]), list(piece), top)
 
     def _release(self, uid: int, error: BaseException | None, *, keep_cache: bool = True) -> None:
-        """Take a running sequence out of the generator, keeping its KV state for a next turn."""
+        """Take a running sequence out of the generator (if it still holds it), keeping its KV state for a
+        next turn."""
         sequence = self._running_uids.pop(uid)
         caches = self._generator.remove([uid], return_prompt_caches=keep_cache)
         if keep_cache and uid in caches:
