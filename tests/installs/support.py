@@ -5,14 +5,19 @@ traceback ran through."""
 
 from __future__ import annotations
 
+import contextlib
 import json
+import os
 import re
 import shutil
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any, Iterator
 
-from tests.support.processes import REPO_ROOT
+import httpx
+
+from tests.support.processes import REPO_ROOT, free_port, wait_until
 
 INSTALL_TIMEOUT = 1800  # a cold cache builds llama-cpp-python from source: ~14 minutes on 2 cores
 _SITE_PACKAGES = re.compile(r"site-packages/([A-Za-z0-9_]+)")
@@ -73,3 +78,37 @@ def blame(venv: Path, output: str) -> str:
         return f"packages in the traceback: {', '.join(modules)}"
     return "packages in the traceback: " + ", ".join(
         " / ".join(owners.get(module) or [module]) for module in modules)
+
+
+@contextlib.contextmanager
+def local_node(venv: Path, home: Path, *args: str) -> Iterator[dict[str, Any]]:
+    """`darkbloom start --local` from ``venv`` in ``home`` (with ``args``): its local.json while it runs,
+    `darkbloom stop` after."""
+    env = {**os.environ, "DARKBLOOM_HOME": str(home)}
+    darkbloom = str(venv / "bin" / "darkbloom")
+    started = subprocess.run([darkbloom, "start", "--local", "--port", str(free_port()), *args], env=env,
+                             capture_output=True, text=True, timeout=180)
+    output = started.stdout + started.stderr
+    assert started.returncode == 0, f"{output}\n({blame(venv, output)})"
+    try:
+        yield wait_until(lambda: (home / "local.json").is_file() and json.loads((home / "local.json").read_text()),
+                         timeout=120, interval=0.2, what="local.json")
+    finally:
+        stopped = subprocess.run([darkbloom, "stop"], env=env, capture_output=True, text=True, timeout=60)
+        assert stopped.returncode == 0, stopped.stdout + stopped.stderr
+
+
+def local_chat(venv: Path, home: Path, local: dict[str, Any], body: dict[str, Any]) -> dict[str, Any]:
+    """A direct-mode chat completion, asked until the node listens; its answer, or the node's logs."""
+    def answered() -> httpx.Response | None:
+        try:
+            return httpx.post(local["base_url"] + "/chat/completions", timeout=120, json=body,
+                              headers={"Authorization": f"Bearer {local['api_key']}"})
+        except httpx.ConnectError:
+            return None
+
+    answer = wait_until(answered, timeout=180, interval=0.3, what="direct mode to answer")
+    logs = "\n".join(p.read_text(errors="replace") for p in home.glob("*.log"))
+    assert answer.status_code == 200, f"{answer.text}\n({blame(venv, logs)})\n{logs[-4000:]}"
+    result: dict[str, Any] = answer.json()
+    return result

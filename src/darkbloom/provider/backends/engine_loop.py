@@ -16,15 +16,23 @@ import threading
 from typing import Callable, Generic, Protocol, TypeVar
 
 from darkbloom.provider.backends.base import BackendError, Cancelled, Generation
+from darkbloom.provider.backends.text_stream import Finish, Piece, TextStream, TokenLogprob
 
 log = logging.getLogger(__name__)
 
 
 class Work(Protocol):
-    """One request as an engine runs it: its counts and cancel flag, and `finished`, called once, last."""
+    """One request as an engine runs it: its counts and cancel flag, the stream its tokens become text in,
+    the sink that text goes to, and `finished`, called once, last."""
 
     @property
     def generation(self) -> Generation: ...
+
+    @property
+    def stream(self) -> TextStream: ...
+
+    @property
+    def sink(self) -> Callable[[Piece | Finish], None]: ...
 
     @property
     def finished(self) -> Callable[[BaseException | None], None]: ...
@@ -95,6 +103,16 @@ class EngineLoop(Generic[W]):
         work = next((w for w in self._waiting if not w.generation.background), self._waiting[0])
         self._waiting.remove(work)
         return work
+
+    def _hand_on(self, work: W, token: int, logprob: TokenLogprob | None) -> bool:
+        """A sampled token through the request's stream to its sink, its counts published (a callback's
+        exception is the caller's); whether its answer is over."""
+        items = work.stream.push(token, logprob)
+        work.generation.completion_tokens = work.stream.completion_tokens
+        work.generation.sync_meter()
+        for item in items:
+            work.sink(item)
+        return work.stream.done
 
     def _end(self, work: W, error: BaseException | None) -> None:
         try:

@@ -15,7 +15,7 @@ import llama_cpp
 import numpy as np
 
 from darkbloom.provider.backends.llama_model import LoadedModel
-from darkbloom.provider.backends.text_stream import TokenLogprob
+from darkbloom.provider.backends.text_stream import TokenLogprob, token_logprob
 
 
 def check_grammar(model: LoadedModel, grammar: str) -> bool:
@@ -27,17 +27,8 @@ def check_grammar(model: LoadedModel, grammar: str) -> bool:
     return True
 
 
-def token_logprob(model: LoadedModel, logits: Any, token: int, top_n: int) -> TokenLogprob:
+def logits_logprob(model: LoadedModel, logits: Any, token: int, top_n: int) -> TokenLogprob:
     """The sampled token's log-probability from the logits it was sampled from (a `float *` row)."""
-    n_vocab = model.n_vocab()
-    row = np.ctypeslib.as_array(ctypes.cast(logits, ctypes.POINTER(ctypes.c_float)), shape=(n_vocab,))
+    row = np.ctypeslib.as_array(ctypes.cast(logits, ctypes.POINTER(ctypes.c_float)), shape=(model.n_vocab(),))
     shifted = row.astype(np.float64) - float(np.max(row))
-    logprobs = shifted - np.log(np.sum(np.exp(shifted)))
-    top: list[tuple[str, float, list[int]]] = []
-    if top_n:
-        best = np.argpartition(-logprobs, top_n)[:top_n]
-        for index in sorted(best, key=lambda i: -logprobs[i]):
-            alternative = model.detokenize([int(index)])
-            top.append((alternative.decode("utf-8", "replace"), float(logprobs[index]), list(alternative)))
-    piece = model.detokenize([token])
-    return TokenLogprob(piece.decode("utf-8", "replace"), float(logprobs[token]), list(piece), top)
+    return token_logprob(model, shifted - np.log(np.sum(np.exp(shifted))), token, top_n)

@@ -41,7 +41,7 @@ import numpy as np
 
 from darkbloom.provider.backends.base import BackendError, Cancelled, Generation
 from darkbloom.provider.backends.engine_loop import EngineLoop
-from darkbloom.provider.backends.llama_decode import token_logprob
+from darkbloom.provider.backends.llama_decode import logits_logprob
 from darkbloom.provider.backends.llama_model import LoadedModel
 from darkbloom.provider.backends.llama_sampler import GrammarDeadEnd, SequenceSampler
 from darkbloom.provider.backends.text_stream import Finish, Piece, TextStream
@@ -225,13 +225,8 @@ class Engine(EngineLoop[Sequence]):
         try:
             token = sequence.sampler.sample(logits)
             logprob = None if sequence.top_logprobs is None else \
-                token_logprob(self.model, logits, token, sequence.top_logprobs)
-            items = sequence.stream.push(token, logprob)
-            generation = sequence.generation
-            generation.completion_tokens = sequence.stream.completion_tokens
-            generation.sync_meter()
-            for item in items:
-                sequence.sink(item)
+                logits_logprob(self.model, logits, token, sequence.top_logprobs)
+            done = self._hand_on(sequence, token, logprob)
         except GrammarDeadEnd:
             where = sequence.grammar_param
             self._release(slot, BackendError(400, f"no token can follow under {where} and logit_bias" if where
@@ -244,7 +239,7 @@ class Engine(EngineLoop[Sequence]):
             log.exception("llama.cpp sequence failed")
             self._release(slot, BackendError(500, "generation failed"))
             return
-        if sequence.stream.done:
+        if done:
             self._release(slot, None)
         else:
             sequence.next_token = token

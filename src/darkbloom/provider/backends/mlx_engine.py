@@ -31,7 +31,7 @@ from darkbloom.provider.backends.engine_loop import EngineLoop
 from darkbloom.provider.backends.mlx_prompt import MlxVocabulary
 from darkbloom.provider.backends.mlx_sampling import logits_processors, sampler
 from darkbloom.provider.backends.params import Sampling
-from darkbloom.provider.backends.text_stream import Finish, Piece, TextStream, TokenLogprob
+from darkbloom.provider.backends.text_stream import Finish, Piece, TextStream, TokenLogprob, token_logprob
 
 log = logging.getLogger(__name__)
 
@@ -180,27 +180,13 @@ class MlxEngine(EngineLoop[MlxSequence]):
         token = int(response.token)
         logprob = None if sequence.top_logprobs is None else \
             self._logprob(response.logprobs, token, sequence.top_logprobs)
-        items = sequence.stream.push(token, logprob)
-        generation = sequence.generation
-        generation.completion_tokens = sequence.stream.completion_tokens
-        generation.sync_meter()
-        for item in items:
-            sequence.sink(item)
-        return sequence.stream.done
+        return self._hand_on(sequence, token, logprob)
 
     def _logprob(self, logprobs: Any, token: int, top_n: int) -> TokenLogprob:
-        """The sampled token's log-probability from the row it was sampled from (after logit bias and
-        penalties, before temperature and the filters)."""
+        """From the row the token was sampled from (after logit bias and penalties, before temperature and
+        the filters)."""
         assert self.vocab is not None
-        row = np.array(logprobs.astype(self._mx.float32))
-        top: list[tuple[str, float, list[int]]] = []
-        if top_n:
-            best = np.argpartition(-row, top_n)[:top_n]
-            for index in sorted(best, key=lambda i: -row[i]):
-                alternative = self.vocab.detokenize([int(index)])
-                top.append((alternative.decode("utf-8", "replace"), float(row[index]), list(alternative)))
-        piece = self.vocab.detokenize([token])
-        return TokenLogprob(piece.decode("utf-8", "replace"), float(row[token]), list(piece), top)
+        return token_logprob(self.vocab, np.array(logprobs.astype(self._mx.float32)), token, top_n)
 
     def _release(self, uid: int, error: BaseException | None, *, keep_cache: bool = True) -> None:
         """Take a running sequence out of the generator (if it still holds it), keeping its KV state for a

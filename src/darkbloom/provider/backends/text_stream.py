@@ -134,3 +134,18 @@ def _held_back(text: str, stops: list[str]) -> int:
                 keep = n
                 break
     return keep
+
+
+def token_logprob(vocab: Vocabulary, logprobs: Any, token: int, top_n: int) -> TokenLogprob:
+    """The sampled token's log-probability, and its `top_n` alternatives, from `logprobs`: a numpy row of
+    the distribution it was sampled from (log-softmax already applied)."""
+    import numpy as np
+
+    top: list[tuple[str, float, list[int]]] = []
+    if top_n:
+        best = np.argpartition(-logprobs, top_n)[:top_n]
+        for index in sorted(best, key=lambda i: -logprobs[i]):
+            alternative = vocab.detokenize([int(index)])
+            top.append((alternative.decode("utf-8", "replace"), float(logprobs[index]), list(alternative)))
+    piece = vocab.detokenize([token])
+    return TokenLogprob(piece.decode("utf-8", "replace"), float(logprobs[token]), list(piece), top)
