@@ -252,6 +252,22 @@ async def test_a_sequence_whose_callback_fails_ends_alone(backend: RecordingMlxB
     assert not engine_of(backend)._running()
 
 
+async def test_a_step_mlx_refuses_ends_the_requests_running_and_the_engine_goes_on(
+        backend: RecordingMlxBackend, monkeypatch: pytest.MonkeyPatch) -> None:
+    engine = engine_of(backend)
+
+    def refused(*args: Any, **kwargs: Any) -> Any:
+        raise RuntimeError("MLX refused the step")
+
+    monkeypatch.setattr(engine._generator, "next", refused)
+    with pytest.raises(BackendError) as failed:
+        await chat(backend, {"messages": FRANCE, "max_tokens": 8, "temperature": 0})
+    assert failed.value.status_code == 500 and "refused" not in failed.value.message
+    assert not engine._running()
+    text, finish, usage, _ = await chat(backend, {"messages": FRANCE, "max_tokens": 12, "temperature": 0})
+    assert text.startswith("The capital of France") and finish == "stop" and usage["completion_tokens"] > 0
+
+
 async def test_closing_the_stream_stops_the_sequence(backend: RecordingMlxBackend, recent: list[Generation]) -> None:
     engine = engine_of(backend)
     meter = UsageMeter()

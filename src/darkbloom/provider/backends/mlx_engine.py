@@ -18,6 +18,7 @@ the cache. MLX arrays and streams belong to the thread that made them: the model
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 from dataclasses import dataclass, field
@@ -117,10 +118,13 @@ class MlxEngine(EngineLoop[MlxSequence]):
                 self._release(uid, Cancelled())
 
     def _abandon_step(self) -> None:
-        for uid in list(self._running_uids):
-            self._release(uid, BackendError(500, "generation failed"), keep_cache=False)
-        self._generator.close()
+        """The generator is not asked for anything more (it may be what failed): a fresh one replaces it."""
+        running, self._running_uids = self._running_uids, {}
+        with contextlib.suppress(Exception):
+            self._generator.close()
         self._generator = self._new_generator()
+        for sequence in running.values():
+            self._end(sequence, BackendError(500, "generation failed"))
 
     def _stop_running(self) -> None:
         for uid in list(self._running_uids):
