@@ -96,6 +96,44 @@ class InProcessBackend(Generic[E]):
         if model_id not in self.models:
             raise BackendError(404, f"model {model_id!r} is not served by this node", param="model")
 
+    # each API: the request checked here (event loop), then `prepare`d as its engine's work
+
+    def _chat(self, model_id: str, body: dict[str, Any]) -> Prepare[E]:
+        raise NotImplementedError
+
+    def _completion(self, model_id: str, body: dict[str, Any]) -> Prepare[E]:
+        raise NotImplementedError
+
+    def _embeddings(self, model_id: str, body: dict[str, Any]) -> Prepare[E]:
+        raise BackendError(400, f"model {model_id!r} is served by {self.name} here, which makes no embeddings",
+                           param="model")
+
+    async def stream_chat(self, model_id: str, body: dict[str, Any],
+                          meter: UsageMeter | None = None) -> AsyncIterator[dict[str, Any]]:
+        self._served(model_id)
+        prepare = self._chat(model_id, body)
+        async with closing(self._stream("chat", model_id, prepare, meter, "chatcmpl", "chat.completion.chunk",
+                                        "messages")) as stream:
+            async for chunk in stream:
+                yield chunk
+
+    async def stream_completion(self, model_id: str, body: dict[str, Any],
+                                meter: UsageMeter | None = None) -> AsyncIterator[dict[str, Any]]:
+        self._served(model_id)
+        prepare = self._completion(model_id, body)
+        async with closing(self._stream("chat", model_id, prepare, meter, "cmpl", "text_completion",
+                                        "prompt")) as stream:
+            async for chunk in stream:
+                yield chunk
+
+    async def stream_embeddings(self, model_id: str, body: dict[str, Any],
+                                meter: UsageMeter | None = None) -> AsyncIterator[dict[str, Any]]:
+        self._served(model_id)
+        prepare = self._embeddings(model_id, body)
+        async with closing(self._stream("embedding", model_id, prepare, meter, "embd", "list", "input")) as stream:
+            async for chunk in stream:
+                yield chunk
+
     async def _stream(self, kind: EngineKind, model_id: str, prepare: Prepare[E], meter: UsageMeter | None,
                       id_prefix: str, object_name: str, param: str) -> AsyncIterator[dict[str, Any]]:
         """Prepare the request on a worker thread against `model_id`'s `kind` engine (loading it first if

@@ -20,10 +20,10 @@ import asyncio
 import logging
 import os
 from pathlib import Path
-from typing import Any, AsyncIterator, Callable
+from typing import Any, Callable
 
-from darkbloom.provider.backends.base import TEXT_MODEL_CAPABILITIES, BackendError, Generation, UsageMeter
-from darkbloom.provider.backends.in_process import InProcessBackend, closing
+from darkbloom.provider.backends.base import TEXT_MODEL_CAPABILITIES, BackendError, Generation
+from darkbloom.provider.backends.in_process import InProcessBackend, Prepare
 from darkbloom.provider.backends.llama_chat import chat_job, chat_sequence
 from darkbloom.provider.backends.llama_embeddings import EmbeddingEngine, EmbeddingRequest
 from darkbloom.provider.backends.llama_engine import Engine, Sequence
@@ -103,41 +103,27 @@ class LlamaCppBackend(InProcessBackend[Engines]):
             return ""
         return "; if the GPU ran out of memory, serve with fewer --gpu-layers or a lower --max-concurrency"
 
-    async def stream_chat(self, model_id: str, body: dict[str, Any],
-                          meter: UsageMeter | None = None) -> AsyncIterator[dict[str, Any]]:
-        self._served(model_id)
+    def _chat(self, model_id: str, body: dict[str, Any]) -> Prepare[Engines]:
         job = chat_job(require_object(body), self._n_vocab.get(model_id), self.n_ctx)
         n_ctx = self.n_ctx
 
-        def prepare(engine: Engines, generation: Generation,
-                    emit: Callable[[dict[str, Any]], None]) -> Sequence:
+        def prepare(engine: Engines, generation: Generation, emit: Callable[[dict[str, Any]], None]) -> Sequence:
             assert isinstance(engine, Engine)
             return chat_sequence(engine.model, job, n_ctx, generation, emit)
 
-        async with closing(self._stream("chat", model_id, prepare, meter, "chatcmpl", "chat.completion.chunk",
-                                         "messages")) as stream:
-            async for chunk in stream:
-                yield chunk
+        return prepare
 
-    async def stream_completion(self, model_id: str, body: dict[str, Any],
-                                meter: UsageMeter | None = None) -> AsyncIterator[dict[str, Any]]:
-        self._served(model_id)
+    def _completion(self, model_id: str, body: dict[str, Any]) -> Prepare[Engines]:
         job = completion_job(body, self._n_vocab.get(model_id))
         n_ctx = self.n_ctx
 
-        def prepare(engine: Engines, generation: Generation,
-                    emit: Callable[[dict[str, Any]], None]) -> Sequence:
+        def prepare(engine: Engines, generation: Generation, emit: Callable[[dict[str, Any]], None]) -> Sequence:
             assert isinstance(engine, Engine)
             return completion_sequence(engine.model, job, n_ctx, generation, emit)
 
-        async with closing(self._stream("chat", model_id, prepare, meter, "cmpl", "text_completion",
-                                         "prompt")) as stream:
-            async for chunk in stream:
-                yield chunk
+        return prepare
 
-    async def stream_embeddings(self, model_id: str, body: dict[str, Any],
-                                meter: UsageMeter | None = None) -> AsyncIterator[dict[str, Any]]:
-        self._served(model_id)
+    def _embeddings(self, model_id: str, body: dict[str, Any]) -> Prepare[Engines]:
         inputs = embedding_job(body)
 
         def prepare(engine: Engines, generation: Generation,
@@ -147,6 +133,4 @@ class LlamaCppBackend(InProcessBackend[Engines]):
             return EmbeddingRequest(embedding_tokens(engine.model, inputs, generation), generation, vector,
                                     lambda error: None)
 
-        async with closing(self._stream("embedding", model_id, prepare, meter, "embd", "list", "input")) as stream:
-            async for chunk in stream:
-                yield chunk
+        return prepare

@@ -14,12 +14,12 @@ from __future__ import annotations
 import asyncio
 import logging
 from pathlib import Path
-from typing import Any, AsyncIterator, Callable
+from typing import Any, Callable
 
-from darkbloom.provider.backends.base import BackendError, Generation, UsageMeter
+from darkbloom.provider.backends.base import BackendError, Generation
 from darkbloom.provider.backends.chat_prompt import template_messages
 from darkbloom.provider.backends.chunks import ChatChunks, completion_chunks
-from darkbloom.provider.backends.in_process import InProcessBackend, closing
+from darkbloom.provider.backends.in_process import InProcessBackend, Prepare
 from darkbloom.provider.backends.mlx_engine import PREFILL_STEP_CPU, PREFILL_STEP_GPU, MlxEngine, MlxSequence
 from darkbloom.provider.backends.mlx_sampling import check
 from darkbloom.provider.backends.params import (chat_logprobs, check_token_ids, completion_job, require_object,
@@ -85,9 +85,7 @@ class MlxBackend(InProcessBackend[MlxEngine]):
         except (ValueError, OSError) as exc:
             raise BackendError(500, f"cannot load model {model_id!r} from {path}: {exc}") from None
 
-    async def stream_chat(self, model_id: str, body: dict[str, Any],
-                          meter: UsageMeter | None = None) -> AsyncIterator[dict[str, Any]]:
-        self._served(model_id)
+    def _chat(self, model_id: str, body: dict[str, Any]) -> Prepare[MlxEngine]:
         body = require_object(body)
         _refuse_unserved(body)
         messages = body.get("messages")
@@ -111,14 +109,9 @@ class MlxBackend(InProcessBackend[MlxEngine]):
             out.send({"role": "assistant"})
             return sequence
 
-        async with closing(self._stream("chat", model_id, prepare, meter, "chatcmpl", "chat.completion.chunk",
-                                        "messages")) as stream:
-            async for chunk in stream:
-                yield chunk
+        return prepare
 
-    async def stream_completion(self, model_id: str, body: dict[str, Any],
-                                meter: UsageMeter | None = None) -> AsyncIterator[dict[str, Any]]:
-        self._served(model_id)
+    def _completion(self, model_id: str, body: dict[str, Any]) -> Prepare[MlxEngine]:
         job = completion_job(body, None)
         n_ctx = self.n_ctx
 
@@ -137,17 +130,7 @@ class MlxBackend(InProcessBackend[MlxEngine]):
             return MlxSequence(tokens, job.sampling, stream, completion_chunks(job.sampling.top_logprobs, offset, emit),
                                generation, job.sampling.top_logprobs)
 
-        async with closing(self._stream("chat", model_id, prepare, meter, "cmpl", "text_completion",
-                                        "prompt")) as stream:
-            async for chunk in stream:
-                yield chunk
-
-    async def stream_embeddings(self, model_id: str, body: dict[str, Any],
-                                meter: UsageMeter | None = None) -> AsyncIterator[dict[str, Any]]:
-        self._served(model_id)
-        raise BackendError(400, f"model {model_id!r} is served by MLX here, which makes no embeddings",
-                           param="model")
-        yield {}  # an async generator, as the interface has it
+        return prepare
 
 
 def _refuse_unserved(body: dict[str, Any]) -> None:
